@@ -1,0 +1,90 @@
+"""What planners share: the planner protocol, the source index, and `make_plan`."""
+
+from __future__ import annotations
+
+import time
+from dataclasses import dataclass
+from typing import Any, Protocol
+
+from refit.boxes import Box, intersect, volume
+from refit.errors import RefitError
+from refit.layouts import Layout, all_holdings, resolve_layout
+from refit.plan import Placement, Plan
+from refit.spec import DTYPE_BYTES, ModelSpec
+
+DEFAULT_BUCKET_BYTES = 256 * 2**20
+
+
+class Planner(Protocol):
+    name: str
+
+    def plan(self, spec: ModelSpec, src: Layout, dst: Layout, placement: Placement, bucket_bytes: int) -> Plan:
+        """Layouts are resolved (``layout.resolve(spec)``) before they are passed in."""
+        ...
+
+
+SourceIndex = dict[str, list[tuple[Box, list[int]]]]
+
+
+def source_index(spec: ModelSpec, src: Layout) -> SourceIndex:
+    """Canonical tensor -> [(box, ranks holding exactly that box)].  Boxes of one tensor must be
+    disjoint (replicas hold *identical* boxes); the planners rely on that to send each element once."""
+    index: dict[str, dict[Box, list[int]]] = {}
+    for rank, held in enumerate(all_holdings(spec, src)):
+        for tensor, boxes in held.items():
+            for b in boxes:
+                index.setdefault(tensor, {}).setdefault(b, []).append(rank)
+    out: SourceIndex = {}
+    for tensor, boxes in index.items():
+        items = list(boxes.items())
+        for i, (a, _) in enumerate(items):
+            for b, _ in items[i + 1:]:
+                if intersect(a, b):
+                    raise AssertionError(f"source layout holds overlapping boxes {a} and {b} of {tensor}")
+        out[tensor] = items
+    return out
+
+
+def sources_for(index: SourceIndex, tensor: str, box: Box, where: str) -> list[tuple[Box, list[int]]]:
+    """The parts of ``box`` and the source ranks holding each; refuse if the sources miss any element."""
+    found, covered = [], 0
+    for sbox, ranks in index.get(tensor, ()):
+        inter = intersect(box, sbox)
+        if inter:
+            found.append((inter, ranks))
+            covered += volume(inter[1])
+    if covered != volume(box[1]):
+        raise RefitError(f"source layout does not hold all of {tensor} {list(box[0])}+{list(box[1])} needed by {where}")
+    return found
+
+
+def total_bytes(spec: ModelSpec, dst: Layout, dst_holdings: list[dict[str, list[Box]]]) -> int:
+    return sum(volume(b[1]) * DTYPE_BYTES[spec[t].dtype] for h in dst_holdings for t, bs in h.items() for b in bs)
+
+
+@dataclass(frozen=True)
+class PlanResult:
+    plan: Plan
+    summary: dict[str, Any]
+    src: Layout
+    dst: Layout
+
+
+def make_plan(spec: ModelSpec, src: str | Layout, dst: str | Layout, placement: str = "colocated",
+              planner: str = "p2p", bucket_bytes: int = DEFAULT_BUCKET_BYTES) -> PlanResult:
+    """Resolve both layouts, plan, and summarise — the whole of `refit plan`."""
+    from planners import PLANNERS
+    from refit.plan import summarize
+
+    if planner not in PLANNERS:
+        raise RefitError(f"unknown planner {planner!r}: {', '.join(PLANNERS)}")
+    if bucket_bytes < 4096:
+        raise RefitError(f"bucket size {bucket_bytes} bytes is too small (at least 4096)")
+    t0 = time.perf_counter()
+    src_l = resolve_layout(src, spec, "src")
+    dst_l = resolve_layout(dst, spec, "dst")
+    place = Placement.make(placement, src_l.world_size, dst_l.world_size)
+    plan = PLANNERS[planner]().plan(spec, src_l, dst_l, place, bucket_bytes)
+    seconds = time.perf_counter() - t0
+    dst_total = total_bytes(spec, dst_l, all_holdings(spec, dst_l))
+    return PlanResult(plan, summarize(plan, spec, dst_total, seconds), src_l, dst_l)

@@ -1,0 +1,266 @@
+"""`refit`: plan refits, inspect layouts, reshard checkpoints offline.
+
+User errors (`RefitError`) print one line and exit with status 2; no tracebacks for bad input.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import logging
+import sys
+from typing import Any, Callable
+
+from refit.errors import RefitError
+from refit.layouts import LAYOUT_HELP
+
+EPILOG = f"""\
+{LAYOUT_HELP}
+
+examples:
+  refit models
+  refit plan --model qwen3-30b-moe --src tp4ep8 --dst tp8
+  refit plan --model qwen3-235b-moe --src megatron:tp4pp4ep16 --dst vllm:tp8dp8 --json
+  refit layout --model qwen3-30b-moe megatron:tp4ep8 --rank 3
+  refit reshard --model ./Qwen3-30B-A3B --src hf --dst megatron:tp4ep8 --in ./Qwen3-30B-A3B --out ./mcore
+"""
+
+
+def fmt_bytes(n: float) -> str:
+    for unit in ("B", "KiB", "MiB", "GiB", "TiB"):
+        if abs(n) < 1024 or unit == "TiB":
+            return f"{n:.1f} {unit}" if unit != "B" else f"{int(n)} B"
+        n /= 1024
+    return f"{n:.1f} TiB"
+
+
+# ---------------------------------------------------------------------------------------------
+# models
+
+
+def cmd_models(args: argparse.Namespace) -> int:
+    from refit.catalog import CATALOG
+    from refit.spec import load_spec
+
+    rows = []
+    for name in CATALOG:
+        spec = load_spec(name)
+        c = spec.config
+        rows.append({"name": name, "arch": c.arch, "params": spec.num_params, "bf16_bytes": spec.num_params * 2,
+                     "layers": c.num_layers, "hidden": c.hidden_size, "heads": c.num_heads, "kv_heads": c.num_kv_heads,
+                     "experts": c.num_experts, "vocab": c.vocab_size})
+    if args.json:
+        print(json.dumps(rows, indent=2))
+        return 0
+    print(f"{'model':<16}{'arch':<11}{'params':>9}{'bf16':>11}{'layers':>8}{'hidden':>8}{'heads':>7}{'kv':>4}"
+          f"{'experts':>9}{'vocab':>8}")
+    for r in rows:
+        print(f"{r['name']:<16}{r['arch']:<11}{r['params'] / 1e9:>8.2f}B{r['bf16_bytes'] / 1e9:>8.1f} GB"
+              f"{r['layers']:>8}{r['hidden']:>8}{r['heads']:>7}{r['kv_heads']:>4}{r['experts']:>9}{r['vocab']:>8}")
+    return 0
+
+
+# ---------------------------------------------------------------------------------------------
+# layout
+
+
+def cmd_layout(args: argparse.Namespace) -> int:
+    from refit.layouts import resolve_layout
+    from refit.spec import load_spec
+
+    spec = load_spec(args.model)
+    layout = resolve_layout(args.layout, spec, args.role)
+    if args.rank is not None and not 0 <= args.rank < layout.world_size:
+        raise RefitError(f"rank {args.rank} is outside {layout.describe()} (world size {layout.world_size})")
+    ranks = [args.rank] if args.rank is not None else list(range(layout.world_size))
+    out: dict[str, Any] = {"layout": layout.describe(), "degrees": layout.details(), "ranks": {}}
+    for r in ranks:
+        tensors = layout.local_tensors(spec, r)
+        out["ranks"][r] = {"bytes": sum(t.nbytes for t in tensors),
+                           "tensors": [[t.name, list(t.shape), t.dtype] for t in tensors] if args.rank is not None else len(tensors)}
+    if args.json:
+        print(json.dumps(out, indent=2))
+        return 0
+    print(f"layout: {out['layout']}  ({_degrees(out['degrees'])})")
+    for r, info in out["ranks"].items():
+        if isinstance(info["tensors"], int):
+            print(f"  rank {r:>4}: {info['tensors']:>6} tensors, {fmt_bytes(info['bytes'])}")
+        else:
+            print(f"rank {r}: {len(info['tensors'])} tensors, {fmt_bytes(info['bytes'])}")
+            for name, shape, dtype in info["tensors"]:
+                print(f"  {name:<64} {str(shape):<22} {dtype}")
+    return 0
+
+
+def _degrees(d: dict[str, int]) -> str:
+    return " ".join(f"{k}={v}" for k, v in d.items())
+
+
+# ---------------------------------------------------------------------------------------------
+# plan
+
+
+def cmd_plan(args: argparse.Namespace) -> int:
+    from planners import make_plan
+    from refit.spec import load_spec
+
+    spec = load_spec(args.model)
+    result = make_plan(spec, args.src, args.dst, args.placement, args.planner, int(args.bucket_mb * 2**20))
+    s = result.summary
+    if args.out:
+        with open(args.out, "w") as f:
+            json.dump(result.plan.to_dict(), f, separators=(",", ":"))
+    if args.json:
+        print(json.dumps({"src": {"layout": result.src.describe(), **result.src.details()},
+                          "dst": {"layout": result.dst.describe(), **result.dst.details()},
+                          "summary": s}, indent=2))
+        return 0
+    print(f"model    {spec.name}: {spec.num_params / 1e9:.2f}B parameters, {fmt_bytes(spec.nbytes)} in {spec.config.dtype}")
+    print(f"source   {result.src.describe():<36} {_degrees(result.src.details())}")
+    print(f"dest     {result.dst.describe():<36} {_degrees(result.dst.details())}")
+    print(f"planner  {s['planner']}, {s['placement']} on {s['num_gpus']} GPUs, buckets of {fmt_bytes(s['bucket_bytes'])}")
+    print(f"plan_id  {s['plan_id']}  ({s['plan_seconds'] * 1e3:.1f} ms to plan)")
+    print()
+    rows = [("destination weights", s["total_bytes"]), ("moved within a GPU", s["local_bytes"]),
+            ("moved across GPUs", s["remote_bytes"]), ("largest send per GPU", s["max_send_bytes"]),
+            ("largest receive per GPU", s["max_recv_bytes"])]
+    for label, n in rows:
+        print(f"  {label:<26}{fmt_bytes(n):>12}")
+    print(f"  {'transfers / buckets':<26}{s['num_transfers']:>6} / {s['num_buckets']}")
+    if args.out:
+        print(f"\nplan written to {args.out}")
+    return 0
+
+
+# ---------------------------------------------------------------------------------------------
+# reshard
+
+
+def cmd_reshard(args: argparse.Namespace) -> int:
+    import os
+
+    from refit.layouts import resolve_layout
+    from refit.reshard import reshard
+    from refit.spec import load_spec
+
+    spec = load_spec(args.model)
+    src = resolve_layout(args.src, spec, "src")
+    dst = resolve_layout(args.dst, spec, "dst")
+    if os.path.abspath(args.in_dir) == os.path.abspath(args.out_dir):
+        raise RefitError("--in and --out must be different directories")
+    print(f"source  {src.describe():<36} {_degrees(src.details())}", file=sys.stderr)
+    print(f"dest    {dst.describe():<36} {_degrees(dst.details())}", file=sys.stderr)
+    hf_config = _hf_config(args.model, spec) if dst.framework == "hf" else None
+    bar = _progress(total=_dst_bytes(spec, dst), disable=args.json or not sys.stderr.isatty(), unit="B")
+    try:
+        report = reshard(spec, src, dst, args.in_dir, args.out_dir, hf_config, progress=bar.update)
+    finally:
+        bar.close()
+    report.update(src=src.describe(), dst=dst.describe())
+    if args.json:
+        print(json.dumps(report, indent=2))
+    else:
+        print(f"wrote {report['files']} files, {report['tensors']} tensors, {fmt_bytes(report['bytes'])} to {args.out_dir}")
+    return 0
+
+
+def _dst_bytes(spec: Any, dst: Any) -> int:
+    return sum(t.nbytes for r in range(dst.world_size) for t in dst.local_tensors(spec, r))
+
+
+def _hf_config(model: str, spec: Any) -> dict[str, Any]:
+    """config.json for an HF output: the input directory's own, else the catalog entry's."""
+    import os
+
+    from refit.catalog import CATALOG
+
+    path = os.path.join(model, "config.json")
+    if os.path.isdir(model) and os.path.exists(path):
+        with open(path) as f:
+            return json.load(f)
+    cfg = dict(CATALOG.get(model, {}))
+    archs = {"llama": "LlamaForCausalLM", "qwen2": "Qwen2ForCausalLM", "qwen3": "Qwen3ForCausalLM",
+             "qwen3_moe": "Qwen3MoeForCausalLM"}
+    cfg.setdefault("architectures", [archs[spec.config.arch]])
+    return cfg
+
+
+def _progress(total: int, disable: bool, unit: str) -> Any:
+    from tqdm import tqdm
+
+    return tqdm(total=total, disable=disable, unit=unit, unit_scale=True, unit_divisor=1024, file=sys.stderr)
+
+
+# ---------------------------------------------------------------------------------------------
+
+
+def build_parser() -> argparse.ArgumentParser:
+    p = argparse.ArgumentParser(
+        prog="refit",
+        description="Plan and run weight refits between training layouts (Megatron-Core, FSDP2, HF) and "
+                    "inference layouts (vLLM).",
+        epilog=EPILOG, formatter_class=argparse.RawDescriptionHelpFormatter)
+    p.add_argument("-v", "--verbose", action="store_true", help="log what refit does")
+    sub = p.add_subparsers(dest="command", required=True, metavar="COMMAND")
+
+    m = sub.add_parser("models", help="list the model catalog with parameter counts and sizes")
+    m.add_argument("--json", action="store_true", help="print JSON")
+    m.set_defaults(func=cmd_models)
+
+    def model_arg(q: argparse.ArgumentParser) -> None:
+        q.add_argument("--model", required=True, help="catalog name (see `refit models`) or a directory holding an "
+                       "HF config.json and/or *.safetensors")
+
+    lay = sub.add_parser("layout", help="show a resolved layout and each rank's local tensors",
+                         epilog=LAYOUT_HELP)
+    model_arg(lay)
+    lay.add_argument("layout", help="layout string, e.g. megatron:tp4ep8")
+    lay.add_argument("--role", choices=["src", "dst"], default="src",
+                     help="how to read a layout without framework prefix (src: megatron, dst: vllm)")
+    lay.add_argument("--rank", type=int, help="list this rank's tensors (default: a line per rank)")
+    lay.add_argument("--json", action="store_true", help="print JSON")
+    lay.set_defaults(func=cmd_layout)
+
+    pl = sub.add_parser("plan", help="compute a refit plan and summarise it", epilog=EPILOG,
+                        formatter_class=argparse.RawDescriptionHelpFormatter)
+    model_arg(pl)
+    pl.add_argument("--src", required=True, help="source (trainer) layout, e.g. tp4ep8 or megatron:tp2pp2")
+    pl.add_argument("--dst", required=True, help="destination (engine) layout, e.g. tp8 or vllm:tp4ep4")
+    pl.add_argument("--placement", choices=["colocated", "disaggregated"], default="colocated",
+                    help="colocated: source rank i and destination rank i share GPU i; disaggregated: separate GPUs")
+    pl.add_argument("--planner", choices=["p2p", "broadcast"], default="p2p",
+                    help="p2p: shard-to-shard (default); broadcast: full-tensor baseline")
+    pl.add_argument("--bucket-mb", type=float, default=256, help="largest transfer bucket in MiB (default 256)")
+    pl.add_argument("--json", action="store_true", help="print one JSON object (layouts and summary)")
+    pl.add_argument("--out", help="write the full plan (JSON) to this file")
+    pl.set_defaults(func=cmd_plan)
+
+    rs = sub.add_parser("reshard", help="convert a checkpoint between layouts, offline and bit-exact",
+                        epilog="offline form: one rank-NNNNN.safetensors per rank under the framework's local "
+                               "names (Megatron chunks prefixed chunk<c>. when vpp>1); hf: an HF checkpoint directory")
+    model_arg(rs)
+    rs.add_argument("--src", required=True, help="layout of --in (hf for an HF checkpoint)")
+    rs.add_argument("--dst", required=True, help="layout to write (hf writes model.safetensors + config.json)")
+    rs.add_argument("--in", dest="in_dir", required=True, help="input directory")
+    rs.add_argument("--out", dest="out_dir", required=True, help="output directory (created)")
+    rs.add_argument("--json", action="store_true", help="print a JSON report")
+    rs.set_defaults(func=cmd_reshard)
+    return p
+
+
+def main(argv: list[str] | None = None) -> int:
+    args = build_parser().parse_args(argv)
+    logging.basicConfig(level=logging.INFO if args.verbose else logging.WARNING,
+                        format="%(asctime)s %(name)s %(levelname)s %(message)s")
+    func: Callable[[argparse.Namespace], int] = args.func
+    try:
+        return func(args)
+    except RefitError as e:
+        print(f"refit: error: {e}", file=sys.stderr)
+        return 2
+    except KeyboardInterrupt:
+        return 130
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,125 @@
+"""What a layout is: for every rank, its local tensors and the canonical boxes each one holds.
+
+Contract of a layout (one class per framework, each in its own module):
+
+1. ``parse``: a layout is built from degrees parsed out of a string (``megatron:tp4ep8``).
+2. ``resolve(spec)`` fills the degrees the framework would derive (dp, etp, edp, vocab padding,
+   pipeline split) and checks that the model can be split that way, raising `RefitError` with the
+   numbers when it cannot.  Only resolved layouts are asked for tensors.
+3. ``local_tensors(spec, rank)`` lists the rank's tensors under the framework's own local names,
+   in the framework's own order, each with its *pieces*.
+
+A `Piece` says: the canonical box ``start/size`` of tensor ``tensor`` sits at ``local_start`` of
+the local tensor.  Local coordinates are taken on the local tensor viewed with as many
+dimensions as the canonical one, by prepending dimensions of size 1 (a Megatron
+``linear_fc1.weight3`` of shape ``[2I, H]`` is viewed as ``[1, 1, 2I, H]`` against the canonical
+``[L, E, I, H]``).  Elements of a local tensor covered by no piece are padding (vocab rows), and
+hold zeros.
+"""
+
+from __future__ import annotations
+
+import functools
+from collections import defaultdict
+import math
+from typing import ClassVar, NamedTuple, Protocol, Sequence
+
+from refit.boxes import Box, Index, merge_boxes
+from refit.errors import RefitError
+from refit.spec import DTYPE_BYTES, ModelSpec
+
+
+class Piece(NamedTuple):
+    tensor: str
+    start: Index
+    size: Index
+    local_start: Index
+
+
+class LocalTensor(NamedTuple):
+    name: str
+    shape: Index
+    dtype: str
+    pieces: tuple[Piece, ...]
+
+    @property
+    def nbytes(self) -> int:
+        return math.prod(self.shape) * DTYPE_BYTES[self.dtype]
+
+    def view_shape(self, ndim: int) -> Index:
+        """The local shape with leading 1s so it has ``ndim`` dimensions (see module docstring)."""
+        return (1,) * (ndim - len(self.shape)) + self.shape
+
+
+class Layout(Protocol):
+    framework: ClassVar[str]
+
+    @property
+    def world_size(self) -> int: ...
+
+    def describe(self) -> str:
+        """The resolved layout as a string that parses back to the same layout."""
+        ...
+
+    def details(self) -> dict[str, int]:
+        """Every degree, resolved (printed for the user)."""
+        ...
+
+    def resolve(self, spec: ModelSpec) -> "Layout": ...
+
+    def local_tensors(self, spec: ModelSpec, rank: int) -> list[LocalTensor]: ...
+
+    def replica_key(self, rank: int) -> tuple[int, ...]:
+        """Ranks with equal keys hold the same tensors (data-parallel replicas)."""
+        ...
+
+
+def divides(what: str, n: int, by_what: str, d: int) -> None:
+    """Refuse with the numbers when ``d`` does not divide ``n``."""
+    if d <= 0 or n % d:
+        raise RefitError(f"{what} ({n}) is not divisible by {by_what} ({d})")
+
+
+def tensor_parallel_rows(total: int, ranks: int, rank: int) -> tuple[int, int]:
+    """Rows ``[lo, lo + n)`` of an even split of ``total`` rows over ``ranks``."""
+    n = total // ranks
+    return rank * n, n
+
+
+def pad_to(n: int, multiple: int) -> int:
+    return -(-n // multiple) * multiple
+
+
+def vocab_pieces(tensor: str, vocab: int, hidden: int, padded: int, tp: int, tp_rank: int) -> tuple[Index, tuple[Piece, ...]]:
+    """Shape and pieces of one TP shard of a vocab-padded embedding or output layer."""
+    per_rank = padded // tp
+    lo = tp_rank * per_rank
+    real = max(0, min(vocab, lo + per_rank) - lo)
+    pieces = (Piece(tensor, (lo, 0), (real, hidden), (0, 0)),) if real else ()
+    return (per_rank, hidden), pieces
+
+
+def holdings(spec: ModelSpec, layout: Layout, rank: int) -> dict[str, list[Box]]:
+    """Canonical tensor -> the boxes a rank holds, coalesced."""
+    boxes: dict[str, list[Box]] = defaultdict(list)
+    for lt in layout.local_tensors(spec, rank):
+        for p in lt.pieces:
+            boxes[p.tensor].append((p.start, p.size))
+    return {name: merge_boxes(bs) for name, bs in boxes.items()}
+
+
+@functools.lru_cache(maxsize=8)
+def all_holdings(spec: ModelSpec, layout: Layout) -> list[dict[str, list[Box]]]:
+    """Holdings of every rank (cached: planners and summaries ask for the same ones; do not mutate)."""
+    by_key: dict[tuple[int, ...], dict[str, list[Box]]] = {}
+    out = []
+    for r in range(layout.world_size):
+        key = layout.replica_key(r)
+        if key not in by_key:
+            by_key[key] = holdings(spec, layout, r)
+        out.append(by_key[key])
+    return out
+
+
+def local_tensor_index(tensors: Sequence[LocalTensor]) -> dict[str, LocalTensor]:
+    return {t.name: t for t in tensors}

@@ -1,0 +1,299 @@
+"""Megatron-Core: how a GPTModel's parameters are split over ranks, and what they are called.
+
+Conventions (checked against megatron-core 0.16.1 in tests/test_megatron_conventions.py):
+
+* Ranks are ordered ``tp-cp-ep-dp-pp`` (tp fastest).  Dense groups: rank = tp + T*(cp + C*(dp + D*pp)).
+  Expert groups: rank = etp + Te*(ep + E*(edp + EDP*pp)) with etp*ep*edp = tp*cp*dp.
+* ``embedding.word_embeddings.weight`` / ``output_layer.weight``: ``[Vp/T, H]``, vocab padded to
+  a multiple of 128*T (``make_vocab_size_divisible_by``); first / last pipeline stage only.  With
+  tied embeddings the last stage keeps its own ``output_layer.weight`` copy only when pp > 1.
+* ``linear_qkv``: rows interleaved per query group ``[q heads of g; k_g; v_g]``, split contiguously
+  over TP; ``linear_proj`` is o_proj split on dim 1.
+* Experts (TE grouped-GEMM naming): ``mlp.experts.linear_fc1.weight{i}`` = [gate; up] rows of this
+  etp shard, ``linear_fc2.weight{i}`` = down split on dim 1; local expert i on ep rank k is
+  global expert k*E/EP + i.
+* Pipeline: model chunk c of pp rank p holds a run of consecutive layers; runs are laid out in
+  virtual-stage order (c, p).  Local names restart at ``decoder.layers.0`` in every chunk, and
+  chunks are prefixed ``chunk{c}.`` when vpp > 1.
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass, replace
+from typing import ClassVar
+
+from refit.errors import RefitError
+from refit.layouts.base import LocalTensor, Piece, divides, pad_to, vocab_pieces
+from refit.spec import ModelSpec
+
+VOCAB_DIVISIBLE_BY = 128  # Megatron's --make-vocab-size-divisible-by default
+
+
+@dataclass(frozen=True)
+class MegatronLayout:
+    framework: ClassVar[str] = "megatron"
+    tp: int = 1
+    pp: int = 1
+    vpp: int = 1
+    ep: int = 1
+    etp: int | None = None
+    dp: int | None = None
+    cp: int = 1
+    first: int | None = None  # layers on the first pipeline stage (decoder_first_pipeline_num_layers)
+    last: int | None = None  # layers on the last pipeline stage (decoder_last_pipeline_num_layers)
+
+    # ------------------------------------------------------------------ degrees
+    @property
+    def etp_(self) -> int:
+        # MoE recipes (and the DESIGN target tp4ep8 on 8 GPUs) use expert TP 1.  Megatron's own
+        # argument default is etp = tp: write etp explicitly to get that.
+        return self.etp if self.etp is not None else 1
+
+    @property
+    def dp_(self) -> int:
+        if self.dp is not None:
+            return self.dp
+        # The smallest data-parallel size for which the expert grid fills the dense one.
+        need = self.etp_ * self.ep
+        return need // math.gcd(self.tp * self.cp, need)
+
+    @property
+    def edp(self) -> int:
+        return self.tp * self.cp * self.dp_ // (self.etp_ * self.ep)
+
+    @property
+    def world_size(self) -> int:
+        return self.tp * self.cp * self.dp_ * self.pp
+
+    def details(self) -> dict[str, int]:
+        d = dict(tp=self.tp, cp=self.cp, dp=self.dp_, pp=self.pp, vpp=self.vpp, ep=self.ep, etp=self.etp_,
+                 edp=self.edp, world_size=self.world_size)
+        if self.first is not None:
+            d["first"] = self.first
+        if self.last is not None:
+            d["last"] = self.last
+        return d
+
+    def describe(self) -> str:
+        s = f"megatron:tp{self.tp}"
+        for k in ("cp", "pp", "vpp", "ep"):
+            if getattr(self, k) > 1:
+                s += f"{k}{getattr(self, k)}"
+        if self.ep > 1:
+            s += f"etp{self.etp_}"
+        s += f"dp{self.dp_}"
+        if self.first is not None:
+            s += f"first{self.first}"
+        if self.last is not None:
+            s += f"last{self.last}"
+        return s
+
+    # ------------------------------------------------------------------ resolve + validate
+    def resolve(self, spec: ModelSpec) -> "MegatronLayout":
+        c = spec.config
+        for k in ("tp", "pp", "vpp", "ep", "cp"):
+            if getattr(self, k) < 1:
+                raise RefitError(f"megatron: {k} must be at least 1, got {getattr(self, k)}")
+        if (self.tp * self.cp * self.dp_) % (self.etp_ * self.ep):
+            raise RefitError(
+                f"megatron: tp*cp*dp ({self.tp}*{self.cp}*{self.dp_}={self.tp * self.cp * self.dp_}) is not "
+                f"divisible by etp*ep ({self.etp_}*{self.ep}={self.etp_ * self.ep})"
+            )
+        divides("megatron: attention heads", c.num_heads, "tp", self.tp)
+        divides("megatron: kv groups (num_key_value_heads)", c.num_kv_heads, "tp", self.tp)
+        if c.dense_layers:
+            divides("megatron: intermediate_size", c.intermediate_size, "tp", self.tp)
+        if self.ep > 1 or self.etp is not None:
+            if not c.is_moe:
+                raise RefitError(f"megatron: ep{self.ep}/etp given but {spec.name} has no experts")
+        if c.is_moe:
+            divides("megatron: experts", c.num_experts, "ep", self.ep)
+            divides("megatron: moe_intermediate_size", c.moe_intermediate_size, "etp", self.etp_)
+        if self.vpp > 1 and self.pp == 1:
+            raise RefitError("megatron: vpp > 1 needs pp > 1")
+        resolved = replace(self, etp=self.etp_ if c.is_moe else self.etp, dp=self.dp_)
+        return resolved._resolve_pipeline(c.num_layers)
+
+    def _resolve_pipeline(self, L: int) -> "MegatronLayout":
+        P, V = self.pp, self.vpp
+        if P == 1:
+            return self
+        if self.first is None and self.last is None and L % (P * V):
+            # Megatron's account_for_embedding/loss_in_pipeline_split: the embedding and the loss
+            # each count as one layer, so the first and last stages build one layer fewer.
+            if V == 1 and (L + 2) % P == 0 and P > 2:
+                n = (L + 2) // P
+                return replace(self, first=n - 1, last=n - 1)._resolve_pipeline(L)
+            raise RefitError(
+                f"megatron: layers ({L}) are not divisible by pp*vpp ({P}*{V}={P * V}); "
+                f"give first<N>/last<N> (layers on the first/last pipeline stage)"
+            )
+        self.stage_layers(L)  # raises with the numbers if the split is impossible
+        return self
+
+    def stage_layers(self, L: int) -> dict[tuple[int, int], list[int]]:
+        """(pp rank, model chunk) -> global layer ids, Megatron's uneven-pipeline rule included."""
+        P, V = self.pp, self.vpp
+        ends = [x for x in (self.first, self.last) if x is not None]
+        middle_stages = P - len(ends)
+        middle = L - sum(ends)
+        if middle < 0 or (middle_stages == 0 and middle) or (middle_stages and middle % (middle_stages * V)):
+            raise RefitError(
+                f"megatron: {L} layers cannot be split as first={self.first}, last={self.last} over "
+                f"{middle_stages} middle stages x vpp {V}"
+            )
+        per_chunk = []
+        for p in range(P):
+            if p == 0 and self.first is not None:
+                n = self.first
+            elif p == P - 1 and self.last is not None:
+                n = self.last
+            else:
+                n = middle // middle_stages
+            divides(f"megatron: layers on pipeline stage {p}", n, "vpp", V)
+            per_chunk.append(n // V)
+        round_size = sum(per_chunk)
+        out = {}
+        for c in range(V):
+            for p in range(P):
+                lo = c * round_size + sum(per_chunk[:p])
+                out[(p, c)] = list(range(lo, lo + per_chunk[p]))
+        return out
+
+    # ------------------------------------------------------------------ ranks
+    def coords(self, rank: int) -> dict[str, int]:
+        T, C, D = self.tp, self.cp, self.dp_
+        Te, E = self.etp_, self.ep
+        dense_rank = rank % (T * C * D)
+        return dict(
+            tp=rank % T, cp=(rank // T) % C, dp=(rank // (T * C)) % D, pp=rank // (T * C * D),
+            etp=dense_rank % Te, ep=(dense_rank // Te) % E, edp=dense_rank // (Te * E),
+        )
+
+    def replica_key(self, rank: int) -> tuple[int, ...]:
+        co = self.coords(rank)  # cp, dp and edp ranks hold copies
+        return (co["tp"], co["pp"], co["ep"], co["etp"])
+
+    # ------------------------------------------------------------------ tensors
+    def local_tensors(self, spec: ModelSpec, rank: int) -> list[LocalTensor]:
+        c = spec.config
+        co = self.coords(rank)
+        t, T = co["tp"], self.tp
+        H, hd, dt = c.hidden_size, c.head_dim, c.dtype
+        padded = pad_to(c.vocab_size, VOCAB_DIVISIBLE_BY * T)
+        stages = self.stage_layers(c.num_layers)
+        out: list[LocalTensor] = []
+
+        def add(name: str, shape: tuple[int, ...], *pieces: Piece) -> None:
+            out.append(LocalTensor(prefix + name, shape, dt, tuple(pieces)))
+
+        def full(tensor: str, layer: int, local_start: tuple[int, ...] = ()) -> Piece:
+            ts = spec[tensor]
+            pos = spec.layer_pos(tensor, layer)
+            inner = ts.shape[1:]
+            return Piece(tensor, (pos,) + (0,) * len(inner), (1,) + inner, local_start or (0,) * len(ts.shape))
+
+        for chunk in range(self.vpp):
+            prefix = f"chunk{chunk}." if self.vpp > 1 else ""
+            first_stage = co["pp"] == 0 and chunk == 0
+            last_stage = co["pp"] == self.pp - 1 and chunk == self.vpp - 1
+            if first_stage:
+                shape, pieces = vocab_pieces("model.embed_tokens.weight", c.vocab_size, H, padded, T, t)
+                add("embedding.word_embeddings.weight", shape, *pieces)
+            for j, layer in enumerate(stages[(co["pp"], chunk)]):
+                lp = f"decoder.layers.{j}."
+                out.extend(self._attention(spec, prefix + lp, layer, t))
+                if layer in spec.config.moe_layers:
+                    out.extend(self._moe(spec, prefix + lp, layer, co))
+                else:
+                    out.extend(self._dense_mlp(spec, prefix + lp, layer, t))
+            if last_stage:
+                add("decoder.final_layernorm.weight", (H,), Piece("model.norm.weight", (0,), (H,), (0,)))
+                head = "model.embed_tokens.weight" if c.tie_embeddings else "lm_head.weight"
+                if not c.tie_embeddings or self.pp > 1:
+                    shape, pieces = vocab_pieces(head, c.vocab_size, H, padded, T, t)
+                    add("output_layer.weight", shape, *pieces)
+        return out
+
+    def _attention(self, spec: ModelSpec, p: str, layer: int, t: int) -> list[LocalTensor]:
+        c = spec.config
+        T, H, hd, dt = self.tp, c.hidden_size, c.head_dim, c.dtype
+        G = c.num_kv_heads
+        q_per_g = c.num_heads // G
+        groups = range(t * G // T, (t + 1) * G // T)
+        rows = (q_per_g + 2) * hd * len(groups)
+        out: list[LocalTensor] = []
+        name = "model.layers.*.self_attn.{}_proj.{}"
+        for kind in ("weight", "bias") if c.qkv_bias else ("weight",):
+            pieces = []
+            for i, g in enumerate(groups):
+                row = i * (q_per_g + 2) * hd
+                for proj, lo, n in (("q", g * q_per_g * hd, q_per_g * hd), ("k", g * hd, hd), ("v", g * hd, hd)):
+                    tensor = name.format(proj, kind)
+                    pos = spec.layer_pos(tensor, layer)
+                    if kind == "weight":
+                        pieces.append(Piece(tensor, (pos, lo, 0), (1, n, H), (0, row, 0)))
+                    else:
+                        pieces.append(Piece(tensor, (pos, lo), (1, n), (0, row)))
+                    row += n
+            shape = (rows, H) if kind == "weight" else (rows,)
+            out.append(LocalTensor(f"{p}self_attention.linear_qkv.{kind}", shape, dt, tuple(pieces)))
+
+        def whole(local: str, tensor: str, n: int) -> LocalTensor:
+            return LocalTensor(p + local, (n,), dt, (Piece(tensor, (spec.layer_pos(tensor, layer), 0), (1, n), (0, 0)),))
+
+        out.append(whole("self_attention.linear_qkv.layer_norm_weight", "model.layers.*.input_layernorm.weight", H))
+        if c.qk_norm:
+            out.append(whole("self_attention.q_layernorm.weight", "model.layers.*.self_attn.q_norm.weight", hd))
+            out.append(whole("self_attention.k_layernorm.weight", "model.layers.*.self_attn.k_norm.weight", hd))
+        o = "model.layers.*.self_attn.o_proj.weight"
+        cols = c.num_heads * hd // T
+        out.append(LocalTensor(f"{p}self_attention.linear_proj.weight", (H, cols), dt,
+                               (Piece(o, (spec.layer_pos(o, layer), 0, t * cols), (1, H, cols), (0, 0, 0)),)))
+        return out
+
+    def _dense_mlp(self, spec: ModelSpec, p: str, layer: int, t: int) -> list[LocalTensor]:
+        c = spec.config
+        H, dt, n = c.hidden_size, c.dtype, c.intermediate_size // self.tp
+        gate, up, down = (f"model.layers.*.mlp.{x}_proj.weight" for x in ("gate", "up", "down"))
+        ln = "model.layers.*.post_attention_layernorm.weight"
+        pos = spec.layer_pos(gate, layer)
+        return [
+            LocalTensor(f"{p}mlp.linear_fc1.layer_norm_weight", (H,), dt,
+                        (Piece(ln, (spec.layer_pos(ln, layer), 0), (1, H), (0, 0)),)),
+            LocalTensor(f"{p}mlp.linear_fc1.weight", (2 * n, H), dt,
+                        (Piece(gate, (pos, t * n, 0), (1, n, H), (0, 0, 0)),
+                         Piece(up, (pos, t * n, 0), (1, n, H), (0, n, 0)))),
+            LocalTensor(f"{p}mlp.linear_fc2.weight", (H, n), dt,
+                        (Piece(down, (pos, 0, t * n), (1, H, n), (0, 0, 0)),)),
+        ]
+
+    def _moe(self, spec: ModelSpec, p: str, layer: int, co: dict[str, int]) -> list[LocalTensor]:
+        c = spec.config
+        H, dt, E = c.hidden_size, c.dtype, c.num_experts
+        n = c.moe_intermediate_size // self.etp_
+        lo = co["etp"] * n
+        ln = "model.layers.*.post_attention_layernorm.weight"
+        router = "model.layers.*.mlp.gate.weight"
+        gate, up, down = (f"model.layers.*.mlp.experts.*.{x}_proj.weight" for x in ("gate", "up", "down"))
+        pos = spec.layer_pos(gate, layer)
+        out = [
+            LocalTensor(f"{p}pre_mlp_layernorm.weight", (H,), dt,
+                        (Piece(ln, (spec.layer_pos(ln, layer), 0), (1, H), (0, 0)),)),
+            LocalTensor(f"{p}mlp.router.weight", (E, H), dt,
+                        (Piece(router, (spec.layer_pos(router, layer), 0, 0), (1, E, H), (0, 0, 0)),)),
+        ]
+        per_rank = E // self.ep
+        e0 = co["ep"] * per_rank
+        zero, up_at, fc1_shape, fc2_shape = (0, 0, 0, 0), (0, 0, n, 0), (2 * n, H), (H, n)
+        fc1_size, fc2_size = (1, 1, n, H), (1, 1, H, n)
+        # Hot loop (an EP rank holds E/EP experts in every layer): plain tuples, no lookups.
+        for i in range(per_rank):
+            at = (pos, e0 + i, lo, 0)
+            out.append(LocalTensor(f"{p}mlp.experts.linear_fc1.weight{i}", fc1_shape, dt,
+                                   (Piece(gate, at, fc1_size, zero), Piece(up, at, fc1_size, up_at))))
+        for i in range(per_rank):
+            out.append(LocalTensor(f"{p}mlp.experts.linear_fc2.weight{i}", fc2_shape, dt,
+                                   (Piece(down, (pos, e0 + i, 0, lo), fc2_size, zero),)))
+        return out

@@ -1,0 +1,195 @@
+"""vLLM: the parameters each worker of an engine holds, as its weight loaders fill them.
+
+Conventions (checked against vllm 0.32's own loaders in tests/test_vllm_conventions.py):
+
+* Global rank = dp_rank * tp + tp_rank.  Every dp replica holds the attention/dense weights.
+* ``qkv_proj`` = [q heads of this rank; k; v].  With fewer kv heads than tp each kv head is
+  replicated on tp/kv ranks (rank r holds kv head r // (tp/kv)).  ``o_proj`` is split on dim 1.
+* ``gate_up_proj`` / ``w13_weight`` = [gate; up] of this rank's shard.
+* MoE without expert parallel: experts are tensor-split over the *flattened* dp*tp group
+  (rank dp*tp + t), ``w13_weight`` [E, 2I/(dp*tp), H], ``w2_weight`` [E, H, I/(dp*tp)].
+  With expert parallel the EP group is the same dp*tp ranks; experts are placed linearly, the first
+  E % ep ranks getting one more, and are not split inside.
+* ``embed_tokens`` / ``lm_head``: vocab padded to a multiple of 64, split evenly over tp;
+  a tied ``lm_head`` is the embedding itself and does not appear among the parameters.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field, replace
+from typing import ClassVar
+
+from refit.errors import RefitError
+from refit.layouts.base import LocalTensor, Piece, divides, pad_to, vocab_pieces
+from refit.spec import ModelSpec
+
+VOCAB_PADDING = 64  # vllm.model_executor.layers.vocab_parallel_embedding.DEFAULT_VOCAB_PADDING_SIZE
+
+
+def expert_range(num_experts: int, ep: int, ep_rank: int) -> tuple[int, int]:
+    """vLLM's linear expert placement: (first global expert, count) of one EP rank."""
+    base, extra = divmod(num_experts, ep)
+    count = base + (1 if ep_rank < extra else 0)
+    return ep_rank * base + min(ep_rank, extra), count
+
+
+@dataclass(frozen=True)
+class VllmLayout:
+    framework: ClassVar[str] = "vllm"
+    tp: int = 1
+    dp: int | None = None
+    ep: int | None = None  # None: expert parallel off; else the EP size, which vLLM fixes to tp*dp
+    _moe_model: bool = field(default=True, compare=False, repr=False)  # set by resolve()
+
+    @property
+    def dp_(self) -> int:
+        if self.dp is not None:
+            return self.dp
+        if self.ep is not None and self.ep % self.tp == 0:
+            return self.ep // self.tp
+        return 1
+
+    @property
+    def world_size(self) -> int:
+        return self.tp * self.dp_
+
+    @property
+    def expert_parallel(self) -> bool:
+        return self.ep is not None
+
+    def details(self) -> dict[str, int]:
+        return dict(tp=self.tp, dp=self.dp_, ep=self.ep or 1, world_size=self.world_size)
+
+    def describe(self) -> str:
+        s = f"vllm:tp{self.tp}"
+        if self.ep is not None:
+            s += f"ep{self.ep}"
+        if self.dp_ > 1:
+            s += f"dp{self.dp_}"
+        return s
+
+    def resolve(self, spec: ModelSpec) -> "VllmLayout":
+        c = spec.config
+        if self.tp < 1 or self.dp_ < 1:
+            raise RefitError(f"vllm: tp and dp must be at least 1, got tp{self.tp} dp{self.dp_}")
+        if self.ep is not None and self.ep != self.tp * self.dp_:
+            raise RefitError(
+                f"vllm: the expert-parallel size is tp*dp ({self.tp}*{self.dp_}={self.tp * self.dp_}); "
+                f"ep{self.ep} cannot be served"
+            )
+        if self.ep is not None and not c.is_moe:
+            raise RefitError(f"vllm: ep{self.ep} given but {spec.name} has no experts")
+        divides("vllm: attention heads", c.num_heads, "tp", self.tp)
+        divides(f"vllm: vocab padded to a multiple of {VOCAB_PADDING}", pad_to(c.vocab_size, VOCAB_PADDING), "tp",
+                self.tp)
+        if c.num_kv_heads >= self.tp:
+            divides("vllm: kv heads", c.num_kv_heads, "tp", self.tp)
+        else:
+            divides("vllm: tp", self.tp, "kv heads (replicated when fewer than tp)", c.num_kv_heads)
+        if c.dense_layers:
+            divides("vllm: intermediate_size", c.intermediate_size, "tp", self.tp)
+        if c.is_moe and self.ep is None:
+            divides("vllm: moe_intermediate_size", c.moe_intermediate_size, "tp*dp (experts are split over the "
+                    "flattened dp x tp group without expert parallel)", self.tp * self.dp_)
+        if c.is_moe and self.ep is not None and c.num_experts < self.ep:
+            raise RefitError(f"vllm: {c.num_experts} experts cannot fill ep{self.ep}")
+        return replace(self, dp=self.dp_, _moe_model=c.is_moe)
+
+    def replica_key(self, rank: int) -> tuple[int, ...]:
+        # dp replicas share attention and dense weights, but MoE experts differ on every rank
+        return (rank,) if self._moe_model else (rank % self.tp,)
+
+    def local_tensors(self, spec: ModelSpec, rank: int) -> list[LocalTensor]:
+        c = spec.config
+        T = self.tp
+        t = rank % T
+        H, hd, dt = c.hidden_size, c.head_dim, c.dtype
+        padded = pad_to(c.vocab_size, VOCAB_PADDING)
+        out: list[LocalTensor] = []
+        shape, pieces = vocab_pieces("model.embed_tokens.weight", c.vocab_size, H, padded, T, t)
+        out.append(LocalTensor("model.embed_tokens.weight", shape, dt, pieces))
+        for layer in range(c.num_layers):
+            p = f"model.layers.{layer}."
+
+            def whole(local: str, tensor: str, n: int) -> LocalTensor:
+                pos = spec.layer_pos(tensor, layer)
+                return LocalTensor(p + local, (n,), dt, (Piece(tensor, (pos, 0), (1, n), (0, 0)),))
+
+            out.extend(self._qkv(spec, p, layer, t))
+            o = "model.layers.*.self_attn.o_proj.weight"
+            cols = c.num_heads * hd // T
+            out.append(LocalTensor(p + "self_attn.o_proj.weight", (H, cols), dt,
+                                   (Piece(o, (spec.layer_pos(o, layer), 0, t * cols), (1, H, cols), (0, 0, 0)),)))
+            if c.qk_norm:
+                out.append(whole("self_attn.q_norm.weight", "model.layers.*.self_attn.q_norm.weight", hd))
+                out.append(whole("self_attn.k_norm.weight", "model.layers.*.self_attn.k_norm.weight", hd))
+            if layer in c.moe_layers:
+                out.extend(self._moe(spec, p, layer, rank))
+            else:
+                out.extend(self._dense_mlp(spec, p, layer, t))
+            out.append(whole("input_layernorm.weight", "model.layers.*.input_layernorm.weight", H))
+            out.append(whole("post_attention_layernorm.weight", "model.layers.*.post_attention_layernorm.weight", H))
+        out.append(LocalTensor("model.norm.weight", (H,), dt, (Piece("model.norm.weight", (0,), (H,), (0,)),)))
+        if not c.tie_embeddings:
+            shape, pieces = vocab_pieces("lm_head.weight", c.vocab_size, H, padded, T, t)
+            out.append(LocalTensor("lm_head.weight", shape, dt, pieces))
+        return out
+
+    def _qkv(self, spec: ModelSpec, p: str, layer: int, t: int) -> list[LocalTensor]:
+        c = spec.config
+        T, H, hd, dt = self.tp, c.hidden_size, c.head_dim, c.dtype
+        q_n = c.num_heads // T * hd
+        if c.num_kv_heads >= T:
+            kv_lo, kv_n = t * (c.num_kv_heads // T) * hd, c.num_kv_heads // T * hd
+        else:
+            kv_lo, kv_n = (t // (T // c.num_kv_heads)) * hd, hd
+        parts = (("q", t * q_n, q_n), ("k", kv_lo, kv_n), ("v", kv_lo, kv_n))
+        out = []
+        for kind in ("weight", "bias") if c.qkv_bias else ("weight",):
+            pieces, row = [], 0
+            for proj, lo, n in parts:
+                tensor = f"model.layers.*.self_attn.{proj}_proj.{kind}"
+                pos = spec.layer_pos(tensor, layer)
+                if kind == "weight":
+                    pieces.append(Piece(tensor, (pos, lo, 0), (1, n, H), (0, row, 0)))
+                else:
+                    pieces.append(Piece(tensor, (pos, lo), (1, n), (0, row)))
+                row += n
+            shape = (row, H) if kind == "weight" else (row,)
+            out.append(LocalTensor(f"{p}self_attn.qkv_proj.{kind}", shape, dt, tuple(pieces)))
+        return out
+
+    def _dense_mlp(self, spec: ModelSpec, p: str, layer: int, t: int) -> list[LocalTensor]:
+        c = spec.config
+        H, dt, n = c.hidden_size, c.dtype, c.intermediate_size // self.tp
+        gate, up, down = (f"model.layers.*.mlp.{x}_proj.weight" for x in ("gate", "up", "down"))
+        pos = spec.layer_pos(gate, layer)
+        return [
+            LocalTensor(f"{p}mlp.gate_up_proj.weight", (2 * n, H), dt,
+                        (Piece(gate, (pos, t * n, 0), (1, n, H), (0, 0, 0)),
+                         Piece(up, (pos, t * n, 0), (1, n, H), (0, n, 0)))),
+            LocalTensor(f"{p}mlp.down_proj.weight", (H, n), dt, (Piece(down, (pos, 0, t * n), (1, H, n), (0, 0, 0)),)),
+        ]
+
+    def _moe(self, spec: ModelSpec, p: str, layer: int, rank: int) -> list[LocalTensor]:
+        c = spec.config
+        H, dt, E, I = c.hidden_size, c.dtype, c.num_experts, c.moe_intermediate_size
+        router = "model.layers.*.mlp.gate.weight"
+        gate, up, down = (f"model.layers.*.mlp.experts.*.{x}_proj.weight" for x in ("gate", "up", "down"))
+        pos = spec.layer_pos(gate, layer)
+        if self.expert_parallel:
+            e0, ne = expert_range(E, self.tp * self.dp_, rank)
+            i0, n = 0, I
+        else:
+            e0, ne = 0, E
+            n = I // (self.tp * self.dp_)
+            i0 = rank * n  # flattened dp x tp rank == global rank
+        return [
+            LocalTensor(f"{p}mlp.gate.weight", (E, H), dt,
+                        (Piece(router, (spec.layer_pos(router, layer), 0, 0), (1, E, H), (0, 0, 0)),)),
+            LocalTensor(f"{p}mlp.experts.w13_weight", (ne, 2 * n, H), dt, (
+                Piece(gate, (pos, e0, i0, 0), (1, ne, n, H), (0, 0, 0, 0)),
+                Piece(up, (pos, e0, i0, 0), (1, ne, n, H), (0, 0, n, 0)))),
+            LocalTensor(f"{p}mlp.experts.w2_weight", (ne, H, n), dt,
+                        (Piece(down, (pos, e0, 0, i0), (1, ne, H, n), (0, 0, 0, 0)),)),
+        ]

@@ -1,0 +1,211 @@
+"""The plan: a static, serialisable schedule of box transfers, computed once, replayed every step.
+
+A plan names boxes of canonical tensors only.  Each end of a transfer maps the box onto its own
+local tensors with its layout (`refit.layouts`), so both ends derive the same byte order — row-major
+over the box — and nothing but the plan itself ever needs to be agreed on.
+
+``stage`` orders work: stage 0 moves boxes between *source* ranks (the broadcast baseline gathers
+each full tensor on one root that way); stage 1 moves boxes from source ranks to destination ranks.
+Transfers are grouped into buckets of at most ``bucket_bytes``, each bucket one (stage, src, dst) pair.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+from dataclasses import dataclass, field
+from typing import Any, Literal, NamedTuple
+
+from refit.boxes import Index, volume
+from refit.errors import RefitError
+from refit.spec import DTYPE_BYTES, ModelSpec
+
+PLAN_FORMAT = 1
+PlacementKind = Literal["colocated", "disaggregated"]
+
+
+@dataclass(frozen=True)
+class Placement:
+    """Which GPU each rank of each side runs on.  Colocated: source rank i and destination rank i
+    share GPU i.  Disaggregated: sources on GPUs [0, S), destinations on [S, S + D)."""
+
+    kind: PlacementKind
+    src_gpus: tuple[int, ...]
+    dst_gpus: tuple[int, ...]
+
+    @classmethod
+    def make(cls, kind: str, num_src: int, num_dst: int) -> "Placement":
+        if kind == "colocated":
+            return cls("colocated", tuple(range(num_src)), tuple(range(num_dst)))
+        if kind == "disaggregated":
+            return cls("disaggregated", tuple(range(num_src)), tuple(range(num_src, num_src + num_dst)))
+        raise RefitError(f"unknown placement {kind!r}: colocated or disaggregated")
+
+    @property
+    def num_gpus(self) -> int:
+        return max(self.src_gpus + self.dst_gpus) + 1
+
+
+class Transfer(NamedTuple):
+    stage: int
+    src: int  # source rank
+    dst: int  # destination rank (stage 1) or source rank (stage 0)
+    tensor: str
+    start: Index
+    size: Index
+
+    @property
+    def numel(self) -> int:
+        return volume(self.size)
+
+
+@dataclass(frozen=True)
+class Bucket:
+    stage: int
+    src: int
+    dst: int
+    first: int  # transfers[first:first + count] belong to this bucket
+    count: int
+    nbytes: int
+
+
+@dataclass(frozen=True)
+class Plan:
+    model: str
+    model_digest: str
+    src_layout: str
+    dst_layout: str
+    placement: Placement
+    planner: str
+    bucket_bytes: int
+    tensors: dict[str, tuple[str, Index]]  # canonical name -> (dtype, shape)
+    transfers: tuple[Transfer, ...] = field(repr=False)
+    buckets: tuple[Bucket, ...] = field(repr=False)
+
+    def transfer_bytes(self, t: Transfer) -> int:
+        return t.numel * DTYPE_BYTES[self.tensors[t.tensor][0]]
+
+    def src_gpu(self, t: Transfer | Bucket) -> int:
+        return self.placement.src_gpus[t.src]
+
+    def dst_gpu(self, t: Transfer | Bucket) -> int:
+        gpus = self.placement.src_gpus if t.stage == 0 else self.placement.dst_gpus
+        return gpus[t.dst]
+
+    def is_local(self, t: Transfer | Bucket) -> bool:
+        return self.src_gpu(t) == self.dst_gpu(t)
+
+    # ------------------------------------------------------------------ serialisation
+    def to_dict(self) -> dict[str, Any]:
+        names = list(self.tensors)
+        index = {n: i for i, n in enumerate(names)}
+        return {
+            "format": PLAN_FORMAT,
+            "model": self.model,
+            "model_digest": self.model_digest,
+            "src_layout": self.src_layout,
+            "dst_layout": self.dst_layout,
+            "placement": {"kind": self.placement.kind, "src_gpus": list(self.placement.src_gpus),
+                          "dst_gpus": list(self.placement.dst_gpus)},
+            "planner": self.planner,
+            "bucket_bytes": self.bucket_bytes,
+            "tensors": [[n, self.tensors[n][0], list(self.tensors[n][1])] for n in names],
+            # [stage, src, dst, tensor index, start, size]
+            "transfers": [[t.stage, t.src, t.dst, index[t.tensor], list(t.start), list(t.size)] for t in self.transfers],
+            # [stage, src, dst, first transfer, count, bytes]
+            "buckets": [[b.stage, b.src, b.dst, b.first, b.count, b.nbytes] for b in self.buckets],
+        }
+
+    @classmethod
+    def from_dict(cls, d: dict[str, Any]) -> "Plan":
+        if d.get("format") != PLAN_FORMAT:
+            raise RefitError(f"plan format {d.get('format')!r} is not {PLAN_FORMAT}")
+        names = [n for n, _, _ in d["tensors"]]
+        p = d["placement"]
+        return cls(
+            model=d["model"], model_digest=d["model_digest"], src_layout=d["src_layout"],
+            dst_layout=d["dst_layout"],
+            placement=Placement(p["kind"], tuple(p["src_gpus"]), tuple(p["dst_gpus"])),
+            planner=d["planner"], bucket_bytes=d["bucket_bytes"],
+            tensors={n: (dt, tuple(shape)) for n, dt, shape in d["tensors"]},
+            transfers=tuple(Transfer(s, a, b, names[i], tuple(st), tuple(sz)) for s, a, b, i, st, sz in d["transfers"]),
+            buckets=tuple(Bucket(*b) for b in d["buckets"]),
+        )
+
+    @property
+    def plan_id(self) -> str:
+        """Stable hash of everything the plan says: equal plans, equal ids, on any machine."""
+        blob = json.dumps(self.to_dict(), separators=(",", ":"), sort_keys=True)
+        return hashlib.sha256(blob.encode()).hexdigest()[:16]
+
+
+def pack_buckets(transfers: list[Transfer], plan_tensors: dict[str, tuple[str, Index]], bucket_bytes: int,
+                 src_gpus: tuple[int, ...], dst_gpus: tuple[int, ...]) -> tuple[list[Transfer], list[Bucket]]:
+    """Split transfers to fit ``bucket_bytes`` and pack them, per (stage, src, dst) pair, into
+    buckets.  Order: stage, then local copies, then remote pairs in rounds of the GPU distance
+    ``(dst_gpu - src_gpu) mod G`` so that in each round every GPU sends to one peer and receives
+    from one peer."""
+    from refit.boxes import split_box
+
+    num_gpus = max(src_gpus + dst_gpus) + 1
+    pairs: dict[tuple[int, int, int], list[Transfer]] = {}
+    for t in transfers:
+        itemsize = DTYPE_BYTES[plan_tensors[t.tensor][0]]
+        for start, size in split_box((t.start, t.size), max(1, bucket_bytes // itemsize)):
+            pairs.setdefault((t.stage, t.src, t.dst), []).append(Transfer(t.stage, t.src, t.dst, t.tensor, start, size))
+
+    def order(key: tuple[int, int, int]) -> tuple[int, int, int, int]:
+        stage, s, d = key
+        sg = src_gpus[s]
+        dg = (src_gpus if stage == 0 else dst_gpus)[d]
+        return (stage, (dg - sg) % num_gpus, sg, dg)
+
+    out_t: list[Transfer] = []
+    out_b: list[Bucket] = []
+    for key in sorted(pairs, key=order):
+        stage, s, d = key
+        first, nbytes = len(out_t), 0
+        for t in pairs[key]:
+            b = t.numel * DTYPE_BYTES[plan_tensors[t.tensor][0]]
+            if nbytes and nbytes + b > bucket_bytes:
+                out_b.append(Bucket(stage, s, d, first, len(out_t) - first, nbytes))
+                first, nbytes = len(out_t), 0
+            out_t.append(t)
+            nbytes += b
+        out_b.append(Bucket(stage, s, d, first, len(out_t) - first, nbytes))
+    return out_t, out_b
+
+
+def summarize(plan: Plan, spec: ModelSpec, dst_total_bytes: int, seconds: float | None = None) -> dict[str, Any]:
+    """The numbers `refit plan` prints: bytes by kind and the largest per-GPU remote volumes."""
+    num_gpus = plan.placement.num_gpus
+    send = [0] * num_gpus
+    recv = [0] * num_gpus
+    local = remote = 0
+    for b in plan.buckets:
+        if plan.is_local(b):
+            local += b.nbytes
+        else:
+            remote += b.nbytes
+            send[plan.src_gpu(b)] += b.nbytes
+            recv[plan.dst_gpu(b)] += b.nbytes
+    out: dict[str, Any] = {
+        "plan_id": plan.plan_id,
+        "model": plan.model,
+        "src": plan.src_layout,
+        "dst": plan.dst_layout,
+        "placement": plan.placement.kind,
+        "planner": plan.planner,
+        "num_gpus": num_gpus,
+        "total_bytes": dst_total_bytes,
+        "local_bytes": local,
+        "remote_bytes": remote,
+        "max_send_bytes": max(send),
+        "max_recv_bytes": max(recv),
+        "num_transfers": len(plan.transfers),
+        "num_buckets": len(plan.buckets),
+        "bucket_bytes": plan.bucket_bytes,
+    }
+    if seconds is not None:
+        out["plan_seconds"] = round(seconds, 6)
+    return out

@@ -1,0 +1,220 @@
+"""Offline resharding: a directory of one layout's per-rank safetensors into another's.
+
+Offline form of a layout: ``rank-{r:05d}.safetensors`` per rank, holding that rank's local tensors
+under the framework's own local names; for ``hf``, an ordinary HF checkpoint directory (one or
+several ``*.safetensors`` plus ``config.json``).
+
+Memory stays bounded by one output tensor plus the slices read for it: inputs are read lazily,
+slice by slice (``safe_open(...).get_slice``), and outputs are streamed to disk one tensor at a time
+(`SafetensorsWriter`), so a rank's file never has to fit in memory whole.
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+import os
+import struct
+from contextlib import ExitStack
+from typing import Any, Callable, Iterable
+
+from refit.errors import RefitError
+from refit.layouts import Layout, LocalTensor
+from refit.regions import PieceIndex, slices
+from refit.spec import DTYPE_BYTES, ModelSpec, _ST_DTYPES, check_checkpoint, checkpoint_tensors, read_safetensors_header
+
+log = logging.getLogger(__name__)
+
+_TO_ST = {v: k for k, v in _ST_DTYPES.items()}
+
+
+def rank_file(directory: str, rank: int) -> str:
+    return os.path.join(directory, f"rank-{rank:05d}.safetensors")
+
+
+# ---------------------------------------------------------------------------------------------
+# Reading and checking the input
+
+
+class ShardReader:
+    """Lazy access to one layout's offline form: ``read(rank, local_name, start, size)``."""
+
+    def __init__(self, spec: ModelSpec, layout: Layout, directory: str) -> None:
+        self.spec, self.layout, self.directory = spec, layout, directory
+        self._stack = ExitStack()
+        self._files: dict[tuple[int, str], Any] = {}
+        self.locations: dict[tuple[int, str], str] = {}  # (rank, local name) -> file
+        self._indexes: dict[int, PieceIndex] = {}
+        if layout.framework == "hf":
+            found = checkpoint_tensors(directory)
+            if not found:
+                raise RefitError(f"{directory}: no *.safetensors files (expected an HF checkpoint)")
+            check_checkpoint(spec, found, directory)
+            self.locations = {(0, name): path for name, (_, _, path) in found.items()}
+        else:
+            self._check_rank_files()
+
+    def _check_rank_files(self) -> None:
+        world = self.layout.world_size
+        if not os.path.isdir(self.directory):
+            raise RefitError(f"input directory {self.directory} does not exist")
+        extra = sorted(f for f in os.listdir(self.directory) if f.startswith("rank-") and f.endswith(".safetensors")
+                       and f > os.path.basename(rank_file(self.directory, world - 1)))
+        if extra:
+            raise RefitError(f"{self.directory}: {extra[0]} is beyond the {world} ranks of {self.layout.describe()}")
+        for rank in range(world):
+            path = rank_file(self.directory, rank)
+            if not os.path.exists(path):
+                raise RefitError(f"{self.directory}: missing {os.path.basename(path)} "
+                                 f"({self.layout.describe()} has {world} ranks)")
+            header = read_safetensors_header(path)
+            expected = self.layout.local_tensors(self.spec, rank)
+            check_rank_header(header, expected, path)
+            for lt in expected:
+                self.locations[(rank, lt.name)] = path
+
+    def index(self, rank: int) -> PieceIndex:
+        """The pieces of a source rank (computed once per rank)."""
+        if rank not in self._indexes:
+            self._indexes[rank] = PieceIndex(self.layout.local_tensors(self.spec, rank))
+        return self._indexes[rank]
+
+    def read(self, rank: int, local: str, start: tuple[int, ...], size: tuple[int, ...]) -> "Any":
+        """Elements ``start/size`` of local tensor ``local`` on ``rank`` (coordinates on the
+        tensor's own dimensions), as a torch tensor."""
+        from safetensors import safe_open
+
+        path = self.locations[(rank, local)]
+        key = (rank, path)
+        if key not in self._files:
+            self._files[key] = self._stack.enter_context(safe_open(path, framework="pt"))
+        return self._files[key].get_slice(local)[slices(start, size)]
+
+    def close(self) -> None:
+        self._stack.close()
+
+
+def check_rank_header(header: dict[str, dict[str, Any]], expected: list[LocalTensor], path: str) -> None:
+    """Refuse a rank file whose tensors differ from the layout's: name the first difference."""
+    where = os.path.basename(path)
+    for lt in expected:
+        if lt.name not in header:
+            raise RefitError(f"{where}: tensor {lt.name!r} is missing")
+        info = header[lt.name]
+        if tuple(info["shape"]) != lt.shape:
+            raise RefitError(f"{where}: {lt.name!r} has shape {info['shape']}, the layout needs {list(lt.shape)}")
+        dtype = _ST_DTYPES.get(info["dtype"], info["dtype"])
+        if dtype != lt.dtype:
+            raise RefitError(f"{where}: {lt.name!r} is {dtype}, the layout needs {lt.dtype}")
+    extra = sorted(set(header) - {lt.name for lt in expected})
+    if extra:
+        raise RefitError(f"{where}: unexpected tensor {extra[0]!r} for this layout")
+
+
+# ---------------------------------------------------------------------------------------------
+# Writing
+
+
+class SafetensorsWriter:
+    """Writes a .safetensors file one tensor at a time; the header is known up front."""
+
+    def __init__(self, path: str, tensors: Iterable[tuple[str, tuple[int, ...], str]],
+                 metadata: dict[str, str] | None = None) -> None:
+        header: dict[str, Any] = {"__metadata__": metadata} if metadata else {}
+        offset = 0
+        self._order: list[str] = []
+        self._nbytes: dict[str, int] = {}
+        for name, shape, dtype in tensors:
+            n = DTYPE_BYTES[dtype]
+            for d in shape:
+                n *= d
+            header[name] = {"dtype": _TO_ST[dtype], "shape": list(shape), "data_offsets": [offset, offset + n]}
+            self._order.append(name)
+            self._nbytes[name] = n
+            offset += n
+        blob = json.dumps(header, separators=(",", ":")).encode()
+        blob += b" " * (-len(blob) % 8)
+        self._file = open(path + ".partial", "wb")
+        self._path = path
+        self._file.write(struct.pack("<Q", len(blob)) + blob)
+        self._next = 0
+
+    def write(self, name: str, tensor: Any) -> None:
+        """Tensors must come in the order they were declared."""
+        if self._order[self._next] != name:
+            raise AssertionError(f"wrote {name} but {self._order[self._next]} is next")
+        import torch
+
+        data = tensor.contiguous().view(-1).view(torch.uint8).numpy().tobytes()
+        if len(data) != self._nbytes[name]:
+            raise AssertionError(f"{name}: {len(data)} bytes, declared {self._nbytes[name]}")
+        self._file.write(data)
+        self._next += 1
+
+    def close(self) -> None:
+        if self._next != len(self._order):
+            raise AssertionError(f"{len(self._order) - self._next} tensors not written")
+        self._file.close()
+        os.replace(self._path + ".partial", self._path)
+
+
+# ---------------------------------------------------------------------------------------------
+# Resharding
+
+
+def assemble(spec: ModelSpec, lt: LocalTensor, reader: ShardReader, src_index: "Any") -> "Any":
+    """Build one destination local tensor from the source files; padding stays zero."""
+    import torch
+
+    from planners.base import sources_for
+
+    out = torch.zeros(lt.shape, dtype=getattr(torch, lt.dtype))
+    ndim_cache: dict[str, int] = {}
+    for piece in lt.pieces:
+        ndim = ndim_cache.setdefault(piece.tensor, len(spec[piece.tensor].shape))
+        view = out.view(lt.view_shape(ndim))
+        for part, ranks in sources_for(src_index, piece.tensor, (piece.start, piece.size), f"{lt.name}"):
+            rank = ranks[0]
+            src = reader.index(rank)
+            for region in src.regions(piece.tensor, part):
+                canon = tuple(p + b for p, b in zip(part[0], region.box_start))
+                src_lt = src.tensors[region.local]
+                lead = ndim - len(src_lt.shape)
+                data = reader.read(rank, region.local, region.local_start[lead:], region.size[lead:])
+                at = tuple(l + c - s for l, c, s in zip(piece.local_start, canon, piece.start))
+                view[slices(at, region.size)] = data.reshape(region.size)
+    return out
+
+
+def reshard(spec: ModelSpec, src: Layout, dst: Layout, in_dir: str, out_dir: str,
+            hf_config: dict[str, Any] | None = None, progress: Callable[[int], None] | None = None) -> dict[str, Any]:
+    """Convert ``in_dir`` (layout ``src``) into ``out_dir`` (layout ``dst``), bit-exact.  Layouts
+    must be resolved.  Returns a small report (files, tensors, bytes)."""
+    from planners.base import source_index
+
+    reader = ShardReader(spec, src, in_dir)  # checks every input file before writing anything
+    index = source_index(spec, src)
+    os.makedirs(out_dir, exist_ok=True)
+    files, tensors, nbytes = [], 0, 0
+    try:
+        for rank in range(dst.world_size):
+            locals_ = dst.local_tensors(spec, rank)
+            path = os.path.join(out_dir, "model.safetensors") if dst.framework == "hf" else rank_file(out_dir, rank)
+            writer = SafetensorsWriter(path, [(lt.name, lt.shape, lt.dtype) for lt in locals_],
+                                       {"format": "pt", "refit_layout": dst.describe(), "refit_rank": str(rank)})
+            for lt in locals_:
+                writer.write(lt.name, assemble(spec, lt, reader, index))
+                tensors += 1
+                nbytes += lt.nbytes
+                if progress:
+                    progress(lt.nbytes)
+            writer.close()
+            files.append(path)
+            log.info("wrote %s (%d tensors)", path, len(locals_))
+    finally:
+        reader.close()
+    if dst.framework == "hf" and hf_config is not None:
+        with open(os.path.join(out_dir, "config.json"), "w") as f:
+            json.dump(hf_config, f, indent=2)
+        files.append(os.path.join(out_dir, "config.json"))
+    return {"files": len(files), "tensors": tensors, "bytes": nbytes, "out": out_dir}

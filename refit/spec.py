@@ -1,0 +1,362 @@
+"""Model specs: the canonical tensors of a model, in Hugging Face naming.
+
+A *canonical tensor* is the unit every layout is described against.  To keep plans small, refit
+stacks what repeats:
+
+* every per-layer tensor becomes one tensor with a leading layer dimension, named with a ``*``
+  in place of the layer number: ``model.layers.*.self_attn.q_proj.weight`` is ``[L, nq*hd, H]``;
+* MoE experts add an expert dimension: ``model.layers.*.mlp.experts.*.gate_proj.weight`` is
+  ``[L_moe, E, I, H]``.
+
+An HF checkpoint tensor (``model.layers.3.mlp.experts.7.gate_proj.weight``) is then one box of a
+canonical tensor, and a vLLM rank's ``w13_weight`` for all layers is a handful of boxes instead of
+thousands.  Nothing here imports torch: specs are pure data.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import math
+import os
+import re
+import struct
+from dataclasses import dataclass, field
+from typing import Any, Iterator
+
+from refit.errors import RefitError
+
+DTYPE_BYTES = {"bfloat16": 2, "float16": 2, "float32": 4, "float8_e4m3fn": 1}
+# safetensors header dtype codes -> our dtype names
+_ST_DTYPES = {"BF16": "bfloat16", "F16": "float16", "F32": "float32", "F8_E4M3": "float8_e4m3fn"}
+
+SUPPORTED_ARCHS = ("llama", "qwen2", "qwen3", "qwen3_moe")
+
+
+@dataclass(frozen=True)
+class ModelConfig:
+    """The numbers that decide every tensor's shape and how frameworks split it."""
+
+    arch: str
+    hidden_size: int
+    num_layers: int
+    num_heads: int
+    num_kv_heads: int
+    head_dim: int
+    intermediate_size: int
+    vocab_size: int
+    tie_embeddings: bool = False
+    qkv_bias: bool = False
+    qk_norm: bool = False
+    num_experts: int = 0
+    moe_intermediate_size: int = 0
+    moe_layers: tuple[int, ...] = ()
+    dtype: str = "bfloat16"
+
+    @property
+    def is_moe(self) -> bool:
+        return self.num_experts > 0 and len(self.moe_layers) > 0
+
+    @property
+    def dense_layers(self) -> tuple[int, ...]:
+        moe = set(self.moe_layers)
+        return tuple(l for l in range(self.num_layers) if l not in moe)
+
+    @classmethod
+    def from_hf(cls, cfg: dict[str, Any]) -> "ModelConfig":
+        """Read an HF ``config.json`` dict; refuse architectures refit does not know."""
+        arch = cfg.get("model_type", "")
+        if arch not in SUPPORTED_ARCHS:
+            archs = cfg.get("architectures") or []
+            raise RefitError(
+                f"unsupported model_type {arch!r} (architectures {archs}); "
+                f"refit knows {', '.join(SUPPORTED_ARCHS)}"
+            )
+        try:
+            hidden = int(cfg["hidden_size"])
+            heads = int(cfg["num_attention_heads"])
+            layers = int(cfg["num_hidden_layers"])
+            vocab = int(cfg["vocab_size"])
+        except KeyError as e:
+            raise RefitError(f"config.json lacks {e.args[0]!r}") from None
+        kv = int(cfg.get("num_key_value_heads") or heads)
+        head_dim = int(cfg.get("head_dim") or hidden // heads)
+        experts, moe_inter, moe_layers = 0, 0, ()
+        if arch == "qwen3_moe":
+            experts = int(cfg.get("num_experts", 0))
+            moe_inter = int(cfg.get("moe_intermediate_size", 0))
+            step = int(cfg.get("decoder_sparse_step", 1) or 1)
+            only_mlp = set(cfg.get("mlp_only_layers") or [])
+            # The rule of transformers' Qwen3MoeDecoderLayer: which layers get a sparse block.
+            moe_layers = tuple(
+                l for l in range(layers) if l not in only_mlp and experts > 0 and (l + 1) % step == 0
+            )
+        dtype = str(cfg.get("torch_dtype") or cfg.get("dtype") or "bfloat16")
+        if dtype not in DTYPE_BYTES:
+            raise RefitError(f"unsupported dtype {dtype!r}; refit knows {', '.join(DTYPE_BYTES)}")
+        return cls(
+            arch=arch,
+            hidden_size=hidden,
+            num_layers=layers,
+            num_heads=heads,
+            num_kv_heads=kv,
+            head_dim=head_dim,
+            intermediate_size=int(cfg.get("intermediate_size", 0)),
+            vocab_size=vocab,
+            tie_embeddings=bool(cfg.get("tie_word_embeddings", False)),
+            qkv_bias=arch == "qwen2" or bool(cfg.get("attention_bias", False)),
+            qk_norm=arch in ("qwen3", "qwen3_moe"),
+            num_experts=experts,
+            moe_intermediate_size=moe_inter,
+            moe_layers=moe_layers,
+            dtype=dtype,
+        )
+
+
+@dataclass(frozen=True)
+class TensorSpec:
+    """One canonical tensor.  ``layers`` lists the global layer held at each index of dim 0 for
+    stacked per-layer tensors (names containing ``model.layers.*``); it is empty otherwise."""
+
+    name: str
+    shape: tuple[int, ...]
+    dtype: str
+    layers: tuple[int, ...] = ()
+
+    @property
+    def numel(self) -> int:
+        return math.prod(self.shape)
+
+    @property
+    def nbytes(self) -> int:
+        return self.numel * DTYPE_BYTES[self.dtype]
+
+    @property
+    def is_experts(self) -> bool:
+        return ".experts.*." in self.name
+
+    def hf_name(self, layer: int | None = None, expert: int | None = None) -> str:
+        name = self.name
+        if layer is not None:
+            name = name.replace("*", str(layer), 1)
+        if expert is not None:
+            name = name.replace("*", str(expert), 1)
+        return name
+
+
+@dataclass(frozen=True)
+class HFTensor:
+    """One tensor of an HF checkpoint: a box ``start/size`` of canonical ``tensor``."""
+
+    name: str
+    shape: tuple[int, ...]
+    tensor: str
+    start: tuple[int, ...]
+    size: tuple[int, ...]
+
+
+@dataclass(frozen=True)
+class ModelSpec:
+    name: str
+    config: ModelConfig
+    tensors: tuple[TensorSpec, ...] = field(repr=False)
+
+    def __post_init__(self) -> None:
+        object.__setattr__(self, "_by_name", {t.name: t for t in self.tensors})
+        layer_pos: dict[str, dict[int, int]] = {
+            t.name: {l: i for i, l in enumerate(t.layers)} for t in self.tensors
+        }
+        object.__setattr__(self, "_layer_pos", layer_pos)
+
+    def __getitem__(self, name: str) -> TensorSpec:
+        return self._by_name[name]  # type: ignore[attr-defined]
+
+    def __contains__(self, name: str) -> bool:
+        return name in self._by_name  # type: ignore[attr-defined]
+
+    def layer_pos(self, name: str, layer: int) -> int:
+        """Index along dim 0 of stacked tensor ``name`` where global ``layer`` lives."""
+        return self._layer_pos[name][layer]  # type: ignore[attr-defined]
+
+    @property
+    def num_params(self) -> int:
+        return sum(t.numel for t in self.tensors)
+
+    @property
+    def nbytes(self) -> int:
+        return sum(t.nbytes for t in self.tensors)
+
+    def digest(self) -> str:
+        """Identifies the model's tensors (names, shapes, dtypes) — equal on both ends of a refit."""
+        blob = json.dumps([[t.name, list(t.shape), t.dtype] for t in self.tensors])
+        return hashlib.sha256(blob.encode()).hexdigest()[:16]
+
+    def hf_tensors(self) -> Iterator[HFTensor]:
+        """The tensors of an ordinary HF checkpoint of this model, as boxes of canonical ones."""
+        for t in self.tensors:
+            if not t.layers:
+                yield HFTensor(t.name, t.shape, t.name, (0,) * len(t.shape), t.shape)
+                continue
+            for pos, layer in enumerate(t.layers):
+                if t.is_experts:
+                    inner = t.shape[2:]
+                    for e in range(t.shape[1]):
+                        yield HFTensor(
+                            t.hf_name(layer, e), inner, t.name, (pos, e) + (0,) * len(inner), (1, 1) + inner
+                        )
+                else:
+                    inner = t.shape[1:]
+                    yield HFTensor(t.hf_name(layer), inner, t.name, (pos,) + (0,) * len(inner), (1,) + inner)
+
+
+def build_spec(name: str, cfg: ModelConfig) -> ModelSpec:
+    """The canonical tensors of a model with config ``cfg``."""
+    H, hd, dt = cfg.hidden_size, cfg.head_dim, cfg.dtype
+    all_layers = tuple(range(cfg.num_layers))
+    out: list[TensorSpec] = [TensorSpec("model.embed_tokens.weight", (cfg.vocab_size, H), dt)]
+
+    def per_layer(suffix: str, shape: tuple[int, ...], layers: tuple[int, ...] = all_layers) -> None:
+        if layers:
+            out.append(TensorSpec(f"model.layers.*.{suffix}", (len(layers),) + shape, dt, layers))
+
+    q_rows, kv_rows = cfg.num_heads * hd, cfg.num_kv_heads * hd
+    per_layer("input_layernorm.weight", (H,))
+    per_layer("self_attn.q_proj.weight", (q_rows, H))
+    per_layer("self_attn.k_proj.weight", (kv_rows, H))
+    per_layer("self_attn.v_proj.weight", (kv_rows, H))
+    if cfg.qkv_bias:
+        per_layer("self_attn.q_proj.bias", (q_rows,))
+        per_layer("self_attn.k_proj.bias", (kv_rows,))
+        per_layer("self_attn.v_proj.bias", (kv_rows,))
+    if cfg.qk_norm:
+        per_layer("self_attn.q_norm.weight", (hd,))
+        per_layer("self_attn.k_norm.weight", (hd,))
+    per_layer("self_attn.o_proj.weight", (H, q_rows))
+    per_layer("post_attention_layernorm.weight", (H,))
+    dense = cfg.dense_layers
+    per_layer("mlp.gate_proj.weight", (cfg.intermediate_size, H), dense)
+    per_layer("mlp.up_proj.weight", (cfg.intermediate_size, H), dense)
+    per_layer("mlp.down_proj.weight", (H, cfg.intermediate_size), dense)
+    if cfg.is_moe:
+        E, I = cfg.num_experts, cfg.moe_intermediate_size
+        per_layer("mlp.gate.weight", (E, H), cfg.moe_layers)
+        per_layer("mlp.experts.*.gate_proj.weight", (E, I, H), cfg.moe_layers)
+        per_layer("mlp.experts.*.up_proj.weight", (E, I, H), cfg.moe_layers)
+        per_layer("mlp.experts.*.down_proj.weight", (E, H, I), cfg.moe_layers)
+    out.append(TensorSpec("model.norm.weight", (H,), dt))
+    if not cfg.tie_embeddings:
+        out.append(TensorSpec("lm_head.weight", (cfg.vocab_size, H), dt))
+    return ModelSpec(name, cfg, tuple(out))
+
+
+# ---------------------------------------------------------------------------------------------
+# Reading models from disk
+
+
+def read_safetensors_header(path: str) -> dict[str, dict[str, Any]]:
+    """Tensor name -> {"dtype", "shape", "data_offsets"} from a .safetensors file's header only."""
+    with open(path, "rb") as f:
+        raw = f.read(8)
+        if len(raw) != 8:
+            raise RefitError(f"{path}: not a safetensors file (too short)")
+        (n,) = struct.unpack("<Q", raw)
+        if n > 100 * 2**20:
+            raise RefitError(f"{path}: not a safetensors file (header of {n} bytes)")
+        header = json.loads(f.read(n))
+    header.pop("__metadata__", None)
+    return header
+
+
+def checkpoint_tensors(directory: str) -> dict[str, tuple[tuple[int, ...], str, str]]:
+    """HF checkpoint tensor name -> (shape, dtype, file) for every *.safetensors in ``directory``."""
+    files = sorted(f for f in os.listdir(directory) if f.endswith(".safetensors"))
+    found: dict[str, tuple[tuple[int, ...], str, str]] = {}
+    for fname in files:
+        path = os.path.join(directory, fname)
+        for name, info in read_safetensors_header(path).items():
+            dtype = _ST_DTYPES.get(info["dtype"], info["dtype"])
+            found[name] = (tuple(info["shape"]), dtype, path)
+    return found
+
+
+def _config_from_headers(tensors: dict[str, tuple[tuple[int, ...], str, str]]) -> dict[str, Any]:
+    """Guess an HF config from tensor names and shapes (when a checkpoint has no config.json)."""
+    def shape(name: str) -> tuple[int, ...]:
+        if name not in tensors:
+            raise RefitError(f"checkpoint has no config.json and no {name!r} to infer it from")
+        return tensors[name][0]
+
+    vocab, hidden = shape("model.embed_tokens.weight")
+    layers = 1 + max(int(m.group(1)) for n in tensors if (m := re.match(r"model\.layers\.(\d+)\.", n)))
+    q_rows = shape("model.layers.0.self_attn.q_proj.weight")[0]
+    kv_rows = shape("model.layers.0.self_attn.k_proj.weight")[0]
+    if "model.layers.0.self_attn.q_norm.weight" not in tensors:
+        raise RefitError("checkpoint has no config.json; without q_norm the head size cannot be inferred")
+    head_dim = shape("model.layers.0.self_attn.q_norm.weight")[0]
+    cfg: dict[str, Any] = {
+        "hidden_size": hidden, "vocab_size": vocab, "num_hidden_layers": layers, "head_dim": head_dim,
+        "num_attention_heads": q_rows // head_dim, "num_key_value_heads": kv_rows // head_dim,
+        "tie_word_embeddings": "lm_head.weight" not in tensors,
+        "torch_dtype": tensors["model.embed_tokens.weight"][1],
+    }
+    experts = {int(m.group(1)) for n in tensors if (m := re.match(r"model\.layers\.\d+\.mlp\.experts\.(\d+)\.", n))}
+    if experts:
+        moe = sorted({int(m.group(1)) for n in tensors if (m := re.match(r"model\.layers\.(\d+)\.mlp\.experts\.", n))})
+        cfg.update(model_type="qwen3_moe", num_experts=len(experts),
+                   moe_intermediate_size=shape(f"model.layers.{moe[0]}.mlp.experts.0.gate_proj.weight")[0],
+                   mlp_only_layers=[l for l in range(layers) if l not in moe])
+        dense = [l for l in range(layers) if l not in moe]
+        if dense:
+            cfg["intermediate_size"] = shape(f"model.layers.{dense[0]}.mlp.gate_proj.weight")[0]
+    else:
+        cfg.update(model_type="qwen3", intermediate_size=shape("model.layers.0.mlp.gate_proj.weight")[0])
+    return cfg
+
+
+def spec_from_dir(directory: str) -> ModelSpec:
+    """Spec of the model in ``directory``: from its config.json, checked against (or, without one,
+    inferred from) the safetensors headers.  No tensor data is read."""
+    cfg_path = os.path.join(directory, "config.json")
+    tensors = checkpoint_tensors(directory)
+    if os.path.exists(cfg_path):
+        with open(cfg_path) as f:
+            hf_cfg = json.load(f)
+    elif tensors:
+        hf_cfg = _config_from_headers(tensors)
+    else:
+        raise RefitError(f"{directory}: neither config.json nor *.safetensors found")
+    if tensors and "torch_dtype" not in hf_cfg and "dtype" not in hf_cfg:
+        hf_cfg["torch_dtype"] = next(iter(tensors.values()))[1]
+    spec = build_spec(os.path.basename(os.path.normpath(directory)), ModelConfig.from_hf(hf_cfg))
+    if tensors:
+        check_checkpoint(spec, tensors, directory)
+    return spec
+
+
+def check_checkpoint(spec: ModelSpec, tensors: dict[str, tuple[tuple[int, ...], str, str]], where: str) -> None:
+    """Refuse a checkpoint whose tensors differ from the spec: name the first difference."""
+    expected = {t.name: t for t in spec.hf_tensors()}
+    for name, t in expected.items():
+        if name not in tensors:
+            raise RefitError(f"{where}: tensor {name!r} missing from the checkpoint")
+        shape, dtype, path = tensors[name]
+        if shape != t.shape:
+            raise RefitError(f"{where}: {name!r} has shape {list(shape)}, the config implies {list(t.shape)}")
+        want = spec[t.tensor].dtype
+        if dtype != want:
+            raise RefitError(f"{where}: {name!r} is {dtype}, expected {want}")
+    extra = sorted(set(tensors) - set(expected))
+    if extra:
+        raise RefitError(f"{where}: unexpected tensor {extra[0]!r} (and {len(extra) - 1} more)"
+                         if len(extra) > 1 else f"{where}: unexpected tensor {extra[0]!r}")
+
+
+def load_spec(model: str) -> ModelSpec:
+    """A catalog name (``qwen3-30b-moe``) or a directory with config.json and/or safetensors."""
+    from refit.catalog import CATALOG
+
+    if model in CATALOG:
+        return build_spec(model, ModelConfig.from_hf(CATALOG[model]))
+    if os.path.isdir(model):
+        return spec_from_dir(model)
+    raise RefitError(f"unknown model {model!r}: not a directory, and not one of {', '.join(CATALOG)}")

@@ -1,0 +1,92 @@
+"""Hypothesis strategies: small random models and layouts that can split them."""
+
+from __future__ import annotations
+
+from hypothesis import strategies as st
+
+from refit.layouts import FsdpLayout, HFLayout, MegatronLayout, VllmLayout
+from refit.spec import ModelConfig, ModelSpec, build_spec
+
+
+def divisors(n: int, limit: int = 8) -> list[int]:
+    return [d for d in range(1, min(n, limit) + 1) if n % d == 0]
+
+
+@st.composite
+def model_specs(draw) -> ModelSpec:
+    arch = draw(st.sampled_from(["llama", "qwen2", "qwen3", "qwen3_moe"]))
+    kv = draw(st.sampled_from([1, 2, 4]))
+    heads = kv * draw(st.sampled_from([1, 2, 3]))
+    head_dim = draw(st.sampled_from([2, 4]))
+    layers = draw(st.integers(1, 6))
+    experts, moe_inter, moe_layers = 0, 0, ()
+    if arch == "qwen3_moe":
+        experts = draw(st.sampled_from([2, 3, 4, 8]))
+        moe_inter = draw(st.sampled_from([4, 6, 8, 12]))
+        step = draw(st.sampled_from([1, 1, 2]))
+        moe_layers = tuple(l for l in range(layers) if (l + 1) % step == 0)
+    cfg = ModelConfig(
+        arch=arch, hidden_size=draw(st.sampled_from([4, 8, 12])), num_layers=layers, num_heads=heads,
+        num_kv_heads=kv, head_dim=head_dim, intermediate_size=draw(st.sampled_from([8, 12, 24])),
+        vocab_size=draw(st.integers(3, 70)), tie_embeddings=draw(st.booleans()),
+        qkv_bias=arch == "qwen2", qk_norm=arch.startswith("qwen3"), num_experts=experts,
+        moe_intermediate_size=moe_inter, moe_layers=moe_layers, dtype="bfloat16")
+    return build_spec(f"random-{arch}", cfg)
+
+
+@st.composite
+def megatron_layouts(draw, spec: ModelSpec) -> MegatronLayout:
+    c = spec.config
+    tp_choices = [d for d in divisors(c.num_kv_heads) if c.intermediate_size % d == 0]
+    tp = draw(st.sampled_from(tp_choices))
+    cp = draw(st.sampled_from([1, 1, 2]))
+    ep, etp = 1, None
+    if c.is_moe:
+        ep = draw(st.sampled_from(divisors(c.num_experts, 4)))
+        etp = draw(st.sampled_from(divisors(c.moe_intermediate_size, 4)))
+    pp = draw(st.sampled_from([p for p in (1, 2, 3) if p <= c.num_layers]))
+    vpp, first, last = 1, None, None
+    if pp > 1:
+        even = [v for v in (1, 2) if c.num_layers % (pp * v) == 0]
+        if even and draw(st.booleans()):
+            vpp = draw(st.sampled_from(even))
+        else:  # an uneven split: give the first stage between 0 and the rest's share
+            rest = pp - 1
+            first = draw(st.integers(0, c.num_layers))
+            if (c.num_layers - first) % rest:
+                first = c.num_layers % rest
+    base = MegatronLayout(tp=tp, pp=pp, vpp=vpp, ep=ep, etp=etp, cp=cp, first=first, last=last)
+    dp = base.dp_ * draw(st.sampled_from([1, 1, 2]))
+    return MegatronLayout(tp=tp, pp=pp, vpp=vpp, ep=ep, etp=etp, cp=cp, dp=dp, first=first, last=last)
+
+
+@st.composite
+def vllm_layouts(draw, spec: ModelSpec) -> VllmLayout:
+    c = spec.config
+    tp_choices = [t for t in range(1, 9) if c.num_heads % t == 0 and c.intermediate_size % t == 0
+                  and (c.num_kv_heads % t == 0 or t % c.num_kv_heads == 0)
+                  and (-(-c.vocab_size // 64) * 64) % t == 0]
+    tp = draw(st.sampled_from(tp_choices))
+    dp = draw(st.sampled_from([1, 1, 2, 3]))
+    if c.is_moe:
+        use_ep = draw(st.booleans()) and c.num_experts >= tp * dp
+        if not use_ep and c.moe_intermediate_size % (tp * dp):
+            dp = 1
+            if c.moe_intermediate_size % tp:
+                use_ep = c.num_experts >= tp
+        return VllmLayout(tp=tp, dp=dp, ep=tp * dp if use_ep else None)
+    return VllmLayout(tp=tp, dp=dp)
+
+
+@st.composite
+def layouts(draw, spec: ModelSpec):
+    kind = draw(st.sampled_from(["megatron", "megatron", "vllm", "vllm", "fsdp", "hf"]))
+    if kind == "megatron":
+        layout = draw(megatron_layouts(spec))
+    elif kind == "vllm":
+        layout = draw(vllm_layouts(spec))
+    elif kind == "fsdp":
+        layout = FsdpLayout(dp=draw(st.integers(1, 5)))
+    else:
+        layout = HFLayout()
+    return layout.resolve(spec)
