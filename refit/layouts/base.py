@@ -103,8 +103,8 @@ def holdings(spec: ModelSpec, layout: Layout, rank: int) -> dict[str, list[Box]]
     """Canonical tensor -> the boxes a rank holds, coalesced."""
     boxes: dict[str, list[Box]] = defaultdict(list)
     for lt in layout.local_tensors(spec, rank):
-        for p in lt.pieces:
-            boxes[p.tensor].append((p.start, p.size))
+        for tensor, start, size, _ in lt.pieces:  # unpacking: this loop is hot for MoE models
+            boxes[tensor].append((start, size))
     return {name: merge_boxes(bs) for name, bs in boxes.items()}
 
 

@@ -1,0 +1,76 @@
+"""Planner speed: how long `make_plan` takes from layout strings to a finished, summarised plan.
+
+Each measurement is cold: the holdings cache is cleared first, so layouts are expanded and boxes
+merged every time, as in a fresh process.  The process is pinned to one core.
+
+    python bench/plan_speed.py [--repeat 7] [--json]
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import platform
+import statistics
+import sys
+import time
+
+sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+
+from planners import make_plan  # noqa: E402
+from refit.layouts import all_holdings  # noqa: E402
+from refit.spec import load_spec  # noqa: E402
+
+# (model, src, dst, placement, planner, target seconds or None)
+CASES = [
+    ("qwen3-30b-moe", "tp4ep8", "tp8", "colocated", "p2p", 0.050),
+    ("qwen3-235b-moe", "megatron:tp4pp4ep16", "vllm:tp8dp8", "colocated", "p2p", 1.0),
+    ("qwen3-30b-moe", "tp2ep2", "tp2", "colocated", "p2p", None),
+    ("qwen3-30b-moe", "tp4ep8", "vllm:tp4ep4", "disaggregated", "p2p", None),
+    ("qwen3-30b-moe", "tp4ep8", "tp8", "colocated", "broadcast", None),
+    ("llama3.1-70b", "megatron:tp8pp4vpp5", "vllm:tp8dp4", "colocated", "p2p", None),
+]
+
+
+def measure(model: str, src: str, dst: str, placement: str, planner: str, repeat: int) -> dict:
+    spec = load_spec(model)
+    times = []
+    for _ in range(repeat):
+        all_holdings.cache_clear()
+        t0 = time.perf_counter()
+        result = make_plan(spec, src, dst, placement, planner)
+        times.append(time.perf_counter() - t0)
+    s = result.summary
+    return {"model": model, "src": s["src"], "dst": s["dst"], "placement": placement, "planner": planner,
+            "median_s": statistics.median(times), "min_s": min(times), "num_transfers": s["num_transfers"],
+            "plan_id": s["plan_id"]}
+
+
+def main() -> int:
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("--repeat", type=int, default=7)
+    ap.add_argument("--json", action="store_true")
+    args = ap.parse_args()
+    if hasattr(os, "sched_setaffinity"):
+        os.sched_setaffinity(0, {sorted(os.sched_getaffinity(0))[-1]})
+    rows = []
+    for model, src, dst, placement, planner, target in CASES:
+        r = measure(model, src, dst, placement, planner, args.repeat)
+        r["target_s"] = target
+        r["ok"] = None if target is None else r["median_s"] <= target
+        rows.append(r)
+    if args.json:
+        print(json.dumps({"machine": platform.processor() or platform.machine(), "cases": rows}, indent=2))
+    else:
+        print(f"{'model':<16}{'src':<42}{'dst':<16}{'placement':<15}{'planner':<10}{'median':>9}{'min':>9}"
+              f"{'transfers':>10}  target")
+        for r in rows:
+            tgt = "" if r["target_s"] is None else f"<= {r['target_s'] * 1e3:.0f} ms {'ok' if r['ok'] else 'MISSED'}"
+            print(f"{r['model']:<16}{r['src']:<42}{r['dst']:<16}{r['placement']:<15}{r['planner']:<10}"
+                  f"{r['median_s'] * 1e3:>7.1f}ms{r['min_s'] * 1e3:>7.1f}ms{r['num_transfers']:>10}  {tgt}")
+    return 0 if all(r["ok"] is not False for r in rows) else 1
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,49 @@
+"""Tiny models and HF checkpoints for tests (written with refit's own streaming writer, random
+bf16 values, no transformers needed)."""
+
+from __future__ import annotations
+
+import json
+import os
+
+import torch
+
+from refit.reshard import SafetensorsWriter
+from refit.spec import ModelConfig, ModelSpec, build_spec
+
+TINY_CONFIGS = {
+    "tiny-qwen3-moe": {"model_type": "qwen3_moe", "architectures": ["Qwen3MoeForCausalLM"], "hidden_size": 32,
+                       "num_hidden_layers": 4, "num_attention_heads": 4, "num_key_value_heads": 2, "head_dim": 8,
+                       "intermediate_size": 48, "moe_intermediate_size": 16, "num_experts": 8,
+                       "num_experts_per_tok": 2, "decoder_sparse_step": 1, "mlp_only_layers": [1],
+                       "vocab_size": 300, "tie_word_embeddings": False, "torch_dtype": "bfloat16"},
+    "tiny-qwen2": {"model_type": "qwen2", "architectures": ["Qwen2ForCausalLM"], "hidden_size": 32,
+                   "num_hidden_layers": 4, "num_attention_heads": 4, "num_key_value_heads": 2,
+                   "intermediate_size": 64, "vocab_size": 250, "tie_word_embeddings": True, "torch_dtype": "bfloat16"},
+    "tiny-llama": {"model_type": "llama", "architectures": ["LlamaForCausalLM"], "hidden_size": 32,
+                   "num_hidden_layers": 4, "num_attention_heads": 8, "num_key_value_heads": 8,
+                   "intermediate_size": 64, "vocab_size": 129, "tie_word_embeddings": False, "torch_dtype": "bfloat16"},
+}
+
+
+def tiny_spec(name: str) -> ModelSpec:
+    return build_spec(name, ModelConfig.from_hf(TINY_CONFIGS[name]))
+
+
+def write_hf_checkpoint(directory: str, name: str, seed: int = 0, files: int = 2) -> ModelSpec:
+    """An HF checkpoint directory with random weights, split over ``files`` safetensors files."""
+    spec = tiny_spec(name)
+    os.makedirs(directory, exist_ok=True)
+    with open(os.path.join(directory, "config.json"), "w") as f:
+        json.dump(TINY_CONFIGS[name], f)
+    gen = torch.Generator().manual_seed(seed)
+    hf = list(spec.hf_tensors())
+    per_file = -(-len(hf) // files)
+    for i in range(files):
+        chunk = hf[i * per_file:(i + 1) * per_file]
+        path = os.path.join(directory, f"model-{i + 1:05d}-of-{files:05d}.safetensors")
+        w = SafetensorsWriter(path, [(t.name, t.shape, "bfloat16") for t in chunk], {"format": "pt"})
+        for t in chunk:
+            w.write(t.name, torch.randn(t.shape, generator=gen).to(torch.bfloat16))
+        w.close()
+    return spec
