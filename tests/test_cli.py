@@ -1,0 +1,72 @@
+"""The `refit` command line as a user meets it."""
+
+from __future__ import annotations
+
+import json
+import subprocess
+import sys
+
+import pytest
+
+from refit.cli import main
+
+
+def run(capsys, *argv: str) -> tuple[int, str, str]:
+    rc = main(list(argv))
+    out, err = capsys.readouterr()
+    return rc, out, err
+
+
+def test_models_lists_the_catalog(capsys):
+    rc, out, _ = run(capsys, "models")
+    assert rc == 0
+    for name in ("qwen3-30b-moe", "qwen3-235b-moe", "qwen3-8b", "qwen3-32b", "llama3.1-8b", "llama3.1-70b"):
+        assert name in out
+    assert "30.53B" in out and "61.1 GB" in out
+    rc, out, _ = run(capsys, "models", "--json")
+    rows = {r["name"]: r for r in json.loads(out)}
+    assert rows["qwen3-235b-moe"]["params"] == 235_093_634_560
+
+
+def test_plan_json_has_the_summary_fields(capsys, tmp_path):
+    out_file = tmp_path / "plan.json"
+    rc, out, _ = run(capsys, "plan", "--model", "qwen3-30b-moe", "--src", "tp4ep8", "--dst", "tp8", "--json",
+                     "--out", str(out_file))
+    assert rc == 0
+    doc = json.loads(out)
+    s = doc["summary"]
+    for key in ("total_bytes", "local_bytes", "remote_bytes", "max_send_bytes", "max_recv_bytes", "num_transfers",
+                "plan_id", "plan_seconds"):
+        assert key in s
+    assert doc["src"]["layout"] == "megatron:tp4ep8etp1dp2" and doc["dst"]["world_size"] == 8
+    assert s["local_bytes"] + s["remote_bytes"] == s["total_bytes"]
+    assert json.loads(out_file.read_text())["format"] == 1
+
+
+def test_plan_text_prints_resolved_layouts(capsys):
+    rc, out, _ = run(capsys, "plan", "--model", "qwen3-30b-moe", "--src", "tp2ep2", "--dst", "tp2")
+    assert rc == 0
+    assert "megatron:tp2ep2etp1dp1" in out and "edp=1" in out and "plan_id" in out
+
+
+@pytest.mark.parametrize("argv,msg", [
+    (["plan", "--model", "qwen9", "--src", "tp2", "--dst", "tp2"], "unknown model 'qwen9'"),
+    (["plan", "--model", "qwen3-30b-moe", "--src", "tp3", "--dst", "tp2"], "attention heads (32) is not divisible by tp (3)"),
+    (["plan", "--model", "qwen3-30b-moe", "--src", "tp2", "--dst", "foo:tp2"], "unknown framework 'foo'"),
+    (["plan", "--model", "qwen3-30b-moe", "--src", "tp2", "--dst", "tp2", "--bucket-mb", "0.001"], "too small"),
+    (["layout", "--model", "qwen3-8b", "tp2", "--rank", "5"], "rank 5 is outside"),
+])
+def test_bad_input_is_one_clear_line(capsys, argv, msg):
+    rc, out, err = run(capsys, *argv)
+    assert rc == 2 and msg in err and "Traceback" not in err
+
+
+def test_console_script_help_teaches(tmp_path):
+    out = subprocess.run([sys.executable, "-m", "refit.cli", "plan", "--help"], capture_output=True, text=True)
+    assert out.returncode == 0
+    assert "megatron:tp4ep8" in out.stdout and "--placement" in out.stdout and "--json" in out.stdout
+
+
+def test_layout_lists_a_ranks_tensors(capsys):
+    rc, out, _ = run(capsys, "layout", "--model", "qwen3-30b-moe", "megatron:tp4ep8", "--rank", "3")
+    assert rc == 0 and "decoder.layers.47.mlp.experts.linear_fc2.weight15" in out
