@@ -5,7 +5,8 @@ Conventions (checked against vllm 0.32's own loaders in tests/test_vllm_conventi
 * Global rank = dp_rank * tp + tp_rank.  Every dp replica holds the attention/dense weights.
 * ``qkv_proj`` = [q heads of this rank; k; v].  With fewer kv heads than tp each kv head is
   replicated on tp/kv ranks (rank r holds kv head r // (tp/kv)).  ``o_proj`` is split on dim 1.
-* ``gate_up_proj`` / ``w13_weight`` = [gate; up] of this rank's shard.
+* ``gate_up_proj`` / ``w13_weight`` = [gate; up] of this rank's shard.  vLLM 0.32 keeps experts
+  under ``mlp.experts.routed_experts.`` (older releases: ``mlp.experts.``).
 * MoE without expert parallel: experts are tensor-split over the *flattened* dp*tp group
   (rank dp*tp + t), ``w13_weight`` [E, 2I/(dp*tp), H], ``w2_weight`` [E, H, I/(dp*tp)].
   With expert parallel the EP group is the same dp*tp ranks; experts are placed linearly, the first
@@ -80,6 +81,10 @@ class VllmLayout:
         if self.ep is not None and not c.is_moe:
             raise RefitError(f"vllm: ep{self.ep} given but {spec.name} has no experts")
         divides("vllm: attention heads", c.num_heads, "tp", self.tp)
+        if c.arch == "qwen2" and c.head_dim * c.num_heads != c.hidden_size:
+            # vLLM's Qwen2Attention ignores config.head_dim and would load narrowed q/k/v silently.
+            raise RefitError(f"vllm: qwen2 with head_dim {c.head_dim} != hidden_size/heads "
+                             f"({c.hidden_size}/{c.num_heads}) is loaded wrongly by vLLM")
         divides(f"vllm: vocab padded to a multiple of {VOCAB_PADDING}", pad_to(c.vocab_size, VOCAB_PADDING), "tp",
                 self.tp)
         if c.num_kv_heads >= self.tp:
@@ -187,9 +192,9 @@ class VllmLayout:
         return [
             LocalTensor(f"{p}mlp.gate.weight", (E, H), dt,
                         (Piece(router, (spec.layer_pos(router, layer), 0, 0), (1, E, H), (0, 0, 0)),)),
-            LocalTensor(f"{p}mlp.experts.w13_weight", (ne, 2 * n, H), dt, (
+            LocalTensor(f"{p}mlp.experts.routed_experts.w13_weight", (ne, 2 * n, H), dt, (
                 Piece(gate, (pos, e0, i0, 0), (1, ne, n, H), (0, 0, 0, 0)),
                 Piece(up, (pos, e0, i0, 0), (1, ne, n, H), (0, 0, n, 0)))),
-            LocalTensor(f"{p}mlp.experts.w2_weight", (ne, H, n), dt,
+            LocalTensor(f"{p}mlp.experts.routed_experts.w2_weight", (ne, H, n), dt,
                         (Piece(down, (pos, e0, 0, i0), (1, ne, H, n), (0, 0, 0, 0)),)),
         ]
