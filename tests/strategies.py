@@ -25,8 +25,11 @@ def model_specs(draw) -> ModelSpec:
         moe_inter = draw(st.sampled_from([4, 6, 8, 12]))
         step = draw(st.sampled_from([1, 1, 2]))
         moe_layers = tuple(l for l in range(layers) if (l + 1) % step == 0)
+    hidden = draw(st.sampled_from([4, 8, 12]))
+    if arch == "qwen2":  # vLLM's Qwen2 derives head_dim from hidden/heads
+        hidden = heads * head_dim
     cfg = ModelConfig(
-        arch=arch, hidden_size=draw(st.sampled_from([4, 8, 12])), num_layers=layers, num_heads=heads,
+        arch=arch, hidden_size=hidden, num_layers=layers, num_heads=heads,
         num_kv_heads=kv, head_dim=head_dim, intermediate_size=draw(st.sampled_from([8, 12, 24])),
         vocab_size=draw(st.integers(3, 70)), tie_embeddings=draw(st.booleans()),
         qkv_bias=arch == "qwen2", qk_norm=arch.startswith("qwen3"), num_experts=experts,
