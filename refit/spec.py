@@ -83,7 +83,8 @@ class ModelConfig:
         head_dim = int(cfg.get("head_dim") or hidden // heads)
         experts, moe_inter, moe_layers = 0, 0, ()
         if arch == "qwen3_moe":
-            experts = int(cfg.get("num_experts", 0))
+            # transformers 5 writes num_local_experts; earlier releases num_experts
+            experts = int(cfg.get("num_experts") or cfg.get("num_local_experts") or 0)
             moe_inter = int(cfg.get("moe_intermediate_size", 0))
             step = int(cfg.get("decoder_sparse_step", 1) or 1)
             only_mlp = set(cfg.get("mlp_only_layers") or [])

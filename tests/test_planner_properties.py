@@ -15,7 +15,7 @@ from refit.plan import Plan
 from tests.sim import canonical_ids, check_destination, run_plan
 from tests.strategies import layouts, model_specs
 
-SETTINGS = settings(max_examples=150, deadline=None, suppress_health_check=[HealthCheck.too_slow])
+SETTINGS = settings(max_examples=400, deadline=None, suppress_health_check=[HealthCheck.too_slow])
 
 
 @st.composite
@@ -37,7 +37,7 @@ def test_p2p_moves_every_element_once(case):
     assert s["local_bytes"] + s["remote_bytes"] == s["total_bytes"]
 
 
-@settings(max_examples=60, deadline=None, suppress_health_check=[HealthCheck.too_slow])
+@settings(max_examples=150, deadline=None, suppress_health_check=[HealthCheck.too_slow])
 @given(cases())
 def test_broadcast_baseline_is_correct_too(case):
     spec, src, dst, placement, bucket = case
@@ -47,7 +47,7 @@ def test_broadcast_baseline_is_correct_too(case):
     assert result.summary["local_bytes"] + result.summary["remote_bytes"] >= result.summary["total_bytes"]
 
 
-@settings(max_examples=60, deadline=None, suppress_health_check=[HealthCheck.too_slow])
+@settings(max_examples=150, deadline=None, suppress_health_check=[HealthCheck.too_slow])
 @given(cases())
 def test_plans_are_static_serialisable_and_bounded(case):
     spec, src, dst, placement, bucket = case
@@ -65,7 +65,7 @@ def test_plans_are_static_serialisable_and_bounded(case):
         assert bk.nbytes <= bucket or bk.count == 1
 
 
-@settings(max_examples=60, deadline=None, suppress_health_check=[HealthCheck.too_slow])
+@settings(max_examples=150, deadline=None, suppress_health_check=[HealthCheck.too_slow])
 @given(cases())
 def test_same_gpu_sources_are_preferred(case):
     """Whenever a destination's own GPU holds a replica of what it needs, nothing crosses GPUs for it."""
