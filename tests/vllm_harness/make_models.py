@@ -1,0 +1,106 @@
+"""Build tiny, random-weight HF checkpoints for vLLM ground-truth tests.
+
+Every parameter (including norms and biases) is re-initialised with
+``torch.randn * 0.02`` from a seeded generator, so nothing is zero/one and
+padding or mis-placed shards are easy to spot.  Weights are saved as bfloat16
+safetensors via ``save_pretrained(..., safe_serialization=True)``.
+
+vLLM is started with ``skip_tokenizer_init=True`` so no real tokenizer is
+needed; we still write a minimal ``generation_config.json`` (and nothing that
+would make vLLM/transformers try to download a tokenizer).
+"""
+
+from __future__ import annotations
+
+import json
+import os
+
+import torch
+
+# Vocab deliberately NOT a multiple of 64 so vLLM's vocab padding shows up.
+TINY_VOCAB = 1000
+
+
+def _randomize_(model: torch.nn.Module, seed: int) -> None:
+    gen = torch.Generator(device="cpu").manual_seed(seed)
+    with torch.no_grad():
+        for _name, p in sorted(model.named_parameters(), key=lambda kv: kv[0]):
+            p.copy_((torch.randn(p.shape, generator=gen, dtype=torch.float32) * 0.02).to(p.dtype))
+
+
+def _save(model, cfg, out_dir: str) -> None:
+    os.makedirs(out_dir, exist_ok=True)
+    model.save_pretrained(out_dir, safe_serialization=True)
+    # Minimal generation config; no tokenizer files (skip_tokenizer_init=True).
+    gen_cfg = {"bos_token_id": cfg.bos_token_id, "eos_token_id": cfg.eos_token_id}
+    with open(os.path.join(out_dir, "generation_config.json"), "w") as f:
+        json.dump(gen_cfg, f)
+
+
+def make_tiny_qwen3_moe(dir: str, seed: int = 0) -> None:  # noqa: A002 (API name)
+    from transformers import Qwen3MoeConfig, Qwen3MoeForCausalLM
+
+    cfg = Qwen3MoeConfig(
+        vocab_size=TINY_VOCAB,
+        hidden_size=128,
+        intermediate_size=256,  # unused (no mlp_only_layers) but keep small
+        moe_intermediate_size=64,
+        num_hidden_layers=2,
+        num_attention_heads=4,
+        num_key_value_heads=2,
+        head_dim=64,
+        num_experts=4,
+        num_experts_per_tok=2,
+        norm_topk_prob=True,
+        decoder_sparse_step=1,
+        mlp_only_layers=[],
+        max_position_embeddings=256,
+        tie_word_embeddings=False,
+        bos_token_id=1,
+        eos_token_id=2,
+        pad_token_id=0,
+        dtype="bfloat16",
+    )
+    torch.manual_seed(seed)
+    model = Qwen3MoeForCausalLM(cfg).to(torch.bfloat16)
+    _randomize_(model, seed)
+    _save(model, cfg, dir)
+
+
+def make_tiny_qwen2(dir: str, seed: int = 0) -> None:  # noqa: A002 (API name)
+    from transformers import Qwen2Config, Qwen2ForCausalLM
+
+    # NOTE: vLLM 0.32's Qwen2Attention ignores config.head_dim and uses
+    # hidden_size // num_attention_heads (vllm/model_executor/models/qwen2.py),
+    # so hidden_size must equal num_heads * head_dim = 4 * 64 = 256 here.
+    # (With hidden 128 + head_dim 64, vLLM would silently load a wrong slice.)
+    cfg = Qwen2Config(
+        vocab_size=TINY_VOCAB,
+        hidden_size=256,
+        intermediate_size=256,
+        num_hidden_layers=2,
+        num_attention_heads=4,
+        num_key_value_heads=2,
+        head_dim=64,
+        max_position_embeddings=256,
+        tie_word_embeddings=True,
+        bos_token_id=1,
+        eos_token_id=2,
+        pad_token_id=0,
+        dtype="bfloat16",
+    )
+    torch.manual_seed(seed)
+    model = Qwen2ForCausalLM(cfg).to(torch.bfloat16)
+    _randomize_(model, seed)
+    _save(model, cfg, dir)
+
+
+if __name__ == "__main__":
+    import argparse
+
+    ap = argparse.ArgumentParser()
+    ap.add_argument("kind", choices=["qwen3_moe", "qwen2"])
+    ap.add_argument("dir")
+    ap.add_argument("--seed", type=int, default=0)
+    a = ap.parse_args()
+    (make_tiny_qwen3_moe if a.kind == "qwen3_moe" else make_tiny_qwen2)(a.dir, a.seed)
