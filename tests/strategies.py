@@ -40,7 +40,8 @@ def model_specs(draw) -> ModelSpec:
 @st.composite
 def megatron_layouts(draw, spec: ModelSpec) -> MegatronLayout:
     c = spec.config
-    tp_choices = [d for d in divisors(c.num_kv_heads) if c.intermediate_size % d == 0]
+    qkv_rows = (c.num_heads + 2 * c.num_kv_heads) * c.head_dim
+    tp_choices = [d for d in divisors(c.num_heads) if c.intermediate_size % d == 0 and qkv_rows % d == 0]
     tp = draw(st.sampled_from(tp_choices))
     cp = draw(st.sampled_from([1, 1, 2]))
     ep, etp = 1, None
@@ -68,7 +69,8 @@ def vllm_layouts(draw, spec: ModelSpec) -> VllmLayout:
     c = spec.config
     tp_choices = [t for t in range(1, 9) if c.num_heads % t == 0 and c.intermediate_size % t == 0
                   and (c.num_kv_heads % t == 0 or t % c.num_kv_heads == 0)
-                  and (-(-c.vocab_size // 64) * 64) % t == 0]
+                  and (-(-c.vocab_size // 64) * 64) % t == 0
+                  and (not c.is_moe or c.moe_intermediate_size % t == 0 or c.num_experts >= t)]
     tp = draw(st.sampled_from(tp_choices))
     dp = draw(st.sampled_from([1, 1, 2, 3]))
     if c.is_moe:

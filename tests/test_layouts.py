@@ -44,7 +44,7 @@ def test_resolved_degrees_are_reported():
 
 @pytest.mark.parametrize("text,words", [
     ("megatron:tp3", ["attention heads (32)", "tp (3)"]),
-    ("megatron:tp8", ["kv groups", "(4)", "tp (8)"]),
+    ("megatron:tp64", ["attention heads (32)", "tp (64)"]),
     ("megatron:tp4ep6", ["experts (128)", "ep (6)"]),
     ("megatron:tp4ep8dp1", ["tp*cp*dp", "etp*ep"]),
     ("megatron:tp2etp5ep2", ["moe_intermediate_size (768)", "etp (5)"]),
@@ -74,6 +74,15 @@ def test_vllm_vocab_padding_must_split_over_tp():
     resolve_layout("vllm:tp2", spec, "dst")
     with pytest.raises(RefitError, match=r"vocab padded to a multiple of 64 \(128\) is not divisible by tp \(6\)"):
         resolve_layout("vllm:tp6", spec, "dst")
+
+
+def test_megatron_qkv_rows_must_split_over_tp():
+    from refit.spec import ModelConfig, build_spec
+
+    spec = build_spec("odd", ModelConfig("llama", 16, 2, 8, 1, 2, 16, vocab_size=100))  # (8+2)*2 = 20 rows
+    resolve_layout("megatron:tp2", spec)
+    with pytest.raises(RefitError, match=r"linear_qkv rows .* \(20\) is not divisible by tp \(8\)"):
+        resolve_layout("megatron:tp8", spec)
 
 
 def test_expert_parallel_on_a_dense_model_is_refused():

@@ -8,7 +8,8 @@ Conventions (checked against megatron-core 0.16.1 in tests/test_megatron_convent
   a multiple of 128*T (``make_vocab_size_divisible_by``); first / last pipeline stage only.  With
   tied embeddings the last stage keeps its own ``output_layer.weight`` copy only when pp > 1.
 * ``linear_qkv``: rows interleaved per query group ``[q heads of g; k_g; v_g]``, split contiguously
-  over TP; ``linear_proj`` is o_proj split on dim 1.
+  over TP (also when kv groups < tp: the cut then falls inside groups); ``linear_proj`` is o_proj
+  split on dim 1.
 * Experts (TE grouped-GEMM naming): ``mlp.experts.linear_fc1.weight{i}`` = [gate; up] rows of this
   etp shard, ``linear_fc2.weight{i}`` = down split on dim 1; local expert i on ep rank k is
   global expert k*E/EP + i.
@@ -101,7 +102,8 @@ class MegatronLayout:
                 f"divisible by etp*ep ({self.etp_}*{self.ep}={self.etp_ * self.ep})"
             )
         divides("megatron: attention heads", c.num_heads, "tp", self.tp)
-        divides("megatron: kv groups (num_key_value_heads)", c.num_kv_heads, "tp", self.tp)
+        qkv_rows = (c.num_heads + 2 * c.num_kv_heads) * c.head_dim
+        divides("megatron: linear_qkv rows ((heads + 2*kv heads) * head_dim)", qkv_rows, "tp", self.tp)
         if c.dense_layers:
             divides("megatron: intermediate_size", c.intermediate_size, "tp", self.tp)
         if self.ep > 1 or self.etp is not None:
@@ -122,7 +124,7 @@ class MegatronLayout:
         if self.first is None and self.last is None and L % (P * V):
             # Megatron's account_for_embedding/loss_in_pipeline_split: the embedding and the loss
             # each count as one layer, so the first and last stages build one layer fewer.
-            if V == 1 and (L + 2) % P == 0 and P > 2:
+            if V == 1 and (L + 2) % P == 0:
                 n = (L + 2) // P
                 return replace(self, first=n - 1, last=n - 1)._resolve_pipeline(L)
             raise RefitError(
@@ -221,22 +223,28 @@ class MegatronLayout:
         T, H, hd, dt = self.tp, c.hidden_size, c.head_dim, c.dtype
         G = c.num_kv_heads
         q_per_g = c.num_heads // G
-        groups = range(t * G // T, (t + 1) * G // T)
-        rows = (q_per_g + 2) * hd * len(groups)
+        # The full linear_qkv stacks, per query group g, [q heads of g; k_g; v_g]; rank t holds the
+        # contiguous rows [t*R/T, (t+1)*R/T).  When G >= T that is whole groups; when G < T Megatron
+        # still cuts the rows evenly (it all-gathers the qkv output before splitting heads).
+        group_rows = (q_per_g + 2) * hd
+        rows = G * group_rows // T
+        lo, hi = t * rows, (t + 1) * rows
         out: list[LocalTensor] = []
         name = "model.layers.*.self_attn.{}_proj.{}"
         for kind in ("weight", "bias") if c.qkv_bias else ("weight",):
             pieces = []
-            for i, g in enumerate(groups):
-                row = i * (q_per_g + 2) * hd
-                for proj, lo, n in (("q", g * q_per_g * hd, q_per_g * hd), ("k", g * hd, hd), ("v", g * hd, hd)):
-                    tensor = name.format(proj, kind)
-                    pos = spec.layer_pos(tensor, layer)
-                    if kind == "weight":
-                        pieces.append(Piece(tensor, (pos, lo, 0), (1, n, H), (0, row, 0)))
-                    else:
-                        pieces.append(Piece(tensor, (pos, lo), (1, n), (0, row)))
-                    row += n
+            for g in range(lo // group_rows, -(-hi // group_rows)):
+                at = g * group_rows  # row of the full interleaved matrix where this part starts
+                for proj, c0, n in (("q", g * q_per_g * hd, q_per_g * hd), ("k", g * hd, hd), ("v", g * hd, hd)):
+                    a, b = max(at, lo), min(at + n, hi)
+                    if a < b:
+                        tensor = name.format(proj, kind)
+                        pos = spec.layer_pos(tensor, layer)
+                        if kind == "weight":
+                            pieces.append(Piece(tensor, (pos, c0 + a - at, 0), (1, b - a, H), (0, a - lo, 0)))
+                        else:
+                            pieces.append(Piece(tensor, (pos, c0 + a - at), (1, b - a), (0, a - lo)))
+                    at += n
             shape = (rows, H) if kind == "weight" else (rows,)
             out.append(LocalTensor(f"{p}self_attention.linear_qkv.{kind}", shape, dt, tuple(pieces)))
 
