@@ -1,0 +1,101 @@
+"""Where copies run and how the executor waits for them: one small class per device kind.
+
+On CUDA, copies (pack, unpack, direct moves) run on a dedicated *copy stream* and NCCL on a
+*comm stream*; they are ordered by events only, so the host enqueues a whole refit without
+blocking and packing/unpacking overlaps the wire.  The host waits once, at the end, by polling
+(never an unbounded ``synchronize``): a dead peer turns into a timeout naming the stuck step
+instead of a hang.  On CPU everything is synchronous and the same calls are no-ops.
+"""
+
+from __future__ import annotations
+
+import time
+from typing import Callable, Protocol
+
+import torch
+
+from refit.executor.copies import CopyBatch
+
+
+class Device(Protocol):
+    torch: torch.device
+
+    def copy(self, batch: CopyBatch) -> None: ...
+
+    def begin(self) -> None:
+        """Order this refit's work after everything already issued (source fills)."""
+
+    def finish(self, deadline: float, check: Callable[[], None], stuck: Callable[[], str]) -> None:
+        """Wait for all issued work; call ``check`` while waiting; past ``deadline`` raise
+        TimeoutError with ``stuck()``'s description."""
+
+    def synchronize(self) -> None: ...
+
+
+class CpuDevice:
+    def __init__(self) -> None:
+        self.torch = torch.device("cpu")
+
+    def copy(self, batch: CopyBatch) -> None:
+        batch.run()
+
+    def begin(self) -> None:
+        pass
+
+    def finish(self, deadline: float, check: Callable[[], None], stuck: Callable[[], str]) -> None:
+        pass
+
+    def synchronize(self) -> None:
+        pass
+
+
+class CudaDevice:
+    def __init__(self, index: int) -> None:
+        torch.cuda.set_device(index)
+        self.index = index
+        self.torch = torch.device("cuda", index)
+        self.copy_stream = torch.cuda.Stream(self.torch)
+        self.comm_stream = torch.cuda.Stream(self.torch)
+
+    def copy(self, batch: CopyBatch) -> None:
+        with torch.cuda.stream(self.copy_stream):
+            batch.run()
+
+    def begin(self) -> None:
+        current = torch.cuda.current_stream(self.torch)
+        self.copy_stream.wait_stream(current)
+        self.comm_stream.wait_stream(current)
+
+    def comm_after_copies(self) -> None:
+        """The comm stream waits for everything issued on the copy stream so far (packs)."""
+        self.comm_stream.wait_stream(self.copy_stream)
+
+    def record_comm(self) -> torch.cuda.Event:
+        ev = torch.cuda.Event()
+        ev.record(self.comm_stream)
+        return ev
+
+    def copies_after(self, ev: torch.cuda.Event) -> None:
+        self.copy_stream.wait_event(ev)
+
+    def finish(self, deadline: float, check: Callable[[], None], stuck: Callable[[], str]) -> None:
+        events = []
+        for s in (self.copy_stream, self.comm_stream):
+            ev = torch.cuda.Event()
+            ev.record(s)
+            events.append(ev)
+        pause = 1e-5
+        while not all(ev.query() for ev in events):
+            check()
+            if time.monotonic() > deadline:
+                raise TimeoutError(f"refit did not complete in time: {stuck()}")
+            time.sleep(pause)
+            pause = min(pause * 2, 1e-4)  # coarse enough not to steal the CPU, fine for timing
+        torch.cuda.current_stream(self.torch).wait_stream(self.copy_stream)
+
+    def synchronize(self) -> None:
+        torch.cuda.synchronize(self.torch)
+
+
+def make_device(kind: str, index: int) -> Device:
+    return CudaDevice(index) if kind == "cuda" else CpuDevice()

@@ -1,0 +1,147 @@
+"""One endpoint's local tensors, allocated as views of a single flat arena.
+
+Why an arena: the whole shard is then shared with *one* handle (a CUDA IPC handle, or a
+``/dev/shm`` file on CPU), and any process can rebuild the views of a peer's shard from the
+peer's layout alone — offsets follow from the local tensor list, so nothing but the handle
+travels.  Sources are filled with canonical values (`refit.executor.values`), padding with
+zeros; destinations start as a sentinel byte pattern so a missed write cannot look like a zero.
+"""
+
+from __future__ import annotations
+
+import math
+import os
+from dataclasses import dataclass, field
+from typing import Sequence
+
+import torch
+
+from refit.executor.values import TORCH_DTYPES, check_box, fill_box, int_view
+from refit.layouts.base import LocalTensor
+from refit.regions import slices
+from refit.spec import ModelSpec
+
+ALIGN = 512  # bytes; keeps every view aligned for any dtype and for vectorised copies
+SENTINEL = 0xA5  # destination bytes before the first refit
+
+
+def arena_offsets(tensors: Sequence[LocalTensor]) -> tuple[dict[str, int], int]:
+    """Byte offset of each local tensor in the arena, and the arena size (deterministic)."""
+    offsets, pos = {}, 0
+    for lt in tensors:
+        offsets[lt.name] = pos
+        pos += -(-lt.nbytes // ALIGN) * ALIGN
+    return offsets, max(pos, ALIGN)
+
+
+def views(arena: torch.Tensor, tensors: Sequence[LocalTensor]) -> dict[str, torch.Tensor]:
+    """The local tensors as views of ``arena`` (uint8, laid out by `arena_offsets`)."""
+    offsets, total = arena_offsets(tensors)
+    if arena.numel() < total:
+        raise ValueError(f"arena of {arena.numel()} bytes is smaller than the {total} its layout needs")
+    out = {}
+    for lt in tensors:
+        off = offsets[lt.name]
+        out[lt.name] = arena[off:off + lt.nbytes].view(TORCH_DTYPES[lt.dtype]).view(lt.shape)
+    return out
+
+
+@dataclass
+class Shards:
+    """An endpoint's local tensors (``tensors``: local name -> view) and the arena behind them.
+    ``path`` names the /dev/shm file backing a CPU arena that peers map (None otherwise)."""
+
+    locals: list[LocalTensor]
+    arena: torch.Tensor
+    tensors: dict[str, torch.Tensor] = field(repr=False)
+    path: str | None = None
+
+    @property
+    def nbytes(self) -> int:
+        return self.arena.numel()
+
+
+def allocate(tensors: Sequence[LocalTensor], device: torch.device, shm_path: str | None = None) -> Shards:
+    """Allocate an arena on ``device``.  With ``shm_path`` (CPU only) the arena is a shared
+    mapping of that file, so a process on the same "device" can map it too."""
+    _, total = arena_offsets(tensors)
+    if shm_path is not None:
+        if device.type != "cpu":
+            raise ValueError("shm_path is for CPU arenas; CUDA arenas are shared through CUDA IPC")
+        arena = torch.from_file(shm_path, shared=True, size=total, dtype=torch.uint8)
+    else:
+        arena = torch.empty(total, dtype=torch.uint8, device=device)
+    return Shards(list(tensors), arena, views(arena, tensors), shm_path)
+
+
+def fill_source(shards: Shards, spec: ModelSpec, seed: int) -> None:
+    """Canonical values (of ``seed``) in every piece; zeros in padding."""
+    shards.arena.zero_()
+    for lt in shards.locals:
+        local = shards.tensors[lt.name].view(lt.view_shape(_ndim(spec, lt)))
+        for p in lt.pieces:
+            fill_box(local[slices(p.local_start, p.size)], p.tensor, spec[p.tensor].shape, p.start, seed)
+
+
+def fill_sentinel(shards: Shards) -> None:
+    shards.arena.fill_(SENTINEL)
+
+
+@dataclass(frozen=True)
+class Verdict:
+    """What `verify` found on one endpoint: elements checked, wrong ones (and the first), and
+    ``stray``: padding elements that no longer hold the sentinel (writes where none belong)."""
+
+    checked: int
+    mismatches: int
+    stray: int
+    first: str | None
+
+    @property
+    def ok(self) -> bool:
+        return self.mismatches == 0 and self.stray == 0
+
+
+def verify(shards: Shards, spec: ModelSpec, seed: int) -> Verdict:
+    """Check every element of every piece bit-exact against the canonical values of ``seed``."""
+    checked = bad = stray = 0
+    first = None
+    for lt in shards.locals:
+        local = shards.tensors[lt.name].view(lt.view_shape(_ndim(spec, lt)))
+        covered = 0
+        for p in lt.pieces:
+            n, desc = check_box(local[slices(p.local_start, p.size)], p.tensor, spec[p.tensor].shape, p.start, seed)
+            checked += math.prod(p.size)
+            covered += math.prod(p.size)
+            bad += n
+            if desc and first is None:
+                first = f"{lt.name}: {desc}"
+        if covered < math.prod(lt.shape):
+            n = _stray(local, lt)
+            stray += n
+            if n and first is None:
+                first = f"{lt.name}: {n} padding elements were overwritten"
+    return Verdict(checked, bad, stray, first)
+
+
+def _stray(local: torch.Tensor, lt: LocalTensor) -> int:
+    """Padding elements (covered by no piece) whose bits differ from the sentinel."""
+    mask = torch.ones(local.shape, dtype=torch.bool, device=local.device)
+    for p in lt.pieces:
+        mask[slices(p.local_start, p.size)] = False
+    got = int_view(local)
+    sentinel = torch.full((local.element_size(),), SENTINEL, dtype=torch.uint8, device=local.device).view(got.dtype)
+    return int((got[mask] != sentinel).sum().item())
+
+
+def _ndim(spec: ModelSpec, lt: LocalTensor) -> int:
+    """The canonical ndim pieces of ``lt`` are expressed in (all pieces of a local agree)."""
+    return len(spec[lt.pieces[0].tensor].shape) if lt.pieces else len(lt.shape)
+
+
+def remove_file(path: str | None) -> None:
+    if path:
+        try:
+            os.unlink(path)
+        except FileNotFoundError:
+            pass

@@ -1,0 +1,93 @@
+"""Who runs where: endpoints (source and destination ranks), the processes ("members") holding
+them, and the device each endpoint sits on.  Pure data, no torch.
+
+The rule that shapes the executor: **every device has one driver**, the member that moves all
+bytes of all endpoints on that device.  The driver is the member holding a destination endpoint
+on the device (else the lowest source one); the other members on the device are passive — they
+own their shards and export them once (CUDA IPC / shared memory), the driver maps them.
+
+Why: NCCL refuses a communicator with two ranks on one GPU, so colocated trainer and engine
+processes cannot both join it.  With one driver per device the data communicator has exactly one
+member per GPU; a colocated trainer's shard is read by its GPU's driver through IPC and sent from
+there.  It also serialises all of a device's work in one process, so a broadcast root's gathered
+data is ready before the same process sends it on, with no cross-process signal.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from functools import cached_property
+from typing import Literal
+
+from refit.plan import Placement
+
+Side = Literal["src", "dst"]
+Endpoint = tuple[str, int]  # ("src", rank) or ("dst", rank)
+
+
+def endpoint_name(ep: Endpoint) -> str:
+    return f"{ep[0]} rank {ep[1]}"
+
+
+@dataclass(frozen=True)
+class Topology:
+    """``members[m]`` lists the endpoints process ``m`` holds; ``devices`` maps every endpoint to
+    its device (the placement's GPU index, or a virtual device on CPU)."""
+
+    members: tuple[tuple[Endpoint, ...], ...]
+    devices: tuple[tuple[Endpoint, int], ...]
+
+    @classmethod
+    def one_per_rank(cls, placement: Placement) -> "Topology":
+        """One process per rank: source ranks first, then destination ranks (the bench's layout)."""
+        eps = [("src", r) for r in range(len(placement.src_gpus))] + [("dst", r) for r in range(len(placement.dst_gpus))]
+        return cls(tuple((ep,) for ep in eps), cls._devices(placement))
+
+    @classmethod
+    def single(cls, placement: Placement) -> "Topology":
+        """Every endpoint in one process: all copies are direct (the local transport)."""
+        eps = [("src", r) for r in range(len(placement.src_gpus))] + [("dst", r) for r in range(len(placement.dst_gpus))]
+        return cls((tuple(eps),), cls._devices(placement))
+
+    @staticmethod
+    def _devices(placement: Placement) -> tuple[tuple[Endpoint, int], ...]:
+        return tuple([(("src", r), g) for r, g in enumerate(placement.src_gpus)]
+                     + [(("dst", r), g) for r, g in enumerate(placement.dst_gpus)])
+
+    # ------------------------------------------------------------------ lookups
+    @cached_property
+    def device_of(self) -> dict[Endpoint, int]:
+        return dict(self.devices)
+
+    @cached_property
+    def member_of(self) -> dict[Endpoint, int]:
+        return {ep: m for m, eps in enumerate(self.members) for ep in eps}
+
+    @cached_property
+    def driver_of(self) -> dict[int, int]:
+        """Device -> the member that drives it."""
+        out: dict[int, int] = {}
+        for ep, dev in sorted(self.devices, key=lambda x: (x[1], x[0][0] != "dst", x[0][1])):
+            out.setdefault(dev, self.member_of[ep])
+        return out
+
+    @cached_property
+    def drivers(self) -> tuple[int, ...]:
+        """Members that drive at least one device, in order; a driver's index here is its rank
+        in the data communicator."""
+        return tuple(sorted(set(self.driver_of.values())))
+
+    def comm_rank(self, member: int) -> int:
+        return self.drivers.index(member)
+
+    def driven_devices(self, member: int) -> list[int]:
+        return sorted(d for d, m in self.driver_of.items() if m == member)
+
+    def endpoints_on(self, device: int) -> list[Endpoint]:
+        return [ep for ep, d in self.devices if d == device]
+
+    def member_devices(self, member: int) -> list[int]:
+        return sorted({self.device_of[ep] for ep in self.members[member]})
+
+    def describe_member(self, member: int) -> str:
+        return ", ".join(endpoint_name(ep) for ep in self.members[member])

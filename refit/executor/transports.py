@@ -1,0 +1,247 @@
+"""How bytes reach another process.  Three transports, chosen per bucket by where its ends are:
+
+* **Local** (both ends' devices driven by this process): no transport at all — `program` turns
+  the bucket into direct block copies, no staging.
+* **Same device, other process** (a colocated trainer and engine): the passive process exports
+  its shard arena once — a CUDA IPC handle (``torch.multiprocessing.reductions.reduce_tensor``)
+  on GPU, the path of its ``/dev/shm`` arena file on CPU — through the rendezvous store; the
+  device's driver maps it once at setup and from then on copies straight out of (or into) the
+  peer's tensors.  Handles are opened once and kept for the life of the worker.
+* **Remote** (another device): point-to-point sends and receives of staging buffers on a
+  communicator of refit's own, over the drivers only — never the default ``torch.distributed``
+  group, which belongs to the trainer or to vLLM.
+
+  - GPU: NCCL through ``cupy.cuda.nccl`` (``get_unique_id`` → store → ``NcclCommunicator``;
+    a step's sends and receives in one ``groupStart``/``groupEnd`` on our comm stream).  We pick
+    cupy because it gives an explicit stream per call and no dependence on c10d's world state or
+    private coalescing API.  ``REFIT_NCCL=torch`` selects a fallback on a ``ProcessGroupNCCL``
+    built directly on our own store (for machines whose cupy lacks NCCL).
+  - CPU: gloo, a ``ProcessGroupGloo`` constructed on our own prefixed store, async
+    ``send``/``recv`` with the bucket index as tag.
+
+A failed or timed-out operation raises `PeerError` naming the peer (the endpoints it drives).
+"""
+
+from __future__ import annotations
+
+import datetime
+import os
+import pickle
+import re
+from typing import Any, Callable, Protocol
+
+import torch
+import torch.distributed as dist
+
+from refit.executor.device import CudaDevice
+from refit.executor.shards import Shards
+
+SendRecv = list[tuple[int, int, torch.Tensor]]  # (peer comm rank, tag, contiguous uint8 buffer)
+
+
+class PeerError(RuntimeError):
+    """A transfer with a named peer failed (it died, hung, or reported an error)."""
+
+
+# ---------------------------------------------------------------------------------------------
+# Same device, other process
+
+
+def export_arena(shards: Shards) -> bytes:
+    """A handle another process on the same device can map ``shards``' arena with."""
+    if shards.arena.is_cuda:
+        from torch.multiprocessing.reductions import reduce_tensor
+
+        rebuild, args = reduce_tensor(shards.arena)
+        return pickle.dumps(("cuda", rebuild, args))
+    if shards.path is None:
+        raise RuntimeError("CPU shards must be allocated in /dev/shm (shm_path) to be shared")
+    return pickle.dumps(("shm", shards.path, shards.arena.numel()))
+
+
+def import_arena(handle: bytes) -> torch.Tensor:
+    """Map a peer's arena (uint8, whole).  The mapping outlives the /dev/shm name (unlinked
+    after setup); CUDA IPC mappings are cached by torch per handle."""
+    kind, *rest = pickle.loads(handle)
+    if kind == "cuda":
+        rebuild, args = rest
+        return rebuild(*args)
+    path, nbytes = rest
+    return torch.from_file(path, shared=True, size=nbytes, dtype=torch.uint8)
+
+
+# ---------------------------------------------------------------------------------------------
+# Remote
+
+
+class Comm(Protocol):
+    def post(self, sends: SendRecv, recvs: SendRecv) -> Any:
+        """Start a step's sends and receives together; returns a handle."""
+
+    def wait(self, handle: Any) -> None:
+        """Order later copies after the step (GPU: stream wait; CPU: block until done)."""
+
+    def check(self) -> None:
+        """Raise if the communicator reported an asynchronous error."""
+
+    def stuck(self) -> str:
+        """Describe the oldest step not finished (for timeout messages)."""
+
+    def close(self) -> None: ...
+
+
+def first_line(e: BaseException) -> str:
+    """The useful part of a backend error: first line, without gloo's source location and advice."""
+    text = (str(e).strip().splitlines() or [type(e).__name__])[0]
+    text = re.sub(r"^\[[^\]]*\.(cc|cpp|h):\d+\]\s*", "", text)
+    return text.split(". This is typically")[0]
+
+
+class GlooComm:
+    """CPU transport: async gloo send/recv on a process group of our own."""
+
+    def __init__(self, store: dist.Store, rank: int, size: int, timeout_s: float, names: list[str]) -> None:
+        opts = dist.ProcessGroupGloo._Options()
+        opts._timeout = datetime.timedelta(seconds=timeout_s)
+        opts._devices = [dist.ProcessGroupGloo.create_device(hostname="127.0.0.1")]
+        self.pg = dist.ProcessGroupGloo(store, rank, size, opts)
+        self.names = names
+
+    def _op(self, fn: Callable[[], Any], verb: str, peer: int, tag: int) -> Any:
+        try:
+            return fn()
+        except RuntimeError as e:
+            raise PeerError(f"{verb} bucket {tag} with {self.names[peer]} failed: {first_line(e)}") from None
+
+    def post(self, sends: SendRecv, recvs: SendRecv) -> list[tuple[Any, str, int, int]]:
+        works = []
+        for peer, tag, buf in recvs:
+            works.append((self._op(lambda: self.pg.recv([buf], peer, tag), "receiving", peer, tag), "receiving", peer, tag))
+        for peer, tag, buf in sends:
+            works.append((self._op(lambda: self.pg.send([buf], peer, tag), "sending", peer, tag), "sending", peer, tag))
+        return works
+
+    def wait(self, handle: list[tuple[Any, str, int, int]]) -> None:
+        for work, verb, peer, tag in handle:
+            self._op(work.wait, verb, peer, tag)
+
+    def check(self) -> None:
+        pass
+
+    def stuck(self) -> str:
+        return "gloo operations are waited on synchronously"
+
+    def close(self) -> None:
+        pass
+
+
+class _NcclBase:
+    """Shared by both NCCL flavours: per-step end events, to wait, poll and name stuck peers."""
+
+    def __init__(self, device: CudaDevice, names: list[str]) -> None:
+        self.device = device
+        self.names = names
+        self.steps: list[tuple[Any, SendRecv, SendRecv]] = []
+
+    def wait(self, handle: Any) -> None:
+        self.device.copies_after(handle)
+
+    def stuck(self) -> str:
+        for ev, sends, recvs in self.steps:
+            if not ev.query():
+                peers = sorted({self.names[p] for p, _, _ in sends + recvs})
+                tags = sorted({t for _, t, _ in sends + recvs})
+                return f"buckets {tags} with {', '.join(peers)} never completed (peer dead or stuck?)"
+        return "copies never completed"
+
+    def _finished(self, ev: Any, sends: SendRecv, recvs: SendRecv) -> Any:
+        self.steps = [s for s in self.steps if not s[0].query()] + [(ev, sends, recvs)]
+        return ev
+
+
+class CupyNcclComm(_NcclBase):
+    """GPU transport: a cupy NCCL communicator over the drivers, one group per step."""
+
+    def __init__(self, store: dist.Store, rank: int, size: int, device: CudaDevice, names: list[str]) -> None:
+        super().__init__(device, names)
+        try:
+            import cupy
+            from cupy.cuda import nccl
+        except ImportError as e:
+            raise RuntimeError("the GPU transport needs cupy with NCCL (pip install cupy-cuda13x), "
+                               "or set REFIT_NCCL=torch") from e
+        self.nccl = nccl
+        if rank == 0:
+            store.set("nccl_unique_id", pickle.dumps(nccl.get_unique_id()))
+        uid = pickle.loads(store.get("nccl_unique_id"))  # blocks until rank 0 has published it
+        with cupy.cuda.Device(device.index):
+            self.comm = nccl.NcclCommunicator(size, uid, rank)
+        self.uint8 = getattr(nccl, "NCCL_UINT8", 1)
+
+    def post(self, sends: SendRecv, recvs: SendRecv) -> Any:
+        self.device.comm_after_copies()
+        stream = self.device.comm_stream.cuda_stream
+        self.nccl.groupStart()
+        try:
+            for peer, _, buf in sends:
+                self.comm.send(buf.data_ptr(), buf.numel(), self.uint8, peer, stream)
+            for peer, _, buf in recvs:
+                self.comm.recv(buf.data_ptr(), buf.numel(), self.uint8, peer, stream)
+        finally:
+            self.nccl.groupEnd()
+        return self._finished(self.device.record_comm(), sends, recvs)
+
+    def check(self) -> None:
+        try:
+            self.comm.check_async_error()
+        except Exception as e:
+            raise PeerError(f"NCCL reported an error: {e}; {self.stuck()}") from None
+
+    def close(self) -> None:
+        self.comm.abort()  # also what makes pending kernels of a failed run return
+
+
+class TorchNcclComm(_NcclBase):
+    """Fallback GPU transport: ``ProcessGroupNCCL`` built directly on our store (no
+    init_process_group); a step is one coalesced group (``_start/_end_coalescing``)."""
+
+    def __init__(self, store: dist.Store, rank: int, size: int, device: CudaDevice, names: list[str],
+                 timeout_s: float) -> None:
+        super().__init__(device, names)
+        opts = dist.ProcessGroupNCCL.Options()
+        opts._timeout = datetime.timedelta(seconds=timeout_s)
+        self.pg = dist.ProcessGroupNCCL(store, rank, size, opts)
+        # Create the communicator now, on every driver together: left lazy, the first p2p op
+        # (the link measurement, between two drivers only) would wait for all of them.
+        self.pg.eager_connect_single_device(device.torch)
+
+    def post(self, sends: SendRecv, recvs: SendRecv) -> Any:
+        self.device.comm_after_copies()
+        with torch.cuda.stream(self.device.comm_stream):  # NCCL's stream waits on the current one
+            self.pg._start_coalescing(self.device.torch)
+            for peer, tag, buf in sends:
+                self.pg.send([buf], peer, tag)
+            for peer, tag, buf in recvs:
+                self.pg.recv([buf], peer, tag)
+            work = self.pg._end_coalescing(self.device.torch)
+            if work is not None:
+                work.wait()  # the comm stream (current) waits for the group
+        return self._finished(self.device.record_comm(), sends, recvs)
+
+    def check(self) -> None:
+        pass
+
+    def close(self) -> None:
+        for name in ("abort", "shutdown"):
+            if hasattr(self.pg, name):
+                getattr(self.pg, name)()
+                return
+
+
+def make_comm(kind: str, store: dist.Store, rank: int, size: int, device: Any, timeout_s: float,
+              names: list[str]) -> Comm:
+    if kind == "cpu":
+        return GlooComm(store, rank, size, timeout_s, names)
+    if os.environ.get("REFIT_NCCL", "cupy") == "torch":
+        return TorchNcclComm(store, rank, size, device, names, timeout_s)
+    return CupyNcclComm(store, rank, size, device, names)
