@@ -19,4 +19,15 @@ def make_plan(spec, src, dst, placement="colocated", planner="p2p", bucket_bytes
 
     return _make_plan(spec, src, dst, placement, planner, bucket_bytes)
 
-__all__ = ["RefitError", "ModelSpec", "Placement", "Plan", "load_spec", "make_plan", "parse_layout", "resolve_layout"]
+
+
+def __getattr__(name: str):  # type: ignore[no-untyped-def]
+    """`refit.Client`, `refit.TrainerAgent`, `refit.EngineAgent`: imported on first use (grpc)."""
+    if name in ("Client", "TrainerAgent", "EngineAgent"):
+        import refit.control
+
+        return getattr(refit.control, name)
+    raise AttributeError(f"module 'refit' has no attribute {name!r}")
+
+
+__all__ = ["Client", "TrainerAgent", "EngineAgent", "RefitError", "ModelSpec", "Placement", "Plan", "load_spec", "make_plan", "parse_layout", "resolve_layout"]

@@ -23,6 +23,7 @@ examples:
   refit plan --model qwen3-235b-moe --src megatron:tp4pp4ep16 --dst vllm:tp8dp8 --json
   refit layout --model qwen3-30b-moe megatron:tp4ep8 --rank 3
   refit reshard --model ./Qwen3-30B-A3B --src hf --dst megatron:tp4ep8 --in ./Qwen3-30B-A3B --out ./mcore
+  refit serve --port 50051 --token $TOKEN
 """
 
 
@@ -245,10 +246,19 @@ def build_parser() -> argparse.ArgumentParser:
     rs.add_argument("--out", dest="out_dir", required=True, help="output directory (created)")
     rs.add_argument("--json", action="store_true", help="print a JSON report")
     rs.set_defaults(func=cmd_reshard)
+
+    # `refit serve` has its own parser (refit.control.server); listed here so --help shows it.
+    sub.add_parser("serve", help="run the refit coordinator (gRPC control plane); see `refit serve --help`",
+                   add_help=False)
     return p
 
 
 def main(argv: list[str] | None = None) -> int:
+    argv = sys.argv[1:] if argv is None else argv
+    if argv[:1] == ["serve"]:
+        from refit.control.server import serve_main
+
+        return serve_main(argv[1:])
     args = build_parser().parse_args(argv)
     logging.basicConfig(level=logging.INFO if args.verbose else logging.WARNING,
                         format="%(asctime)s %(name)s %(levelname)s %(message)s")

@@ -1,0 +1,316 @@
+"""Worker agents: the control-plane end inside a trainer rank or an engine rank.
+
+An agent registers its rank with the coordinator over one long-lived stream, then runs its share
+of every refit it is told to run, through a pluggable data plane (`refit.control.dataplane`):
+
+    agent = TrainerAgent("127.0.0.1:50051", group="trainer", rank=r, spec=spec,
+                         layout="megatron:tp4ep8", tensors=local_tensors).start()
+
+The streams of all agents of a process live on one background thread and asyncio loop, so the
+host process (a training loop, a vLLM worker) is never blocked by the control plane; each agent's
+data plane runs on a thread of its own (one refit at a time: a new command while one is still running is answered
+"busy", so a stale share can never overwrite a newer one).  An `EngineAgent` knows the version
+of the weights it holds: stale from the moment a refit starts writing until the coordinator says
+it was committed.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import concurrent.futures
+import json
+import logging
+import os
+import threading
+import time
+from typing import TYPE_CHECKING, Any, ClassVar, Mapping
+
+import grpc
+
+from refit.control.common import CHANNEL_OPTIONS, ROLES, auth_metadata, config_json, new_event_loop, worker_id
+from refit.control.dataplane import DataPlane, Rendezvous, RunContext
+from refit.control.v1 import refit_pb2 as pb
+from refit.control.v1 import refit_pb2_grpc as pb_grpc
+from refit.errors import RefitError
+from refit.layouts import Layout, resolve_layout
+from refit.plan import Plan
+from refit.spec import ModelSpec
+
+if TYPE_CHECKING:
+    import torch
+
+log = logging.getLogger(__name__)
+
+
+def check_tensors(spec: ModelSpec, layout: Layout, rank: int, tensors: Mapping[str, "torch.Tensor"]) -> None:
+    """Refuse local tensors that are not the ones ``layout`` gives ``rank``: name the first
+    difference (a missing tensor, a wrong shape or dtype).  Extra tensors are ignored."""
+    for lt in layout.local_tensors(spec, rank):
+        t = tensors.get(lt.name)
+        if t is None:
+            raise RefitError(f"rank {rank} of {layout.describe()}: local tensor {lt.name!r} is missing")
+        if tuple(t.shape) != tuple(lt.shape):
+            raise RefitError(f"rank {rank} of {layout.describe()}: {lt.name!r} has shape {list(t.shape)}, "
+                             f"the layout says {list(lt.shape)}")
+        if str(t.dtype).removeprefix("torch.") != lt.dtype:
+            raise RefitError(f"rank {rank} of {layout.describe()}: {lt.name!r} is {t.dtype}, the layout says {lt.dtype}")
+
+
+_LOOP: asyncio.AbstractEventLoop | None = None
+_LOOP_THREAD: threading.Thread | None = None
+_LOOP_LOCK = threading.Lock()
+
+
+def _agent_loop() -> asyncio.AbstractEventLoop:
+    """The one event loop (on a daemon thread) that every agent of this process runs on: grpc.aio
+    wants one loop per process, and one thread for all streams keeps the host process quiet."""
+    global _LOOP, _LOOP_THREAD
+    with _LOOP_LOCK:
+        if _LOOP is None:
+            _LOOP = new_event_loop()
+            _LOOP_THREAD = threading.Thread(target=_LOOP.run_forever, name="refit-agents", daemon=True)
+            _LOOP_THREAD.start()
+        return _LOOP
+
+
+class Agent:
+    role: ClassVar[str]
+
+    def __init__(self, address: str, *, group: str, rank: int, spec: ModelSpec, layout: str | Layout,
+                 tensors: Mapping[str, "torch.Tensor"] | None = None, data_plane: DataPlane | None = None,
+                 host: str = "127.0.0.1", gpu: int = -1, token: str | None = None, version: int = 0) -> None:
+        """``tensors=None`` registers the rank without local tensors: only for data planes that
+        need none (tests, benches).  ``data_plane`` defaults to the CPU gloo transport."""
+        self.address, self.group, self.rank, self.spec = address, group, rank, spec
+        self.layout = resolve_layout(layout, spec, "src" if self.role == "trainer" else "dst") \
+            if isinstance(layout, str) else layout.resolve(spec)
+        if not 0 <= rank < self.layout.world_size:
+            raise RefitError(f"rank {rank} is outside {self.layout.describe()} (world size {self.layout.world_size})")
+        if tensors is not None:
+            check_tensors(spec, self.layout, rank, tensors)
+        self.tensors: Mapping[str, Any] = tensors if tensors is not None else {}
+        if data_plane is None:
+            from refit.control.dataplane_gloo import GlooDataPlane
+
+            data_plane = GlooDataPlane()
+        self.data_plane = data_plane
+        self.host, self.gpu, self.token = host, gpu, token
+        self._version, self._stale = version, False
+        self.session = ""
+        self._plans: dict[str, Plan] = {}
+        self._pool = concurrent.futures.ThreadPoolExecutor(1, thread_name_prefix=f"refit-{self.worker_id}")
+        self._job: asyncio.Future | None = None
+        self._cancel: dict[str, threading.Event] = {}
+        self._members: dict[str, tuple[str, ...]] = {}
+        self._loop: asyncio.AbstractEventLoop | None = None
+        self._main_future: concurrent.futures.Future | None = None
+        self._call: Any = None
+        self._registered = threading.Event()
+        self._closed = threading.Event()
+        self.error: BaseException | None = None
+
+    # ------------------------------------------------------------------ public
+    @property
+    def worker_id(self) -> str:
+        return worker_id(self.group, self.rank)
+
+    @property
+    def version(self) -> int:
+        """The version of the weights this worker holds (engines; trainers report 0)."""
+        return self._version
+
+    @property
+    def stale(self) -> bool:
+        return self._stale
+
+    @property
+    def connected(self) -> bool:
+        return self._registered.is_set() and not self._closed.is_set()
+
+    def start(self, timeout: float = 30.0) -> "Agent":
+        """Connect and register; returns once the coordinator accepted (raises if it refused)."""
+        if self.connected:
+            return self
+        self._registered.clear()
+        self._closed.clear()
+        self.error = None
+        self._loop = _agent_loop()
+        self._main_future = asyncio.run_coroutine_threadsafe(self._guarded_main(), self._loop)
+        end = time.monotonic() + timeout
+        while not self._registered.wait(0.01):
+            if self._closed.is_set() or time.monotonic() > end:
+                break
+        if not self._registered.is_set():
+            self.stop()
+            raise ConnectionError(f"{self.worker_id}: registration with {self.address} failed: {self.error or 'timed out'}")
+        return self
+
+    def stop(self) -> None:
+        """Leave: end the stream (the coordinator sees a disconnect)."""
+        loop, call = self._loop, self._call
+        if loop is None or self._main_future is None:
+            return
+        if call is not None:
+            loop.call_soon_threadsafe(call.cancel)
+        else:
+            loop.call_soon_threadsafe(self._main_future.cancel)
+        if threading.current_thread() is not _LOOP_THREAD:
+            self._closed.wait(10)
+
+    def wait_closed(self, timeout: float | None = None) -> bool:
+        return self._closed.wait(timeout)
+
+    def __enter__(self) -> "Agent":
+        return self.start()
+
+    def __exit__(self, *exc: Any) -> None:
+        self.stop()
+
+    # ------------------------------------------------------------------ stream
+    async def _guarded_main(self) -> None:
+        try:
+            await self._main()
+        except BaseException as e:  # reported through start() / self.error
+            if self.error is None and not isinstance(e, asyncio.CancelledError):
+                self.error = e
+        finally:
+            self._call = None
+            self._closed.set()
+
+    def _info(self) -> pb.WorkerInfo:
+        return pb.WorkerInfo(role=ROLES[self.role], group=self.group, rank=self.rank, host=self.host, gpu=self.gpu,
+                             layout=self.layout.describe(), model_name=self.spec.name, model_digest=self.spec.digest(),
+                             model_config_json=config_json(self.spec.config), version=self._version,
+                             stale=self._stale, pid=os.getpid())
+
+    async def _main(self) -> None:
+        md = auth_metadata(self.token)
+        async with grpc.aio.insecure_channel(self.address, options=CHANNEL_OPTIONS) as channel:
+            self._stub = pb_grpc.CoordinatorStub(channel)
+            self._md = md
+            call = self._call = self._stub.Connect(metadata=md)
+            self._wlock = asyncio.Lock()
+            try:
+                await call.write(pb.WorkerMessage(register=pb.Register(info=self._info())))
+                msg = await call.read()
+                if msg is grpc.aio.EOF or msg.WhichOneof("kind") != "registered":
+                    raise ConnectionError(f"coordinator answered {msg!r} to register")
+                self.session = msg.registered.session
+                self._registered.set()
+                log.info("%s registered with %s (session %s)", self.worker_id, self.address, self.session)
+                while True:
+                    msg = await call.read()
+                    if msg is grpc.aio.EOF:
+                        break
+                    kind = msg.WhichOneof("kind")
+                    if kind == "run":
+                        await self._on_run(msg.run)
+                    elif kind == "outcome":
+                        self._on_outcome(msg.outcome)
+            except asyncio.CancelledError:
+                pass
+            except grpc.aio.AioRpcError as e:
+                # A write racing the server's refusal fails with a generic error: the call's own
+                # status says why (UNAUTHENTICATED, INVALID_ARGUMENT...).
+                try:
+                    code, details = await asyncio.wait_for(call.code(), 2.0), await call.details()
+                except (asyncio.TimeoutError, grpc.aio.AioRpcError):
+                    code, details = e.code(), e.details()
+                if code != grpc.StatusCode.CANCELLED:
+                    self.error = ConnectionError(f"{code.name}: {details}")
+                    log.warning("%s: stream ended: %s %s", self.worker_id, code.name, details)
+            finally:  # a share still running is abandoned; a later start() queues behind it
+                for ev in self._cancel.values():
+                    ev.set()
+                self._job = None
+
+    async def _write(self, msg: pb.WorkerMessage) -> None:
+        async with self._wlock:
+            await self._call.write(msg)
+
+    # ------------------------------------------------------------------ refits
+    async def _on_run(self, run: pb.RunRefit) -> None:
+        if self._job is not None and not self._job.done():
+            await self._reply(run.refit_id, False, error="busy: still running an earlier refit")
+            return
+        deadline = time.monotonic() + run.timeout_seconds
+        if self.role == "engine":
+            self._stale = True  # from now on our weights are being overwritten
+        try:
+            plan = await self._plan(run)
+        except Exception as e:
+            await self._reply(run.refit_id, False, error=f"plan {run.plan_id}: {e}")
+            return
+        r = run.rendezvous
+        members = tuple(r.members) or self._members.get(r.prefix, ())  # names come once per prefix
+        self._members = {r.prefix: members}
+        ctx = RunContext(run.plan_id, run.refit_id, self.spec, self.layout,
+                         Rendezvous(r.host, r.port, r.prefix, r.world_size, r.rank, members), deadline, self.host)
+        self._cancel = {run.refit_id: ctx.cancelled}
+        if getattr(self.data_plane, "inline", False):
+            await self._write(self._execute(plan, run.version, ctx))
+            return
+        fut = asyncio.get_running_loop().run_in_executor(self._pool, self._execute, plan, run.version, ctx)
+        self._job = asyncio.ensure_future(self._finish(fut))
+
+    async def _finish(self, fut: asyncio.Future) -> None:
+        result = await fut
+        try:
+            await self._write(result)
+        except Exception as e:  # the stream is gone; the coordinator already counts us out
+            log.info("%s: could not report refit %s: %s", self.worker_id, result.result.refit_id, e)
+
+    def _execute(self, plan: Plan, version: int, ctx: RunContext) -> pb.WorkerMessage:
+        try:
+            ctx.remaining()
+            nbytes, seconds = self.data_plane(plan, self.role, self.rank, self.tensors, version, ctx)
+        except Exception as e:
+            log.warning("%s: refit %s failed: %s: %s", self.worker_id, ctx.refit_id, type(e).__name__, e)
+            return pb.WorkerMessage(result=pb.RunResult(refit_id=ctx.refit_id, ok=False, error=f"{type(e).__name__}: {e}"))
+        return pb.WorkerMessage(result=pb.RunResult(refit_id=ctx.refit_id, ok=True, bytes=nbytes, seconds=seconds))
+
+    async def _reply(self, refit_id: str, ok: bool, error: str = "") -> None:
+        await self._write(pb.WorkerMessage(result=pb.RunResult(refit_id=refit_id, ok=ok, error=error)))
+
+    async def _plan(self, run: pb.RunRefit) -> Plan:
+        """The plan of a command: sent along the first time, cached, else fetched with GetPlan."""
+        plan = self._plans.get(run.plan_id)
+        if plan is not None and not run.plan_json:
+            return plan
+        data = run.plan_json
+        if not data:
+            resp = await self._stub.GetPlan(pb.GetPlanRequest(plan_id=run.plan_id, include_plan=True), metadata=self._md)
+            data = resp.plan_json
+        plan = Plan.from_dict(json.loads(data))
+        mine = plan.src_layout if self.role == "trainer" else plan.dst_layout
+        if plan.model_digest != self.spec.digest() or mine != self.layout.describe():
+            raise RefitError(f"plan is for {plan.model_digest} {mine}, this worker holds "
+                             f"{self.spec.digest()} {self.layout.describe()}")
+        self._plans[run.plan_id] = plan
+        return plan
+
+    def _on_outcome(self, out: pb.Outcome) -> None:
+        if not out.committed:
+            ev = self._cancel.get(out.refit_id)
+            if ev is not None:
+                ev.set()
+        if self.role != "engine":
+            return
+        if out.committed:
+            self._version, self._stale = out.version, False
+        else:
+            self._stale = True
+        log.info("%s: refit %s %s, holding version %d%s", self.worker_id, out.refit_id,
+                 "committed" if out.committed else "failed", self._version, " (stale)" if self._stale else "")
+
+
+class TrainerAgent(Agent):
+    """A trainer rank: the source of its boxes in every refit of plans it belongs to."""
+
+    role = "trainer"
+
+
+class EngineAgent(Agent):
+    """An engine rank: receives into its (vLLM-layout) tensors and reports the version it holds."""
+
+    role = "engine"

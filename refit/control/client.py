@@ -1,0 +1,149 @@
+"""`Client`: the RL loop's handle on the coordinator (synchronous gRPC).
+
+    client = Client("127.0.0.1:50051")
+    plan = client.create_plan("trainer", "engine")          # once
+    for step in range(1, steps + 1):
+        train_step()
+        client.refit(plan["plan_id"], version=step)          # raises RefitFailed on failure
+
+Plain data out: summaries and worker rows are dicts (the proto's field names), a refit is a
+`RefitResult`.  Refused requests raise `grpc.RpcError` with the server's status code.
+"""
+
+from __future__ import annotations
+
+import json
+from dataclasses import dataclass, field
+from typing import Any, Callable, Iterator
+
+import grpc
+from google.protobuf.descriptor import FieldDescriptor
+
+from refit.control.common import CHANNEL_OPTIONS, DEFAULT_PORT, ROLES, auth_metadata
+from refit.control.v1 import refit_pb2 as pb
+from refit.control.v1 import refit_pb2_grpc as pb_grpc
+from refit.plan import Plan
+
+PLACEMENTS = {"colocated": pb.PLACEMENT_COLOCATED, "disaggregated": pb.PLACEMENT_DISAGGREGATED}
+
+
+def to_dict(msg: Any) -> dict[str, Any]:
+    """A message as plain Python: every field present, ints as ints (protobuf's JSON mapping would
+    make uint64 strings), enums by name, nested messages as dicts."""
+    out: dict[str, Any] = {}
+    for f in msg.DESCRIPTOR.fields:
+        value = getattr(msg, f.name)
+        conv: Callable[[Any], Any] = lambda v: v  # noqa: E731
+        if f.type == FieldDescriptor.TYPE_MESSAGE:
+            conv = to_dict
+        elif f.type == FieldDescriptor.TYPE_ENUM:
+            names = {n: v.name for n, v in f.enum_type.values_by_number.items()}
+            conv = lambda v, names=names: names.get(v, v)  # noqa: E731
+        out[f.name] = [conv(v) for v in value] if f.is_repeated else conv(value)
+    return out
+
+
+@dataclass(frozen=True)
+class WorkerResult:
+    worker_id: str
+    role: str
+    outcome: str  # ok, error, disconnected, timed_out, not_connected, busy, unspecified
+    bytes: int
+    seconds: float
+    error: str
+
+
+@dataclass(frozen=True)
+class RefitResult:
+    refit_id: str
+    plan_id: str
+    version: int
+    ok: bool
+    error: str
+    seconds: float
+    total_bytes: int
+    workers: dict[str, WorkerResult] = field(repr=False)
+
+    @classmethod
+    def from_pb(cls, r: pb.RefitResponse) -> "RefitResult":
+        workers = {w.worker_id: WorkerResult(
+            w.worker_id, pb.Role.Name(w.role).removeprefix("ROLE_").lower(),
+            pb.WorkerOutcome.Name(w.outcome).removeprefix("WORKER_OUTCOME_").lower(), w.bytes, w.seconds, w.error)
+            for w in r.workers}
+        return cls(r.refit_id, r.plan_id, r.version, r.status == pb.REFIT_STATUS_OK, r.error, r.seconds,
+                   r.total_bytes, workers)
+
+
+class RefitFailed(RuntimeError):
+    """A refit ran and failed; ``result`` says which workers and why."""
+
+    def __init__(self, result: RefitResult) -> None:
+        super().__init__(result.error)
+        self.result = result
+
+
+class Client:
+    def __init__(self, address: str = f"127.0.0.1:{DEFAULT_PORT}", token: str | None = None,
+                 timeout: float = 30.0) -> None:
+        """``timeout``: seconds for calls other than `refit` (which has its own)."""
+        self.address, self.timeout = address, timeout
+        self._md = auth_metadata(token)
+        self._channel = grpc.insecure_channel(address, options=CHANNEL_OPTIONS)
+        self._stub = pb_grpc.CoordinatorStub(self._channel)
+
+    def create_plan(self, src_group: str, dst_group: str, *, placement: str = "colocated", planner: str = "p2p",
+                    bucket_bytes: int = 0) -> dict[str, Any]:
+        """Plan (or find the cached plan) from a trainer group to an engine group; its summary."""
+        opts = pb.PlanOptions(placement=PLACEMENTS.get(placement, -1) if placement else 0, planner=planner,
+                              bucket_bytes=bucket_bytes)
+        resp = self._stub.CreatePlan(pb.CreatePlanRequest(src_group=src_group, dst_group=dst_group, options=opts),
+                                     metadata=self._md, timeout=self.timeout)
+        return dict(to_dict(resp.summary), cached=resp.cached)
+
+    def get_plan(self, plan_id: str, include_plan: bool = False) -> dict[str, Any]:
+        """A plan's summary; with ``include_plan`` also the `refit.plan.Plan` under "plan"."""
+        resp = self._stub.GetPlan(pb.GetPlanRequest(plan_id=plan_id, include_plan=include_plan),
+                                  metadata=self._md, timeout=self.timeout)
+        out = to_dict(resp.summary)
+        if include_plan:
+            out["plan"] = Plan.from_dict(json.loads(resp.plan_json))
+        return out
+
+    def list_workers(self, group: str = "", role: str | None = None) -> list[dict[str, Any]]:
+        req = pb.ListWorkersRequest(group=group, role=ROLES[role] if role else 0)
+        return [to_dict(w) for w in self._stub.ListWorkers(req, metadata=self._md, timeout=self.timeout).workers]
+
+    def refit(self, plan_id: str, version: int, timeout: float = 60.0, check: bool = True) -> RefitResult:
+        """Run the plan for ``version``; returns within ``timeout`` seconds.  ``check``: raise
+        `RefitFailed` when it failed (the default: an RL loop should not go on silently)."""
+        resp = self._stub.Refit(pb.RefitRequest(plan_id=plan_id, version=version, timeout_seconds=timeout),
+                                metadata=self._md, timeout=timeout + 10.0)
+        result = RefitResult.from_pb(resp)
+        if check and not result.ok:
+            raise RefitFailed(result)
+        return result
+
+    def watch(self, plan_id: str = "") -> Iterator[dict[str, Any]]:
+        """Refit events as they happen (blocks; close the iterator, or the client, to stop)."""
+        call = self._stub.WatchRefits(pb.WatchRefitsRequest(plan_id=plan_id), metadata=self._md)
+        try:
+            for event in call:
+                yield to_dict(event)
+        finally:
+            call.cancel()
+
+    def health(self, service: str = "") -> str:
+        from grpc_health.v1 import health_pb2, health_pb2_grpc
+
+        resp = health_pb2_grpc.HealthStub(self._channel).Check(health_pb2.HealthCheckRequest(service=service),
+                                                                metadata=self._md, timeout=self.timeout)
+        return health_pb2.HealthCheckResponse.ServingStatus.Name(resp.status)
+
+    def close(self) -> None:
+        self._channel.close()
+
+    def __enter__(self) -> "Client":
+        return self
+
+    def __exit__(self, *exc: Any) -> None:
+        self.close()

@@ -1,0 +1,90 @@
+"""The contract between a worker agent and the data plane that moves its share of a refit.
+
+An agent receives ``RunRefit`` on its control stream and calls its data plane once::
+
+    bytes_moved, seconds = data_plane(plan, role, rank, tensors, version, ctx)
+
+* ``plan`` — the `refit.plan.Plan`, parsed once per plan and cached by the agent;
+* ``role`` — ``"trainer"`` (send your boxes) or ``"engine"`` (receive into your tensors);
+* ``rank`` — this worker's rank in its own layout; ``tensors`` — its local tensors by local name;
+* ``ctx`` — what the control plane adds: the rendezvous to build a communicator on, the deadline,
+  and a cancel flag set when the coordinator abandons the refit.
+
+A data plane must return by ``ctx.deadline`` (raise `TimeoutError` past it), must raise rather
+than return on any failure (the agent reports the message, and the coordinator names the worker),
+and must not write into an engine's tensors once ``ctx.cancelled`` is set.  It may cache
+communicators per ``(plan_id, rendezvous.prefix)``: the prefix changes whenever they must be
+rebuilt.  A data plane whose call never blocks may set ``inline = True``: the agent then calls it
+on its event loop instead of a thread (saves a thread hop; the no-op plane of the overhead bench).
+"""
+
+from __future__ import annotations
+
+import threading
+import time
+from dataclasses import dataclass, field
+from typing import TYPE_CHECKING, Any, Mapping, Protocol
+
+if TYPE_CHECKING:
+    from refit.layouts import Layout
+    from refit.plan import Plan
+    from refit.spec import ModelSpec
+
+
+class Cancelled(RuntimeError):
+    """The coordinator abandoned this refit (another member failed)."""
+
+
+@dataclass(frozen=True)
+class Rendezvous:
+    """Where the members of a plan meet: a TCPStore at ``host:port``, keys under ``prefix``.
+    Members are ordered source ranks, then destination ranks; ``members`` names them."""
+
+    host: str
+    port: int
+    prefix: str
+    world_size: int
+    rank: int
+    members: tuple[str, ...] = ()
+
+    def member(self, group_rank: int) -> str:
+        if 0 <= group_rank < len(self.members):
+            return self.members[group_rank]
+        return f"member {group_rank}"
+
+
+@dataclass
+class RunContext:
+    plan_id: str
+    refit_id: str
+    spec: "ModelSpec"
+    layout: "Layout"
+    rendezvous: Rendezvous
+    deadline: float  # time.monotonic() on this worker
+    host: str = "127.0.0.1"
+    cancelled: threading.Event = field(default_factory=threading.Event)
+
+    def remaining(self) -> float:
+        """Seconds left; raises once the refit is cancelled or past its deadline, so that every
+        blocking step can be bounded by it."""
+        if self.cancelled.is_set():
+            raise Cancelled(f"refit {self.refit_id} was abandoned by the coordinator")
+        left = self.deadline - time.monotonic()
+        if left <= 0:
+            raise TimeoutError(f"refit {self.refit_id} is past its deadline")
+        return left
+
+
+class DataPlane(Protocol):
+    def __call__(self, plan: "Plan", role: str, rank: int, tensors: Mapping[str, Any], version: int,
+                 ctx: RunContext) -> tuple[int, float]: ...
+
+
+class NoopDataPlane:
+    """Moves nothing: for control-plane tests and the coordination-overhead bench."""
+
+    inline = True
+
+    def __call__(self, plan: "Plan", role: str, rank: int, tensors: Mapping[str, Any], version: int,
+                 ctx: RunContext) -> tuple[int, float]:
+        return 0, 0.0

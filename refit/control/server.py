@@ -1,0 +1,352 @@
+"""`refit serve`: the coordinator as a gRPC server (grpc.aio, one event loop).
+
+This module is the gRPC glue: request validation, status codes, the bearer-token interceptor,
+the health service, and the TCPStore the workers' data planes meet on.  What a refit does is in
+`refit.control.coordinator`.
+
+Malformed requests never reach a handler as an exception: requests are parsed by deserializers
+that turn undecodable bytes into a marker, answered with INVALID_ARGUMENT.  `RefitError` (bad
+input) maps to INVALID_ARGUMENT, `NotFound` to NOT_FOUND, `Precondition` to FAILED_PRECONDITION;
+anything else is a bug: logged with its traceback, INTERNAL to the caller.
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import functools
+import hmac
+import logging
+import math
+import os
+import socket
+import sys
+import threading
+from typing import Any, Awaitable, Callable
+
+import grpc
+from google.protobuf.message import DecodeError
+
+from refit.control.common import DEFAULT_PORT, SERVER_OPTIONS, SERVICE_NAME, NotFound, Precondition, new_event_loop
+from refit.control.coordinator import Coordinator
+from refit.control.v1 import refit_pb2 as pb
+from refit.errors import RefitError
+
+log = logging.getLogger(__name__)
+
+
+class _Malformed:
+    """What a request that does not parse becomes (see `_parser`)."""
+
+
+MALFORMED = _Malformed()
+
+
+def _parser(cls: Any) -> Callable[[bytes], Any]:
+    def parse(data: bytes) -> Any:
+        try:
+            return cls.FromString(data)
+        except DecodeError:
+            return MALFORMED
+    return parse
+
+
+def _rpc(fn: Callable[..., Awaitable[Any]]) -> Callable[..., Awaitable[Any]]:
+    """Map refit's exceptions to status codes, for unary handlers."""
+    @functools.wraps(fn)
+    async def wrapper(self: "Servicer", request: Any, context: grpc.aio.ServicerContext) -> Any:
+        if request is MALFORMED:
+            await context.abort(grpc.StatusCode.INVALID_ARGUMENT, f"{fn.__name__}: request does not parse")
+        try:
+            return await fn(self, request, context)
+        except NotFound as e:
+            await context.abort(grpc.StatusCode.NOT_FOUND, str(e))
+        except Precondition as e:
+            await context.abort(grpc.StatusCode.FAILED_PRECONDITION, str(e))
+        except RefitError as e:
+            await context.abort(grpc.StatusCode.INVALID_ARGUMENT, str(e))
+        except grpc.aio.AbortError:
+            raise
+        except Exception as e:  # a bug: keep the traceback in our log, not in the caller's face
+            log.exception("%s failed", fn.__name__)
+            await context.abort(grpc.StatusCode.INTERNAL, f"{fn.__name__}: internal error ({type(e).__name__})")
+    return wrapper
+
+
+class Servicer:
+    def __init__(self, coord: Coordinator) -> None:
+        self.coord = coord
+
+    async def Connect(self, request_iterator: Any, context: grpc.aio.ServicerContext) -> None:
+        first = await context.read()
+        if first is grpc.aio.EOF:
+            return
+        if first is MALFORMED or first.WhichOneof("kind") != "register":
+            await context.abort(grpc.StatusCode.INVALID_ARGUMENT, "Connect: the first message must be `register`")
+        lock = asyncio.Lock()
+
+        async def send(msg: pb.CoordinatorMessage) -> None:
+            async with lock:
+                await context.write(msg)
+
+        try:
+            worker = self.coord.register(first.register.info, send, asyncio.current_task())
+        except RefitError as e:
+            await context.abort(grpc.StatusCode.INVALID_ARGUMENT, str(e))
+        why = "its stream ended"
+        try:
+            await send(pb.CoordinatorMessage(registered=pb.Registered(worker_id=worker.worker_id, session=worker.session)))
+            while True:
+                msg = await context.read()
+                if msg is grpc.aio.EOF:
+                    break
+                if msg is MALFORMED or msg.WhichOneof("kind") != "result":
+                    why = "it sent a malformed message"
+                    await context.abort(grpc.StatusCode.INVALID_ARGUMENT, "Connect: expected a `result` message")
+                self.coord.result(worker, msg.result)
+        except asyncio.CancelledError:
+            if not worker.replaced:  # the server is stopping
+                raise
+            why = "replaced by a new registration"  # end the old stream with a reason
+            await context.abort(grpc.StatusCode.ABORTED, f"{worker.worker_id}: {why}")
+        finally:
+            self.coord.disconnected(worker, why)
+
+    @_rpc
+    async def CreatePlan(self, req: pb.CreatePlanRequest, context: Any) -> pb.CreatePlanResponse:
+        entry, cached = await self.coord.create_plan(req.src_group, req.dst_group, req.options)
+        return pb.CreatePlanResponse(summary=entry.to_pb(), cached=cached)
+
+    @_rpc
+    async def GetPlan(self, req: pb.GetPlanRequest, context: Any) -> pb.GetPlanResponse:
+        entry = self.coord.get_plan(req.plan_id)
+        return pb.GetPlanResponse(summary=entry.to_pb(), plan_json=entry.plan_json if req.include_plan else b"")
+
+    @_rpc
+    async def ListWorkers(self, req: pb.ListWorkersRequest, context: Any) -> pb.ListWorkersResponse:
+        if req.role not in pb.Role.values():
+            raise RefitError(f"unknown role {req.role}")
+        return pb.ListWorkersResponse(workers=self.coord.list_workers(req.group, req.role))
+
+    @_rpc
+    async def Refit(self, req: pb.RefitRequest, context: grpc.aio.ServicerContext) -> pb.RefitResponse:
+        if not req.plan_id:
+            raise RefitError("plan_id is required")
+        if not math.isfinite(req.timeout_seconds) or req.timeout_seconds < 0:
+            raise RefitError(f"timeout_seconds must be a finite number >= 0, got {req.timeout_seconds}")
+        timeout = req.timeout_seconds or self.coord.default_timeout
+        left = context.time_remaining()
+        if left is not None:  # answer FAILED before the caller's own deadline cuts the call
+            timeout = min(timeout, max(0.01, left - 0.05))
+        return await self.coord.refit(req.plan_id, req.version, timeout)
+
+    async def WatchRefits(self, req: Any, context: grpc.aio.ServicerContext) -> None:
+        if req is MALFORMED:
+            await context.abort(grpc.StatusCode.INVALID_ARGUMENT, "WatchRefits: request does not parse")
+        try:
+            q = self.coord.watch(req.plan_id)
+        except NotFound as e:
+            await context.abort(grpc.StatusCode.NOT_FOUND, str(e))
+        try:
+            while True:
+                event = await q.get()
+                if event is None:
+                    await context.abort(grpc.StatusCode.RESOURCE_EXHAUSTED, "WatchRefits: fell too far behind")
+                await context.write(event)
+        finally:
+            self.coord.unwatch(q)
+
+
+def _handlers(s: Servicer) -> dict[str, grpc.RpcMethodHandler]:
+    ser = lambda m: m.SerializeToString  # noqa: E731
+    return {
+        "Connect": grpc.stream_stream_rpc_method_handler(s.Connect, _parser(pb.WorkerMessage), ser(pb.CoordinatorMessage)),
+        "CreatePlan": grpc.unary_unary_rpc_method_handler(s.CreatePlan, _parser(pb.CreatePlanRequest), ser(pb.CreatePlanResponse)),
+        "GetPlan": grpc.unary_unary_rpc_method_handler(s.GetPlan, _parser(pb.GetPlanRequest), ser(pb.GetPlanResponse)),
+        "ListWorkers": grpc.unary_unary_rpc_method_handler(s.ListWorkers, _parser(pb.ListWorkersRequest), ser(pb.ListWorkersResponse)),
+        "Refit": grpc.unary_unary_rpc_method_handler(s.Refit, _parser(pb.RefitRequest), ser(pb.RefitResponse)),
+        "WatchRefits": grpc.unary_stream_rpc_method_handler(s.WatchRefits, _parser(pb.WatchRefitsRequest), ser(pb.RefitEvent)),
+    }
+
+
+class TokenInterceptor(grpc.aio.ServerInterceptor):
+    """Refuse (UNAUTHENTICATED) every call without ``authorization: Bearer <token>``."""
+
+    def __init__(self, token: str) -> None:
+        self._expected = f"Bearer {token}".encode()
+
+    async def intercept_service(self, continuation: Any, details: grpc.HandlerCallDetails) -> Any:
+        got = dict(details.invocation_metadata or ()).get("authorization", "")
+        got = got.encode() if isinstance(got, str) else got
+        handler = await continuation(details)
+        if hmac.compare_digest(got, self._expected) or handler is None:
+            return handler
+
+        async def deny(request: Any, context: grpc.aio.ServicerContext) -> None:
+            if handler.request_streaming:  # take the first message: refusing while it is in flight
+                try:                       # sometimes reaches the client as INTERNAL instead
+                    await asyncio.wait_for(context.read(), 5.0)
+                except asyncio.TimeoutError:
+                    pass
+            await context.abort(grpc.StatusCode.UNAUTHENTICATED, "missing or wrong bearer token")
+
+        kind = (handler.request_streaming, handler.response_streaming)
+        make = {(False, False): grpc.unary_unary_rpc_method_handler, (False, True): grpc.unary_stream_rpc_method_handler,
+                (True, False): grpc.stream_unary_rpc_method_handler, (True, True): grpc.stream_stream_rpc_method_handler}[kind]
+        return make(deny, handler.request_deserializer, handler.response_serializer)
+
+
+def _store(host: str) -> tuple[Any, int]:
+    """The TCPStore the data planes rendezvous on, listening on ``host`` only (an OS-chosen port,
+    bound before torch sees it: no race for a 'free' port)."""
+    import datetime
+
+    import torch.distributed as dist
+
+    family = socket.AF_INET6 if ":" in host else socket.AF_INET
+    sock = socket.socket(family, socket.SOCK_STREAM)
+    sock.bind((host, 0))
+    sock.listen(1024)
+    port = sock.getsockname()[1]
+    store = dist.TCPStore(host, port, None, True, timeout=datetime.timedelta(seconds=60), wait_for_workers=False,
+                          master_listen_fd=sock.fileno(), use_libuv=True)
+    return (store, sock), port
+
+
+class CoordinatorServer:
+    """The coordinator, its gRPC server, health service and rendezvous store."""
+
+    def __init__(self, host: str = "127.0.0.1", port: int = DEFAULT_PORT, token: str | None = None,
+                 default_timeout: float = 60.0, grace: float = 0.25, advertise_host: str | None = None) -> None:
+        """``advertise_host``: the address workers reach the rendezvous store on (default
+        ``host``; set it when listening on a wildcard address)."""
+        self.host, self.port, self.token = host, port, token
+        self.advertise_host = advertise_host or host
+        self.default_timeout, self.grace = default_timeout, grace
+        self.server: grpc.aio.Server | None = None
+        self.coord: Coordinator | None = None
+
+    async def start(self) -> int:
+        from grpc_health.v1 import health, health_pb2, health_pb2_grpc
+
+        self._store, store_port = _store(self.host)
+        self.coord = Coordinator(self.advertise_host, store_port, self.default_timeout, self.grace)
+        interceptors = [TokenInterceptor(self.token)] if self.token else []
+        self.server = grpc.aio.server(options=SERVER_OPTIONS, interceptors=interceptors)
+        handlers = _handlers(Servicer(self.coord))
+        self.server.add_generic_rpc_handlers((grpc.method_handlers_generic_handler(SERVICE_NAME, handlers),))
+        self.health = health.aio.HealthServicer()
+        health_pb2_grpc.add_HealthServicer_to_server(self.health, self.server)
+        self.port = self.server.add_insecure_port(f"{self.host}:{self.port}")
+        if not self.port:
+            raise RefitError(f"cannot listen on {self.host}")
+        await self.server.start()
+        for name in ("", SERVICE_NAME):
+            await self.health.set(name, health_pb2.HealthCheckResponse.SERVING)
+        log.info("refit coordinator on %s:%d (rendezvous store on port %d%s)", self.host, self.port, store_port,
+                 ", token required" if self.token else "")
+        return self.port
+
+    async def stop(self, grace: float | None = 1.0) -> None:
+        if self.server is not None:
+            await self.health.enter_graceful_shutdown()
+            await self.server.stop(grace)
+
+    @property
+    def address(self) -> str:
+        return f"{self.host}:{self.port}"
+
+
+class ThreadedServer:
+    """A coordinator on a background thread with its own event loop — for tests and benches."""
+
+    def __init__(self, **kwargs: Any) -> None:
+        kwargs.setdefault("port", 0)
+        self.server = CoordinatorServer(**kwargs)
+        self.loop = new_event_loop()
+        started = threading.Event()
+        self._error: BaseException | None = None
+
+        def main() -> None:
+            asyncio.set_event_loop(self.loop)
+            try:
+                self.loop.run_until_complete(self.server.start())
+            except BaseException as e:  # surfaced by the constructor
+                self._error = e
+                started.set()
+                return
+            started.set()
+            self.loop.run_forever()
+
+        self.thread = threading.Thread(target=main, name="refit-coordinator", daemon=True)
+        self.thread.start()
+        started.wait()
+        if self._error:
+            raise self._error
+
+    @property
+    def address(self) -> str:
+        return self.server.address
+
+    def call(self, fn: Callable[[], Any]) -> Any:
+        """Run ``fn`` on the coordinator's loop and return its result (to inspect state safely)."""
+        async def run() -> Any:
+            return fn()
+        return asyncio.run_coroutine_threadsafe(run(), self.loop).result(10)
+
+    def stop(self) -> None:
+        if self.loop.is_running():
+            asyncio.run_coroutine_threadsafe(self.server.stop(0), self.loop).result(10)
+            self.loop.call_soon_threadsafe(self.loop.stop)
+        self.thread.join(10)
+
+
+def add_arguments(p: argparse.ArgumentParser) -> None:
+    """The options of `refit serve` (also for a subparser of refit/cli.py)."""
+    p.add_argument("--host", default="127.0.0.1", help="address to listen on (default 127.0.0.1: loopback only)")
+    p.add_argument("--port", type=int, default=DEFAULT_PORT, help=f"port (default {DEFAULT_PORT}; 0 picks one)")
+    p.add_argument("--token", default=os.environ.get("REFIT_TOKEN"),
+                   help="require `authorization: Bearer TOKEN` on every call (default: $REFIT_TOKEN)")
+    p.add_argument("--advertise-host", help="address workers reach this host on, for the data planes' rendezvous "
+                   "store (default: --host; needed when --host is a wildcard such as 0.0.0.0)")
+    p.add_argument("--timeout", type=float, default=60.0, help="refit timeout when a request gives none (seconds)")
+    p.add_argument("-v", "--verbose", action="store_true", help="log registrations, plans and refits")
+
+
+def build_parser() -> argparse.ArgumentParser:
+    p = argparse.ArgumentParser(prog="refit serve", description="Run the refit coordinator (gRPC control plane).")
+    add_arguments(p)
+    return p
+
+
+async def serve(host: str, port: int, token: str | None, timeout: float, advertise_host: str | None = None) -> None:
+    server = CoordinatorServer(host, port, token, timeout, advertise_host=advertise_host)
+    bound = await server.start()
+    print(f"refit coordinator listening on {host}:{bound}", file=sys.stderr, flush=True)
+    try:
+        await server.server.wait_for_termination()  # type: ignore[union-attr]
+    finally:
+        await server.stop()
+
+
+def serve_main(argv: list[str] | None = None) -> int:
+    args = build_parser().parse_args(argv)
+    if not logging.getLogger().handlers:
+        logging.basicConfig(level=logging.INFO if args.verbose else logging.WARNING,
+                            format="%(asctime)s %(name)s %(levelname)s %(message)s")
+    try:
+        loop = new_event_loop()
+        try:
+            loop.run_until_complete(serve(args.host, args.port, args.token, args.timeout, args.advertise_host))
+        finally:
+            loop.close()
+    except RefitError as e:
+        print(f"refit: error: {e}", file=sys.stderr)
+        return 2
+    except KeyboardInterrupt:
+        return 130
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(serve_main())
