@@ -1,7 +1,7 @@
 """Planner speed: how long `make_plan` takes from layout strings to a finished, summarised plan.
 
 Each measurement is cold: the holdings cache is cleared first, so layouts are expanded and boxes
-merged every time, as in a fresh process.  The process is pinned to one core.
+merged every time, as in a fresh process.  Planning is single-threaded Python: one core.
 
     python bench/plan_speed.py [--repeat 7] [--json]
 """
@@ -52,8 +52,6 @@ def main() -> int:
     ap.add_argument("--repeat", type=int, default=7)
     ap.add_argument("--json", action="store_true")
     args = ap.parse_args()
-    if hasattr(os, "sched_setaffinity"):
-        os.sched_setaffinity(0, {sorted(os.sched_getaffinity(0))[-1]})
     rows = []
     for model, src, dst, placement, planner, target in CASES:
         r = measure(model, src, dst, placement, planner, args.repeat)
