@@ -20,8 +20,10 @@ for what in "$@"; do case "$what" in
   moe2) run q30-tp2ep2-tp2 420 --model qwen3-30b-moe --src megatron:tp2ep2 --dst vllm:tp2 --vs broadcast --iters 10 ;;
   disagg) run q8-tp1-tp1-disagg 240 --model qwen3-8b --src tp1 --dst tp1 --placement disaggregated --vs broadcast --iters 10 ;;
   ipc1) CUDA_VISIBLE_DEVICES=0 run q30-tp1-tp1-1gpu-ipc 300 --model qwen3-30b-moe --src tp1 --dst tp1 --iters 10 ;;
+  ipc) run q30-tp2ep2-tp2-ipc 300 --model qwen3-30b-moe --src megatron:tp2ep2 --dst vllm:tp2 --vs broadcast --iters 10 --transport ipc
+       run q30-tp2ep2-tp2-nccl 300 --model qwen3-30b-moe --src megatron:tp2ep2 --dst vllm:tp2 --iters 10 --transport nccl ;;
   sweep) for mb in 128 512 1024; do
            run q30-tp2ep2-tp2-b$mb 200 --model qwen3-30b-moe --src megatron:tp2ep2 --dst vllm:tp2 --iters 5 --bucket-mb $mb
          done ;;
-  *) echo "usage: $0 smoke|moe2|disagg|ipc1|sweep"; exit 2 ;;
+  *) echo "usage: $0 smoke|moe2|ipc|disagg|ipc1|sweep"; exit 2 ;;
 esac; done

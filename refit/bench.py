@@ -10,6 +10,14 @@ Without GPUs (or with ``--cpu``) the same processes run on CPU over gloo and sha
 the model at a *reduced width*: same architecture and head / kv-head / expert counts, so the
 layouts are the same, but hidden size, head_dim, intermediate sizes, vocab and layer count shrunk
 so that dozens of processes on a laptop finish in seconds.  The output says so.
+
+Transport between devices (``--transport``): ``nccl`` (GPU) / ``gloo`` (CPU) pack buckets into
+staging buffers and send them; ``ipc`` has each device's driver read the other devices' source
+shards directly (CUDA IPC + peer copies on GPU, shared memory on CPU), no staging.  ``auto``
+(default) is ``ipc`` on GPUs when every pair of the GPUs used can access each other (one host,
+``torch.cuda.can_device_access_peer``), else ``nccl``; on CPU it is ``gloo``.  ``ipc`` applies to
+every p2p bucket and to the gathers (stage 0) of a broadcast plan; a broadcast plan's stage 1
+still goes over the communicator.
 """
 
 from __future__ import annotations
@@ -74,6 +82,9 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     p.add_argument("--bucket-mb", type=float, default=None, help="bucket size in MiB (default 256 on GPU, 1 on CPU)")
     p.add_argument("--vs", choices=["broadcast", "p2p"], default=None, help="also run this planner and compare")
     p.add_argument("--json", action="store_true", help="print one JSON object instead of the table")
+    p.add_argument("--transport", default="auto", choices=["auto", "nccl", "gloo", "ipc"],
+                   help="between devices: auto (default: ipc on one host's peer-capable GPUs, else "
+                        "nccl; gloo on CPU), nccl/gloo (the communicator of the device kind), ipc")
     p.add_argument("--cpu", action="store_true", help="run on CPU (gloo, reduced width) even if GPUs exist")
     p.add_argument("--link-mb", type=float, default=None, help="link measurement message (default 1024 GPU, 16 CPU)")
     p.add_argument("--timeout", type=float, default=120.0, help="seconds any single wait may take (default 120)")
@@ -90,6 +101,35 @@ def _gpu_count(cpu: bool) -> int:
     import torch
 
     return torch.cuda.device_count() if torch.cuda.is_available() else 0
+
+
+def _peer_access(gpus: int) -> bool:
+    """Whether every pair of GPUs 0..gpus-1 can access each other.  Asked in a child process: the
+    parent of a run never initialises CUDA."""
+    if gpus <= 1:
+        return True
+    import subprocess
+
+    code = ("import torch, sys; n = int(sys.argv[1]); sys.exit(0 if all(torch.cuda.can_device_access_peer(i, j) "
+            "for i in range(n) for j in range(n) if i != j) else 1)")
+    try:
+        return subprocess.run([sys.executable, "-c", code, str(gpus)], timeout=120).returncode == 0
+    except (OSError, subprocess.SubprocessError):
+        return False
+
+
+def choose_transport(requested: str, device: str, gpus: int) -> str:
+    """What ``--transport`` means here: "ipc", "nccl" or "gloo" (the last two: the communicator)."""
+    comm = "nccl" if device == "cuda" else "gloo"
+    if requested in ("nccl", "gloo"):
+        return comm
+    if device == "cpu":
+        return "ipc" if requested == "ipc" else comm
+    peers = _peer_access(gpus)
+    if requested == "ipc" and not peers:
+        raise RefitError(f"--transport ipc needs peer access between all {gpus} GPUs "
+                         "(torch.cuda.can_device_access_peer is false for some pair); use nccl")
+    return "ipc" if peers else comm
 
 
 def _kill_hook() -> tuple[str, int, int] | None:
@@ -119,6 +159,7 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
     if device == "cuda" and need > gpus:
         raise RefitError(f"placement {args.placement} of {first.src.describe()} -> {first.dst.describe()} needs "
                          f"{need} GPUs, this machine has {gpus} (use --cpu for a reduced-width CPU run)")
+    transport = choose_transport(args.transport, device, need)
     phases = []
     for i, r in enumerate(plans):
         refits = [Refit(seed=i + 1, timed=False) for _ in range(args.warmup)]
@@ -128,7 +169,8 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
     link_mb = args.link_mb if args.link_mb is not None else (1024 if device == "cuda" else 16)
     job = Job("", spec, first.src, first.dst, topo, tuple(phases), device=device, timeout_s=args.timeout,
               link_bytes=int(link_mb * MiB), kill=_kill_hook(),
-              log_level=logging.INFO if args.verbose else logging.WARNING)
+              log_level=logging.INFO if args.verbose else logging.WARNING,
+              transport="ipc" if transport == "ipc" else "comm")
 
     try:
         from tqdm import tqdm
@@ -142,11 +184,12 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
                     bar.update(1)
             results = run_job(job, on_progress=progress)
     timed = [[rf.timed for rf in ph.refits] for ph in phases]
-    return report(spec, plans, timed, results, device, reduced, len(topo.members), int(link_mb * MiB))
+    return report(spec, plans, timed, results, device, reduced, len(topo.members), int(link_mb * MiB), transport)
 
 
 def report(spec: ModelSpec, plans: list[Any], timed: list[list[bool]], results: list[Any], device: str,
-           reduced: dict[str, list[int]] | None, processes: int, link_bytes: int) -> dict[str, Any]:
+           reduced: dict[str, list[int]] | None, processes: int, link_bytes: int,
+           transport: str | None = None) -> dict[str, Any]:
     """Everything the table prints, as one JSON-able dict."""
     link_s = next((w.link_seconds for w in results if w.link_seconds), None)
     link_gbps = link_bytes / link_s / 1e9 if link_s else None
@@ -155,6 +198,7 @@ def report(spec: ModelSpec, plans: list[Any], timed: list[list[bool]], results: 
     out: dict[str, Any] = {
         "model": spec.name, "src": first.src.describe(), "dst": first.dst.describe(),
         "placement": first.plan.placement.kind, "device": device, "gpus_used": first.plan.placement.num_gpus,
+        "transport": transport or ("nccl" if device == "cuda" else "gloo"),
         "reduced": reduced if device == "cpu" else None, "processes": processes,
         "params": spec.num_params, "model_bytes": spec.nbytes,
         "link": {"bytes": link_bytes, "seconds": link_s, "gbps": link_gbps,
@@ -208,12 +252,16 @@ def _size(n: float | None) -> str:
 
 def table(r: dict[str, Any]) -> str:
     lines = [f"refit-bench  {r['model']}  {r['src']} -> {r['dst']}  {r['placement']}  "
-             f"({r['gpus_used']} devices, {r['processes']} processes)"]
+             f"({r['gpus_used']} devices, {r['processes']} processes)  transport {r['transport']}"]
+    ipc = r["transport"] == "ipc"
     if r["device"] == "cpu":
         shrunk = ", ".join(f"{k} {a}->{b}" for k, (a, b) in r["reduced"].items()) or "nothing"
-        lines.append(f"device: CPU over gloo + shared memory, REDUCED WIDTH (same layouts): {shrunk}")
+        how = "direct reads of every process's shared memory" if ipc else "gloo + shared memory"
+        lines.append(f"device: CPU, {how}, REDUCED WIDTH (same layouts): {shrunk}")
     else:
-        lines.append("device: CUDA (NCCL between GPUs, CUDA IPC within a GPU), full size")
+        lines.append("device: CUDA (" + ("CUDA IPC peer reads between GPUs, no staging; NCCL only for "
+                                         "broadcast stage 1" if ipc else "NCCL between GPUs")
+                     + ", CUDA IPC within a GPU), full size")
     link = r["link"]
     lines.append(f"link: {link['gbps']:.2f} GB/s ({link['what']}, {_size(link['bytes'])} messages)" if link["gbps"]
                  else "link: not measured (no remote bytes between two devices)")
@@ -238,7 +286,9 @@ def table(r: dict[str, Any]) -> str:
                      f"{run['blocks']} blocks -> {run['copies']} copies per refit")
     lines.append("GB/s = plan bytes moved (remote + local, each byte once) / median seconds; floor = largest "
                  "per-device remote bytes (send or receive) / link GB/s measured in this run; extra mem = "
-                 + r["runs"][0]["peak_extra_what"] + ", largest process")
+                 + r["runs"][0]["peak_extra_what"] + ", largest process"
+                 + ("; transport ipc: the floor still uses the communicator's measured link, and buckets "
+                    "between devices are direct peer reads (no staging)" if r["transport"] == "ipc" else ""))
     return "\n".join(lines)
 
 

@@ -118,13 +118,14 @@ def test_merge_is_exact_on_irregular_blocks() -> None:
 
 
 def _job(spec, src: str, dst: str, placement: str, planners: tuple[str, ...] = ("p2p", "broadcast"),
-         topology: str = "per-rank", kill: tuple[str, int, int] | None = None, refits: int = 2) -> tuple[Job, list]:
+         topology: str = "per-rank", kill: tuple[str, int, int] | None = None, refits: int = 2,
+         transport: str = "comm") -> tuple[Job, list]:
     plans = [make_plan(spec, src, dst, placement, p, BUCKET) for p in planners]
     phases = tuple(Phase(r.plan, tuple(Refit(seed=10 * i + k, verify=True) for k in range(refits)))
                    for i, r in enumerate(plans))
     place = plans[0].plan.placement
     topo = Topology.single(place) if topology == "single" else Topology.one_per_rank(place)
-    return Job("", spec, plans[0].src, plans[0].dst, topo, phases, timeout_s=30, kill=kill), plans
+    return Job("", spec, plans[0].src, plans[0].dst, topo, phases, timeout_s=30, kill=kill, transport=transport), plans
 
 
 def _check(results, plans, spec, refits: int = 2) -> None:
@@ -161,6 +162,39 @@ def test_refit_bit_exact(spec, src: str, dst: str, placement: str) -> None:
     assert 0 < staging <= 4 * BUCKET  # two send + two receive buffers at most
 
 
+IPC_CASES = [CASES[0], CASES[1], CASES[3], CASES[5]]
+
+
+@pytest.mark.parametrize("spec,src,dst,placement", IPC_CASES, ids=[f"{c[1]}-{c[2]}-{c[3]}" for c in IPC_CASES])
+def test_refit_bit_exact_ipc(spec, src: str, dst: str, placement: str) -> None:
+    # Three refits per planner, the source re-filled with a new seed before each, verified after
+    # each: every driver reads all source shards directly (no staging, no wire for p2p).
+    job, plans = _job(spec, src, dst, placement, refits=3, transport="ipc")
+    results = run_job(job)
+    _check(results, plans, spec, refits=3)
+    p2p = [w.phases[0] for w in results]
+    assert all(p.steps == 0 and p.staging_bytes == 0 for p in p2p)
+    assert sum(p.blocks for p in p2p) > 0
+
+
+def test_ipc_program_pulls_instead_of_wires() -> None:
+    from refit.executor.program import compile_program
+
+    for planner in ("p2p", "broadcast"):
+        r = make_plan(MOE, "tp2ep2", "tp2", "colocated", planner, BUCKET)
+        topo = Topology.one_per_rank(r.plan.placement)
+        for m in topo.drivers:
+            wire = compile_program(r.plan, MOE, r.src, r.dst, topo, m)
+            ipc = compile_program(r.plan, MOE, r.src, r.dst, topo, m, ipc=True)
+            assert sum(len(st.pulls) for st in wire.stages) == 0
+            assert sum(len(st.pulls) for st in ipc.stages) > 0
+            assert all(not st.steps for st in ipc.stages if st.stage == 0)  # gathers are pulled
+            if planner == "p2p":
+                assert ipc.num_steps == 0 and ipc.staging_bytes == 0 < wire.staging_bytes
+            else:  # broadcast stage 1 reads the root's gathered tensors: still on the wire
+                assert 0 < ipc.num_steps < wire.num_steps
+
+
 def test_single_process_local_copies() -> None:
     job, plans = _job(MOE, "tp2pp2", "tp4", "colocated", topology="single")
     results = run_job(job)
@@ -175,9 +209,11 @@ def test_one_device_shared_memory_only() -> None:
     assert all(p.steps == 0 for w in results for p in w.phases)  # no wire: copies out of the peer's shm
 
 
+@pytest.mark.parametrize("transport", ["comm", "ipc"])
 @pytest.mark.parametrize("victim", [("dst", 1), ("src", 0)], ids=["driver", "passive"])
-def test_dead_worker_fails_fast_and_is_named(victim: tuple[str, int]) -> None:
-    job, _ = _job(MOE, "tp2ep2", "tp2", "colocated", planners=("p2p",), kill=(victim[0], victim[1], 1), refits=3)
+def test_dead_worker_fails_fast_and_is_named(victim: tuple[str, int], transport: str) -> None:
+    job, _ = _job(MOE, "tp2ep2", "tp2", "colocated", planners=("p2p",), kill=(victim[0], victim[1], 1), refits=3,
+                  transport=transport)
     t0 = time.monotonic()
     with pytest.raises(WorkerFailure) as err:
         run_job(job)
@@ -199,3 +235,15 @@ def test_bench_cpu_json(capsys: pytest.CaptureFixture[str]) -> None:
     p2p = out["runs"][0]
     assert p2p["checked_elements"] > 0 and p2p["seconds"]["median"] > 0
     assert out["link"]["gbps"] > 0 and p2p["floor_seconds"] > 0 and p2p["x_floor"] > 0
+    assert out["transport"] == "gloo" and p2p["staging_bytes"] > 0  # auto on CPU: gloo
+
+
+def test_bench_cpu_ipc_json(capsys: pytest.CaptureFixture[str]) -> None:
+    from refit.bench import main
+
+    code = main(["--model", "qwen3-30b-moe", "--src", "tp2ep2", "--dst", "tp2", "--iters", "2",
+                 "--vs", "broadcast", "--json", "--cpu", "--bucket-mb", "0.25", "--transport", "ipc"])
+    out = json.loads(capsys.readouterr().out)
+    assert code == 0 and out["verified"] is True and out["transport"] == "ipc"
+    p2p = out["runs"][0]
+    assert p2p["staging_bytes"] == 0 and p2p["peak_extra_bytes"] == 0 and p2p["checked_elements"] > 0

@@ -10,6 +10,11 @@ every refit.  Two things cut launches:
 2. **Multi-tensor launches.** What remains goes through ``torch._foreach_copy_``: on CUDA the
    list of dense, same-stride pairs is one multi-tensor-apply launch; strided pairs go in a second
    list (torch loops over those).  CPU runs the very same code.
+
+A batch with a ``peer`` device reads from another GPU's memory (the ipc transport).  It runs as
+one ``copy_`` per merged pair — torch's cross-device copy: ``cudaMemcpyAsync`` over NVLink (copy
+engines) for contiguous pairs, a peer-access kernel for strided ones — issued by
+`refit.executor.device.CudaDevice.pull` on a pair of streams of its own.
 """
 
 from __future__ import annotations
@@ -73,7 +78,8 @@ def merge(pairs: list[Pair]) -> list[Pair]:
 class CopyBatch:
     """A fixed set of copies between fixed views; `run` issues them on the current stream."""
 
-    def __init__(self, pairs: list[Pair], do_merge: bool = True) -> None:
+    def __init__(self, pairs: list[Pair], do_merge: bool = True, peer: torch.device | None = None) -> None:
+        self.peer = peer
         self.blocks = len(pairs)
         pairs = merge(pairs) if do_merge else list(pairs)
         dense = [p for p in pairs if p[0].is_contiguous() and p[1].is_contiguous()]
@@ -81,8 +87,13 @@ class CopyBatch:
         self._lists = [([d for d, _ in ps], [s for _, s in ps]) for ps in (dense, strided) if ps]
         self.copies = len(pairs)
         self.nbytes = sum(d.numel() * d.element_size() for d, _ in pairs)
+        self._pairs = pairs
 
     def run(self) -> None:
+        if self.peer is not None:  # cross-device: plain copy_ per pair (foreach has no such fast path)
+            for d, s in self._pairs:
+                d.copy_(s)
+            return
         for dsts, srcs in self._lists:
             torch._foreach_copy_(dsts, srcs)
 

@@ -5,6 +5,15 @@ On CUDA, copies (pack, unpack, direct moves) run on a dedicated *copy stream* an
 blocking and packing/unpacking overlaps the wire.  The host waits once, at the end, by polling
 (never an unbounded ``synchronize``): a dead peer turns into a timeout naming the stuck step
 instead of a hang.  On CPU everything is synchronous and the same calls are no-ops.
+
+Pulls (the ipc transport: copies out of another GPU's memory) run on a *pair* of streams per
+peer device, one on this device and one on the peer (in this process's context there): torch
+issues a cross-device ``copy_`` on the source device's current stream, fenced by events against
+the destination device's current stream.  Were that the copy stream, every pull would fence the
+copy stream and serialise with the local moves; on streams of their own, pulls (copy engines,
+NVLink) overlap the local moves (SMs, HBM) and the pulls from other peers.  `join` orders the
+copy stream after them (a broadcast stage 1 sends what stage-0 pulls gathered); `finish` waits
+for them too.
 """
 
 from __future__ import annotations
@@ -21,6 +30,12 @@ class Device(Protocol):
     torch: torch.device
 
     def copy(self, batch: CopyBatch) -> None: ...
+
+    def pull(self, batch: CopyBatch) -> None:
+        """Issue a batch that reads another device's memory (ipc transport)."""
+
+    def join(self) -> None:
+        """Order later copies and sends after every pull issued so far."""
 
     def begin(self) -> None:
         """Order this refit's work after everything already issued (source fills)."""
@@ -39,6 +54,12 @@ class CpuDevice:
     def copy(self, batch: CopyBatch) -> None:
         batch.run()
 
+    def pull(self, batch: CopyBatch) -> None:
+        batch.run()
+
+    def join(self) -> None:
+        pass
+
     def begin(self) -> None:
         pass
 
@@ -56,15 +77,37 @@ class CudaDevice:
         self.torch = torch.device("cuda", index)
         self.copy_stream = torch.cuda.Stream(self.torch)
         self.comm_stream = torch.cuda.Stream(self.torch)
+        self.pull_streams: dict[int, tuple[torch.cuda.Stream, torch.cuda.Stream]] = {}  # peer -> (here, there)
 
     def copy(self, batch: CopyBatch) -> None:
         with torch.cuda.stream(self.copy_stream):
             batch.run()
 
+    def pull(self, batch: CopyBatch) -> None:
+        if batch.peer is None or batch.peer.index == self.index:
+            return self.copy(batch)
+        streams = self.pull_streams.get(batch.peer.index)
+        if streams is None:
+            here = torch.cuda.Stream(self.torch)
+            here.wait_stream(self.copy_stream)  # begin() has ordered the copy stream after the fills
+            streams = self.pull_streams[batch.peer.index] = (here, torch.cuda.Stream(batch.peer))
+        here, there = streams
+        try:
+            with torch.cuda.stream(here), torch.cuda.stream(there):
+                batch.run()
+        finally:
+            torch.cuda.set_device(self.index)  # the stream contexts restore it; be sure
+
+    def join(self) -> None:
+        for here, _ in self.pull_streams.values():
+            self.copy_stream.wait_stream(here)
+
     def begin(self) -> None:
         current = torch.cuda.current_stream(self.torch)
         self.copy_stream.wait_stream(current)
         self.comm_stream.wait_stream(current)
+        for here, _ in self.pull_streams.values():  # no pull may overwrite what is still read
+            here.wait_stream(current)
 
     def comm_after_copies(self) -> None:
         """The comm stream waits for everything issued on the copy stream so far (packs)."""
@@ -80,7 +123,7 @@ class CudaDevice:
 
     def finish(self, deadline: float, check: Callable[[], None], stuck: Callable[[], str]) -> None:
         events = []
-        for s in (self.copy_stream, self.comm_stream):
+        for s in (self.copy_stream, self.comm_stream, *(here for here, _ in self.pull_streams.values())):
             ev = torch.cuda.Event()
             ev.record(s)
             events.append(ev)
@@ -91,7 +134,10 @@ class CudaDevice:
                 raise TimeoutError(f"refit did not complete in time: {stuck()}")
             time.sleep(pause)
             pause = min(pause * 2, 1e-4)  # coarse enough not to steal the CPU, fine for timing
-        torch.cuda.current_stream(self.torch).wait_stream(self.copy_stream)
+        current = torch.cuda.current_stream(self.torch)
+        current.wait_stream(self.copy_stream)
+        for here, _ in self.pull_streams.values():
+            current.wait_stream(here)
 
     def synchronize(self) -> None:
         torch.cuda.synchronize(self.torch)

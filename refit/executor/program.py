@@ -17,6 +17,13 @@ arrives), so staging is at most 2 send + 2 receive buffers of the largest bucket
 Buckets whose two devices are driven by this member need no wire: they become direct copies
 (`moves`) from source blocks to destination blocks.
 
+With ``ipc`` (single host: every driver has mapped every source shard, `transports`), a bucket
+between two devices needs no wire either: the *destination's* driver copies straight out of the
+peer device's source regions into its destination regions (`pulls`; the source's driver does
+nothing for it).  This covers every bucket whose source regions live in a source shard: all of a
+p2p plan, and stage 0 of a broadcast plan.  Stage 1 of a broadcast plan reads the root's
+gathered tensors, which only the root's driver holds, so it stays on the communicator.
+
 Broadcast plans (stage 0) gather full tensors on a source "root" first.  The driver of the
 root's device receives those parts into *gather* tensors of its own; in stage 1 the root's
 sending regions come from its own pieces plus the gathered ones.
@@ -96,6 +103,7 @@ class Stage:
     stage: int
     moves: tuple[Move, ...]
     steps: tuple[Step, ...]
+    pulls: tuple[Move, ...] = ()  # ipc: copies out of another device's source shard
 
 
 @dataclass(frozen=True)
@@ -124,8 +132,10 @@ def bucket_ends(b: Bucket) -> tuple[Endpoint, Endpoint]:
     return ("src", b.src), ("src" if b.stage == 0 else "dst", b.dst)
 
 
-def compile_program(plan: Plan, spec: ModelSpec, src: Layout, dst: Layout, topo: Topology, member: int) -> Program:
-    """This member's share of ``plan`` (layouts resolved, as the plan was made from)."""
+def compile_program(plan: Plan, spec: ModelSpec, src: Layout, dst: Layout, topo: Topology, member: int,
+                    ipc: bool = False) -> Program:
+    """This member's share of ``plan`` (layouts resolved, as the plan was made from).  With
+    ``ipc`` the buckets that `pullable` accepts become pulls by the destination's driver."""
     G = plan.placement.num_gpus
     mine = set(topo.driven_devices(member))
     locals_: dict[Endpoint, list[LocalTensor]] = {}
@@ -133,10 +143,15 @@ def compile_program(plan: Plan, spec: ModelSpec, src: Layout, dst: Layout, topo:
         for ep in topo.endpoints_on(dev):
             layout = src if ep[0] == "src" else dst
             locals_[ep] = list(layout.local_tensors(spec, ep[1]))
+    if ipc:  # every source shard on the host is readable
+        for ep, _ in topo.devices:
+            if ep[0] == "src" and ep not in locals_:
+                locals_[ep] = list(src.local_tensors(spec, ep[1]))
     gather = _gather_tensors(plan, spec, topo, mine)
     index = {ep: PieceIndex(lts + list(gather.get(ep, ()))) for ep, lts in locals_.items()}
 
     moves: dict[int, list[Move]] = defaultdict(list)
+    pulls: dict[int, list[Move]] = defaultdict(list)
     steps: dict[tuple[int, int, int], tuple[list[Wire], list[Wire]]] = {}
     pair_count: dict[tuple[int, int, int], int] = defaultdict(int)
     for bi, b in enumerate(plan.buckets):
@@ -150,6 +165,10 @@ def compile_program(plan: Plan, spec: ModelSpec, src: Layout, dst: Layout, topo:
         if sdev in mine and ddev in mine:
             moves[b.stage].extend(_moves(plan, transfers, index[s_ep], index[d_ep], s_ep, d_ep))
             continue
+        if ipc and pullable(plan, b):
+            if ddev in mine:  # the source's driver has nothing to do for this bucket
+                pulls[b.stage].extend(_moves(plan, transfers, index[s_ep], index[d_ep], s_ep, d_ep))
+            continue
         key = (b.stage, (ddev - sdev) % G, i)
         sends, recvs = steps.setdefault(key, ([], []))
         if sdev in mine:
@@ -160,14 +179,20 @@ def compile_program(plan: Plan, spec: ModelSpec, src: Layout, dst: Layout, topo:
             recvs.append(_wire(plan, bi, b, transfers, index[d_ep], d_ep, peer, sending=False))
 
     stages = []
-    for stage in sorted({k[0] for k in steps} | set(moves)):
+    for stage in sorted({k[0] for k in steps} | set(moves) | set(pulls)):
         keyed = sorted(k for k in steps if k[0] == stage)
         stages.append(Stage(stage, tuple(moves.get(stage, ())),
-                            tuple(Step(k, tuple(steps[k][0]), tuple(steps[k][1])) for k in keyed)))
+                            tuple(Step(k, tuple(steps[k][0]), tuple(steps[k][1])) for k in keyed),
+                            tuple(pulls.get(stage, ()))))
     all_steps = [s for st in stages for s in st.steps]
     send_slots = _slots([s.sends for s in all_steps])
     recv_slots = _slots([s.recvs for s in all_steps])
     return Program(member, tuple(stages), {ep: tuple(v) for ep, v in gather.items()}, send_slots, recv_slots)
+
+
+def pullable(plan: Plan, b: Bucket) -> bool:
+    """Whether the source regions of ``b`` lie in a source shard (not in a root's gathered data)."""
+    return b.stage == 0 or plan.planner != "broadcast"
 
 
 def _slots(per_step: list[tuple[Wire, ...]]) -> tuple[int, ...]:
@@ -255,6 +280,7 @@ class BoundStage:
     stage: int
     moves: CopyBatch
     steps: list[BoundStep]
+    pulls: list[CopyBatch] = field(default_factory=list)  # one per source device
 
 
 @dataclass
@@ -268,7 +294,8 @@ class Bound:
         return sum(b.numel() for b in self.buffers)
 
     def batches(self) -> list[CopyBatch]:
-        return [b for st in self.stages for b in [st.moves] + [x for s in st.steps for x in (s.pack, s.unpack)]]
+        return [b for st in self.stages
+                for b in [st.moves] + st.pulls + [x for s in st.steps for x in (s.pack, s.unpack)]]
 
 
 class _Views:
@@ -326,5 +353,11 @@ def bind(program: Program, tensors: dict[Endpoint, dict[str, torch.Tensor]], dev
                 recvs.append((w.peer, w.bucket, buf[:w.nbytes]))
             steps.append(BoundStep(step.key, CopyBatch(pack), CopyBatch(unpack), sends, recvs))
             j += 1
-        stages.append(BoundStage(st.stage, CopyBatch(move_pairs), steps))
+        by_device: dict[torch.device, list[Pair]] = defaultdict(list)
+        for m in st.pulls:
+            s_view = views.block(m.src)
+            by_device[s_view.device].append((views.block(m.dst), s_view))
+        pulls = [CopyBatch(pairs, peer=dev if dev.type == "cuda" and dev != device else None)
+                 for dev, pairs in sorted(by_device.items(), key=lambda x: str(x[0]))]
+        stages.append(BoundStage(st.stage, CopyBatch(move_pairs), steps, pulls))
     return Bound(program, stages, [b for s in sets + rsets for b in s])

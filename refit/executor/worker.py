@@ -2,8 +2,12 @@
 
 Setup: connect to the rendezvous store, allocate the shards of its endpoints, export them to the
 device's driver (or, as a driver, map the colocated peers' shards), build the control group
-(barriers) and, for drivers, the data communicator.  Per plan ("phase"): compile and bind the
-program once, then for every refit: barrier, `run_refit`, barrier, verify when asked.
+(barriers) and, for drivers, the data communicator.  With ``transport="ipc"`` (one host) every
+source shard is exported and every driver maps all of them, so buckets between devices become
+direct reads of the peer's memory (`program` "pulls"); they happen between the refit-start and
+refit-end barriers, while no source changes (sources are refilled only outside that window).
+Per plan ("phase"): compile and bind the program once, then for every refit: barrier,
+`run_refit`, barrier, verify when asked.
 
 Failure: every wait is bounded.  Transfers with a peer that died fail at once (gloo sees the
 socket close) or at the deadline (NCCL), with an error naming that peer; the parent
@@ -68,6 +72,7 @@ class Job:
     kill: tuple[str, int, int] | None = None  # test hook: (side, rank, refit number) dies mid-refit
     store_port: int = 0
     log_level: int = logging.WARNING
+    transport: str = "comm"  # "comm": NCCL (GPU) / gloo (CPU) between devices; "ipc": direct reads
 
 
 @dataclass
@@ -96,12 +101,15 @@ class WorkerResult:
 def run_refit(bound: Bound, comm: Comm | None, device: Device, timeout_s: float,
               hook: Callable[[], None] | None = None) -> None:
     """One refit of this member's share, in program order.  Two steps in flight at most (the two
-    buffer sets); a stage is drained before the next starts (stage 1 sends what stage 0 gathered)."""
+    buffer sets); a stage is drained before the next starts (stage 1 sends what stage 0 gathered).
+    A stage's pulls (ipc) are issued first, on streams of their own, and joined at its end."""
     deadline = time.monotonic() + timeout_s
     device.begin()
     if hook and not any(st.steps for st in bound.stages):
         hook()
     for stage in bound.stages:
+        for batch in stage.pulls:
+            device.pull(batch)
         inflight: deque[tuple[BoundStep, Any]] = deque()
         for j, step in enumerate(stage.steps):
             if len(inflight) == 2:
@@ -117,6 +125,8 @@ def run_refit(bound: Bound, comm: Comm | None, device: Device, timeout_s: float,
             device.copy(stage.moves)
         while inflight:
             _finish(*inflight.popleft(), comm, device)
+        if stage.pulls:
+            device.join()
     device.finish(deadline, comm.check if comm else _nothing, comm.stuck if comm else (lambda: "local copies"))
 
 
@@ -162,12 +172,16 @@ class Session:
         self.device = make_device(job.device, devices[0])
         self.ctl = _gloo(dist.PrefixStore("ctl", self.store), self.member, len(topo.members), job.timeout_s)
         driven = set(topo.driven_devices(self.member))
+        if job.transport not in ("comm", "ipc"):
+            raise RefitError(f"unknown transport {job.transport!r} (comm or ipc)")
+        ipc = job.transport == "ipc"
 
         self.shards: dict[Endpoint, Shards] = {}
         for ep in self.mine:
-            shared = job.device == "cpu" and topo.device_of[ep] not in driven
+            exported = topo.device_of[ep] not in driven or (ipc and ep[0] == "src")
+            shared = job.device == "cpu" and exported
             self.shards[ep] = allocate(self.locals_of(ep), self.device.torch, self.shm_path(ep) if shared else None)
-            if topo.device_of[ep] not in driven:
+            if exported:
                 self.store.set(f"arena/{ep[0]}{ep[1]}", export_arena(self.shards[ep]))
         self.tensors: dict[Endpoint, dict[str, torch.Tensor]] = {ep: s.tensors for ep, s in self.shards.items()}
         self.imported: list[torch.Tensor] = []
@@ -177,6 +191,15 @@ class Session:
                     arena = import_arena(self.store.get(f"arena/{ep[0]}{ep[1]}"))
                     self.imported.append(arena)
                     self.tensors[ep] = views(arena, self.locals_of(ep))
+        self.peer_devices: set[int] = set()  # CUDA devices whose memory this process reads (ipc)
+        if ipc and driven:  # a driver maps every source shard of the host, once
+            for ep, dev in topo.devices:
+                if ep[0] == "src" and ep not in self.tensors:
+                    arena = import_arena(self.store.get(f"arena/{ep[0]}{ep[1]}"))
+                    self.imported.append(arena)
+                    self.tensors[ep] = views(arena, self.locals_of(ep))
+                    if arena.is_cuda and arena.device != self.device.torch:
+                        self.peer_devices.add(arena.device.index)
         self.barrier("setup")
         for s in self.shards.values():
             remove_file(s.path)  # every peer has mapped it; the mapping outlives the name
@@ -216,7 +239,8 @@ class Session:
     # ------------------------------------------------------------------ phases
     def run_phase(self, phase: Phase) -> PhaseResult:
         job, dev = self.job, self.device
-        program = compile_program(phase.plan, job.spec, job.src, job.dst, self.topo, self.member)
+        program = compile_program(phase.plan, job.spec, job.src, job.dst, self.topo, self.member,
+                                  ipc=job.transport == "ipc")
         tensors = {ep: dict(t) for ep, t in self.tensors.items()}
         gathers = []
         for ep, lts in program.gather.items():
@@ -241,7 +265,8 @@ class Session:
                         fill_source(s, job.spec, seed)
             dev.synchronize()
             if cuda:
-                torch.cuda.reset_peak_memory_stats(dev.torch)
+                for d in [dev.torch.index, *sorted(self.peer_devices)]:
+                    torch.cuda.reset_peak_memory_stats(d)
             self.barrier("refit start")
             self.report(f"refit {self.refits_done} started")
             t0 = time.perf_counter()
@@ -253,8 +278,9 @@ class Session:
                     hook()
             res.seconds.append(time.perf_counter() - t0)
             self.barrier("refit end")
-            if cuda:
+            if cuda:  # plus anything this process allocated on peers (cross-device copy temporaries)
                 peak = torch.cuda.max_memory_allocated(dev.torch) - own
+                peak += sum(torch.cuda.max_memory_allocated(d) for d in self.peer_devices)
                 res.peak_extra_bytes = max(res.peak_extra_bytes or 0, peak)
             if refit.verify:
                 for ep, s in self.shards.items():
