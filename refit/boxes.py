@@ -52,23 +52,25 @@ def merge_boxes(boxes: Iterable[Box]) -> list[Box]:
     return sorted(current)
 
 
+def join_runs(intervals: list[tuple[int, int]]) -> list[tuple[int, int]]:
+    """Sorted ``(start, length)`` intervals with touching ones joined (duplicates collapse)."""
+    intervals = sorted(set(intervals))
+    out = [intervals[0]]
+    for lo, n in intervals[1:]:
+        last_lo, last_n = out[-1]
+        if last_lo + last_n == lo:
+            out[-1] = (last_lo, last_n + n)
+        else:
+            out.append((lo, n))
+    return out
+
+
 def _merge_layers(boxes: set[Box]) -> set[Box]:
     """`_merge_along` dimension 0, specialised: no tuple surgery in the inner loop."""
     groups: dict[tuple[Index, Index], list[tuple[int, int]]] = {}
     for s, z in boxes:
         groups.setdefault((s[1:], z[1:]), []).append((s[0], z[0]))
-    merged: set[Box] = set()
-    for (rest_s, rest_z), runs in groups.items():
-        runs.sort()
-        lo, n = runs[0]
-        for s0, z0 in runs[1:]:
-            if lo + n == s0:
-                n += z0
-            else:
-                merged.add(((lo,) + rest_s, (n,) + rest_z))
-                lo, n = s0, z0
-        merged.add(((lo,) + rest_s, (n,) + rest_z))
-    return merged
+    return {((lo,) + rest_s, (n,) + rest_z) for (rest_s, rest_z), runs in groups.items() for lo, n in join_runs(runs)}
 
 
 def _merge_along(boxes: set[Box], d: int) -> tuple[set[Box], bool]:

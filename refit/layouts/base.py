@@ -22,9 +22,9 @@ from __future__ import annotations
 import functools
 from collections import defaultdict
 import math
-from typing import ClassVar, NamedTuple, Protocol, Sequence
+from typing import ClassVar, NamedTuple, Protocol
 
-from refit.boxes import Box, Index, merge_boxes
+from refit.boxes import Box, Index, join_runs, merge_boxes
 from refit.errors import RefitError
 from refit.spec import DTYPE_BYTES, ModelSpec
 
@@ -101,10 +101,15 @@ def vocab_pieces(tensor: str, vocab: int, hidden: int, padded: int, tp: int, tp_
 
 def holdings(spec: ModelSpec, layout: Layout, rank: int) -> dict[str, list[Box]]:
     """Canonical tensor -> the boxes a rank holds, coalesced."""
-    boxes: dict[str, list[Box]] = defaultdict(list)
+    # Hot loop for MoE models (a rank holds E/EP experts x layers pieces): group pieces that differ
+    # only on dim 0 (their layer, mostly) right away, and join their runs before the general merge.
+    along0: dict[tuple[str, Index, Index], list[tuple[int, int]]] = defaultdict(list)
     for lt in layout.local_tensors(spec, rank):
-        for tensor, start, size, _ in lt.pieces:  # unpacking: this loop is hot for MoE models
-            boxes[tensor].append((start, size))
+        for tensor, start, size, _ in lt.pieces:
+            along0[(tensor, start[1:], size[1:])].append((start[0], size[0]))
+    boxes: dict[str, list[Box]] = defaultdict(list)
+    for (tensor, rest_start, rest_size), intervals in along0.items():
+        boxes[tensor].extend(((lo,) + rest_start, (n,) + rest_size) for lo, n in join_runs(intervals))
     return {name: merge_boxes(bs) for name, bs in boxes.items()}
 
 
@@ -121,5 +126,3 @@ def all_holdings(spec: ModelSpec, layout: Layout) -> list[dict[str, list[Box]]]:
     return out
 
 
-def local_tensor_index(tensors: Sequence[LocalTensor]) -> dict[str, LocalTensor]:
-    return {t.name: t for t in tensors}
