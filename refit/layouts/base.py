@@ -80,12 +80,6 @@ def divides(what: str, n: int, by_what: str, d: int) -> None:
         raise RefitError(f"{what} ({n}) is not divisible by {by_what} ({d})")
 
 
-def tensor_parallel_rows(total: int, ranks: int, rank: int) -> tuple[int, int]:
-    """Rows ``[lo, lo + n)`` of an even split of ``total`` rows over ``ranks``."""
-    n = total // ranks
-    return rank * n, n
-
-
 def pad_to(n: int, multiple: int) -> int:
     return -(-n // multiple) * multiple
 
