@@ -60,7 +60,7 @@ def sources_for(index: SourceIndex, tensor: str, box: Box, where: str) -> list[t
     return found
 
 
-def total_bytes(spec: ModelSpec, dst: Layout, dst_holdings: list[dict[str, list[Box]]]) -> int:
+def total_bytes(spec: ModelSpec, dst_holdings: list[dict[str, list[Box]]]) -> int:
     return sum(volume(b[1]) * DTYPE_BYTES[spec[t].dtype] for h in dst_holdings for t, bs in h.items() for b in bs)
 
 
@@ -89,7 +89,7 @@ def make_plan(spec: ModelSpec, src: str | Layout, dst: str | Layout, placement: 
         place = Placement.make(placement, src_l.world_size, dst_l.world_size)
         plan = PLANNERS[planner]().plan(spec, src_l, dst_l, place, bucket_bytes)
         seconds = time.perf_counter() - t0
-        dst_total = total_bytes(spec, dst_l, all_holdings(spec, dst_l))
+        dst_total = total_bytes(spec, all_holdings(spec, dst_l))
         return PlanResult(plan, summarize(plan, spec, dst_total, seconds), src_l, dst_l)
 
 

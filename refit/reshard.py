@@ -21,7 +21,8 @@ from typing import Any, Callable, Iterable
 from refit.errors import RefitError
 from refit.layouts import Layout, LocalTensor
 from refit.regions import PieceIndex, slices
-from refit.spec import DTYPE_BYTES, ModelSpec, _ST_DTYPES, check_checkpoint, checkpoint_tensors, read_safetensors_header
+from refit.spec import (DTYPE_BYTES, _ST_DTYPES, ModelSpec, check_checkpoint, check_tensor_table, checkpoint_tensors,
+                        read_safetensors_header)
 
 log = logging.getLogger(__name__)
 
@@ -96,19 +97,8 @@ class ShardReader:
 
 def check_rank_header(header: dict[str, dict[str, Any]], expected: list[LocalTensor], path: str) -> None:
     """Refuse a rank file whose tensors differ from the layout's: name the first difference."""
-    where = os.path.basename(path)
-    for lt in expected:
-        if lt.name not in header:
-            raise RefitError(f"{where}: tensor {lt.name!r} is missing")
-        info = header[lt.name]
-        if tuple(info["shape"]) != lt.shape:
-            raise RefitError(f"{where}: {lt.name!r} has shape {info['shape']}, the layout needs {list(lt.shape)}")
-        dtype = _ST_DTYPES.get(info["dtype"], info["dtype"])
-        if dtype != lt.dtype:
-            raise RefitError(f"{where}: {lt.name!r} is {dtype}, the layout needs {lt.dtype}")
-    extra = sorted(set(header) - {lt.name for lt in expected})
-    if extra:
-        raise RefitError(f"{where}: unexpected tensor {extra[0]!r} for this layout")
+    found = {n: (tuple(i["shape"]), _ST_DTYPES.get(i["dtype"], i["dtype"])) for n, i in header.items()}
+    check_tensor_table(found, {lt.name: (lt.shape, lt.dtype) for lt in expected}, os.path.basename(path))
 
 
 # ---------------------------------------------------------------------------------------------

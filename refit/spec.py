@@ -22,7 +22,7 @@ import os
 import re
 import struct
 from dataclasses import dataclass, field
-from typing import Any, Iterator
+from typing import Any, Iterator, Mapping
 
 from refit.errors import RefitError
 
@@ -334,22 +334,30 @@ def spec_from_dir(directory: str) -> ModelSpec:
     return spec
 
 
+TensorTable = Mapping[str, tuple[tuple[int, ...], str]]  # name -> (shape, dtype)
+
+
+def check_tensor_table(found: TensorTable, expected: TensorTable, where: str, extra_ok: bool = False) -> None:
+    """Refuse tensors that differ from what is expected — missing, wrong shape, wrong dtype, or
+    (unless ``extra_ok``) unexpected — naming the first difference."""
+    for name, (shape, dtype) in expected.items():
+        if name not in found:
+            raise RefitError(f"{where}: tensor {name!r} is missing")
+        got_shape, got_dtype = found[name]
+        if tuple(got_shape) != tuple(shape):
+            raise RefitError(f"{where}: {name!r} has shape {list(got_shape)}, expected {list(shape)}")
+        if got_dtype != dtype:
+            raise RefitError(f"{where}: {name!r} is {got_dtype}, expected {dtype}")
+    extra = [] if extra_ok else sorted(set(found) - set(expected))
+    if extra:
+        more = f" (and {len(extra) - 1} more)" if len(extra) > 1 else ""
+        raise RefitError(f"{where}: unexpected tensor {extra[0]!r}{more}")
+
+
 def check_checkpoint(spec: ModelSpec, tensors: dict[str, tuple[tuple[int, ...], str, str]], where: str) -> None:
     """Refuse a checkpoint whose tensors differ from the spec: name the first difference."""
-    expected = {t.name: t for t in spec.hf_tensors()}
-    for name, t in expected.items():
-        if name not in tensors:
-            raise RefitError(f"{where}: tensor {name!r} missing from the checkpoint")
-        shape, dtype, path = tensors[name]
-        if shape != t.shape:
-            raise RefitError(f"{where}: {name!r} has shape {list(shape)}, the config implies {list(t.shape)}")
-        want = spec[t.tensor].dtype
-        if dtype != want:
-            raise RefitError(f"{where}: {name!r} is {dtype}, expected {want}")
-    extra = sorted(set(tensors) - set(expected))
-    if extra:
-        raise RefitError(f"{where}: unexpected tensor {extra[0]!r} (and {len(extra) - 1} more)"
-                         if len(extra) > 1 else f"{where}: unexpected tensor {extra[0]!r}")
+    expected = {t.name: (t.shape, spec[t.tensor].dtype) for t in spec.hf_tensors()}
+    check_tensor_table({n: (shape, dtype) for n, (shape, dtype, _) in tensors.items()}, expected, where)
 
 
 def load_spec(model: str) -> ModelSpec:

@@ -34,7 +34,7 @@ from refit.control.v1 import refit_pb2_grpc as pb_grpc
 from refit.errors import RefitError
 from refit.layouts import Layout, resolve_layout
 from refit.plan import Plan
-from refit.spec import ModelSpec
+from refit.spec import ModelSpec, check_tensor_table
 
 if TYPE_CHECKING:
     import torch
@@ -45,15 +45,9 @@ log = logging.getLogger(__name__)
 def check_tensors(spec: ModelSpec, layout: Layout, rank: int, tensors: Mapping[str, "torch.Tensor"]) -> None:
     """Refuse local tensors that are not the ones ``layout`` gives ``rank``: name the first
     difference (a missing tensor, a wrong shape or dtype).  Extra tensors are ignored."""
-    for lt in layout.local_tensors(spec, rank):
-        t = tensors.get(lt.name)
-        if t is None:
-            raise RefitError(f"rank {rank} of {layout.describe()}: local tensor {lt.name!r} is missing")
-        if tuple(t.shape) != tuple(lt.shape):
-            raise RefitError(f"rank {rank} of {layout.describe()}: {lt.name!r} has shape {list(t.shape)}, "
-                             f"the layout says {list(lt.shape)}")
-        if str(t.dtype).removeprefix("torch.") != lt.dtype:
-            raise RefitError(f"rank {rank} of {layout.describe()}: {lt.name!r} is {t.dtype}, the layout says {lt.dtype}")
+    found = {n: (tuple(t.shape), str(t.dtype).removeprefix("torch.")) for n, t in tensors.items()}
+    expected = {lt.name: (lt.shape, lt.dtype) for lt in layout.local_tensors(spec, rank)}
+    check_tensor_table(found, expected, f"rank {rank} of {layout.describe()}", extra_ok=True)
 
 
 _LOOP: asyncio.AbstractEventLoop | None = None
