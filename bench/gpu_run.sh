@@ -24,8 +24,13 @@ for what in "$@"; do case "$what" in
        run q30-tp2ep2-tp2-nccl 300 --model qwen3-30b-moe --src megatron:tp2ep2 --dst vllm:tp2 --iters 10 --transport nccl ;;
   ipc8) run q8-tp1-tp1-disagg-ipc 240 --model qwen3-8b --src tp1 --dst tp1 --placement disaggregated --iters 10 --transport ipc
         run q8-tp1-tp2-ipc 240 --model qwen3-8b --src tp1 --dst tp2 --vs broadcast --iters 10 --transport ipc ;;
+  copies) timeout 240 python3 bench/profile_copies.py 4 2>&1 | tee "$OUT/profile_copies.txt" ;;
+  dma) run q30-tp2ep2-tp2-ipc-dma 300 --model qwen3-30b-moe --src megatron:tp2ep2 --dst vllm:tp2 --vs broadcast --iters 10 --transport ipc
+       REFIT_COPY=torch run q30-tp2ep2-tp2-ipc-torchcopy 300 --model qwen3-30b-moe --src megatron:tp2ep2 --dst vllm:tp2 --iters 10 --transport ipc
+       run q30-tp2ep2-tp2-nccl-dma 300 --model qwen3-30b-moe --src megatron:tp2ep2 --dst vllm:tp2 --iters 10 --transport nccl
+       CUDA_VISIBLE_DEVICES=0 run q30-tp1-tp1-1gpu-dma 300 --model qwen3-30b-moe --src tp1 --dst tp1 --iters 10 ;;
   sweep) for mb in 128 512 1024; do
            run q30-tp2ep2-tp2-b$mb 200 --model qwen3-30b-moe --src megatron:tp2ep2 --dst vllm:tp2 --iters 5 --bucket-mb $mb
          done ;;
-  *) echo "usage: $0 smoke|moe2|ipc|ipc8|disagg|ipc1|sweep"; exit 2 ;;
+  *) echo "usage: $0 smoke|moe2|ipc|ipc8|disagg|ipc1|sweep|copies|dma"; exit 2 ;;
 esac; done

@@ -228,6 +228,7 @@ def report(spec: ModelSpec, plans: list[Any], timed: list[list[bool]], results: 
             "peak_extra_what": "CUDA allocator peak minus own shards" if peaks else "staging + gather buffers allocated",
             "staging_bytes": max(p.staging_bytes for p in phase), "gather_bytes": max(p.gather_bytes for p in phase),
             "copies": sum(p.copies for p in phase), "blocks": sum(p.blocks for p in phase),
+            "memcpys": sum(p.memcpys for p in phase),
             # every destination rank checked, every element of every piece, nothing wrong
             "verified": (all(v.ok for v in verdicts) and len(dst_eps) == len(first.plan.placement.dst_gpus)
                          and sum(v.checked for v in verdicts) * itemsize == s["total_bytes"]),
@@ -283,7 +284,8 @@ def table(r: dict[str, Any]) -> str:
         lines.append(f"{run['planner']}: moves {_size(run['moved_bytes'])} per refit (remote {_size(run['remote_bytes'])}, "
                      f"local {_size(run['local_bytes'])}) for {_size(run['dst_bytes'])} of destination weights; "
                      f"largest per-device remote volume {_size(run['floor_bytes'])}; "
-                     f"{run['blocks']} blocks -> {run['copies']} copies per refit")
+                     f"{run['blocks']} blocks -> {run['copies']} copies per refit"
+                     + (f" ({run['memcpys']} copy-engine memcpys)" if run.get("memcpys") else ""))
     lines.append("GB/s = plan bytes moved (remote + local, each byte once) / median seconds; floor = largest "
                  "per-device remote bytes (send or receive) / link GB/s measured in this run; extra mem = "
                  + r["runs"][0]["peak_extra_what"] + ", largest process"

@@ -11,15 +11,26 @@ every refit.  Two things cut launches:
    list of dense, same-stride pairs is one multi-tensor-apply launch; strided pairs go in a second
    list (torch loops over those).  CPU runs the very same code.
 
-A batch with a ``peer`` device reads from another GPU's memory (the ipc transport).  It runs as
-one ``copy_`` per merged pair — torch's cross-device copy: ``cudaMemcpyAsync`` over NVLink (copy
-engines) for contiguous pairs, a peer-access kernel for strided ones — issued by
-`refit.executor.device.CudaDevice.pull` on a pair of streams of its own.
+3. **Copy engines for big blocks** (CUDA, ``dma=True``).  A merged pair whose rows are
+   contiguous becomes a few ``cudaMemcpy2DAsync`` calls (`memcpy_plan`): one per 2-D slab, issued
+   on *this* process's stream.  Copy engines move big blocks at full HBM / NVLink speed without
+   SMs, so they run beside the kernels of other work; and a pull from a peer GPU issued on our own
+   device's stream stays in our own CUDA context.  That matters when several processes share a
+   GPU (colocated trainer and engine): work that one process issues on *another* process's GPU is
+   time-sliced against that process's kernels instead of running beside them.
+
+A batch with a ``peer`` device reads from another GPU's memory (the ipc transport).  With
+``dma`` every pair that `memcpy_plan` can express is a copy-engine pull on our stream; the rest
+(element-strided views) fall back to torch's cross-device ``copy_``, which runs on the source
+device (`refit.executor.device.CudaDevice.pull` gives it a pair of streams of its own).
 """
 
 from __future__ import annotations
 
+import math
+import os
 from collections import defaultdict
+from typing import NamedTuple
 
 import torch
 
@@ -75,21 +86,130 @@ def merge(pairs: list[Pair]) -> list[Pair]:
     return pairs
 
 
-class CopyBatch:
-    """A fixed set of copies between fixed views; `run` issues them on the current stream."""
+class Memcpy(NamedTuple):
+    """One ``cudaMemcpy2DAsync``: ``height`` rows of ``width`` bytes, ``dpitch`` / ``spitch``
+    bytes apart (height 1 is a plain memcpy).  Addresses are absolute."""
 
-    def __init__(self, pairs: list[Pair], do_merge: bool = True, peer: torch.device | None = None) -> None:
+    dst: int
+    dpitch: int
+    src: int
+    spitch: int
+    width: int
+    height: int
+
+
+def _coalesce(shape: tuple[int, ...], dstr: tuple[int, ...], sstr: tuple[int, ...]) -> list[tuple[int, int, int]]:
+    """(size, dst stride, src stride) per dim, size-1 dims dropped, dims merged where both views
+    step through them as through one."""
+    dims = [(n, d, s) for n, d, s in zip(shape, dstr, sstr) if n != 1]
+    out: list[tuple[int, int, int]] = []
+    for n, d, s in dims:
+        if out and out[-1][1] == d * n and out[-1][2] == s * n:
+            out[-1] = (out[-1][0] * n, d, s)
+        else:
+            out.append((n, d, s))
+    return out or [(1, 1, 1)]
+
+
+def memcpy_plan(dst: tuple[int, tuple[int, ...], tuple[int, ...]], src: tuple[int, tuple[int, ...], tuple[int, ...]],
+                itemsize: int, limit: int = 4096) -> list[Memcpy] | None:
+    """The 2-D memcpys that copy view ``src`` into view ``dst``, each given as (address of the
+    first element, shape, strides in elements); None when the innermost dim is not contiguous on
+    both sides (copy engines move rows, not scattered elements) or when it would take more than
+    ``limit`` calls.  Pure arithmetic, so it is tested on CPU against torch's own copy."""
+    (dptr, shape, dstr), (sptr, sshape, sstr) = dst, src
+    if tuple(shape) != tuple(sshape):
+        raise ValueError(f"memcpy of {shape} from {sshape}")
+    if math.prod(shape) == 0:
+        return []
+    dims = _coalesce(tuple(shape), tuple(dstr), tuple(sstr))
+    n, d, s = dims[-1]
+    if d != 1 or s != 1:
+        return None
+    width = n * itemsize
+    height, dpitch, spitch = 1, width, width
+    if len(dims) >= 2:
+        height, dpitch, spitch = dims[-2][0], dims[-2][1] * itemsize, dims[-2][2] * itemsize
+        if dpitch < width or spitch < width:  # rows overlap: not a pitched copy
+            return None
+    outer = dims[:-2]
+    count = math.prod(o[0] for o in outer)
+    if count > limit:
+        return None
+    out = []
+    for flat in range(count):
+        doff = soff = 0
+        for size, ds, ss in reversed(outer):
+            flat, k = divmod(flat, size)
+            doff += k * ds
+            soff += k * ss
+        out.append(Memcpy(dptr + doff * itemsize, dpitch, sptr + soff * itemsize, spitch, width, height))
+    return out
+
+
+def _memcpy_pairs(pairs: list[Pair]) -> tuple[list[Memcpy], list[Pair]]:
+    """Split pairs into copy-engine memcpys and pairs left to torch."""
+    calls: list[Memcpy] = []
+    rest: list[Pair] = []
+    for d, s in pairs:
+        plan = memcpy_plan((d.data_ptr(), tuple(d.shape), d.stride()), (s.data_ptr(), tuple(s.shape), s.stride()),
+                           d.element_size())
+        if plan is None:
+            rest.append((d, s))
+        else:
+            calls.extend(plan)
+    return calls, rest
+
+
+DMA_MIN_BYTES = 1 << 20  # below this per copy, one multi-tensor kernel beats a memcpy call each
+
+
+def dma_enabled() -> bool:
+    """``REFIT_COPY=torch`` turns the copy-engine path off (torch copies only), for comparison."""
+    return os.environ.get("REFIT_COPY", "dma") != "torch"
+
+
+class CopyBatch:
+    """A fixed set of copies between fixed views; `run` issues them on the current stream.
+
+    ``dma`` (CUDA only): pairs of at least `DMA_MIN_BYTES` that `memcpy_plan` can express run as
+    copy-engine memcpys on the current stream of this process's device — for a ``peer`` batch
+    that means pulled by our own device, in our own context."""
+
+    def __init__(self, pairs: list[Pair], do_merge: bool = True, peer: torch.device | None = None,
+                 dma: bool = False) -> None:
         self.peer = peer
         self.blocks = len(pairs)
         pairs = merge(pairs) if do_merge else list(pairs)
+        self.copies = len(pairs)
+        self.nbytes = sum(d.numel() * d.element_size() for d, _ in pairs)
+        self.memcpys: list[Memcpy] = []
+        if dma and pairs and pairs[0][0].is_cuda:
+            def wanted(p: Pair) -> bool:  # every pull; local copies only when big
+                return peer is not None or p[0].numel() * p[0].element_size() >= DMA_MIN_BYTES
+            self.memcpys, rest = _memcpy_pairs([p for p in pairs if wanted(p)])
+            pairs = rest + [p for p in pairs if not wanted(p)]
         dense = [p for p in pairs if p[0].is_contiguous() and p[1].is_contiguous()]
         strided = [p for p in pairs if not (p[0].is_contiguous() and p[1].is_contiguous())]
         self._lists = [([d for d, _ in ps], [s for _, s in ps]) for ps in (dense, strided) if ps]
-        self.copies = len(pairs)
-        self.nbytes = sum(d.numel() * d.element_size() for d, _ in pairs)
-        self._pairs = pairs
+        self._pairs = pairs  # what torch copies (all of them without dma)
+
+    @property
+    def torch_pairs(self) -> int:
+        return len(self._pairs)
+
+    def run_memcpys(self, stream: int) -> None:
+        """Issue the copy-engine part on the CUDA stream handle ``stream``."""
+        if not self.memcpys:
+            return
+        from cupy.cuda import runtime
+
+        default = runtime.memcpyDefault  # unified addressing: the driver knows each pointer's device
+        for m in self.memcpys:
+            runtime.memcpy2DAsync(m.dst, m.dpitch, m.src, m.spitch, m.width, m.height, default, stream)
 
     def run(self) -> None:
+        """Issue the torch part on the current stream (the peer's, for a cross-device batch)."""
         if self.peer is not None:  # cross-device: plain copy_ per pair (foreach has no such fast path)
             for d, s in self._pairs:
                 d.copy_(s)
@@ -98,4 +218,5 @@ class CopyBatch:
             torch._foreach_copy_(dsts, srcs)
 
     def __repr__(self) -> str:
-        return f"CopyBatch({self.blocks} blocks -> {self.copies} copies, {self.nbytes} bytes)"
+        return (f"CopyBatch({self.blocks} blocks -> {self.copies} copies, {len(self.memcpys)} memcpys, "
+                f"{self.nbytes} bytes)")

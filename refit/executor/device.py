@@ -6,10 +6,11 @@ blocking and packing/unpacking overlaps the wire.  The host waits once, at the e
 (never an unbounded ``synchronize``): a dead peer turns into a timeout naming the stuck step
 instead of a hang.  On CPU everything is synchronous and the same calls are no-ops.
 
-Pulls (the ipc transport: copies out of another GPU's memory) run on a *pair* of streams per
-peer device, one on this device and one on the peer (in this process's context there): torch
-issues a cross-device ``copy_`` on the source device's current stream, fenced by events against
-the destination device's current stream.  Were that the copy stream, every pull would fence the
+Pulls (the ipc transport: copies out of another GPU's memory) run on a stream of their own per
+peer device: copy-engine memcpys issued on this device (`refit.executor.copies`), and for what
+those cannot express a torch cross-device ``copy_``, which torch issues on the source device's
+current stream (a second stream, on the peer, in this process's context there), fenced by events
+against the destination device's current stream.  Were that the copy stream, every pull would fence the
 copy stream and serialise with the local moves; on streams of their own, pulls (copy engines,
 NVLink) overlap the local moves (SMs, HBM) and the pulls from other peers.  `join` orders the
 copy stream after them (a broadcast stage 1 sends what stage-0 pulls gathered); `finish` waits
@@ -80,6 +81,7 @@ class CudaDevice:
         self.pull_streams: dict[int, tuple[torch.cuda.Stream, torch.cuda.Stream]] = {}  # peer -> (here, there)
 
     def copy(self, batch: CopyBatch) -> None:
+        batch.run_memcpys(self.copy_stream.cuda_stream)
         with torch.cuda.stream(self.copy_stream):
             batch.run()
 
@@ -88,10 +90,14 @@ class CudaDevice:
             return self.copy(batch)
         streams = self.pull_streams.get(batch.peer.index)
         if streams is None:
+            _enable_peer_access(self.index, batch.peer.index)
             here = torch.cuda.Stream(self.torch)
             here.wait_stream(self.copy_stream)  # begin() has ordered the copy stream after the fills
             streams = self.pull_streams[batch.peer.index] = (here, torch.cuda.Stream(batch.peer))
         here, there = streams
+        batch.run_memcpys(here.cuda_stream)  # pulled by our device's copy engines, in our context
+        if not batch.torch_pairs:
+            return
         try:
             with torch.cuda.stream(here), torch.cuda.stream(there):
                 batch.run()
@@ -141,6 +147,21 @@ class CudaDevice:
 
     def synchronize(self) -> None:
         torch.cuda.synchronize(self.torch)
+
+
+def _enable_peer_access(index: int, peer: int) -> None:
+    """Let ``index`` read ``peer``'s memory directly (NVLink / PCIe P2P) for copy-engine pulls;
+    torch enables it lazily for its own copies, which pulls through cupy bypass."""
+    try:
+        from cupy.cuda import runtime
+    except ImportError:
+        return  # no copy-engine pulls without cupy either (torch copies enable access themselves)
+    with torch.cuda.device(index):
+        try:
+            runtime.deviceEnablePeerAccess(peer)
+        except runtime.CUDARuntimeError as e:  # already enabled is fine; anything else is not
+            if "AlreadyEnabled" not in str(e):
+                raise
 
 
 def make_device(kind: str, index: int) -> Device:

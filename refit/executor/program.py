@@ -38,7 +38,7 @@ import torch
 
 from refit.boxes import Index, intersect, shift, volume
 from refit.errors import RefitError
-from refit.executor.copies import CopyBatch, Pair
+from refit.executor.copies import CopyBatch, Pair, dma_enabled
 from refit.executor.topology import Endpoint, Topology
 from refit.executor.values import TORCH_DTYPES, int_view
 from refit.layouts import Layout, LocalTensor, Piece
@@ -334,6 +334,7 @@ def bind(program: Program, tensors: dict[Endpoint, dict[str, torch.Tensor]], dev
     devices this member drives, its local tensors (own or mapped from a peer) and its gather
     tensors."""
     views = _Views(tensors)
+    dma = device.type == "cuda" and dma_enabled()
     sets = [[torch.empty(n, dtype=torch.uint8, device=device) for n in program.send_slots] for _ in range(2)]
     rsets = [[torch.empty(n, dtype=torch.uint8, device=device) for n in program.recv_slots] for _ in range(2)]
     stages, j = [], 0
@@ -351,13 +352,13 @@ def bind(program: Program, tensors: dict[Endpoint, dict[str, torch.Tensor]], dev
             for w, buf in zip(step.recvs, rbufs):
                 unpack += _buffer_pairs(w, buf, views, into_buffer=False)
                 recvs.append((w.peer, w.bucket, buf[:w.nbytes]))
-            steps.append(BoundStep(step.key, CopyBatch(pack), CopyBatch(unpack), sends, recvs))
+            steps.append(BoundStep(step.key, CopyBatch(pack, dma=dma), CopyBatch(unpack, dma=dma), sends, recvs))
             j += 1
         by_device: dict[torch.device, list[Pair]] = defaultdict(list)
         for m in st.pulls:
             s_view = views.block(m.src)
             by_device[s_view.device].append((views.block(m.dst), s_view))
-        pulls = [CopyBatch(pairs, peer=dev if dev.type == "cuda" and dev != device else None)
+        pulls = [CopyBatch(pairs, peer=dev if dev.type == "cuda" and dev != device else None, dma=dma)
                  for dev, pairs in sorted(by_device.items(), key=lambda x: str(x[0]))]
-        stages.append(BoundStage(st.stage, CopyBatch(move_pairs), steps, pulls))
+        stages.append(BoundStage(st.stage, CopyBatch(move_pairs, dma=dma), steps, pulls))
     return Bound(program, stages, [b for s in sets + rsets for b in s])

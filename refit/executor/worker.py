@@ -84,6 +84,7 @@ class PhaseResult:
     peak_extra_bytes: int | None = None  # CUDA: allocator peak during refits minus own shards
     copies: int = 0
     blocks: int = 0
+    memcpys: int = 0  # of the copies, calls on the copy engines (CUDA)
     steps: int = 0
 
 
@@ -250,7 +251,8 @@ class Session:
         bound = bind(program, tensors, dev.torch)
         res = PhaseResult(staging_bytes=bound.staging_bytes, gather_bytes=program.gather_bytes,
                           steps=program.num_steps, copies=sum(b.copies for b in bound.batches()),
-                          blocks=sum(b.blocks for b in bound.batches()))
+                          blocks=sum(b.blocks for b in bound.batches()),
+                          memcpys=sum(len(b.memcpys) for b in bound.batches()))
         for ep, s in self.shards.items():
             if ep[0] == "dst":
                 fill_sentinel(s)

@@ -1,0 +1,89 @@
+"""`memcpy_plan` (the copy-engine path of the executor) checked on CPU: the 2-D memcpys it
+plans, carried out byte by byte on host memory, must equal torch's own copy — for random views
+(slices, steps, transposes) of random tensors.  On GPUs the same descriptors go to
+``cudaMemcpy2DAsync``."""
+
+from __future__ import annotations
+
+import torch
+from hypothesis import given, settings
+from hypothesis import strategies as st
+
+from refit.executor.copies import Memcpy, memcpy_plan
+
+
+def _desc(t: torch.Tensor) -> tuple[int, tuple[int, ...], tuple[int, ...]]:
+    return t.data_ptr(), tuple(t.shape), t.stride()
+
+
+def _emulate(calls: list[Memcpy], dst_base: torch.Tensor, src_base: torch.Tensor) -> None:
+    """cudaMemcpy2D semantics on the bytes of two CPU storages."""
+    d_bytes = dst_base.view(torch.uint8).reshape(-1)
+    s_bytes = src_base.view(torch.uint8).reshape(-1)
+    d0, s0 = dst_base.data_ptr(), src_base.data_ptr()
+    for m in calls:
+        for r in range(m.height):
+            do, so = m.dst - d0 + r * m.dpitch, m.src - s0 + r * m.spitch
+            d_bytes[do:do + m.width] = s_bytes[so:so + m.width]
+
+
+@st.composite
+def views(draw: st.DrawFn) -> tuple[torch.Tensor, torch.Tensor, tuple[slice, ...], tuple[slice, ...], bool]:
+    ndim = draw(st.integers(1, 4))
+    shape = [draw(st.integers(1, 6)) for _ in range(ndim)]
+    view_shape = [draw(st.integers(1, n)) for n in shape]
+
+    def cut(n: int, m: int) -> slice:
+        step = draw(st.sampled_from([1, 1, 1, 2])) if m * 2 <= n else 1
+        start = draw(st.integers(0, n - (m - 1) * step - 1))
+        return slice(start, start + (m - 1) * step + 1, step)
+
+    src_cut = tuple(cut(n, m) for n, m in zip(shape, view_shape))
+    dst_shape = [m + draw(st.integers(0, 3)) for m in view_shape]
+    dst_cut = tuple(cut(n, m) for n, m in zip(dst_shape, view_shape))
+    gen = torch.Generator().manual_seed(draw(st.integers(0, 2**31)))
+    src = torch.randint(-2**15, 2**15, shape, dtype=torch.int16, generator=gen)
+    dst = torch.randint(-2**15, 2**15, dst_shape, dtype=torch.int16, generator=gen)
+    return src, dst, src_cut, dst_cut, draw(st.booleans()) and ndim >= 2
+
+
+@settings(max_examples=400, deadline=None)
+@given(views())
+def test_memcpy_plan_equals_torch_copy(case) -> None:
+    src, dst, src_cut, dst_cut, transpose = case
+    s, d = src[src_cut], dst[dst_cut]
+    if transpose and s.shape[-1] == s.shape[-2] and d.shape[-1] == d.shape[-2]:
+        s = s.transpose(-1, -2)  # innermost dim no longer contiguous on one side
+    expected = dst.clone()
+    expected[dst_cut].copy_(s)
+    calls = memcpy_plan(_desc(d), _desc(s), s.element_size())
+    if calls is None:  # only element-strided innermost dims are left to torch
+        inner = [(ds, ss) for n, ds, ss in zip(s.shape, d.stride(), s.stride()) if n != 1][-1]
+        assert inner != (1, 1)
+        return
+    _emulate(calls, dst, src)
+    assert torch.equal(dst, expected)
+
+
+def test_memcpy_plan_collapses_a_grid_of_rows() -> None:
+    """[experts, rows, half of the columns]: experts and rows fold into one pitched 2-D copy;
+    with a gap between experts on one side, one 2-D copy per expert."""
+    src = torch.zeros(4, 8, 6, dtype=torch.int16)
+    dst = torch.zeros(4, 8, 3, dtype=torch.int16)
+    calls = memcpy_plan(_desc(dst), _desc(src[:, :, 3:]), 2)
+    assert calls == [(dst.data_ptr(), 6, src[:, :, 3:].data_ptr(), 12, 6, 32)]
+    gapped = torch.zeros(4, 9, 6, dtype=torch.int16)[:, :8, 3:]
+    calls = memcpy_plan(_desc(dst), _desc(gapped), 2)
+    assert calls is not None and len(calls) == 4
+    assert all((m.width, m.height, m.dpitch, m.spitch) == (6, 8, 6, 12) for m in calls)
+    # contiguous on both sides: one plain copy of everything
+    calls = memcpy_plan(_desc(dst), _desc(dst.clone()), 2)
+    assert calls is not None and len(calls) == 1 and calls[0].height == 1 and calls[0].width == dst.numel() * 2
+
+
+def test_memcpy_plan_refuses_element_strides_and_huge_counts() -> None:
+    src = torch.zeros(6, 6, dtype=torch.int16)
+    assert memcpy_plan(_desc(src.t().contiguous()), _desc(src.t()), 2) is None
+    grid = torch.zeros(10, 10, 2, 4, dtype=torch.int16)[:, :5, :, :2]  # 10 slabs of 10 rows
+    assert len(memcpy_plan(_desc(grid.contiguous()), _desc(grid), 2) or []) == 10
+    assert memcpy_plan(_desc(grid.contiguous()), _desc(grid), 2, limit=5) is None
