@@ -19,6 +19,7 @@ for them too.
 
 from __future__ import annotations
 
+import os
 import time
 from typing import Callable, Protocol
 
@@ -79,6 +80,8 @@ class CudaDevice:
         self.copy_stream = torch.cuda.Stream(self.torch)
         self.comm_stream = torch.cuda.Stream(self.torch)
         self.pull_streams: dict[int, tuple[torch.cuda.Stream, torch.cuda.Stream]] = {}  # peer -> (here, there)
+        # Which device's stream issues a pull's memcpys: "dst" (ours) or "src" (the peer's), for measurement.
+        self.pull_on = os.environ.get("REFIT_PULL_ON", "dst")
 
     def copy(self, batch: CopyBatch) -> None:
         batch.run_memcpys(self.copy_stream.cuda_stream)
@@ -90,12 +93,17 @@ class CudaDevice:
             return self.copy(batch)
         streams = self.pull_streams.get(batch.peer.index)
         if streams is None:
-            _enable_peer_access(self.index, batch.peer.index)
+            enable_peer_access(self.index, batch.peer.index)
             here = torch.cuda.Stream(self.torch)
             here.wait_stream(self.copy_stream)  # begin() has ordered the copy stream after the fills
             streams = self.pull_streams[batch.peer.index] = (here, torch.cuda.Stream(batch.peer))
         here, there = streams
-        batch.run_memcpys(here.cuda_stream)  # pulled by our device's copy engines, in our context
+        if self.pull_on == "src":  # the peer's copy engines push (still issued in our context there)
+            there.wait_event(_record(here))
+            batch.run_memcpys(there.cuda_stream)
+            here.wait_event(_record(there))
+        else:
+            batch.run_memcpys(here.cuda_stream)  # pulled by our device's copy engines, in our context
         if not batch.torch_pairs:
             return
         try:
@@ -149,9 +157,17 @@ class CudaDevice:
         torch.cuda.synchronize(self.torch)
 
 
-def _enable_peer_access(index: int, peer: int) -> None:
+def _record(stream: torch.cuda.Stream) -> torch.cuda.Event:
+    ev = torch.cuda.Event()
+    ev.record(stream)
+    return ev
+
+
+def enable_peer_access(index: int, peer: int) -> None:
     """Let ``index`` read ``peer``'s memory directly (NVLink / PCIe P2P) for copy-engine pulls;
-    torch enables it lazily for its own copies, which pulls through cupy bypass."""
+    torch enables it lazily for its own copies, which pulls through cupy bypass.  Call it before
+    opening the peer's IPC handles: memory mapped from another process is only mapped into the
+    contexts that already have access to its device (else copies are staged through the host)."""
     try:
         from cupy.cuda import runtime
     except ImportError:

@@ -28,7 +28,7 @@ import torch
 import torch.distributed as dist
 
 from refit.errors import RefitError
-from refit.executor.device import Device, make_device
+from refit.executor.device import Device, enable_peer_access, make_device
 from refit.executor.program import Bound, BoundStep, bind, compile_program
 from refit.executor.shards import Shards, Verdict, allocate, fill_sentinel, fill_source, remove_file, verify, views
 from refit.executor.topology import Endpoint, Topology, endpoint_name
@@ -194,6 +194,9 @@ class Session:
                     self.tensors[ep] = views(arena, self.locals_of(ep))
         self.peer_devices: set[int] = set()  # CUDA devices whose memory this process reads (ipc)
         if ipc and driven:  # a driver maps every source shard of the host, once
+            if job.device == "cuda":
+                for dev in sorted({d for ep, d in topo.devices if ep[0] == "src"} - set(driven)):
+                    enable_peer_access(self.device.torch.index, dev)  # before the handles are opened
             for ep, dev in topo.devices:
                 if ep[0] == "src" and ep not in self.tensors:
                     arena = import_arena(self.store.get(f"arena/{ep[0]}{ep[1]}"))
