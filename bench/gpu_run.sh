@@ -31,8 +31,10 @@ for what in "$@"; do case "$what" in
        CUDA_VISIBLE_DEVICES=0 run q30-tp1-tp1-1gpu-dma 300 --model qwen3-30b-moe --src tp1 --dst tp1 --iters 10 ;;
   pulls) run q30-tp2ep2-tp2-ipc-pull-dst 240 --model qwen3-30b-moe --src megatron:tp2ep2 --dst vllm:tp2 --iters 10 --transport ipc
          REFIT_PULL_ON=src run q30-tp2ep2-tp2-ipc-pull-src 240 --model qwen3-30b-moe --src megatron:tp2ep2 --dst vllm:tp2 --iters 10 --transport ipc ;;
+  trace) REFIT_TRACE=1 run q30-tp2ep2-tp2-ipc-trace 200 --model qwen3-30b-moe --src megatron:tp2ep2 --dst vllm:tp2 --iters 2 --transport ipc
+         grep trace "$OUT/q30-tp2ep2-tp2-ipc-trace.log" | tail -4 | cut -c1-200 ;;
   sweep) for mb in 128 512 1024; do
            run q30-tp2ep2-tp2-b$mb 200 --model qwen3-30b-moe --src megatron:tp2ep2 --dst vllm:tp2 --iters 5 --bucket-mb $mb
          done ;;
-  *) echo "usage: $0 smoke|moe2|ipc|ipc8|disagg|ipc1|sweep|copies|dma|pulls"; exit 2 ;;
+  *) echo "usage: $0 smoke|moe2|ipc|ipc8|disagg|ipc1|sweep|copies|dma|pulls|trace"; exit 2 ;;
 esac; done

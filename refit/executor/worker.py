@@ -109,6 +109,8 @@ def run_refit(bound: Bound, comm: Comm | None, device: Device, timeout_s: float,
     if hook and not any(st.steps for st in bound.stages):
         hook()
     for stage in bound.stages:
+        if not stage.steps:  # local copies first: issuing them never waits on a peer
+            device.copy(stage.moves)
         for batch in stage.pulls:
             device.pull(batch)
         inflight: deque[tuple[BoundStep, Any]] = deque()
@@ -122,8 +124,6 @@ def run_refit(bound: Bound, comm: Comm | None, device: Device, timeout_s: float,
                 if hook:
                     hook()
                 device.copy(stage.moves)  # direct copies overlap the first transfer
-        if not stage.steps:
-            device.copy(stage.moves)
         while inflight:
             _finish(*inflight.popleft(), comm, device)
         if stage.pulls:
@@ -194,9 +194,10 @@ class Session:
                     self.tensors[ep] = views(arena, self.locals_of(ep))
         self.peer_devices: set[int] = set()  # CUDA devices whose memory this process reads (ipc)
         if ipc and driven:  # a driver maps every source shard of the host, once
-            if job.device == "cuda":
+            if job.device == "cuda":  # both ways, before the handles are opened (else copies go through the host)
                 for dev in sorted({d for ep, d in topo.devices if ep[0] == "src"} - set(driven)):
-                    enable_peer_access(self.device.torch.index, dev)  # before the handles are opened
+                    enable_peer_access(self.device.torch.index, dev)
+                    enable_peer_access(dev, self.device.torch.index)
             for ep, dev in topo.devices:
                 if ep[0] == "src" and ep not in self.tensors:
                     arena = import_arena(self.store.get(f"arena/{ep[0]}{ep[1]}"))
