@@ -17,7 +17,7 @@ from typing import Any
 import torch
 
 from refit.control.agent import EngineAgent, TrainerAgent
-from refit.control.dataplane_gloo import GlooDataPlane
+from refit.control.dataplane_executor import ExecutorDataPlane
 from refit.layouts import Layout, resolve_layout
 from refit.regions import slices
 from refit.spec import ModelSpec
@@ -52,8 +52,8 @@ def fill(spec: ModelSpec, layout: Layout, rank: int, version: int, tensors: dict
     return out
 
 
-class HookedDataPlane(GlooDataPlane):
-    """The gloo transport with a test hook: sleep before a given version's share."""
+class HookedDataPlane(ExecutorDataPlane):
+    """The executor data plane (gloo on CPU) with a test hook: sleep before a given version's share."""
 
     def __init__(self, entered: Any) -> None:
         super().__init__()

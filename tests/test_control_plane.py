@@ -124,6 +124,20 @@ def test_repeated_refits_bit_exact_with_events(cluster: Cluster) -> None:
     assert cluster.client.get_plan(cluster.plan_id)["version"] == 3
 
 
+def test_broadcast_plan_bit_exact(cluster: Cluster) -> None:
+    """The baseline planner runs under the control plane too (its stage 0 gathers full tensors on
+    a trainer root, stage 1 sends them on): same bits in the engines."""
+    plan = cluster.client.create_plan("trainer", "engine", planner="broadcast", bucket_bytes=8192)
+    assert plan["plan_id"] != cluster.plan_id
+    version = cluster.version + 1
+    cluster.fill(version)
+    result = cluster.client.refit(plan["plan_id"], version=version, timeout=20.0)
+    assert result.ok, result
+    cluster.version = version
+    cluster.check_engines(version)
+    cluster.refit_ok(version + 1)  # and back to the p2p plan
+
+
 def test_version_must_increase(cluster: Cluster) -> None:
     for v in (cluster.version, cluster.version - 1):
         assert code_of(cluster.client.refit, cluster.plan_id, version=v) == grpc.StatusCode.FAILED_PRECONDITION
@@ -217,7 +231,6 @@ def test_plan_refusals(cluster: Cluster) -> None:
         refused("rank 1 of vllm:tp2 is not registered", "trainer", "half")
         refused("no worker is registered in group 'nope'", "trainer", "nope")
         refused("a plan's source must be a trainer group", "engine", "trainer")
-        refused("planner 'broadcast'", "trainer", "engine", planner="broadcast")
         refused("unknown planner", "trainer", "engine", planner="magic")
         refused("bucket size", "trainer", "engine", bucket_bytes=100)
         refused("unknown placement", "trainer", "engine", placement="sideways")

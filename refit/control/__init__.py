@@ -6,7 +6,7 @@ Data never flows through gRPC: the coordinator registers workers, creates plans,
 * `refit.control.server` — the coordinator (`serve_main`, `CoordinatorServer`);
 * `refit.control.client` — `Client` for the RL loop;
 * `refit.control.agent` — `TrainerAgent`, `EngineAgent` inside trainer and engine ranks;
-* `refit.control.dataplane` — the data-plane contract; `dataplane_gloo` the CPU transport.
+* `refit.control.dataplane` — the data-plane contract; `dataplane_executor` runs `refit.executor` under it.
 
 The API itself is proto/refit/v1/refit.proto (stubs in `refit.control.v1`).
 """

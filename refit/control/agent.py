@@ -74,7 +74,7 @@ class Agent:
                  tensors: Mapping[str, "torch.Tensor"] | None = None, data_plane: DataPlane | None = None,
                  host: str = "127.0.0.1", gpu: int = -1, token: str | None = None, version: int = 0) -> None:
         """``tensors=None`` registers the rank without local tensors: only for data planes that
-        need none (tests, benches).  ``data_plane`` defaults to the CPU gloo transport."""
+        need none (tests, benches).  ``data_plane`` defaults to `refit.executor` (gloo on CPU, CUDA IPC / NCCL on GPUs)."""
         self.address, self.group, self.rank, self.spec = address, group, rank, spec
         self.layout = resolve_layout(layout, spec, "src" if self.role == "trainer" else "dst") \
             if isinstance(layout, str) else layout.resolve(spec)
@@ -84,9 +84,9 @@ class Agent:
             check_tensors(spec, self.layout, rank, tensors)
         self.tensors: Mapping[str, Any] = tensors if tensors is not None else {}
         if data_plane is None:
-            from refit.control.dataplane_gloo import GlooDataPlane
+            from refit.control.dataplane_executor import ExecutorDataPlane
 
-            data_plane = GlooDataPlane()
+            data_plane = ExecutorDataPlane()
         self.data_plane = data_plane
         self.host, self.gpu, self.token = host, gpu, token
         self._version, self._stale = version, False

@@ -143,9 +143,6 @@ class Coordinator:
         planner = opts.planner or "p2p"
         if planner not in PLANNERS:
             raise RefitError(f"unknown planner {planner!r}: {', '.join(PLANNERS)}")
-        if planner == "broadcast":
-            raise RefitError("planner 'broadcast' moves boxes between trainer ranks first (stage 0), which the "
-                             "control plane does not run yet; use planner 'p2p'")
         src = group_members(self.workers, src_group, pb.ROLE_TRAINER)
         dst = group_members(self.workers, dst_group, pb.ROLE_ENGINE)
         check_same_model(src[0], dst[0])

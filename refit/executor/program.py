@@ -5,8 +5,8 @@ drives, which blocks of which local tensors fill (or empty) which bytes of the b
 `bind` turns it into `CopyBatch` es over real tensors and fixed staging buffers.
 
 Schedule.  Buckets between devices are exchanged in **steps**.  A step is keyed
-``(stage, round, i)``: ``round`` is the GPU distance ``(dst_gpu - src_gpu) mod G`` the plan is
-ordered by, ``i`` the bucket's index within its (stage, src, dst) pair.  In one step every
+``(stage, round, i)``: ``round`` is the device distance ``(dst_dev - src_dev) mod G`` (the
+topology's devices; in the bench, the plan's GPUs, which the plan is ordered by), ``i`` the bucket's index within its (stage, src, dst) pair.  In one step every
 device sends to at most one peer and receives from at most one (for the placements refit makes),
 all of a step's sends and receives are posted together (one NCCL group), and every member walks
 the steps in key order — so the smallest unfinished step always has both ends posted: no
@@ -136,7 +136,7 @@ def compile_program(plan: Plan, spec: ModelSpec, src: Layout, dst: Layout, topo:
                     ipc: bool = False) -> Program:
     """This member's share of ``plan`` (layouts resolved, as the plan was made from).  With
     ``ipc`` the buckets that `pullable` accepts become pulls by the destination's driver."""
-    G = plan.placement.num_gpus
+    G = max(d for _, d in topo.devices) + 1  # devices are the topology's (the plan's placement in the bench)
     mine = set(topo.driven_devices(member))
     locals_: dict[Endpoint, list[LocalTensor]] = {}
     for dev in mine:
@@ -157,10 +157,10 @@ def compile_program(plan: Plan, spec: ModelSpec, src: Layout, dst: Layout, topo:
     for bi, b in enumerate(plan.buckets):
         i = pair_count[(b.stage, b.src, b.dst)]
         pair_count[(b.stage, b.src, b.dst)] += 1
-        sdev, ddev = plan.src_gpu(b), plan.dst_gpu(b)
+        s_ep, d_ep = bucket_ends(b)
+        sdev, ddev = topo.device_of[s_ep], topo.device_of[d_ep]
         if sdev not in mine and ddev not in mine:
             continue
-        s_ep, d_ep = bucket_ends(b)
         transfers = plan.transfers[b.first:b.first + b.count]
         if sdev in mine and ddev in mine:
             moves[b.stage].extend(_moves(plan, transfers, index[s_ep], index[d_ep], s_ep, d_ep))
@@ -205,7 +205,7 @@ def _gather_tensors(plan: Plan, spec: ModelSpec, topo: Topology, mine: set[int])
     """One gather tensor per stage-0 transfer landing on a root this member drives."""
     out: dict[Endpoint, list[LocalTensor]] = defaultdict(list)
     for b in plan.buckets:
-        if b.stage != 0 or plan.dst_gpu(b) not in mine:
+        if b.stage != 0 or topo.device_of[("src", b.dst)] not in mine:
             continue
         root = ("src", b.dst)
         for t in plan.transfers[b.first:b.first + b.count]:
