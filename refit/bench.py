@@ -85,6 +85,10 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     p.add_argument("--transport", default="auto", choices=["auto", "nccl", "gloo", "ipc"],
                    help="between devices: auto (default: ipc on one host's peer-capable GPUs, else "
                         "nccl; gloo on CPU), nccl/gloo (the communicator of the device kind), ipc")
+    p.add_argument("--via", default="direct", choices=["direct", "grpc"],
+                   help="direct (default): the bench starts the workers and times the data plane; grpc: "
+                        "each rank embeds a refit agent, a loopback coordinator runs the refits as an RL "
+                        "loop would (refit.Client), and the control plane's share of each refit is reported")
     p.add_argument("--cpu", action="store_true", help="run on CPU (gloo, reduced width) even if GPUs exist")
     p.add_argument("--link-mb", type=float, default=None, help="link measurement message (default 1024 GPU, 16 CPU)")
     p.add_argument("--timeout", type=float, default=120.0, help="seconds any single wait may take (default 120)")
@@ -92,6 +96,8 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     a = p.parse_args(argv)
     if a.iters < 1 or a.warmup < 0:
         p.error("--iters must be at least 1 and --warmup at least 0")
+    if a.via == "grpc" and a.vs:
+        p.error("--vs compares planners on the direct bench; with --via grpc run each planner on its own")
     return a
 
 
@@ -160,6 +166,10 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
         raise RefitError(f"placement {args.placement} of {first.src.describe()} -> {first.dst.describe()} needs "
                          f"{need} GPUs, this machine has {gpus} (use --cpu for a reduced-width CPU run)")
     transport = choose_transport(args.transport, device, need)
+    if args.via == "grpc":
+        from refit.bench_grpc import run_grpc
+
+        return run_grpc(args, spec, first, device == "cuda", "ipc" if transport == "ipc" else "comm", reduced, bucket)
     phases = []
     for i, r in enumerate(plans):
         refits = [Refit(seed=i + 1, timed=False) for _ in range(args.warmup)]
@@ -307,7 +317,12 @@ def main(argv: list[str] | None = None) -> int:
     except WorkerFailure as e:
         print(f"refit-bench: {e}", file=sys.stderr)
         return 3
-    print(json.dumps(result) if args.json else table(result))
+    if result.get("via") == "grpc":
+        from refit.bench_grpc import table_grpc
+
+        print(json.dumps(result) if args.json else table_grpc(result))
+    else:
+        print(json.dumps(result) if args.json else table(result))
     return 0 if result["verified"] else 1
 
 

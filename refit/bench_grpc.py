@@ -1,0 +1,182 @@
+"""``refit-bench --via grpc``: the same refit driven the way an RL loop drives it.
+
+A coordinator (`refit.control.server`, loopback) runs in the bench process; one process per rank
+holds its shard (source values or the destination sentinel, as in the direct bench) and embeds a
+`TrainerAgent` or `EngineAgent` whose data plane is `refit.executor`
+(`refit.control.dataplane_executor`).  The bench is the RL loop: it creates the plan through
+`refit.Client`, asks the trainers to write new weights (outside the timing), then calls
+``Refit(plan_id, version)`` and times the round trip.  Reported per refit: the client's round trip,
+the data time (slowest worker's executor time, from its own clock) and the difference — what the
+control plane and the start/end barriers add.  The last version is verified on every engine.
+"""
+
+from __future__ import annotations
+
+import argparse
+import logging
+import multiprocessing as mp
+import os
+import statistics
+import time
+from typing import Any
+
+from refit.errors import RefitError
+from refit.spec import ModelSpec
+
+log = logging.getLogger(__name__)
+
+
+def _agent_main(conn: Any, address: str, spec: ModelSpec, role: str, rank: int, layout: str, gpu: int,
+                transport: str, log_level: int) -> None:
+    """One rank: allocate, fill, embed an agent, then obey the bench (fill / verify / stop)."""
+    os.environ["NCCL_NVLS_ENABLE"] = "0"
+    logging.basicConfig(level=log_level, format=f"[{role} {rank}] %(levelname)s %(message)s")
+    import torch
+
+    from refit.control import EngineAgent, TrainerAgent
+    from refit.control.dataplane_executor import ExecutorDataPlane
+    from refit.executor.shards import allocate, fill_sentinel, fill_source, verify
+    from refit.layouts import resolve_layout
+
+    torch.set_num_threads(1)
+    try:
+        side = "src" if role == "trainer" else "dst"
+        lay = resolve_layout(layout, spec, side)
+        device = torch.device("cuda", gpu) if gpu >= 0 else torch.device("cpu")
+        if gpu >= 0:
+            torch.cuda.set_device(gpu)
+        shards = allocate(list(lay.local_tensors(spec, rank)), device)
+        fill_sentinel(shards)
+        cls = TrainerAgent if role == "trainer" else EngineAgent
+        agent = cls(address, group=role, rank=rank, spec=spec, layout=lay, tensors=shards.tensors, gpu=gpu,
+                    data_plane=ExecutorDataPlane(transport)).start()
+        conn.send(("ready", None))
+        while True:
+            cmd, arg = conn.recv()
+            if cmd == "fill":
+                fill_source(shards, spec, arg)
+                if gpu >= 0:
+                    torch.cuda.synchronize(device)
+                conn.send(("ok", None))
+            elif cmd == "verify":
+                conn.send(("ok", verify(shards, spec, arg)))
+            else:
+                agent.stop()
+                conn.send(("ok", None))
+                break
+    except BaseException as e:  # the bench reports it, naming the rank
+        conn.send(("error", f"{type(e).__name__}: {e}"))
+    finally:
+        conn.close()
+        os._exit(0)
+
+
+class _Ranks:
+    """The rank processes and their command pipes."""
+
+    def __init__(self, address: str, spec: ModelSpec, plan: Any, src: str, dst: str, cuda: bool,
+                 transport: str, log_level: int) -> None:
+        ctx = mp.get_context("spawn")
+        self.procs, self.conns, self.names, self.roles = [], [], [], []
+        for role, layout, gpus in (("trainer", src, plan.placement.src_gpus), ("engine", dst, plan.placement.dst_gpus)):
+            for rank, g in enumerate(gpus):
+                parent, child = ctx.Pipe()
+                p = ctx.Process(target=_agent_main, daemon=True, name=f"{role}-{rank}",
+                                args=(child, address, spec, role, rank, layout, g if cuda else -1, transport, log_level))
+                p.start()
+                self.procs.append(p)
+                self.conns.append(parent)
+                self.names.append(f"{role} {rank}")
+                self.roles.append(role)
+
+    def ask(self, which: list[int], cmd: str, arg: Any = None, timeout: float = 600.0) -> list[Any]:
+        for i in which:
+            if cmd != "ready":
+                self.conns[i].send((cmd, arg))
+        out = []
+        for i in which:
+            if not self.conns[i].poll(timeout):
+                raise RefitError(f"{self.names[i]} did not answer {cmd!r} within {timeout:.0f} s")
+            kind, value = self.conns[i].recv()
+            if kind == "error":
+                raise RefitError(f"{self.names[i]}: {value}")
+            out.append(value)
+        return out
+
+    def of(self, role: str) -> list[int]:
+        return [i for i, r in enumerate(self.roles) if r == role]
+
+    def close(self) -> None:
+        for i, p in enumerate(self.procs):
+            if p.is_alive():
+                try:
+                    self.ask([i], "stop", timeout=10)
+                except (RefitError, OSError, EOFError):
+                    pass
+            p.join(5)
+            if p.is_alive():
+                p.kill()
+
+
+def run_grpc(args: argparse.Namespace, spec: ModelSpec, plan: Any, cuda: bool, transport: str,
+             reduced: dict[str, list[int]] | None, bucket: int) -> dict[str, Any]:
+    from refit.control import Client
+    from refit.control.server import ThreadedServer
+
+    level = logging.INFO if args.verbose else logging.WARNING
+    server = ThreadedServer(default_timeout=args.timeout)
+    client = Client(server.address)
+    ranks = _Ranks(server.address, spec, plan.plan, plan.src.describe(), plan.dst.describe(), cuda,
+                   transport if cuda else "comm", level)
+    try:
+        ranks.ask(list(range(len(ranks.procs))), "ready")
+        created = client.create_plan("trainer", "engine", placement=args.placement, planner=args.planner,
+                                     bucket_bytes=bucket)
+        trips, data, worst = [], [], []
+        for k in range(args.warmup + args.iters):
+            version = k + 1
+            ranks.ask(ranks.of("trainer"), "fill", version)
+            t0 = time.perf_counter()
+            result = client.refit(created["plan_id"], version=version, timeout=args.timeout)
+            trip = time.perf_counter() - t0
+            if k >= args.warmup:
+                trips.append(trip)
+                slowest = max(w.seconds for w in result.workers.values())
+                data.append(slowest)
+                worst.append(trip - slowest)
+            log.info("refit %d: %.1f ms round trip", version, trip * 1e3)
+        verdicts = ranks.ask(ranks.of("engine"), "verify", args.warmup + args.iters)
+    finally:
+        logging.getLogger("refit.control.coordinator").setLevel(logging.ERROR)  # agents leaving is expected now
+        ranks.close()
+        client.close()
+        server.stop()
+    verified = all(v.ok for v in verdicts)
+    return {
+        "via": "grpc", "model": spec.name, "src": plan.src.describe(), "dst": plan.dst.describe(),
+        "placement": args.placement, "planner": args.planner, "device": "cuda" if cuda else "cpu",
+        "transport": transport if cuda else "gloo", "reduced": reduced, "processes": len(ranks.procs), "plan_id": created["plan_id"],
+        "round_trip": _stats(trips), "data": _stats(data), "overhead": _stats(worst),
+        "engine_bytes": result.total_bytes, "verified": verified,
+        "checked_elements": sum(v.checked for v in verdicts), "mismatches": sum(v.mismatches for v in verdicts),
+    }
+
+
+def _stats(xs: list[float]) -> dict[str, float]:
+    return {"median": statistics.median(xs), "min": min(xs), "max": max(xs), "all": xs}
+
+
+def table_grpc(r: dict[str, Any]) -> str:
+    ms = lambda s: f"{s * 1e3:9.2f}"  # noqa: E731
+    lines = [f"refit-bench --via grpc  {r['model']}  {r['src']} -> {r['dst']}  {r['placement']}  "
+             f"({r['processes']} agent processes)  planner {r['planner']}  transport {r['transport']}",
+             "device: " + ("CUDA, full size" if r["device"] == "cuda" else
+                           "CPU (gloo), reduced width — shows the control path works, not speed"),
+             "", f"{'per refit':24s} {'median ms':>9s} {'min ms':>9s} {'max ms':>9s}"]
+    for key, what in (("round_trip", "client round trip"), ("data", "data (slowest worker)"),
+                      ("overhead", "control + barriers")):
+        s = r[key]
+        lines.append(f"{what:24s} {ms(s['median'])} {ms(s['min'])} {ms(s['max'])}")
+    lines += ["", f"engines received {r['engine_bytes'] / 2**30:.2f} GiB per refit; verified: "
+              f"{'yes' if r['verified'] else 'NO'} ({r['checked_elements']} elements, {r['mismatches']} wrong)"]
+    return "\n".join(lines)
