@@ -67,7 +67,8 @@ def main() -> int:
 
     server = subprocess.Popen([sys.executable, "-c", "import sys; from refit.control.server import serve_main; "
                                "sys.exit(serve_main(['--port', '0']))"], cwd=ROOT, stderr=subprocess.PIPE, text=True,
-                              env={**os.environ, "PYTHONPATH": ROOT})
+                              env={**os.environ, "PYTHONPATH": os.pathsep.join(
+                                  x for x in (ROOT, os.environ.get("PYTHONPATH")) if x)})
     ctx = mp.get_context("spawn")
     procs = []
     try:
