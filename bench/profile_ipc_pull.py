@@ -12,11 +12,10 @@ Run: python bench/profile_ipc_pull.py   (needs 2 GPUs and cupy)
 from __future__ import annotations
 
 import pickle
-import statistics
-import sys
 
 import torch
 import torch.multiprocessing as mp
+from profile_copies import timed  # bench/ is on sys.path when run as a script
 
 GiB = 2**30
 N = 2 * GiB  # int16 elements: 4 GiB
@@ -33,23 +32,6 @@ def exporter(q_out, q_in) -> None:
     q_out.put(pickle.dumps((rebuild, args, raw)))
     q_in.get()  # keep alive until the importer is done
 
-
-def timed(fn, streams, reps: int = 5) -> float:
-    out = []
-    for _ in range(reps + 1):
-        for s in streams:
-            s.synchronize()
-        st = [torch.cuda.Event(enable_timing=True) for _ in streams]
-        en = [torch.cuda.Event(enable_timing=True) for _ in streams]
-        for e, s in zip(st, streams):
-            e.record(s)
-        fn()
-        for e, s in zip(en, streams):
-            e.record(s)
-        for e in en:
-            e.synchronize()
-        out.append(max(a.elapsed_time(b) for a, b in zip(st, en)) / 1e3)
-    return statistics.median(out[1:])
 
 
 def main() -> None:

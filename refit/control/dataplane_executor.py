@@ -26,7 +26,7 @@ import datetime
 import logging
 import pickle
 import time
-from typing import Any, Mapping
+from typing import Mapping
 
 import torch
 import torch.distributed as dist
@@ -37,7 +37,7 @@ from refit.executor.device import Device, enable_peer_access, make_device
 from refit.executor.program import Bound, bind, compile_program
 from refit.executor.shards import allocate
 from refit.executor.topology import Endpoint, Topology
-from refit.executor.transports import Comm, PeerError, first_line, make_comm
+from refit.executor.transports import Comm, PeerError, first_line, gloo_group, make_comm
 from refit.executor.worker import run_refit
 from refit.layouts import resolve_layout
 from refit.plan import Plan
@@ -145,7 +145,10 @@ class _Member:
             handles = pickle.loads(self.store.get(f"tensors/{self.topo.member_of[ep]}"))
             self.tensors[ep] = {n: rebuild(*args) for n, (rebuild, args) in handles.items()}
 
-        self.ctl = _gloo(dist.PrefixStore("ctl", self.store), self.member, len(eps), ctx.host, timeout)
+        try:
+            self.ctl = gloo_group(dist.PrefixStore("ctl", self.store), self.member, len(eps), ctx.remaining(), ctx.host)
+        except RuntimeError as e:
+            raise PeerError(f"building the control group of {len(eps)} members: {first_line(e)}") from None
         self.comm: Comm | None = None
         if self.member in self.topo.drivers and len(self.topo.drivers) > 1:
             names = [self.names[m] for m in self.topo.drivers]
@@ -198,12 +201,3 @@ class _Member:
                 log.info("closing the communicator: %s", e)
         self.comm = None
 
-
-def _gloo(store: dist.Store, rank: int, size: int, host: str, timeout: datetime.timedelta) -> Any:
-    opts = dist.ProcessGroupGloo._Options()
-    opts._timeout = timeout
-    opts._devices = [dist.ProcessGroupGloo.create_device(hostname=host)]
-    try:
-        return dist.ProcessGroupGloo(store, rank, size, opts)
-    except RuntimeError as e:
-        raise PeerError(f"building the control group of {size} members: {first_line(e)}") from None

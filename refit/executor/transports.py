@@ -105,14 +105,20 @@ def first_line(e: BaseException) -> str:
     return text.split(". This is typically")[0]
 
 
+def gloo_group(store: dist.Store, rank: int, size: int, timeout_s: float,
+               host: str = "127.0.0.1") -> dist.ProcessGroupGloo:
+    """A gloo group of our own on ``store`` (never the default group), reached at ``host``."""
+    opts = dist.ProcessGroupGloo._Options()
+    opts._timeout = datetime.timedelta(seconds=timeout_s)
+    opts._devices = [dist.ProcessGroupGloo.create_device(hostname=host)]
+    return dist.ProcessGroupGloo(store, rank, size, opts)
+
+
 class GlooComm:
     """CPU transport: async gloo send/recv on a process group of our own."""
 
     def __init__(self, store: dist.Store, rank: int, size: int, timeout_s: float, names: list[str]) -> None:
-        opts = dist.ProcessGroupGloo._Options()
-        opts._timeout = datetime.timedelta(seconds=timeout_s)
-        opts._devices = [dist.ProcessGroupGloo.create_device(hostname="127.0.0.1")]
-        self.pg = dist.ProcessGroupGloo(store, rank, size, opts)
+        self.pg = gloo_group(store, rank, size, timeout_s)
         self.names = names
 
     def _op(self, fn: Callable[[], Any], verb: str, peer: int, tag: int) -> Any:

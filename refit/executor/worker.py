@@ -32,7 +32,7 @@ from refit.executor.device import Device, enable_peer_access, make_device
 from refit.executor.program import Bound, BoundStep, bind, compile_program
 from refit.executor.shards import Shards, Verdict, allocate, fill_sentinel, fill_source, remove_file, verify, views
 from refit.executor.topology import Endpoint, Topology, endpoint_name
-from refit.executor.transports import Comm, PeerError, export_arena, first_line, import_arena, make_comm
+from refit.executor.transports import Comm, PeerError, gloo_group, export_arena, first_line, import_arena, make_comm
 from refit.layouts import Layout, LocalTensor
 from refit.plan import Plan
 from refit.spec import ModelSpec
@@ -171,7 +171,7 @@ class Session:
         if job.device == "cuda" and len(devices) != 1:
             raise RefitError(f"a CUDA worker must sit on one GPU; {self.name} spans {devices}")
         self.device = make_device(job.device, devices[0])
-        self.ctl = _gloo(dist.PrefixStore("ctl", self.store), self.member, len(topo.members), job.timeout_s)
+        self.ctl = gloo_group(dist.PrefixStore("ctl", self.store), self.member, len(topo.members), job.timeout_s)
         driven = set(topo.driven_devices(self.member))
         if job.transport not in ("comm", "ipc"):
             raise RefitError(f"unknown transport {job.transport!r} (comm or ipc)")
@@ -322,12 +322,6 @@ class Session:
             self.comm.close()
         return WorkerResult(self.member, phases, link, sum(s.nbytes for s in self.shards.values()))
 
-
-def _gloo(store: dist.Store, rank: int, size: int, timeout_s: float) -> dist.ProcessGroupGloo:
-    opts = dist.ProcessGroupGloo._Options()
-    opts._timeout = datetime.timedelta(seconds=timeout_s)
-    opts._devices = [dist.ProcessGroupGloo.create_device(hostname="127.0.0.1")]
-    return dist.ProcessGroupGloo(store, rank, size, opts)
 
 
 def worker_main(job: Job, member: int, conn: Any) -> None:
