@@ -13,7 +13,7 @@ run() {  # name, then refit-bench arguments
   echo "=== $name: refit-bench $*"
   timeout "$limit" python3 -m refit.bench "$@" --json >"$OUT/$name.json" 2>"$OUT/$name.log"
   echo "rc=$?"; tail -c 2500 "$OUT/$name.log" | grep -v "step/s" | tail -5
-  python3 -c "import json,sys; from refit.bench import table; print(table(json.load(open(sys.argv[1]))))" "$OUT/$name.json" 2>&1 | tail -14
+  python3 -c "import json,sys; from refit.bench.direct import table; print(table(json.load(open(sys.argv[1]))))" "$OUT/$name.json" 2>&1 | tail -14
 }
 for what in "$@"; do case "$what" in
   smoke) run smoke-8b-tp1-tp2 240 --model qwen3-8b --src tp1 --dst tp2 --vs broadcast --iters 3 ;;

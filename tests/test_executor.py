@@ -15,7 +15,9 @@ import pytest
 import torch
 
 from planners import make_plan
-from refit.executor import Job, Phase, Refit, Topology, WorkerFailure, run_job
+from refit.bench.launch import WorkerFailure, run_job
+from refit.bench.worker import Job, Phase, Refit
+from refit.executor.topology import Topology
 from refit.executor.copies import CopyBatch, merge
 from refit.executor.shards import allocate, fill_sentinel, fill_source, verify
 from refit.executor.values import check_box, expected_bits, fill_box
@@ -178,7 +180,7 @@ def test_refit_bit_exact_ipc(spec, src: str, dst: str, placement: str) -> None:
 
 
 def test_ipc_program_pulls_instead_of_wires() -> None:
-    from refit.executor.program import compile_program
+    from refit.executor.schedule import compile_program
 
     for planner in ("p2p", "broadcast"):
         r = make_plan(MOE, "tp2ep2", "tp2", "colocated", planner, BUCKET)

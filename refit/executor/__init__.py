@@ -1,20 +1,45 @@
-"""The executor: moves the bytes of a `refit.plan.Plan`, one worker's share at a time.
+"""The executor: moves the bytes of a `refit.plan.Plan`, one member's share at a time.
 
 Files, in reading order:
 
+* `topology`   — endpoints, processes ("members"), devices, and the one *driver* per device (pure);
+* `schedule`   — a member's share of a plan compiled into steps, moves and pulls (pure, no torch);
 * `values`     — deterministic canonical values, to fill sources and verify destinations bit-exact;
 * `shards`     — an endpoint's local tensors in one arena (shareable with one handle);
-* `topology`   — endpoints, processes, devices, and the one *driver* per device;
-* `program`    — a member's share of a plan, compiled once, bound to tensors and buffers;
-* `copies`     — batched block copies (merged strided views, ``_foreach_copy_``);
+* `copies`     — batched block copies (merged strided views, ``_foreach_copy_``, copy engines);
 * `device`     — CPU / CUDA streams and bounded waits;
+* `handles`    — what crosses processes through the store: plain validated JSON, never pickle;
 * `transports` — CUDA IPC / shared memory export, NCCL (cupy) and gloo communicators;
-* `worker`     — a worker process: setup, `run_refit`, verification;
-* `launch`     — the parent: processes, rendezvous store, watchdog.
+* `bound`      — the schedule bound to tensors and buffers, and `run_refit` (one replay);
+* `member`     — `Member`: one process's set-up (store, devices, sharing, groups), `prepare` per
+  plan, `refit` per refit — what the agents' data plane and the bench both drive.
+
+The library surface is below; `refit.bench` (the benchmark harness) and
+`refit.control.dataplane_executor` (the agents) are its users.  Importing this package does not
+import torch: the names are loaded on first use, so `schedule` and `topology` stay pure.
 """
 
-from refit.executor.launch import WorkerFailure, run_job
-from refit.executor.topology import Topology
-from refit.executor.worker import Job, Phase, Refit, run_refit
+from __future__ import annotations
 
-__all__ = ["Job", "Phase", "Refit", "Topology", "WorkerFailure", "run_job", "run_refit"]
+import importlib
+from typing import Any
+
+_EXPORTS = {
+    "Topology": "refit.executor.topology",
+    "Program": "refit.executor.schedule",
+    "compile_program": "refit.executor.schedule",
+    "Member": "refit.executor.member",
+    "Budget": "refit.executor.member",
+    "connect": "refit.executor.member",
+    "locate": "refit.executor.member",
+    "PeerError": "refit.executor.transports",
+    "HandleError": "refit.executor.handles",
+}
+
+__all__ = sorted(_EXPORTS)
+
+
+def __getattr__(name: str) -> Any:
+    if name not in _EXPORTS:
+        raise AttributeError(f"module 'refit.executor' has no attribute {name!r}")
+    return getattr(importlib.import_module(_EXPORTS[name]), name)

@@ -4,15 +4,17 @@ per bucket by where its ends are:
 * **Local** (both ends' devices driven by this process): no transport at all — `program` turns
   the bucket into direct block copies, no staging.
 * **Same device, other process** (a colocated trainer and engine): the passive process exports
-  its shard arena once — a CUDA IPC handle (``torch.multiprocessing.reductions.reduce_tensor``)
-  on GPU, the path of its ``/dev/shm`` arena file on CPU — through the rendezvous store; the
+  its shard arena once — a CUDA IPC handle on GPU, the path of its ``/dev/shm`` arena file on
+  CPU, as plain validated data (`refit.executor.handles`, never pickle) — through the
+  rendezvous store (an agent exports its tensors one handle each instead of an arena); the
   device's driver maps it once at setup and from then on copies straight out of (or into) the
   peer's tensors.  Handles are opened once and kept for the life of the worker.
 * **Remote** (another device): point-to-point sends and receives of staging buffers on a
   communicator of refit's own, over the drivers only — never the default ``torch.distributed``
   group, which belongs to the trainer or to vLLM.
 
-  - GPU: NCCL through ``cupy.cuda.nccl`` (``get_unique_id`` → store → ``NcclCommunicator``;
+  - GPU: NCCL through ``cupy.cuda.nccl`` (``get_unique_id`` → store, as a `handles` value →
+    ``NcclCommunicator``;
     a step's sends and receives in one ``groupStart``/``groupEnd`` on our comm stream).  We pick
     cupy because it gives an explicit stream per call and no dependence on c10d's world state or
     private coalescing API.  ``REFIT_NCCL=torch`` selects a fallback on a ``ProcessGroupNCCL``
@@ -28,19 +30,21 @@ per bucket by where its ends are:
   GPU i creates that process's CUDA context on GPU j (torch opens it under a guard of device j).
 
 A failed or timed-out operation raises `PeerError` naming the peer (the endpoints it drives).
+Waits take the refit's remaining seconds: the group's own timeout (fixed when it was built) is
+only an upper bound.
 """
 
 from __future__ import annotations
 
 import datetime
 import os
-import pickle
 import re
 from typing import Any, Callable, Protocol
 
 import torch
 import torch.distributed as dist
 
+from refit.executor import handles
 from refit.executor.device import CudaDevice
 from refit.executor.shards import Shards
 
@@ -58,24 +62,27 @@ class PeerError(RuntimeError):
 def export_arena(shards: Shards) -> bytes:
     """A handle another process on the same device can map ``shards``' arena with."""
     if shards.arena.is_cuda:
-        from torch.multiprocessing.reductions import reduce_tensor
-
-        rebuild, args = reduce_tensor(shards.arena)
-        return pickle.dumps(("cuda", rebuild, args))
+        return handles.encode("cuda", handles.cuda_fields(shards.arena))
     if shards.path is None:
         raise RuntimeError("CPU shards must be allocated in /dev/shm (shm_path) to be shared")
-    return pickle.dumps(("shm", shards.path, shards.arena.numel()))
+    return handles.shm_handle(shards.path, shards.arena.numel())
 
 
-def import_arena(handle: bytes) -> torch.Tensor:
-    """Map a peer's arena (uint8, whole).  The mapping outlives the /dev/shm name (unlinked
-    after setup); CUDA IPC mappings are cached by torch per handle."""
-    kind, *rest = pickle.loads(handle)
-    if kind == "cuda":
-        rebuild, args = rest
-        return rebuild(*args)
-    path, nbytes = rest
-    return torch.from_file(path, shared=True, size=nbytes, dtype=torch.uint8)
+def import_share(handle: bytes) -> torch.Tensor | dict[str, torch.Tensor]:
+    """Map what a peer exported: its whole arena (uint8; `export_arena`) or its tensors by name
+    (`export_tensors`).  The mapping outlives the /dev/shm name (unlinked after setup); CUDA IPC
+    mappings are cached by torch per handle."""
+    fields = handles.decode(handle, "cuda", "shm", "tensors")
+    if fields["kind"] == "tensors":
+        return {n: handles.open_cuda(f) for n, f in fields["tensors"].items()}
+    if fields["kind"] == "cuda":
+        return handles.open_cuda(fields)
+    return torch.from_file(fields["path"], shared=True, size=fields["nbytes"], dtype=torch.uint8)
+
+
+def export_tensors(tensors: dict[str, torch.Tensor]) -> bytes:
+    """CUDA tensors that are separate allocations (an agent's parameters), one IPC handle each."""
+    return handles.encode("tensors", {"tensors": {n: handles.cuda_fields(t) for n, t in tensors.items()}})
 
 
 # ---------------------------------------------------------------------------------------------
@@ -86,8 +93,9 @@ class Comm(Protocol):
     def post(self, sends: SendRecv, recvs: SendRecv) -> Any:
         """Start a step's sends and receives together; returns a handle."""
 
-    def wait(self, handle: Any) -> None:
-        """Order later copies after the step (GPU: stream wait; CPU: block until done)."""
+    def wait(self, handle: Any, timeout_s: float) -> None:
+        """Order later copies after the step (GPU: stream wait; CPU: block until done, at most
+        ``timeout_s``: the refit's remaining time)."""
 
     def check(self) -> None:
         """Raise if the communicator reported an asynchronous error."""
@@ -135,9 +143,10 @@ class GlooComm:
             works.append((self._op(lambda: self.pg.send([buf], peer, tag), "sending", peer, tag), "sending", peer, tag))
         return works
 
-    def wait(self, handle: list[tuple[Any, str, int, int]]) -> None:
+    def wait(self, handle: list[tuple[Any, str, int, int]], timeout_s: float) -> None:
+        timeout = datetime.timedelta(seconds=max(timeout_s, 0.001))
         for work, verb, peer, tag in handle:
-            self._op(work.wait, verb, peer, tag)
+            self._op(lambda: work.wait(timeout), verb, peer, tag)
 
     def check(self) -> None:
         pass
@@ -157,8 +166,8 @@ class _NcclBase:
         self.names = names
         self.steps: list[tuple[Any, SendRecv, SendRecv]] = []
 
-    def wait(self, handle: Any) -> None:
-        self.device.copies_after(handle)
+    def wait(self, handle: Any, timeout_s: float) -> None:
+        self.device.copies_after(handle)  # never blocks: the deadline is kept by device.finish
 
     def stuck(self) -> str:
         for ev, sends, recvs in self.steps:
@@ -186,8 +195,8 @@ class CupyNcclComm(_NcclBase):
                                "or set REFIT_NCCL=torch") from e
         self.nccl = nccl
         if rank == 0:
-            store.set("nccl_unique_id", pickle.dumps(nccl.get_unique_id()))
-        uid = pickle.loads(store.get("nccl_unique_id"))  # blocks until rank 0 has published it
+            store.set("nccl_unique_id", handles.nccl_handle(nccl.get_unique_id()))
+        uid = handles.nccl_id(store.get("nccl_unique_id"))  # blocks until rank 0 has published it
         with cupy.cuda.Device(device.index):
             self.comm = nccl.NcclCommunicator(size, uid, rank)
         self.uint8 = getattr(nccl, "NCCL_UINT8", 1)

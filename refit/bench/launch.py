@@ -22,9 +22,9 @@ from typing import Any, Callable
 
 import torch.distributed as dist
 
-from refit.executor.worker import Job, WorkerResult, worker_main
+from refit.bench.worker import Job, WorkerResult, worker_main
 
-log = logging.getLogger("refit.executor")
+log = logging.getLogger("refit.bench")
 
 GRACE_S = 1.0  # how long survivors may take to report after the first death
 MAX_REPORTS = 4  # survivors' reports quoted in a failure message (the rest are echoes)
@@ -65,7 +65,7 @@ def run_job(job: Job, start_method: str | None = None,
     os.environ["NCCL_NVLS_ENABLE"] = "0"  # NVLink multicast off, inherited by the forkserver and workers
     ctx = mp.get_context(start_method)
     if start_method == "forkserver":
-        ctx.set_forkserver_preload(["refit.executor.worker"])
+        ctx.set_forkserver_preload(["refit.bench.worker"])
     members = range(len(job.topology.members))
     names = [job.topology.describe_member(m) for m in members]
     procs, conns = [], []

@@ -1,0 +1,243 @@
+"""One bench worker process: a `refit.executor.member.Member` plus what a benchmark adds.
+
+The member (`refit.executor.member`) does the set-up and the refits; this module adds the bench's
+own work around it: allocating and filling the shards with canonical values, timing, verifying
+destinations bit-exact, measuring the link, reporting progress to the parent, and the test hook
+that kills a worker mid-refit (`Job.kill`, ``REFIT_TEST_KILL``).
+
+Failure: every wait is bounded.  Transfers with a peer that died fail at once (gloo sees the
+socket close) or at the deadline (NCCL), with an error naming that peer; the parent
+(`refit.bench.launch`) watches exit codes, kills the rest as soon as one dies and names it.
+"""
+
+from __future__ import annotations
+
+import logging
+import os
+import signal
+import time
+from dataclasses import dataclass, field
+from typing import Any, Callable
+
+import torch
+
+from refit.errors import RefitError
+from refit.executor.member import Budget, Member, connect, shares
+from refit.executor.shards import Shards, Verdict, allocate, fill_sentinel, fill_source, verify
+from refit.executor.topology import Endpoint, Topology, endpoint_name
+from refit.executor.transports import PeerError
+from refit.layouts import Layout, LocalTensor
+from refit.plan import Plan
+from refit.spec import ModelSpec
+
+log = logging.getLogger("refit.bench")
+
+
+@dataclass(frozen=True)
+class Refit:
+    """One refit of a phase: source values of ``seed`` (re-filled when it changes), whether it
+    counts in the timings, whether destinations are verified after it."""
+
+    seed: int
+    timed: bool = True
+    verify: bool = False
+
+
+@dataclass(frozen=True)
+class Phase:
+    plan: Plan
+    refits: tuple[Refit, ...]
+
+
+@dataclass(frozen=True)
+class Job:
+    """Everything a worker needs; identical for all workers of a run."""
+
+    session: str
+    spec: ModelSpec
+    src: Layout
+    dst: Layout
+    topology: Topology
+    phases: tuple[Phase, ...]
+    device: str = "cpu"  # "cpu" or "cuda"
+    timeout_s: float = 60.0
+    link_bytes: int = 0  # >0: measure the link between the first two drivers with this message
+    kill: tuple[str, int, int] | None = None  # test hook: (side, rank, refit number) dies mid-refit
+    hang: bool = False  # test hook: the `kill` victim stops itself (SIGSTOP) instead of dying
+    store_port: int = 0
+    log_level: int = logging.WARNING
+    transport: str = "comm"  # "comm": NCCL (GPU) / gloo (CPU) between devices; "ipc": direct reads
+
+
+@dataclass
+class PhaseResult:
+    seconds: list[float] = field(default_factory=list)  # every refit of the phase, in order
+    verdicts: dict[str, list[Verdict]] = field(default_factory=dict)  # endpoint -> one per verified refit
+    staging_bytes: int = 0
+    gather_bytes: int = 0
+    peak_extra_bytes: int | None = None  # CUDA: allocator peak during refits minus own shards
+    copies: int = 0
+    blocks: int = 0
+    memcpys: int = 0  # of the copies, calls on the copy engines (CUDA)
+    steps: int = 0
+
+
+@dataclass
+class WorkerResult:
+    member: int
+    phases: list[PhaseResult]
+    link_seconds: float | None = None
+    shard_bytes: int = 0
+
+
+# ---------------------------------------------------------------------------------------------
+
+
+class Session:
+    """A worker's state across phases and refits."""
+
+    def __init__(self, job: Job, member: int, report: Callable[[str], None]) -> None:
+        self.job, self.member, self.report = job, member, report
+        self.topo: Topology = job.topology
+        self.mine: tuple[Endpoint, ...] = self.topo.members[member]
+        self.name = self.topo.describe_member(member)
+        self.refits_done = 0
+
+    # ------------------------------------------------------------------ setup
+    def locals_of(self, ep: Endpoint) -> list[LocalTensor]:
+        layout = self.job.src if ep[0] == "src" else self.job.dst
+        return list(layout.local_tensors(self.job.spec, ep[1]))
+
+    def shm_path(self, ep: Endpoint) -> str:
+        return f"/dev/shm/refit-{self.job.session}-{ep[0]}{ep[1]}"
+
+    def setup(self) -> None:
+        job, topo = self.job, self.topo
+        devices = topo.member_devices(self.member)
+        if job.device == "cuda" and len(devices) != 1:
+            raise RefitError(f"a CUDA worker must sit on one GPU; {self.name} spans {devices}")
+        if job.transport not in ("comm", "ipc"):
+            raise RefitError(f"unknown transport {job.transport!r} (comm or ipc)")
+        ipc = job.transport == "ipc"
+        device = f"cuda:{devices[0]}" if job.device == "cuda" else "cpu"
+        if job.device == "cuda":
+            torch.cuda.set_device(devices[0])  # this process's context on its own GPU first
+        self.shards: dict[Endpoint, Shards] = {}
+        for ep in self.mine:  # a CPU shard another process reads lives in /dev/shm
+            shm = self.shm_path(ep) if job.device == "cpu" and shares(topo, self.member, ep, ipc) else None
+            self.shards[ep] = allocate(self.locals_of(ep), torch.device(device), shm)
+        names = [topo.describe_member(m) for m in range(len(topo.members))]
+        store = connect("127.0.0.1", job.store_port, job.session, job.timeout_s)
+        self.m = Member(store, topo, self.member, device, self.shards, job.spec, job.src, job.dst, names,
+                        Budget(job.timeout_s, "set-up"), ipc=ipc)
+        self.device = self.m.device
+        self.report("setup")
+
+    # ------------------------------------------------------------------ link bandwidth
+    def measure_link(self, reps: int = 3) -> float | None:
+        """Seconds per one-way message of ``link_bytes`` between drivers 0 and 1 (receiver's clock)."""
+        result = None
+        comm = self.m.comm
+        if comm is not None and self.topo.comm_rank(self.member) < 2:
+            rank = self.topo.comm_rank(self.member)
+            buf = torch.zeros(self.job.link_bytes, dtype=torch.uint8, device=self.device.torch)
+            ops = ([(1, 0, buf)], []) if rank == 0 else ([], [(0, 0, buf)])
+            marks = []
+            for _ in range(reps + 1):
+                comm.wait(comm.post(*ops), self.job.timeout_s)
+                self.device.finish(time.monotonic() + self.job.timeout_s, comm.check, comm.stuck)
+                marks.append(time.perf_counter())
+            result = (marks[-1] - marks[0]) / reps if rank == 1 else None
+            del buf
+        self.m.barrier("link measurement", Budget(self.job.timeout_s))
+        return result
+
+    # ------------------------------------------------------------------ phases
+    def run_phase(self, phase: Phase) -> PhaseResult:
+        job, dev = self.job, self.device
+        self.m.prepare(phase.plan)
+        program, bound = self.m.program, self.m.bound
+        batches = bound.batches() if bound else []
+        res = PhaseResult(staging_bytes=bound.staging_bytes if bound else 0,
+                          gather_bytes=program.gather_bytes if program else 0,
+                          steps=program.num_steps if program else 0, copies=sum(b.copies for b in batches),
+                          blocks=sum(b.blocks for b in batches), memcpys=sum(len(b.memcpys) for b in batches))
+        del program, bound, batches
+        for ep, s in self.shards.items():
+            if ep[0] == "dst":
+                fill_sentinel(s)
+        seed = None
+        cuda = job.device == "cuda"
+        own = sum(s.nbytes for s in self.shards.values())
+        for refit in phase.refits:
+            if refit.seed != seed:
+                seed = refit.seed
+                for ep, s in self.shards.items():
+                    if ep[0] == "src":
+                        fill_source(s, job.spec, seed)
+            dev.synchronize()
+            if cuda:
+                for d in [dev.torch.index, *sorted(self.m.peer_devices)]:
+                    torch.cuda.reset_peak_memory_stats(d)
+            started = lambda: self.report(f"refit {self.refits_done} started")  # noqa: E731
+            res.seconds.append(self.m.refit(Budget(job.timeout_s), self._kill_hook(), started))
+            if cuda:  # plus anything this process allocated on peers (cross-device copy temporaries)
+                peak = torch.cuda.max_memory_allocated(dev.torch) - own
+                peak += sum(torch.cuda.max_memory_allocated(d) for d in self.m.peer_devices)
+                res.peak_extra_bytes = max(res.peak_extra_bytes or 0, peak)
+            if refit.verify:
+                for ep, s in self.shards.items():
+                    if ep[0] == "dst":
+                        res.verdicts.setdefault(endpoint_name(ep), []).append(verify(s, job.spec, seed))
+            self.refits_done += 1
+            self.report(f"refit {self.refits_done - 1} done")
+        return res
+
+    def _kill_hook(self) -> Callable[[], None] | None:
+        kill = self.job.kill
+        if kill is None or (kill[0], kill[1]) not in self.mine or kill[2] != self.refits_done:
+            return None
+
+        def die() -> None:
+            if self.job.hang:
+                log.warning("%s: test hook: stopping (SIGSTOP) during refit %d", self.name, self.refits_done)
+                os.kill(os.getpid(), signal.SIGSTOP)
+                return
+            log.warning("%s: test hook: dying during refit %d", self.name, self.refits_done)
+            logging.shutdown()
+            os._exit(17)
+
+        return die
+
+    def run(self) -> WorkerResult:
+        self.setup()
+        link = self.measure_link() if self.job.link_bytes else None
+        phases = [self.run_phase(p) for p in self.job.phases]
+        self.m.release()  # drop every view of peers' arenas, then the mappings, before anyone exits
+        self.m.barrier("exit", Budget(self.job.timeout_s))
+        self.m.close()
+        return WorkerResult(self.member, phases, link, sum(s.nbytes for s in self.shards.values()))
+
+
+def worker_main(job: Job, member: int, conn: Any) -> None:
+    """Process entry point: run the session, send the result (or the error) to the parent, and
+    leave without running interpreter teardown (peers' sockets may already be gone)."""
+    torch.set_num_threads(1)  # many workers share the cores
+    os.environ["NCCL_NVLS_ENABLE"] = "0"  # NVLink multicast off (also set by the launcher)
+    name = job.topology.describe_member(member)
+    logging.basicConfig(level=job.log_level, format=f"[{name}] %(levelname)s %(message)s")
+    code = 0
+    try:
+        session = Session(job, member, lambda what: conn.send(("progress", member, what)))
+        conn.send(("result", member, session.run()))
+    except (PeerError, TimeoutError, RefitError) as e:
+        conn.send(("error", member, f"{name}: {e}"))
+        code = 1
+    except BaseException as e:  # a bug: keep the traceback
+        log.exception("worker failed")
+        conn.send(("error", member, f"{name}: {type(e).__name__}: {e}"))
+        code = 1
+    finally:
+        logging.shutdown()
+        conn.close()
+        os._exit(code)

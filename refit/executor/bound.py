@@ -1,0 +1,177 @@
+"""A member's schedule bound to tensors and buffers, and its replay (one refit).
+
+`bind` turns a `refit.executor.schedule.Program` into `CopyBatch` es over real tensors and fixed
+staging buffers, once per plan; `run_refit` replays it every refit.  Every wait in a refit is
+bounded by the refit's own budget (``remaining``: seconds left, raising once the refit is past its
+deadline or abandoned), never by a timeout fixed when the communicator was built.
+"""
+
+from __future__ import annotations
+
+import time
+from collections import defaultdict, deque
+from dataclasses import dataclass, field
+from typing import Any, Callable
+
+import torch
+
+from refit.boxes import volume
+from refit.errors import RefitError
+from refit.executor.copies import CopyBatch, Pair, dma_enabled
+from refit.executor.device import Device
+from refit.executor.schedule import Program, Wire
+from refit.executor.topology import Endpoint
+from refit.executor.transports import Comm
+from refit.executor.values import TORCH_DTYPES, int_view
+from refit.regions import Block, slices
+from refit.spec import DTYPE_BYTES
+
+Remaining = Callable[[], float]  # seconds left in this refit; raises past the deadline or when abandoned
+
+
+@dataclass
+class BoundStep:
+    """A step over fixed buffers: ``pack`` fills the send buffers, ``unpack`` empties the
+    receive buffers; ``sends``/``recvs`` are (peer, tag, buffer view) for the communicator."""
+
+    key: tuple[int, int, int]
+    pack: CopyBatch
+    unpack: CopyBatch
+    sends: list[tuple[int, int, torch.Tensor]]
+    recvs: list[tuple[int, int, torch.Tensor]]
+
+
+@dataclass
+class BoundStage:
+    stage: int
+    moves: CopyBatch
+    steps: list[BoundStep]
+    pulls: list[CopyBatch] = field(default_factory=list)  # one per source device
+
+
+@dataclass
+class Bound:
+    program: Program
+    stages: list[BoundStage]
+    buffers: list[torch.Tensor] = field(repr=False)
+
+    @property
+    def staging_bytes(self) -> int:
+        return sum(b.numel() for b in self.buffers)
+
+    def batches(self) -> list[CopyBatch]:
+        return [b for st in self.stages
+                for b in [st.moves] + st.pulls + [x for s in st.steps for x in (s.pack, s.unpack)]]
+
+
+class _Views:
+    """Views of local tensors as integer arrays with the canonical ndim (bit-exact copies)."""
+
+    def __init__(self, tensors: dict[Endpoint, dict[str, torch.Tensor]]) -> None:
+        self.tensors = tensors
+        self.cache: dict[tuple[Endpoint, str, int], torch.Tensor] = {}
+
+    def block(self, ep: Endpoint, b: Block) -> torch.Tensor:
+        ndim = len(b.size)
+        key = (ep, b.local, ndim)
+        if key not in self.cache:
+            t = self.tensors[ep][b.local]
+            shape = (1,) * (ndim - t.dim()) + tuple(t.shape)
+            self.cache[key] = int_view(t).view(shape)
+        return self.cache[key][slices(b.local_start, b.size)]
+
+
+def _buffer_pairs(wire: Wire, buf: torch.Tensor, views: _Views, into_buffer: bool) -> list[Pair]:
+    pairs: list[Pair] = []
+    for wt in wire.transfers:
+        itemsize = DTYPE_BYTES[wt.dtype]
+        if wt.offset % itemsize:
+            raise RefitError(f"bucket {wire.bucket}: transfer at byte {wt.offset} is not aligned for {wt.dtype}")
+        region = int_view(buf[wt.offset:wt.offset + volume(wt.box) * itemsize].view(TORCH_DTYPES[wt.dtype])).view(wt.box)
+        for blk in wt.blocks:
+            on_wire = region[slices(blk.box_start, blk.size)]
+            local = views.block(wire.ep, blk)
+            pairs.append((on_wire, local) if into_buffer else (local, on_wire))
+    return pairs
+
+
+def bind(program: Program, tensors: dict[Endpoint, dict[str, torch.Tensor]], device: torch.device) -> Bound:
+    """Make the views and staging buffers once; ``tensors`` holds, for every endpoint on the
+    devices this member drives, its local tensors (own or mapped from a peer) and its gather
+    tensors."""
+    views = _Views(tensors)
+    dma = device.type == "cuda" and dma_enabled()
+    sets = [[torch.empty(n, dtype=torch.uint8, device=device) for n in program.send_slots] for _ in range(2)]
+    rsets = [[torch.empty(n, dtype=torch.uint8, device=device) for n in program.recv_slots] for _ in range(2)]
+    stages, j = [], 0
+    for st in program.stages:
+        move_pairs = [(views.block(m.dst_ep, m.dst), views.block(m.src_ep, m.src)) for m in st.moves]
+        steps = []
+        for step in st.steps:
+            sbufs, rbufs = sets[j % 2], rsets[j % 2]
+            pack: list[Pair] = []
+            unpack: list[Pair] = []
+            sends, recvs = [], []
+            for w, buf in zip(step.sends, sbufs):
+                pack += _buffer_pairs(w, buf, views, into_buffer=True)
+                sends.append((w.peer, w.bucket, buf[:w.nbytes]))
+            for w, buf in zip(step.recvs, rbufs):
+                unpack += _buffer_pairs(w, buf, views, into_buffer=False)
+                recvs.append((w.peer, w.bucket, buf[:w.nbytes]))
+            steps.append(BoundStep(step.key, CopyBatch(pack, dma=dma), CopyBatch(unpack, dma=dma), sends, recvs))
+            j += 1
+        by_device: dict[torch.device, list[Pair]] = defaultdict(list)
+        for m in st.pulls:
+            s_view = views.block(m.src_ep, m.src)
+            by_device[s_view.device].append((views.block(m.dst_ep, m.dst), s_view))
+        pulls = [CopyBatch(pairs, peer=dev if dev.type == "cuda" and dev != device else None, dma=dma)
+                 for dev, pairs in sorted(by_device.items(), key=lambda x: str(x[0]))]
+        stages.append(BoundStage(st.stage, CopyBatch(move_pairs, dma=dma), steps, pulls))
+    return Bound(program, stages, [b for s in sets + rsets for b in s])
+
+
+# ---------------------------------------------------------------------------------------------
+
+
+def run_refit(bound: Bound, comm: Comm | None, device: Device, remaining: Remaining,
+              hook: Callable[[], None] | None = None) -> None:
+    """One refit of this member's share, in program order.  Two steps in flight at most (the two
+    buffer sets); a stage is drained before the next starts (stage 1 sends what stage 0 gathered).
+    A stage's pulls (ipc) are issued first, on streams of their own, and joined at its end.
+    ``remaining`` is asked before every step and bounds every wait on the communicator."""
+    deadline = time.monotonic() + remaining()
+    device.begin()
+    if hook and not any(st.steps for st in bound.stages):
+        hook()
+    for stage in bound.stages:
+        if not stage.steps:  # local copies first: issuing them never waits on a peer
+            device.copy(stage.moves)
+        for batch in stage.pulls:
+            device.pull(batch)
+        inflight: deque[tuple[BoundStep, Any]] = deque()
+        for j, step in enumerate(stage.steps):
+            if len(inflight) == 2:
+                _finish(*inflight.popleft(), comm, device, remaining)
+            device.copy(step.pack)
+            assert comm is not None, "a program with steps needs a communicator"
+            remaining()  # an abandoned refit stops before the next step
+            inflight.append((step, comm.post(step.sends, step.recvs)))
+            if j == 0:
+                if hook:
+                    hook()
+                device.copy(stage.moves)  # direct copies overlap the first transfer
+        while inflight:
+            _finish(*inflight.popleft(), comm, device, remaining)
+        if stage.pulls:
+            device.join()
+    device.finish(deadline, comm.check if comm else _nothing, comm.stuck if comm else (lambda: "local copies"))
+
+
+def _finish(step: BoundStep, handle: Any, comm: Comm | None, device: Device, remaining: Remaining) -> None:
+    assert comm is not None
+    comm.wait(handle, remaining())
+    device.copy(step.unpack)
+
+
+def _nothing() -> None:
+    pass

@@ -1,0 +1,263 @@
+"""One member of a plan: the endpoints one process holds, set up once, refit many times.
+
+Both users of the executor — the bench's worker processes (`refit.bench.worker`) and the
+agents' data plane (`refit.control.dataplane_executor`) — go through `Member`, which owns the
+whole sequence:
+
+1. the rendezvous store (`connect`), under a prefix of the run or of the plan's generation;
+2. the device this process drives or shares (`locate` publishes where each agent sits);
+3. peer access both ways between this GPU and every GPU whose memory it will read (ipc);
+4. sharing: what a device's driver must read is exported once, as plain data through the store
+   (`refit.executor.handles`) — a passive member's shards, and with ipc every source shard — and
+   each driver maps the peers' shards of its devices (and with ipc every source shard);
+5. the control group (barriers) over all members and the data communicator over the drivers;
+6. per plan (`prepare`): compile the schedule, allocate gather tensors, bind (drivers only);
+7. per refit (`refit`): barrier, replay, barrier.
+
+Every wait is bounded by the caller's ``remaining`` (seconds left in this refit; it raises once
+the refit is past its deadline or abandoned), so no wait outlives the refit that started it.  A
+barrier that times out names the members that never reached it; a transfer that fails names its
+peer (`refit.executor.transports.PeerError`).
+"""
+
+from __future__ import annotations
+
+import datetime
+import logging
+import threading
+import time
+from typing import Callable, Mapping, Sequence, Union
+
+import torch
+import torch.distributed as dist
+
+from refit.errors import RefitError
+from refit.executor.bound import Bound, Remaining, bind, run_refit
+from refit.executor.device import Device, enable_peer_access, make_device
+from refit.executor.schedule import Program, compile_program
+from refit.executor.shards import Shards, allocate, remove_file, views
+from refit.executor.topology import Endpoint, Topology
+from refit.executor.transports import (Comm, PeerError, export_arena, export_tensors, first_line, gloo_group,
+                                       import_share, make_comm)
+from refit.layouts import Layout
+from refit.plan import Plan
+from refit.spec import ModelSpec
+
+log = logging.getLogger("refit.executor")
+
+Own = Union[Shards, Mapping[str, torch.Tensor]]  # an endpoint's tensors: an arena (bench) or separate tensors
+
+
+class Budget:
+    """Seconds left until a deadline fixed now: `Member`'s ``remaining`` for callers without a
+    control plane (the bench)."""
+
+    def __init__(self, seconds: float, what: str = "refit") -> None:
+        self.deadline, self.seconds, self.what = time.monotonic() + seconds, seconds, what
+
+    def __call__(self) -> float:
+        left = self.deadline - time.monotonic()
+        if left <= 0:
+            raise TimeoutError(f"{self.what} did not complete within {self.seconds:g} s")
+        return left
+
+
+def connect(host: str, port: int, prefix: str, timeout_s: float) -> dist.Store:
+    """The rendezvous store (a client of a ``TCPStore``), keys under ``prefix``."""
+    store = dist.TCPStore(host, port, None, False, timeout=datetime.timedelta(seconds=timeout_s),
+                          wait_for_workers=False)
+    return dist.PrefixStore(prefix, store)
+
+
+def locate(store: dist.Store, member: int, endpoints: Sequence[Endpoint], device: str, host: str,
+           names: Sequence[str]) -> tuple[Topology, bool, bool]:
+    """Agents: publish where this member sits (``cuda:<i>@host`` or ``cpu@host``), read everyone's,
+    and return the topology (one member per endpoint), whether all are on GPUs, whether on one
+    host.  GPUs of one host keep their CUDA index as device id; on several hosts ids are arbitrary
+    (the communicator is used); on CPU every member is its own device."""
+    store.set(f"device/{member}", f"{device}@{host}")
+    where = [store.get(f"device/{m}").decode() for m in range(len(endpoints))]
+    cuda = all(w.startswith("cuda:") for w in where)
+    if not cuda and any(w.startswith("cuda:") for w in where):
+        raise RefitError(f"members mix CPU and GPU tensors: {dict(zip(names, where))}")
+    one_host = len({w.split("@", 1)[1] for w in where}) == 1
+    if cuda:
+        ids: dict[str, int] = {}
+        for w in where:
+            ids.setdefault(w, int(w.split(":")[1].split("@")[0]) if one_host else len(ids))
+        devices = tuple((ep, ids[w]) for ep, w in zip(endpoints, where))
+    else:
+        devices = tuple((ep, i) for i, ep in enumerate(endpoints))
+    return Topology(tuple((ep,) for ep in endpoints), devices), cuda, one_host
+
+
+def shares(topo: Topology, member: int, ep: Endpoint, ipc: bool) -> bool:
+    """Whether endpoint ``ep`` of ``member`` is read by another process: it sits on a device this
+    member does not drive, or (ipc) it is a source every driver reads."""
+    return topo.device_of[ep] not in topo.driven_devices(member) or (ipc and ep[0] == "src")
+
+
+class Member:
+    """Member ``member`` of ``topology``: holds ``own`` (its endpoints' tensors), on ``device``
+    (``cpu`` or ``cuda:<index>``); ``names`` name every member in messages.  Builds everything
+    but the plan's schedule (`prepare`); ``remaining`` bounds the set-up waits."""
+
+    def __init__(self, store: dist.Store, topology: Topology, member: int, device: str, own: Mapping[Endpoint, Own],
+                 spec: ModelSpec, src: Layout, dst: Layout, names: Sequence[str], remaining: Remaining,
+                 ipc: bool = False, host: str = "127.0.0.1") -> None:
+        self.store, self.topo, self.member, self.names = store, topology, member, list(names)
+        self.spec, self.src, self.dst, self.ipc = spec, src, dst, ipc
+        self.name = self.names[member]
+        self.cuda = device.startswith("cuda")
+        self.device: Device = make_device("cuda" if self.cuda else "cpu", torch.device(device).index or 0)
+        driven = set(topology.driven_devices(member))
+        self.driver = bool(driven)
+        self.rounds = 0  # barriers passed, in lockstep on every member
+
+        # Share what others read, then map what we read.
+        for ep, tensors in own.items():
+            if shares(topology, member, ep, ipc):
+                self.store.set(f"share/{ep[0]}{ep[1]}", self._export(ep, tensors))
+        self.tensors: dict[Endpoint, dict[str, torch.Tensor]] = {
+            ep: dict(t.tensors if isinstance(t, Shards) else t) for ep, t in own.items()}
+        self.imported: list[torch.Tensor] = []  # peers' arenas, kept mapped for the member's life
+        self.peer_devices: set[int] = set()  # CUDA devices whose memory this process reads (ipc)
+        wanted = [ep for dev in sorted(driven) for ep in topology.endpoints_on(dev) if ep not in own]
+        if ipc and driven:  # a driver maps every source shard of the host, once
+            wanted += [ep for ep, _ in topology.devices if ep[0] == "src" and ep not in own and ep not in wanted]
+            if self.cuda:  # both ways, before the handles are opened (else copies go through the host)
+                here = self.device.torch.index
+                for dev in sorted({d for ep, d in topology.devices if ep[0] == "src"} - driven):
+                    enable_peer_access(here, dev)
+                    enable_peer_access(dev, here)
+        for ep in wanted:
+            self.tensors[ep] = self._import(ep)
+
+        try:
+            self.ctl = gloo_group(dist.PrefixStore("ctl", self.store), member, len(topology.members), remaining(), host)
+        except RuntimeError as e:
+            raise PeerError(f"building the control group of {len(topology.members)} members: {first_line(e)}") from None
+        self.barrier("setup", remaining)
+        for t in own.values():
+            if isinstance(t, Shards):
+                remove_file(t.path)  # every peer has mapped it; the mapping outlives the name
+        self.comm: Comm | None = None
+        if member in topology.drivers and len(topology.drivers) > 1:
+            self.comm = make_comm("cuda" if self.cuda else "cpu", dist.PrefixStore("data", self.store),
+                                  topology.comm_rank(member), len(topology.drivers), self.device, remaining(),
+                                  [self.names[m] for m in topology.drivers])
+        self.program: Program | None = None
+        self.bound: Bound | None = None
+        self.gathers: list[Shards] = []
+        log.info("%s: member %d, device %s, %s, drives %s", self.name, member, device,
+                 "ipc" if ipc else "communicator", sorted(driven) or "nothing")
+
+    # ------------------------------------------------------------------ sharing
+    def _export(self, ep: Endpoint, tensors: Own) -> bytes:
+        if isinstance(tensors, Shards):
+            return export_arena(tensors)
+        if not self.cuda:
+            raise RefitError(f"{self.name}: CPU tensors are shared only as a /dev/shm arena (refit.executor.shards)")
+        return export_tensors(dict(tensors))
+
+    def _import(self, ep: Endpoint) -> dict[str, torch.Tensor]:
+        shared = import_share(self.store.get(f"share/{ep[0]}{ep[1]}"))
+        if isinstance(shared, dict):  # separate tensors (an agent's)
+            out = shared
+            arena = next(iter(out.values()), None)
+        else:  # an arena: the views follow from the peer's layout
+            layout = self.src if ep[0] == "src" else self.dst
+            arena = shared
+            self.imported.append(arena)
+            out = views(arena, list(layout.local_tensors(self.spec, ep[1])))
+        if arena is not None and arena.is_cuda and arena.device != self.device.torch:
+            self.peer_devices.add(arena.device.index)
+        return out
+
+    # ------------------------------------------------------------------ per plan
+    def prepare(self, plan: Plan) -> "Member":
+        """Compile and bind this member's share of ``plan`` (drivers; others have nothing to do)."""
+        self.program = self.bound = None
+        self.gathers = []
+        if not self.driver:
+            return self
+        self.program = compile_program(plan, self.spec, self.src, self.dst, self.topo, self.member, ipc=self.ipc)
+        tensors = {ep: dict(t) for ep, t in self.tensors.items()}
+        for ep, lts in self.program.gather.items():  # a gathering plan's root receives whole tensors
+            g = allocate(lts, self.device.torch)
+            self.gathers.append(g)
+            tensors[ep].update(g.tensors)
+        self.bound = bind(self.program, tensors, self.device.torch)
+        return self
+
+    # ------------------------------------------------------------------ per refit
+    def refit(self, remaining: Remaining, hook: Callable[[], None] | None = None,
+              started: Callable[[], None] | None = None) -> float:
+        """One refit: start barrier, this member's share, end barrier.  Returns the seconds of
+        the share alone.  ``hook`` (tests) runs once the first transfer is posted."""
+        if self.cuda:
+            self.device.synchronize()  # a trainer's step, or an engine's last use, is finished
+        self.barrier("refit start", remaining)
+        if started:
+            started()
+        t0 = time.perf_counter()
+        if self.bound is not None:
+            run_refit(self.bound, self.comm, self.device, remaining, hook)
+        elif hook:
+            hook()
+        seconds = time.perf_counter() - t0
+        self.barrier("refit end", remaining)
+        return seconds
+
+    def barrier(self, what: str, remaining: Remaining) -> None:
+        """Wait for every member, at most ``remaining()``, giving up as soon as ``remaining``
+        raises (the refit was abandoned).  Each member marks its arrival in the store first, so
+        that a timeout names the members that never came."""
+        self.rounds += 1
+        self.store.set(f"arrived/{self.rounds % 3}/{self.member}", str(self.rounds))
+        opts = dist.AllreduceOptions()
+        opts.timeout = datetime.timedelta(seconds=max(remaining(), 0.001))
+        try:
+            work = self.ctl.allreduce([torch.zeros(1)], opts)
+            done = threading.Event()
+            work.get_future().add_done_callback(lambda _: done.set())
+            while not done.wait(0.05):
+                try:
+                    remaining()
+                except TimeoutError:
+                    raise TimeoutError(f"timed out at the {what} barrier; {self._absent()}") from None
+            work.wait()
+        except RuntimeError as e:
+            raise PeerError(f"lost contact with another member at the {what} barrier (a worker died?): "
+                            f"{first_line(e)}; {self._absent()}") from None
+
+    def _absent(self) -> str:
+        """Which members have not reached the current barrier (asked of the store)."""
+        try:
+            missing = [self.names[m] for m in range(len(self.topo.members)) if not self._arrived(m)]
+        except Exception as e:  # the store itself is gone: say so rather than guess
+            return f"could not ask the store who is missing ({first_line(e)})"
+        return f"waiting on {', '.join(missing)} (never reached it)" if missing else "every member reached it"
+
+    def _arrived(self, m: int) -> bool:
+        key = f"arrived/{self.rounds % 3}/{m}"
+        return self.store.check([key]) and self.store.get(key).decode() == str(self.rounds)
+
+    # ------------------------------------------------------------------ teardown
+    def release(self) -> None:
+        """Drop every view of peers' memory (then the mappings go), before anyone exits."""
+        self.bound = self.program = None
+        self.gathers = []
+        self.tensors.clear()
+        self.imported.clear()
+        if self.cuda:
+            torch.cuda.ipc_collect()
+
+    def close(self) -> None:
+        self.release()
+        if self.comm is not None:
+            try:
+                self.comm.close()
+            except Exception as e:  # closing after a failure may fail too; nothing to save
+                log.info("closing the communicator: %s", e)
+        self.comm = None
