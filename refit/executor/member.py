@@ -217,15 +217,18 @@ class Member:
         self.store.set(f"arrived/{self.rounds % 3}/{self.member}", str(self.rounds))
         opts = dist.AllreduceOptions()
         opts.timeout = datetime.timedelta(seconds=max(remaining(), 0.001))
+        done = threading.Event()
         try:
             work = self.ctl.allreduce([torch.zeros(1)], opts)
-            done = threading.Event()
             work.get_future().add_done_callback(lambda _: done.set())
-            while not done.wait(0.05):
-                try:
-                    remaining()
-                except TimeoutError:
-                    raise TimeoutError(f"timed out at the {what} barrier; {self._absent()}") from None
+        except RuntimeError as e:
+            raise PeerError(f"lost contact with another member at the {what} barrier: {first_line(e)}") from None
+        while not done.wait(0.05):  # wakes at once when every member arrived
+            try:
+                remaining()  # raises when the refit is abandoned: give up now, as the caller says
+            except TimeoutError:
+                raise TimeoutError(f"timed out at the {what} barrier; {self._absent()}") from None
+        try:
             work.wait()
         except RuntimeError as e:
             raise PeerError(f"lost contact with another member at the {what} barrier (a worker died?): "
