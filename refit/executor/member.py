@@ -224,15 +224,19 @@ class Member:
         except RuntimeError as e:
             raise PeerError(f"lost contact with another member at the {what} barrier: {first_line(e)}") from None
         while not done.wait(0.05):  # wakes at once when every member arrived
-            try:
-                remaining()  # raises when the refit is abandoned: give up now, as the caller says
-            except TimeoutError:
-                raise TimeoutError(f"timed out at the {what} barrier; {self._absent()}") from None
+            self._left(what, remaining)  # raises when the refit is abandoned: give up now
         try:
             work.wait()
         except RuntimeError as e:
+            self._left(what, remaining)  # the group's own timeout (the same deadline) fired first
             raise PeerError(f"lost contact with another member at the {what} barrier (a worker died?): "
                             f"{first_line(e)}; {self._absent()}") from None
+
+    def _left(self, what: str, remaining: Remaining) -> None:
+        try:
+            remaining()
+        except TimeoutError:
+            raise TimeoutError(f"timed out at the {what} barrier; {self._absent()}") from None
 
     def _absent(self) -> str:
         """Which members have not reached the current barrier (asked of the store)."""

@@ -1,0 +1,118 @@
+"""`refit.executor.member`: the one set-up of a member, on CPU, two members in threads of this
+process (a colocated source and destination on one "device": the passive source shares its
+/dev/shm arena, the destination drives and copies out of it), real gloo groups and store."""
+
+from __future__ import annotations
+
+import threading
+import time
+import uuid
+from typing import Any, Callable
+
+import pytest
+import torch
+import torch.distributed as dist
+
+from planners import make_plan
+from refit.errors import RefitError
+from refit.executor.member import Budget, Member, connect, locate, shares
+from refit.executor.shards import allocate, fill_sentinel, fill_source, verify
+from refit.executor.topology import Topology
+from refit.spec import ModelConfig, build_spec
+
+DENSE = build_spec("tiny-dense", ModelConfig(
+    arch="qwen2", hidden_size=64, num_layers=2, num_heads=8, num_kv_heads=2, head_dim=8,
+    intermediate_size=64, vocab_size=250, qkv_bias=True, tie_embeddings=True, dtype="float32"))
+
+
+def _together(fns: list[Callable[[], Any]], timeout: float = 60.0) -> list[Any]:
+    out: list[Any] = [None] * len(fns)
+
+    def run(i: int) -> None:
+        try:
+            out[i] = fns[i]()
+        except BaseException as e:  # handed back to the test
+            out[i] = e
+
+    threads = [threading.Thread(target=run, args=(i,), daemon=True) for i in range(len(fns))]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join(timeout)
+    return out
+
+
+def test_colocated_pair_refits_bit_exact_and_names_the_absent() -> None:
+    r = make_plan(DENSE, "tp1", "tp1", "colocated", "p2p", 4096)
+    topo = Topology.one_per_rank(r.plan.placement)  # member 0: src 0 (passive), member 1: dst 0 (driver)
+    assert shares(topo, 0, ("src", 0), ipc=False) and not shares(topo, 1, ("dst", 0), ipc=False)
+    master = dist.TCPStore("127.0.0.1", 0, is_master=True, wait_for_workers=False)
+    session = uuid.uuid4().hex[:8]
+    src = allocate(list(r.src.local_tensors(DENSE, 0)), torch.device("cpu"), f"/dev/shm/refit-{session}-src0")
+    dst = allocate(list(r.dst.local_tensors(DENSE, 0)), torch.device("cpu"))
+    fill_sentinel(dst)
+    names = ["src rank 0", "dst rank 0"]
+
+    def member(m: int) -> Member:
+        store = connect("127.0.0.1", master.port, session, 30.0)
+        own = {("src", 0): src} if m == 0 else {("dst", 0): dst}
+        return Member(store, topo, m, "cpu", own, DENSE, r.src, r.dst, names, Budget(30.0)).prepare(r.plan)
+
+    members = _together([lambda: member(0), lambda: member(1)])
+    assert all(isinstance(m, Member) for m in members), members
+    passive, driver = members
+    assert passive.bound is None and driver.bound is not None and driver.comm is None  # one device: no wire
+    for seed in (3, 4):
+        fill_source(src, DENSE, seed)
+        seconds = _together([lambda: passive.refit(Budget(10.0)), lambda: driver.refit(Budget(10.0))])
+        assert all(isinstance(s, float) for s in seconds), seconds
+        v = verify(dst, DENSE, seed)
+        assert v.ok and v.checked == sum(t.numel for t in DENSE.tensors)
+    # The passive member never comes to the next barrier.  An abandoned refit (``remaining``
+    # raises something of the caller's) leaves at once, with the caller's error; a refit past its
+    # budget gives up at the deadline and names the member that never came.
+
+    class Abandoned(RuntimeError):
+        pass
+
+    flag = threading.Event()
+    threading.Timer(0.2, flag.set).start()
+
+    def remaining() -> float:
+        if flag.is_set():
+            raise Abandoned("the coordinator gave up")
+        return 30.0
+
+    t0 = time.monotonic()
+    with pytest.raises(Abandoned):
+        driver.barrier("refit start", remaining)
+    assert time.monotonic() - t0 < 1.0
+    t0 = time.monotonic()
+    with pytest.raises(TimeoutError, match=r"refit start barrier; waiting on src rank 0 \(never reached it\)"):
+        driver.refit(Budget(0.5))
+    assert time.monotonic() - t0 < 2.0
+    for m in members:
+        m.close()
+
+
+def test_locate_and_budget() -> None:
+    master = dist.TCPStore("127.0.0.1", 0, is_master=True, wait_for_workers=False)
+    eps = [("src", 0), ("dst", 0)]
+    names = ["trainer/0", "engine/0"]
+
+    def at(prefix: str, m: int, device: str, host: str = "h1") -> Callable[[], Any]:
+        return lambda: locate(connect("127.0.0.1", master.port, prefix, 10.0), m, eps, device, host, names)
+
+    topo, cuda, one_host = _together([at("a/", 0, "cpu"), at("a/", 1, "cpu")])[0]
+    assert not cuda and one_host and topo.device_of == {("src", 0): 0, ("dst", 0): 1}  # CPU: own devices
+    out = _together([at("b/", 0, "cuda:3"), at("b/", 1, "cpu")])
+    assert all(isinstance(e, RefitError) and "mix CPU and GPU" in str(e) for e in out), out
+    # Colocated on GPU 3 of one host: one device, the engine drives it; on two hosts, ids are arbitrary.
+    topo, cuda, one_host = _together([at("c/", 0, "cuda:3"), at("c/", 1, "cuda:3")])[0]
+    assert cuda and one_host and topo.device_of == {("src", 0): 3, ("dst", 0): 3} and topo.drivers == (1,)
+    topo, cuda, one_host = _together([at("d/", 0, "cuda:3", "h1"), at("d/", 1, "cuda:3", "h2")])[0]
+    assert cuda and not one_host and topo.device_of == {("src", 0): 0, ("dst", 0): 1}
+    with pytest.raises(TimeoutError, match="within 0.01 s"):
+        b = Budget(0.01, "refit")
+        time.sleep(0.02)
+        b()

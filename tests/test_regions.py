@@ -1,0 +1,35 @@
+"""`refit.regions`: which blocks of a rank's local tensors hold a canonical box."""
+
+from __future__ import annotations
+
+from refit.boxes import volume
+from refit.layouts import resolve_layout
+from refit.layouts.base import LocalTensor, Piece
+from refit.regions import Block, PieceIndex, slices
+from refit.spec import ModelConfig, build_spec
+
+
+def test_blocks_of_a_box_across_two_pieces() -> None:
+    # One local tensor [4, 6] holding rows 0-1 of canonical "a" at local rows 2-3, and rows 4-5 at rows 0-1.
+    lt = LocalTensor("x", (4, 6), "bfloat16", (Piece("a", (0, 0), (2, 6), (2, 0)), Piece("a", (4, 0), (2, 6), (0, 0))))
+    index = PieceIndex([lt])
+    got = index.regions("a", ((1, 2), (4, 3)))  # rows 1-4, columns 2-4
+    assert sorted(got) == sorted([Block("x", (3, 2), (0, 0), (1, 3)), Block("x", (0, 2), (3, 0), (1, 3))])
+    assert index.regions("a", ((2, 0), (2, 6))) == []  # rows 2-3 are held by no piece
+    assert index.regions("b", ((0,), (1,))) == []
+
+
+def test_blocks_tile_every_local_piece_of_a_real_layout() -> None:
+    spec = build_spec("t", ModelConfig(arch="qwen2", hidden_size=64, num_layers=2, num_heads=8, num_kv_heads=2,
+                                       head_dim=8, intermediate_size=64, vocab_size=250))
+    layout = resolve_layout("tp2", spec, "dst")
+    for rank in range(2):
+        index = PieceIndex(layout.local_tensors(spec, rank))
+        for t in spec.tensors:
+            blocks = index.regions(t.name, ((0,) * len(t.shape), t.shape))
+            held = sum(volume(p.size) for lt in layout.local_tensors(spec, rank) for p in lt.pieces if p.tensor == t.name)
+            assert sum(volume(b.size) for b in blocks) == held
+
+
+def test_slices() -> None:
+    assert slices((1, 2), (3, 4)) == (slice(1, 4), slice(2, 6))

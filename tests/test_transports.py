@@ -1,0 +1,76 @@
+"""`refit.executor.transports` on CPU: shared-memory export and import through plain handles, the
+gloo communicator's bounded waits naming the peer, and backend error trimming."""
+
+from __future__ import annotations
+
+import threading
+import time
+import uuid
+
+import pytest
+import torch
+import torch.distributed as dist
+
+from refit.executor.handles import HandleError
+from refit.executor.shards import allocate, remove_file, views
+from refit.executor.transports import GlooComm, PeerError, export_arena, first_line, import_share
+from refit.layouts.base import LocalTensor
+
+
+def test_shm_arena_export_import_shares_memory() -> None:
+    lts = [LocalTensor("a", (3, 5), "bfloat16", ()), LocalTensor("b", (7,), "float32", ())]
+    path = f"/dev/shm/refit-test-{uuid.uuid4().hex[:8]}"
+    try:
+        mine = allocate(lts, torch.device("cpu"), path)
+        peer = views(import_share(export_arena(mine)), lts)
+        g = torch.Generator().manual_seed(1)
+        mine.tensors["b"].copy_(torch.randn(7, generator=g))
+        assert torch.equal(peer["b"], mine.tensors["b"])  # one memory, two mappings
+        peer["a"].copy_(torch.randn(3, 5, generator=g).to(torch.bfloat16))
+        assert torch.equal(mine.tensors["a"].view(torch.int16), peer["a"].view(torch.int16))
+    finally:
+        remove_file(path)
+    with pytest.raises(RuntimeError, match="/dev/shm"):
+        export_arena(allocate(lts, torch.device("cpu")))  # a private arena cannot be shared
+    with pytest.raises(HandleError):
+        import_share(b'{"kind": "shm", "path": "/tmp/x", "nbytes": 8}')
+
+
+def _pair(timeout_s: float) -> list[GlooComm]:
+    store = dist.TCPStore("127.0.0.1", 0, is_master=True, wait_for_workers=False)
+    comms: list = [None, None]
+
+    def build(rank: int) -> None:  # a store client per thread: a client serialises its calls
+        client = dist.TCPStore("127.0.0.1", store.port, is_master=False)
+        comms[rank] = GlooComm(dist.PrefixStore("t", client), rank, 2, timeout_s, ["src rank 0", "dst rank 0"])
+
+    threads = [threading.Thread(target=build, args=(r,)) for r in range(2)]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join(30)
+    comms.append(store)  # keep the store alive with the groups
+    return comms
+
+
+def test_gloo_send_recv_and_a_wait_bounded_by_the_caller() -> None:
+    a, b, _store = _pair(60.0)
+    data = torch.randint(0, 256, (1000,), dtype=torch.uint8)
+    got = torch.zeros(1000, dtype=torch.uint8)
+    hs, hr = a.post([(1, 7, data)], []), b.post([], [(0, 7, got)])
+    a.wait(hs, 5.0)
+    b.wait(hr, 5.0)
+    assert torch.equal(got, data)
+    # Nobody sends tag 8: the group was built with 60 s, the wait gives up at the caller's 0.5 s
+    # and names the peer it was waiting on.
+    t0 = time.monotonic()
+    with pytest.raises(PeerError, match=r"receiving bucket 8 with src rank 0 failed: Timed out"):
+        b.wait(b.post([], [(0, 8, got)]), 0.5)
+    assert time.monotonic() - t0 < 3.0
+
+
+def test_first_line_trims_backend_noise() -> None:
+    e = RuntimeError("[../third_party/gloo/gloo/transport/tcp/pair.cc:534] Connection closed by peer [1.2.3.4]:5"
+                     ". This is typically caused by a peer crash\nmore")
+    assert first_line(e) == "Connection closed by peer [1.2.3.4]:5"
+    assert first_line(RuntimeError("")) == "RuntimeError"
