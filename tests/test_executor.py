@@ -7,6 +7,7 @@ stale bytes from the first refit cannot pass the second check.
 
 from __future__ import annotations
 
+import dataclasses
 import json
 import math
 import time
@@ -223,6 +224,21 @@ def test_dead_worker_fails_fast_and_is_named(victim: tuple[str, int], transport:
     assert err.value.dead == [f"{victim[0]} rank {victim[1]}"]
     assert f"{victim[0]} rank {victim[1]} (pid" in str(err.value) and "exit code 17" in str(err.value)
     assert "refit 1 started" in str(err.value)
+
+
+def test_hung_worker_is_named_by_its_peers() -> None:
+    # dst rank 1 drives GPU 1 and stops itself (SIGSTOP) once its first transfer is posted: the
+    # others give up at the refit's deadline, each naming whom it waited on; the parent names the
+    # silent one and kills it (a stopped process too).
+    job, _ = _job(MOE, "tp2ep2", "tp2", "colocated", planners=("p2p",), kill=("dst", 1, 1), refits=3)
+    job = dataclasses.replace(job, hang=True, timeout_s=3)
+    t0 = time.monotonic()
+    with pytest.raises(WorkerFailure) as err:
+        run_job(job)
+    assert time.monotonic() - t0 < 15
+    text = str(err.value)
+    assert "with dst rank 1 failed: Timed out" in text  # dst rank 0 was receiving from it
+    assert "Still running, no report: dst rank 1 (last: 'refit 1 started')" in text
 
 
 def test_bench_cpu_json(capsys: pytest.CaptureFixture[str]) -> None:
