@@ -10,7 +10,8 @@ An agent receives ``RunRefit`` on its control stream and calls its data plane on
 * ``ctx`` — what the control plane adds: the rendezvous to build a communicator on, the deadline,
   and a cancel flag set when the coordinator abandons the refit.
 
-A data plane must return by ``ctx.deadline`` (raise `TimeoutError` past it), must raise rather
+A data plane must return by ``ctx.deadline`` (raise `TimeoutError` past it; bound every wait by
+``ctx.remaining()``, never by a timeout fixed when a communicator was built), must raise rather
 than return on any failure (the agent reports the message, and the coordinator names the worker),
 and must not write into an engine's tensors once ``ctx.cancelled`` is set.  It may cache
 communicators per ``(plan_id, rendezvous.prefix)``: the prefix changes whenever they must be

@@ -1,7 +1,7 @@
 """How bytes reach another process.  Three transports (and an ipc variant of the third), chosen
 per bucket by where its ends are:
 
-* **Local** (both ends' devices driven by this process): no transport at all — `program` turns
+* **Local** (both ends' devices driven by this process): no transport at all — `schedule` turns
   the bucket into direct block copies, no staging.
 * **Same device, other process** (a colocated trainer and engine): the passive process exports
   its shard arena once — a CUDA IPC handle on GPU, the path of its ``/dev/shm`` arena file on
@@ -21,12 +21,12 @@ per bucket by where its ends are:
     built directly on our own store (for machines whose cupy lacks NCCL).
   - CPU: gloo, a ``ProcessGroupGloo`` constructed on our own prefixed store, async
     ``send``/``recv`` with the bucket index as tag.
-* **Remote, one host, ``ipc``** (``Job.transport``): every source shard is exported as above
+* **Remote, one host, ``ipc``** (the bench's ``--transport ipc``; agents on one host): every source shard is exported as above
   (not only passive ones) and every driver maps all of them once at setup; a bucket from another
   device becomes a direct copy by the destination's driver out of the peer's source regions
   (CUDA: a cross-device ``copy_`` on the peer's memory — ``cudaMemcpyAsync`` over NVLink for
   contiguous blocks; CPU: the peer's ``/dev/shm`` mapping).  No staging, no communicator, except
-  for a broadcast plan's stage 1 (see `program`).  Opening a handle of GPU j in the process of
+  for a broadcast plan's stage 1 (see `schedule`).  Opening a handle of GPU j in the process of
   GPU i creates that process's CUDA context on GPU j (torch opens it under a guard of device j).
 
 A failed or timed-out operation raises `PeerError` naming the peer (the endpoints it drives).
