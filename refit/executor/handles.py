@@ -28,7 +28,8 @@ from typing import Any, Callable
 from refit.errors import RefitError
 
 NCCL_ID_BYTES = 128
-MAX_HANDLE_BYTES = 1 << 20  # far above any real value: a store value is refused past this
+MAX_HANDLE_BYTES = 16 << 20  # far above any real value (an expandable-segments CUDA handle lists one
+# 64-byte handle per segment): a store value is refused past this
 _SHM_PATH = re.compile(r"/dev/shm/refit-[A-Za-z0-9_.-]{1,200}")
 _NAME = re.compile(r"[A-Za-z0-9_.\-/]{1,512}")
 _TENSOR_CLASSES = ("Tensor", "Parameter")
@@ -102,7 +103,7 @@ def _bytes(fields: dict[str, Any], key: str, optional: bool = False, size: int |
         out = base64.b64decode(v, validate=True) if isinstance(v, str) else None
     except (binascii.Error, ValueError):
         out = None
-    if out is None or (size is not None and len(out) != size) or len(out) > 4096:
+    if out is None or (size is not None and len(out) != size):
         want = f"{size} bytes" if size is not None else "bytes"
         raise HandleError(f"handle field {key!r} must be base64 of {want}, got {str(v)[:40]!r}")
     return out
