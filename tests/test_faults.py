@@ -98,27 +98,41 @@ def test_idle_agents_stay_connected() -> None:
 
 
 @bounded(60)
-def test_agents_reconnect_after_a_coordinator_restart() -> None:
+def test_agents_reconnect_after_a_coordinator_restart_mid_refit() -> None:
     port = free_port()
     srv = ThreadedServer(port=port, **FAST)
-    team = agents(f"127.0.0.1:{port}", backoff=(0.05, 0.5), **FAST)
+    planes: list[Counting] = []
+
+    def plane() -> Counting:
+        planes.append(Counting())
+        return planes[-1]
+
+    team = agents(f"127.0.0.1:{port}", plane, backoff=(0.05, 0.5), **FAST)
     try:
         with Client(srv.address) as c:
             plan = c.create_plan("t", "e")["plan_id"]
             first = c.refit(plan, 3)
-        srv.stop()
+            for p in planes:
+                p.delay = 1.0
+            mid = threading.Thread(target=lambda: pytest.raises(Exception, c.refit, plan, 4), daemon=True)
+            mid.start()
+            assert _settle(lambda: all(p.calls[-1:] == [4] for p in planes))
+        srv.stop()  # killed mid-refit: version 4 is never committed
+        for p in planes:
+            p.delay = 0.0
         assert _settle(lambda: not any(a.connected for a in team))
         srv = ThreadedServer(port=port, **FAST)
         assert _settle(lambda: all(a.connected for a in team), 15), [a.error for a in team]
         assert [a.registrations for a in team] == [2, 2]
         with Client(srv.address) as c:
-            rows = {r["worker_id"]: r["version"] for r in c.list_workers()}
-            assert rows == {"t/0": 0, "e/0": 3}  # re-registered with the version it holds
+            rows = {r["worker_id"]: (r["version"], r["stale"]) for r in c.list_workers()}
+            assert rows == {"t/0": (0, False), "e/0": (3, True)}  # the version it holds, torn by refit 4
             plan = c.create_plan("t", "e")["plan_id"]
             with pytest.raises(VersionRefused):
                 c.refit(plan, 3)
-            again = c.refit(plan, 4)
-            assert again.ok and again.refit_id != first.refit_id and team[1].version == 4
+            again = c.refit(plan, 4)  # the old refit's late results (other ids) are not counted
+            assert again.ok and again.refit_id != first.refit_id
+            assert _settle(lambda: (team[1].version, team[1].stale) == (4, False))
     finally:
         for a in team:
             a.stop()

@@ -112,6 +112,8 @@ class Agent:
         self._live = False  # registered on the current stream
         self._running = ""  # refit id whose share runs on our thread
         self._last_refit = ""  # the refit we were last told to run: outcomes of others are ignored
+        self._abandoned = ""  # the last refit the coordinator told us to abandon
+        self._waiting: asyncio.Future | None = None  # a run queued behind an abandoned share
         self.registrations = 0  # successful registrations (1 + reconnects)
         self.session = ""
         self._plans: dict[str, Plan] = {}
@@ -263,11 +265,25 @@ class Agent:
 
     # ------------------------------------------------------------------ refits
     async def _on_run(self, run: pb.RunRefit) -> None:
+        deadline = time.monotonic() + run.timeout_seconds
+        self._last_refit = run.refit_id
+        if self._running:
+            # A share abandoned with our last stream (the coordinator restarted, the network broke)
+            # still has to end: wait for it within this run's time, rather than answer "busy" to a
+            # coordinator that cannot know about it.  Reading the stream goes on meanwhile.
+            self._waiting = asyncio.ensure_future(self._after_previous(run, deadline))
+            return
+        await self._start(run, deadline)
+
+    async def _after_previous(self, run: pb.RunRefit, deadline: float) -> None:
+        if self._job is not None:
+            await asyncio.wait((self._job,), timeout=max(0.0, deadline - time.monotonic()))
         if self._running:
             await self._reply(run.refit_id, False, error=f"busy: still running refit {self._running}")
             return
-        self._last_refit = run.refit_id
-        deadline = time.monotonic() + run.timeout_seconds
+        await self._start(run, deadline)
+
+    async def _start(self, run: pb.RunRefit, deadline: float) -> None:
         if self.role == "engine":
             self._stale = True  # from now on our weights are being overwritten
         try:
@@ -281,6 +297,8 @@ class Agent:
         ctx = RunContext(run.plan_id, run.refit_id, self.spec, self.layout,
                          Rendezvous(r.host, r.port, r.prefix, r.world_size, r.rank, members), deadline, self.host)
         self._cancel = {run.refit_id: ctx.cancelled}
+        if self._abandoned == run.refit_id:  # the coordinator gave it up before it could start
+            ctx.cancelled.set()
         if getattr(self.data_plane, "inline", False):
             await self._write(self._execute(plan, run.version, ctx))
             return
@@ -333,6 +351,7 @@ class Agent:
                      self._last_refit or "none")
             return
         if not out.committed:
+            self._abandoned = out.refit_id
             ev = self._cancel.get(out.refit_id)
             if ev is not None:
                 ev.set()
