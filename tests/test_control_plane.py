@@ -372,6 +372,34 @@ def test_serve_main_binds_loopback() -> None:
         proc.wait(10)
 
 
+def test_serve_main_refuses_a_taken_port_and_reads_the_token_file(tmp_path) -> None:
+    srv = ThreadedServer(token="from-file")
+    try:
+        port = srv.address.rsplit(":", 1)[1]
+        code = f"import sys; from refit.control.server import serve_main; sys.exit(serve_main(['--port', '{port}']))"
+        proc = subprocess.run([sys.executable, "-c", code], cwd=ROOT, capture_output=True, text=True, timeout=60,
+                              env={**os.environ, "PYTHONPATH": ROOT})
+        assert proc.returncode == 2 and "address in use" in proc.stderr and "Traceback" not in proc.stderr, proc.stderr
+        from refit.control.server import build_parser, read_token
+
+        f = tmp_path / "token"
+        f.write_text("from-file\n")
+        assert read_token(build_parser().parse_args(["--token-file", str(f)])) == "from-file"
+        with Client(srv.address, token="from-file") as c:
+            assert c.health() == "SERVING"
+    finally:
+        srv.stop()
+
+
+def test_client_raises_refit_exceptions() -> None:
+    from refit.control.client import ControlError, Unavailable
+
+    with Client("127.0.0.1:1", timeout=2.0) as c:
+        with pytest.raises(Unavailable) as e:
+            c.list_workers()
+    assert isinstance(e.value, ControlError) and e.value.code() == grpc.StatusCode.UNAVAILABLE
+
+
 def test_generated_stubs_are_fresh(tmp_path) -> None:
     pytest.importorskip("grpc_tools")
     sys.path.insert(0, os.path.join(ROOT, "proto"))
