@@ -152,16 +152,18 @@ class Agent:
         good, or when no registration succeeded within ``timeout``)."""
         if self.connected:
             return self
-        self._registered.clear()
-        self._closed.clear()
-        self.error = None
-        self._loop = _agent_loop()
-        self._main_future = asyncio.run_coroutine_threadsafe(self._guarded_main(), self._loop)
+        if self._main_future is None or self._main_future.done():  # else: it is reconnecting already
+            self._registered.clear()
+            self._closed.clear()
+            self.error = None
+            self._loop = _agent_loop()
+            self._main_future = asyncio.run_coroutine_threadsafe(self._guarded_main(), self._loop)
         end = time.monotonic() + timeout
-        while not self._registered.wait(0.01):
+        while not self.connected:
             if self._closed.is_set() or time.monotonic() > end:
                 break
-        if not self._registered.is_set():
+            self._registered.wait(0.01)
+        if not self.connected:
             self.stop()
             raise ConnectionError(f"{self.worker_id}: registration with {self.address} failed: {self.error or 'timed out'}")
         return self
@@ -276,12 +278,15 @@ class Agent:
         await self._start(run, deadline)
 
     async def _after_previous(self, run: pb.RunRefit, deadline: float) -> None:
-        if self._job is not None:
-            await asyncio.wait((self._job,), timeout=max(0.0, deadline - time.monotonic()))
-        if self._running:
-            await self._reply(run.refit_id, False, error=f"busy: still running refit {self._running}")
-            return
-        await self._start(run, deadline)
+        try:
+            if self._job is not None:
+                await asyncio.wait((self._job,), timeout=max(0.0, deadline - time.monotonic()))
+            if self._running:
+                await self._reply(run.refit_id, False, error=f"busy: still running refit {self._running}")
+                return
+            await self._start(run, deadline)
+        except Exception as e:  # the stream is gone; the coordinator already counts us out
+            log.info("%s: could not run refit %s: %s", self.worker_id, run.refit_id, e)
 
     async def _start(self, run: pb.RunRefit, deadline: float) -> None:
         if self.role == "engine":

@@ -24,7 +24,6 @@ from __future__ import annotations
 import argparse
 import asyncio
 import functools
-import hmac
 import logging
 import math
 import os
@@ -36,6 +35,7 @@ from typing import Any, Awaitable, Callable
 import grpc
 from google.protobuf.message import DecodeError
 
+from refit.control.auth import TokenInterceptor
 from refit.control.common import (DEFAULT_PORT, KEEPALIVE_MS, KEEPALIVE_TIMEOUT_MS, SERVICE_NAME, Conflict, Exhausted,
                                   NotFound, Precondition, new_event_loop, server_options)
 from refit.control.coordinator import Coordinator
@@ -184,33 +184,6 @@ def _handlers(s: Servicer) -> dict[str, grpc.RpcMethodHandler]:
         "Refit": grpc.unary_unary_rpc_method_handler(s.Refit, _parser(pb.RefitRequest), ser(pb.RefitResponse)),
         "WatchRefits": grpc.unary_stream_rpc_method_handler(s.WatchRefits, _parser(pb.WatchRefitsRequest), ser(pb.RefitEvent)),
     }
-
-
-class TokenInterceptor(grpc.aio.ServerInterceptor):
-    """Refuse (UNAUTHENTICATED) every call without ``authorization: Bearer <token>``."""
-
-    def __init__(self, token: str) -> None:
-        self._expected = f"Bearer {token}".encode()
-
-    async def intercept_service(self, continuation: Any, details: grpc.HandlerCallDetails) -> Any:
-        got = dict(details.invocation_metadata or ()).get("authorization", "")
-        got = got.encode() if isinstance(got, str) else got
-        handler = await continuation(details)
-        if hmac.compare_digest(got, self._expected) or handler is None:
-            return handler
-
-        async def deny(request: Any, context: grpc.aio.ServicerContext) -> None:
-            if handler.request_streaming:  # take the first message: refusing while it is in flight
-                try:                       # sometimes reaches the client as INTERNAL instead
-                    await asyncio.wait_for(context.read(), 5.0)
-                except asyncio.TimeoutError:
-                    pass
-            await context.abort(grpc.StatusCode.UNAUTHENTICATED, "missing or wrong bearer token")
-
-        kind = (handler.request_streaming, handler.response_streaming)
-        make = {(False, False): grpc.unary_unary_rpc_method_handler, (False, True): grpc.unary_stream_rpc_method_handler,
-                (True, False): grpc.stream_unary_rpc_method_handler, (True, True): grpc.stream_stream_rpc_method_handler}[kind]
-        return make(deny, handler.request_deserializer, handler.response_serializer)
 
 
 def _store(host: str) -> tuple[Any, int]:
