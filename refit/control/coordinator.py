@@ -361,8 +361,8 @@ class Coordinator:
 
     def _failed(self, entry: PlanEntry, refit_id: str, version: int, t0: float,
                 results: dict[str, pb.WorkerResult]) -> pb.RefitResponse:
-        entry.broken = True
-        if touched(results):  # some member ran: the engines' weights may be half written
+        if touched(results):  # some member ran: the engines' weights may be half written, and
+            entry.broken = True  # the communicator may be mid-collective: rebuild it
             for m in entry.members[entry.num_src:]:
                 if m in self.workers:
                     self.workers[m].stale = True
