@@ -1,16 +1,20 @@
 """`refit`: plan refits, inspect layouts, reshard checkpoints offline.
 
-User errors (`RefitError`) print one line and exit with status 2; no tracebacks for bad input.
+User errors (`RefitError`) print one line and exit with status 2; no tracebacks for bad input
+(the shared tail is `refit.entrypoint`).
 """
 
 from __future__ import annotations
 
 import argparse
 import json
-import logging
+import os
 import sys
+import tempfile
 from typing import Any, Callable
 
+from refit import __version__
+from refit.entrypoint import run_main, setup_logging
 from refit.errors import RefitError
 from refit.layouts import LAYOUT_HELP
 
@@ -56,7 +60,7 @@ def cmd_models(args: argparse.Namespace) -> int:
     print(f"{'model':<16}{'arch':<11}{'params':>9}{'bf16':>11}{'layers':>8}{'hidden':>8}{'heads':>7}{'kv':>4}"
           f"{'experts':>9}{'vocab':>8}")
     for r in rows:
-        print(f"{r['name']:<16}{r['arch']:<11}{r['params'] / 1e9:>8.2f}B{r['bf16_bytes'] / 1e9:>8.1f} GB"
+        print(f"{r['name']:<16}{r['arch']:<11}{r['params'] / 1e9:>8.2f}B{fmt_bytes(r['bf16_bytes']):>11}"
               f"{r['layers']:>8}{r['hidden']:>8}{r['heads']:>7}{r['kv_heads']:>4}{r['experts']:>9}{r['vocab']:>8}")
     return 0
 
@@ -67,9 +71,8 @@ def cmd_models(args: argparse.Namespace) -> int:
 
 def cmd_layout(args: argparse.Namespace) -> int:
     from refit.layouts import resolve_layout
-    from refit.spec import load_spec
 
-    spec = load_spec(args.model)
+    spec = _load_spec(args.model)
     layout = resolve_layout(args.layout, spec, args.role)
     if args.rank is not None and not 0 <= args.rank < layout.world_size:
         raise RefitError(f"rank {args.rank} is outside {layout.describe()} (world size {layout.world_size})")
@@ -103,14 +106,12 @@ def _degrees(d: dict[str, int]) -> str:
 
 def cmd_plan(args: argparse.Namespace) -> int:
     from planners import make_plan
-    from refit.spec import load_spec
 
-    spec = load_spec(args.model)
+    spec = _load_spec(args.model)
     result = make_plan(spec, args.src, args.dst, args.placement, args.planner, int(args.bucket_mb * 2**20))
     s = result.summary
     if args.out:
-        with open(args.out, "w") as f:
-            json.dump(result.plan.to_dict(), f, separators=(",", ":"))
+        write_file_atomically(args.out, json.dumps(result.plan.to_dict(), separators=(",", ":")))
     if args.json:
         print(json.dumps({"src": {"layout": result.src.describe(), **result.src.details()},
                           "dst": {"layout": result.dst.describe(), **result.dst.details()},
@@ -137,24 +138,44 @@ def cmd_plan(args: argparse.Namespace) -> int:
 # reshard
 
 
+def write_file_atomically(path: str, text: str) -> None:
+    """Write ``path`` whole or not at all (a temporary file beside it, fsynced, then renamed)."""
+    folder = os.path.dirname(os.path.abspath(path))
+    if not os.path.isdir(folder):
+        raise RefitError(f"--out {path}: folder {folder} does not exist")
+    if os.path.isdir(path):
+        raise RefitError(f"--out {path} is a directory")
+    fd, tmp = -1, ""
+    try:
+        fd, tmp = tempfile.mkstemp(prefix=f".{os.path.basename(path)}.", dir=folder)
+        with os.fdopen(fd, "w") as f:
+            f.write(text)
+            f.flush()
+            os.fsync(f.fileno())
+        os.replace(tmp, path)
+    except OSError as e:
+        raise RefitError(f"writing {path}: {e.strerror or e}") from None
+    finally:
+        if tmp and os.path.exists(tmp):
+            os.unlink(tmp)
+
+
 def cmd_reshard(args: argparse.Namespace) -> int:
-    import os
-
     from refit.layouts import resolve_layout
-    from refit.reshard import reshard
-    from refit.spec import load_spec
+    from refit.reshard import check_output, reshard
 
-    spec = load_spec(args.model)
+    if not os.path.isdir(args.in_dir):
+        raise RefitError(f"--in {args.in_dir} is not a directory")
+    check_output(args.in_dir, args.out_dir, args.force)
+    spec = _load_spec(args.model)
     src = resolve_layout(args.src, spec, "src")
     dst = resolve_layout(args.dst, spec, "dst")
-    if os.path.abspath(args.in_dir) == os.path.abspath(args.out_dir):
-        raise RefitError("--in and --out must be different directories")
     print(f"source  {src.describe():<36} {_degrees(src.details())}", file=sys.stderr)
     print(f"dest    {dst.describe():<36} {_degrees(dst.details())}", file=sys.stderr)
     hf_config = _hf_config(args.model, spec) if dst.framework == "hf" else None
     bar = _progress(total=_dst_bytes(spec, dst), disable=args.json or not sys.stderr.isatty(), unit="B")
     try:
-        report = reshard(spec, src, dst, args.in_dir, args.out_dir, hf_config, progress=bar.update)
+        report = reshard(spec, src, dst, args.in_dir, args.out_dir, hf_config, progress=bar.update, force=args.force)
     finally:
         bar.close()
     report.update(src=src.describe(), dst=dst.describe())
@@ -165,20 +186,33 @@ def cmd_reshard(args: argparse.Namespace) -> int:
     return 0
 
 
+def _load_spec(model: str) -> Any:
+    """`refit.spec.load_spec`, with unreadable checkpoint files reported as one line."""
+    from refit.spec import load_spec
+
+    try:
+        return load_spec(model)
+    except RefitError:
+        raise
+    except (OSError, ValueError, RecursionError, TypeError, KeyError) as e:
+        raise RefitError(f"--model {model}: cannot read it: {type(e).__name__}: {str(e)[:120]}") from None
+
+
 def _dst_bytes(spec: Any, dst: Any) -> int:
     return sum(t.nbytes for r in range(dst.world_size) for t in dst.local_tensors(spec, r))
 
 
 def _hf_config(model: str, spec: Any) -> dict[str, Any]:
     """config.json for an HF output: the input directory's own, else the catalog entry's."""
-    import os
-
     from refit.catalog import CATALOG
 
     path = os.path.join(model, "config.json")
     if os.path.isdir(model) and os.path.exists(path):
-        with open(path) as f:
-            return json.load(f)
+        try:
+            with open(path) as f:
+                return json.load(f)
+        except (OSError, ValueError, RecursionError) as e:
+            raise RefitError(f"{path}: cannot read it: {str(e)[:120]}") from None
     cfg = dict(CATALOG.get(model, {}))
     archs = {"llama": "LlamaForCausalLM", "qwen2": "Qwen2ForCausalLM", "qwen3": "Qwen3ForCausalLM",
              "qwen3_moe": "Qwen3MoeForCausalLM"}
@@ -202,6 +236,7 @@ def build_parser() -> argparse.ArgumentParser:
                     "inference layouts (vLLM).",
         epilog=EPILOG, formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("-v", "--verbose", action="store_true", help="log what refit does")
+    p.add_argument("--version", action="version", version=f"refit {__version__}")
     sub = p.add_subparsers(dest="command", required=True, metavar="COMMAND")
 
     m = sub.add_parser("models", help="list the model catalog with parameter counts and sizes")
@@ -243,7 +278,9 @@ def build_parser() -> argparse.ArgumentParser:
     rs.add_argument("--src", required=True, help="layout of --in (hf for an HF checkpoint)")
     rs.add_argument("--dst", required=True, help="layout to write (hf writes model.safetensors + config.json)")
     rs.add_argument("--in", dest="in_dir", required=True, help="input directory")
-    rs.add_argument("--out", dest="out_dir", required=True, help="output directory (created)")
+    rs.add_argument("--out", dest="out_dir", required=True, help="output directory (created; published whole "
+                    "once complete)")
+    rs.add_argument("--force", action="store_true", help="replace --out when it is not empty")
     rs.add_argument("--json", action="store_true", help="print a JSON report")
     rs.set_defaults(func=cmd_reshard)
 
@@ -260,16 +297,9 @@ def main(argv: list[str] | None = None) -> int:
 
         return serve_main(argv[1:])
     args = build_parser().parse_args(argv)
-    logging.basicConfig(level=logging.INFO if args.verbose else logging.WARNING,
-                        format="%(asctime)s %(name)s %(levelname)s %(message)s")
+    setup_logging(args.verbose)
     func: Callable[[argparse.Namespace], int] = args.func
-    try:
-        return func(args)
-    except RefitError as e:
-        print(f"refit: error: {e}", file=sys.stderr)
-        return 2
-    except KeyboardInterrupt:
-        return 130
+    return run_main(lambda: func(args), "refit")
 
 
 if __name__ == "__main__":

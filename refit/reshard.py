@@ -4,6 +4,12 @@ Offline form of a layout: ``rank-{r:05d}.safetensors`` per rank, holding that ra
 under the framework's own local names; for ``hf``, an ordinary HF checkpoint directory (one or
 several ``*.safetensors`` plus ``config.json``).
 
+Outputs never lie: everything is written into a temporary directory beside ``out_dir``, each file
+fsynced, and published with a rename only once complete (an existing ``out_dir`` is replaced only
+with ``force``).  A run that dies leaves the old ``out_dir`` as it was (and a hidden
+``.<name>.refit-*`` directory to delete).  Inputs are checked — headers parsed and bounded, every
+byte they describe present — before anything is written.
+
 Memory stays bounded by one output tensor plus the slices read for it: inputs are read lazily,
 slice by slice (``safe_open(...).get_slice``), and outputs are streamed to disk one tensor at a time
 (`SafetensorsWriter`), so a rank's file never has to fit in memory whole.
@@ -14,15 +20,16 @@ from __future__ import annotations
 import json
 import logging
 import os
+import shutil
 import struct
+import tempfile
 from contextlib import ExitStack
 from typing import Any, Callable, Iterable
 
 from refit.errors import RefitError
 from refit.layouts import Layout, LocalTensor
 from refit.regions import PieceIndex, slices
-from refit.spec import (DTYPE_BYTES, _ST_DTYPES, ModelSpec, check_checkpoint, check_tensor_table, checkpoint_tensors,
-                        read_safetensors_header)
+from refit.spec import DTYPE_BYTES, _ST_DTYPES, ModelSpec, check_checkpoint, check_tensor_table
 
 log = logging.getLogger(__name__)
 
@@ -46,8 +53,10 @@ class ShardReader:
         self._files: dict[tuple[int, str], Any] = {}
         self.locations: dict[tuple[int, str], str] = {}  # (rank, local name) -> file
         self._indexes: dict[int, PieceIndex] = {}
+        if not os.path.isdir(directory):
+            raise RefitError(f"input directory {directory} does not exist")
         if layout.framework == "hf":
-            found = checkpoint_tensors(directory)
+            found = hf_tensors(directory)
             if not found:
                 raise RefitError(f"{directory}: no *.safetensors files (expected an HF checkpoint)")
             check_checkpoint(spec, found, directory)
@@ -68,7 +77,7 @@ class ShardReader:
             if not os.path.exists(path):
                 raise RefitError(f"{self.directory}: missing {os.path.basename(path)} "
                                  f"({self.layout.describe()} has {world} ranks)")
-            header = read_safetensors_header(path)
+            header = read_header(path)
             expected = self.layout.local_tensors(self.spec, rank)
             check_rank_header(header, expected, path)
             for lt in expected:
@@ -93,6 +102,82 @@ class ShardReader:
 
     def close(self) -> None:
         self._stack.close()
+
+
+def read_header(path: str) -> dict[str, dict[str, Any]]:
+    """A .safetensors file's header, checked: JSON of well-formed entries, and every byte they
+    describe present in the file (a truncated file is refused here, before anything is written)."""
+    try:
+        size = os.path.getsize(path)
+        with open(path, "rb") as f:
+            raw = f.read(8)
+            if len(raw) != 8:
+                raise RefitError(f"{path}: not a safetensors file ({size} bytes)")
+            (n,) = struct.unpack("<Q", raw)
+            if n > 100 * 2**20 or 8 + n > size:
+                raise RefitError(f"{path}: not a safetensors file, or truncated (a header of {n} bytes in {size})")
+            header = json.loads(f.read(n))
+    except OSError as e:
+        raise RefitError(f"{path}: cannot read: {e.strerror or e}") from None
+    except (ValueError, RecursionError) as e:  # JSONDecodeError, UnicodeDecodeError, nesting
+        raise RefitError(f"{path}: not a safetensors file (its header is not JSON: {str(e)[:80]})") from None
+    if not isinstance(header, dict):
+        raise RefitError(f"{path}: not a safetensors file (its header is not a JSON object)")
+    header.pop("__metadata__", None)
+    end = 0
+    for name, info in header.items():
+        ok = isinstance(info, dict) and isinstance(info.get("dtype"), str) and isinstance(info.get("shape"), list) \
+            and isinstance(info.get("data_offsets"), list) and len(info["data_offsets"]) == 2 \
+            and all(isinstance(d, int) and d >= 0 for d in info["shape"] + info["data_offsets"]) \
+            and info["data_offsets"][0] <= info["data_offsets"][1]
+        if not ok:
+            raise RefitError(f"{path}: malformed header entry for tensor {name[:80]!r}")
+        end = max(end, info["data_offsets"][1])
+    if 8 + n + end > size:
+        raise RefitError(f"{path}: truncated: its header describes {8 + n + end} bytes, the file holds {size}")
+    return header
+
+
+def hf_tensors(directory: str) -> dict[str, tuple[tuple[int, ...], str, str]]:
+    """HF tensor name -> (shape, dtype, file).  With ``model.safetensors.index.json`` its weight map
+    decides which file holds what; without one, a tensor found in two files is refused (a stray
+    copy must not silently win)."""
+    index_path = os.path.join(directory, "model.safetensors.index.json")
+    found: dict[str, tuple[tuple[int, ...], str, str]] = {}
+    headers: dict[str, dict[str, dict[str, Any]]] = {}
+
+    def header(fname: str) -> dict[str, dict[str, Any]]:
+        if fname not in headers:
+            headers[fname] = read_header(os.path.join(directory, fname))
+        return headers[fname]
+
+    def entry(name: str, fname: str) -> tuple[tuple[int, ...], str, str]:
+        info = header(fname)[name]
+        return tuple(info["shape"]), _ST_DTYPES.get(info["dtype"], info["dtype"]), os.path.join(directory, fname)
+
+    if os.path.exists(index_path):
+        try:
+            with open(index_path) as f:
+                weight_map = json.load(f)["weight_map"]
+            assert isinstance(weight_map, dict)
+        except (OSError, ValueError, KeyError, TypeError, AssertionError) as e:
+            raise RefitError(f"{index_path}: not an index with a weight_map ({type(e).__name__})") from None
+        for name, fname in weight_map.items():
+            if not isinstance(fname, str) or os.path.basename(fname) != fname or not fname.endswith(".safetensors"):
+                raise RefitError(f"{index_path}: {name!r} maps to {str(fname)[:80]!r}, not a file of this directory")
+            if not os.path.exists(os.path.join(directory, fname)):
+                raise RefitError(f"{index_path}: {name!r} is in {fname}, which is missing")
+            if name not in header(fname):
+                raise RefitError(f"{index_path}: {name!r} is not in {fname}")
+            found[name] = entry(name, fname)
+        return found
+    for fname in sorted(f for f in os.listdir(directory) if f.endswith(".safetensors")):
+        for name in header(fname):
+            if name in found:
+                raise RefitError(f"{directory}: {name!r} is in both {os.path.basename(found[name][2])} and {fname}; "
+                                 f"remove the stray file or add model.safetensors.index.json")
+            found[name] = entry(name, fname)
+    return found
 
 
 def check_rank_header(header: dict[str, dict[str, Any]], expected: list[LocalTensor], path: str) -> None:
@@ -144,6 +229,8 @@ class SafetensorsWriter:
     def close(self) -> None:
         if self._next != len(self._order):
             raise AssertionError(f"{len(self._order) - self._next} tensors not written")
+        self._file.flush()
+        os.fsync(self._file.fileno())
         self._file.close()
         os.replace(self._path + ".partial", self._path)
 
@@ -176,21 +263,65 @@ def assemble(spec: ModelSpec, lt: LocalTensor, reader: ShardReader, src_index: "
     return out
 
 
+def check_output(in_dir: str, out_dir: str, force: bool = False) -> None:
+    """Refuse an output that would overwrite the input, a file, or (without ``force``) a
+    directory that holds anything."""
+    if os.path.islink(out_dir):
+        raise RefitError(f"--out {out_dir} is a symlink: give the directory itself")
+    if os.path.lexists(out_dir) and not os.path.isdir(out_dir):
+        raise RefitError(f"--out {out_dir} is a file, not a directory")
+    src, dst = os.path.realpath(in_dir), os.path.realpath(out_dir)
+    if src == dst or dst.startswith(src + os.sep) or src.startswith(dst + os.sep):
+        raise RefitError(f"--in {in_dir} and --out {out_dir} overlap: write somewhere else")
+    if os.path.isdir(out_dir) and os.listdir(out_dir) and not force:
+        entries = sorted(os.listdir(out_dir))
+        raise RefitError(f"--out {out_dir} is not empty ({len(entries)} entries, e.g. {entries[0]}): "
+                         f"pass --force to replace it")
+
+
+def publish(tmp: str, out_dir: str) -> None:
+    """Make the complete ``tmp`` directory ``out_dir`` with renames (and fsyncs): readers see the
+    old directory or the new one, never a mix."""
+    _fsync_dir(tmp)
+    old = None
+    if os.path.isdir(out_dir):
+        old = f"{tmp}.old"
+        os.rename(out_dir, old)
+    os.rename(tmp, out_dir)
+    _fsync_dir(os.path.dirname(out_dir))
+    if old:
+        shutil.rmtree(old, ignore_errors=True)
+
+
+def _fsync_dir(path: str) -> None:
+    fd = os.open(path, os.O_RDONLY)
+    try:
+        os.fsync(fd)
+    finally:
+        os.close(fd)
+
+
 def reshard(spec: ModelSpec, src: Layout, dst: Layout, in_dir: str, out_dir: str,
-            hf_config: dict[str, Any] | None = None, progress: Callable[[int], None] | None = None) -> dict[str, Any]:
+            hf_config: dict[str, Any] | None = None, progress: Callable[[int], None] | None = None,
+            force: bool = False) -> dict[str, Any]:
     """Convert ``in_dir`` (layout ``src``) into ``out_dir`` (layout ``dst``), bit-exact.  Layouts
-    must be resolved.  Returns a small report (files, tensors, bytes)."""
+    must be resolved.  ``force``: replace a non-empty ``out_dir``.  Returns a small report
+    (files, tensors, bytes).  Raises `RefitError` (nothing published) on any bad input or I/O error."""
     from planners.base import source_index
 
+    out_dir = os.path.abspath(out_dir)
+    check_output(in_dir, out_dir, force)
     reader = ShardReader(spec, src, in_dir)  # checks every input file before writing anything
     index = source_index(spec, src)
-    os.makedirs(out_dir, exist_ok=True)
+    tmp = ""
     files, tensors, nbytes = [], 0, 0
     try:
+        os.makedirs(os.path.dirname(out_dir), exist_ok=True)
+        tmp = tempfile.mkdtemp(prefix=f".{os.path.basename(out_dir)}.refit-", dir=os.path.dirname(out_dir))
         for rank in range(dst.world_size):
             locals_ = dst.local_tensors(spec, rank)
-            path = os.path.join(out_dir, "model.safetensors") if dst.framework == "hf" else rank_file(out_dir, rank)
-            writer = SafetensorsWriter(path, [(lt.name, lt.shape, lt.dtype) for lt in locals_],
+            name = "model.safetensors" if dst.framework == "hf" else os.path.basename(rank_file(out_dir, rank))
+            writer = SafetensorsWriter(os.path.join(tmp, name), [(lt.name, lt.shape, lt.dtype) for lt in locals_],
                                        {"format": "pt", "refit_layout": dst.describe(), "refit_rank": str(rank)})
             for lt in locals_:
                 writer.write(lt.name, assemble(spec, lt, reader, index))
@@ -199,12 +330,19 @@ def reshard(spec: ModelSpec, src: Layout, dst: Layout, in_dir: str, out_dir: str
                 if progress:
                     progress(lt.nbytes)
             writer.close()
-            files.append(path)
-            log.info("wrote %s (%d tensors)", path, len(locals_))
+            files.append(name)
+            log.info("wrote %s (%d tensors)", name, len(locals_))
+        if dst.framework == "hf" and hf_config is not None:
+            with open(os.path.join(tmp, "config.json"), "w") as f:
+                json.dump(hf_config, f, indent=2)
+                f.flush()
+                os.fsync(f.fileno())
+            files.append("config.json")
+        publish(tmp, out_dir)
+    except OSError as e:
+        raise RefitError(f"writing {out_dir}: {e.strerror or e}{f' ({e.filename})' if e.filename else ''}") from None
     finally:
         reader.close()
-    if dst.framework == "hf" and hf_config is not None:
-        with open(os.path.join(out_dir, "config.json"), "w") as f:
-            json.dump(hf_config, f, indent=2)
-        files.append(os.path.join(out_dir, "config.json"))
+        if tmp and os.path.exists(tmp):
+            shutil.rmtree(tmp, ignore_errors=True)
     return {"files": len(files), "tensors": tensors, "bytes": nbytes, "out": out_dir}

@@ -22,7 +22,7 @@ def test_models_lists_the_catalog(capsys):
     assert rc == 0
     for name in ("qwen3-30b-moe", "qwen3-235b-moe", "qwen3-8b", "qwen3-32b", "llama3.1-8b", "llama3.1-70b"):
         assert name in out
-    assert "30.53B" in out and "61.1 GB" in out
+    assert "30.53B" in out and "56.9 GiB" in out and " GB" not in out  # the units `plan` uses
     rc, out, _ = run(capsys, "models", "--json")
     rows = {r["name"]: r for r in json.loads(out)}
     assert rows["qwen3-235b-moe"]["params"] == 235_093_634_560
@@ -70,3 +70,41 @@ def test_console_script_help_teaches(tmp_path):
 def test_layout_lists_a_ranks_tensors(capsys):
     rc, out, _ = run(capsys, "layout", "--model", "qwen3-30b-moe", "megatron:tp4ep8", "--rank", "3")
     assert rc == 0 and "decoder.layers.47.mlp.experts.linear_fc2.weight15" in out
+
+
+def test_version_flag(capsys):
+    from refit import __version__
+
+    with pytest.raises(SystemExit) as e:
+        main(["--version"])
+    assert e.value.code == 0 and __version__ in capsys.readouterr().out
+
+
+def test_plan_out_into_a_missing_folder_is_one_line(capsys, tmp_path):
+    rc, _, err = run(capsys, "plan", "--model", "qwen3-8b", "--src", "tp2", "--dst", "tp2",
+                     "--out", str(tmp_path / "nope" / "plan.json"))
+    assert rc == 2 and "does not exist" in err and "Traceback" not in err
+
+
+def test_broken_pipe_is_quiet():
+    """`refit layout ... | head -1`: the reader goes away; no traceback, exit 141 (as SIGPIPE)."""
+    proc = subprocess.Popen([sys.executable, "-m", "refit.cli", "layout", "--model", "qwen3-235b-moe", "megatron:tp1",
+                             "--rank", "0"], stdout=subprocess.PIPE, stderr=subprocess.PIPE)
+    proc.stdout.readline()
+    proc.stdout.close()
+    rc = proc.wait(60)
+    err = proc.stderr.read().decode()
+    assert rc == 141 and "Traceback" not in err and "BrokenPipe" not in err, err
+
+
+def test_entrypoint_maps_errors():
+    from refit.entrypoint import run_main
+    from refit.errors import RefitError
+
+    def bad() -> int:
+        raise RefitError("two\nlines")
+
+    def interrupted() -> int:
+        raise KeyboardInterrupt
+
+    assert run_main(bad) == 2 and run_main(interrupted) == 130 and run_main(lambda: 0) == 0

@@ -6,6 +6,7 @@ The tests of the shared cluster run in file order (versions only go up)."""
 
 from __future__ import annotations
 
+import json
 import os
 import subprocess
 import sys
@@ -139,8 +140,19 @@ def test_broadcast_plan_bit_exact(cluster: Cluster) -> None:
 
 
 def test_version_must_increase(cluster: Cluster) -> None:
-    for v in (cluster.version, cluster.version - 1):
-        assert code_of(cluster.client.refit, cluster.plan_id, version=v) == grpc.StatusCode.FAILED_PRECONDITION
+    """Lower versions are refused; the version committed last (still held) is answered again, as is."""
+    assert code_of(cluster.client.refit, cluster.plan_id, version=cluster.version - 1) == \
+        grpc.StatusCode.FAILED_PRECONDITION
+    again = cluster.client.refit(cluster.plan_id, version=cluster.version)
+    assert again.ok and again.version == cluster.version and again.total_bytes == 150400
+    assert cluster.client.refit(cluster.plan_id, version=cluster.version).refit_id == again.refit_id
+    # The broadcast plan committed version - 1, which its engines no longer hold: refused.
+    other = cluster.client.create_plan("trainer", "engine", planner="broadcast", bucket_bytes=8192)["plan_id"]
+    assert code_of(cluster.client.refit, other, version=cluster.version - 1) == grpc.StatusCode.FAILED_PRECONDITION
+    for v in (2**53, 2**64 - 1):  # beyond what a version can mean: INVALID_ARGUMENT, nothing bricked
+        assert code_of(cluster.client.refit, cluster.plan_id, version=v) == grpc.StatusCode.INVALID_ARGUMENT
+    assert code_of(cluster.client.refit, cluster.plan_id, version=cluster.version + 2**32 + 1) == \
+        grpc.StatusCode.INVALID_ARGUMENT
     cluster.check_engines(cluster.version)
 
 
@@ -276,6 +288,19 @@ def test_malformed_requests_get_invalid_argument(cluster: Cluster) -> None:
     assert connect(reg(role=pb.ROLE_TRAINER, layout="megatron:tp2ep2", group="engine")) == bad  # an engine group
     assert connect(reg(), pb.WorkerMessage(register=pb.Register())) == bad  # a second register
     assert spec.digest() == good.model_digest
+    # Adversarial registrations: refused at once, with short messages, and nothing is built.
+    cfg = json.loads(good.model_config_json)
+    for kw in (dict(group="g" * 2**20), dict(layout="megatron:tp1dp4294967295"),
+               dict(model_config_json=json.dumps({**cfg, "num_layers": 30_000_000})), dict(version=2**64 - 1)):
+        t0 = time.monotonic()
+        with pytest.raises(grpc.RpcError) as e:
+            list(stub.Connect(iter([reg(**kw)]), timeout=5))
+        assert e.value.code() == bad and len(e.value.details()) < 300 and time.monotonic() - t0 < 2, kw
+    huge = reg(model_config_json="x" * (5 * 2**20))  # above the server's message cap: not read in full
+    assert connect(huge) == grpc.StatusCode.RESOURCE_EXHAUSTED
+    # A live worker's slot is not taken over by another process: engine/0 keeps its stream.
+    assert connect(reg(group="engine", rank=0)) == grpc.StatusCode.ALREADY_EXISTS
+    assert all(r["connected"] for r in c.list_workers(group="engine"))
     ch.close()
     # Nothing of that broke the coordinator.
     cluster.refit_ok(cluster.version + 1)
@@ -345,6 +370,34 @@ def test_serve_main_binds_loopback() -> None:
     finally:
         proc.terminate()
         proc.wait(10)
+
+
+def test_serve_main_refuses_a_taken_port_and_reads_the_token_file(tmp_path) -> None:
+    srv = ThreadedServer(token="from-file")
+    try:
+        port = srv.address.rsplit(":", 1)[1]
+        code = f"import sys; from refit.control.server import serve_main; sys.exit(serve_main(['--port', '{port}']))"
+        proc = subprocess.run([sys.executable, "-c", code], cwd=ROOT, capture_output=True, text=True, timeout=60,
+                              env={**os.environ, "PYTHONPATH": ROOT})
+        assert proc.returncode == 2 and "address in use" in proc.stderr and "Traceback" not in proc.stderr, proc.stderr
+        from refit.control.server import build_parser, read_token
+
+        f = tmp_path / "token"
+        f.write_text("from-file\n")
+        assert read_token(build_parser().parse_args(["--token-file", str(f)])) == "from-file"
+        with Client(srv.address, token="from-file") as c:
+            assert c.health() == "SERVING"
+    finally:
+        srv.stop()
+
+
+def test_client_raises_refit_exceptions() -> None:
+    from refit.control.client import ControlError, Unavailable
+
+    with Client("127.0.0.1:1", timeout=2.0) as c:
+        with pytest.raises(Unavailable) as e:
+            c.list_workers()
+    assert isinstance(e.value, ControlError) and e.value.code() == grpc.StatusCode.UNAVAILABLE
 
 
 def test_generated_stubs_are_fresh(tmp_path) -> None:

@@ -3,7 +3,9 @@
 Data never flows through gRPC: the coordinator registers workers, creates plans, and on
 ``Refit(plan_id)`` tells every member of the plan to run its share through its data plane.
 
-* `refit.control.server` — the coordinator (`serve_main`, `CoordinatorServer`);
+* `refit.control.server` — the coordinator as a gRPC server (`serve_main`, `CoordinatorServer`);
+* `refit.control.coordinator` — what a refit does (`registry`: workers and plans, `refits`: one
+  refit's bookkeeping and response, `events`: WatchRefits);
 * `refit.control.client` — `Client` for the RL loop;
 * `refit.control.agent` — `TrainerAgent`, `EngineAgent` inside trainer and engine ranks;
 * `refit.control.dataplane` — the data-plane contract; `dataplane_executor` runs `refit.executor` under it.

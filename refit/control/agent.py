@@ -12,6 +12,12 @@ data plane runs on a thread of its own (one refit at a time: a new command while
 "busy", so a stale share can never overwrite a newer one).  An `EngineAgent` knows the version
 of the weights it holds: stale from the moment a refit starts writing until the coordinator says
 it was committed.
+
+Agents stay connected by themselves: keepalive pings (accepted by the coordinator on idle streams)
+keep an idle stream open for as long as the RL loop takes between refits, and when the stream
+drops (the coordinator restarted, the network broke) the agent connects and registers again,
+with backoff, reporting the version it holds.  It gives up only when refused for good (bad
+registration, wrong token, or replaced by a newer registration of its slot) or stopped.
 """
 
 from __future__ import annotations
@@ -21,13 +27,15 @@ import concurrent.futures
 import json
 import logging
 import os
+import random
 import threading
 import time
 from typing import TYPE_CHECKING, Any, ClassVar, Mapping
 
 import grpc
 
-from refit.control.common import CHANNEL_OPTIONS, ROLES, auth_metadata, config_json, new_event_loop, worker_id
+from refit.control.common import (KEEPALIVE_MS, KEEPALIVE_TIMEOUT_MS, ROLES, auth_metadata, channel_options, config_json,
+                                  new_event_loop, worker_id)
 from refit.control.dataplane import DataPlane, Rendezvous, RunContext
 from refit.control.v1 import refit_pb2 as pb
 from refit.control.v1 import refit_pb2_grpc as pb_grpc
@@ -40,6 +48,10 @@ if TYPE_CHECKING:
     import torch
 
 log = logging.getLogger(__name__)
+
+# Refusals that another try would only repeat: the agent stops and reports them.
+PERMANENT = {grpc.StatusCode.INVALID_ARGUMENT, grpc.StatusCode.UNAUTHENTICATED, grpc.StatusCode.PERMISSION_DENIED,
+             grpc.StatusCode.ABORTED, grpc.StatusCode.UNIMPLEMENTED}
 
 
 def check_tensors(spec: ModelSpec, layout: Layout, rank: int, tensors: Mapping[str, "torch.Tensor"]) -> None:
@@ -72,9 +84,14 @@ class Agent:
 
     def __init__(self, address: str, *, group: str, rank: int, spec: ModelSpec, layout: str | Layout,
                  tensors: Mapping[str, "torch.Tensor"] | None = None, data_plane: DataPlane | None = None,
-                 host: str = "127.0.0.1", gpu: int = -1, token: str | None = None, version: int = 0) -> None:
+                 host: str = "127.0.0.1", gpu: int = -1, token: str | None = None, version: int = 0,
+                 reconnect: bool = True, backoff: tuple[float, float] = (0.1, 5.0),
+                 keepalive_ms: int = KEEPALIVE_MS, keepalive_timeout_ms: int = KEEPALIVE_TIMEOUT_MS) -> None:
         """``tensors=None`` registers the rank without local tensors: only for data planes that
-        need none (tests, benches).  ``data_plane`` defaults to `refit.executor` (gloo on CPU, CUDA IPC / NCCL on GPUs)."""
+        need none (tests, benches).  ``data_plane`` defaults to `refit.executor` (gloo on CPU, CUDA IPC / NCCL on GPUs).
+        ``reconnect``: register again by itself when the stream drops, waiting between tries from
+        ``backoff[0]`` doubling up to ``backoff[1]`` seconds.  ``keepalive_ms``: ping interval
+        (the coordinator's own must not be above it; tests shorten both)."""
         self.address, self.group, self.rank, self.spec = address, group, rank, spec
         self.layout = resolve_layout(layout, spec, "src" if self.role == "trainer" else "dst") \
             if isinstance(layout, str) else layout.resolve(spec)
@@ -89,7 +106,15 @@ class Agent:
             data_plane = ExecutorDataPlane()
         self.data_plane = data_plane
         self.host, self.gpu, self.token = host, gpu, token
+        self.reconnect, self.backoff = reconnect, backoff
+        self._options = channel_options(keepalive_ms, keepalive_timeout_ms)
         self._version, self._stale = version, False
+        self._live = False  # registered on the current stream
+        self._running = ""  # refit id whose share runs on our thread
+        self._last_refit = ""  # the refit we were last told to run: outcomes of others are ignored
+        self._abandoned = ""  # the last refit the coordinator told us to abandon
+        self._waiting: asyncio.Future | None = None  # a run queued behind an abandoned share
+        self.registrations = 0  # successful registrations (1 + reconnects)
         self.session = ""
         self._plans: dict[str, Plan] = {}
         self._pool = concurrent.futures.ThreadPoolExecutor(1, thread_name_prefix=f"refit-{self.worker_id}")
@@ -119,35 +144,36 @@ class Agent:
 
     @property
     def connected(self) -> bool:
-        return self._registered.is_set() and not self._closed.is_set()
+        """Registered on a live stream now (False while reconnecting)."""
+        return self._live and not self._closed.is_set()
 
     def start(self, timeout: float = 30.0) -> "Agent":
-        """Connect and register; returns once the coordinator accepted (raises if it refused)."""
+        """Connect and register; returns once the coordinator accepted (raises if it refused for
+        good, or when no registration succeeded within ``timeout``)."""
         if self.connected:
             return self
-        self._registered.clear()
-        self._closed.clear()
-        self.error = None
-        self._loop = _agent_loop()
-        self._main_future = asyncio.run_coroutine_threadsafe(self._guarded_main(), self._loop)
+        if self._main_future is None or self._main_future.done():  # else: it is reconnecting already
+            self._registered.clear()
+            self._closed.clear()
+            self.error = None
+            self._loop = _agent_loop()
+            self._main_future = asyncio.run_coroutine_threadsafe(self._guarded_main(), self._loop)
         end = time.monotonic() + timeout
-        while not self._registered.wait(0.01):
+        while not self.connected:
             if self._closed.is_set() or time.monotonic() > end:
                 break
-        if not self._registered.is_set():
+            self._registered.wait(0.01)
+        if not self.connected:
             self.stop()
             raise ConnectionError(f"{self.worker_id}: registration with {self.address} failed: {self.error or 'timed out'}")
         return self
 
     def stop(self) -> None:
         """Leave: end the stream (the coordinator sees a disconnect)."""
-        loop, call = self._loop, self._call
+        loop = self._loop
         if loop is None or self._main_future is None:
             return
-        if call is not None:
-            loop.call_soon_threadsafe(call.cancel)
-        else:
-            loop.call_soon_threadsafe(self._main_future.cancel)
+        self._main_future.cancel()  # thread-safe: cancels the task, which ends the stream
         if threading.current_thread() is not _LOOP_THREAD:
             self._closed.wait(10)
 
@@ -162,13 +188,24 @@ class Agent:
 
     # ------------------------------------------------------------------ stream
     async def _guarded_main(self) -> None:
+        """Connect, register, serve the stream; again after a drop (backoff) unless refused for good."""
+        wait = self.backoff[0]
         try:
-            await self._main()
-        except BaseException as e:  # reported through start() / self.error
-            if self.error is None and not isinstance(e, asyncio.CancelledError):
-                self.error = e
+            while True:
+                registered_before = self.registrations
+                if await self._session() or not self.reconnect:
+                    break
+                if self.registrations > registered_before:
+                    wait = self.backoff[0]  # it worked for a while: start the backoff over
+                await asyncio.sleep(wait * random.uniform(0.5, 1.0))
+                wait = min(2 * wait, self.backoff[1])
+        except asyncio.CancelledError:
+            pass
+        except BaseException as e:  # a bug: reported through start() / self.error
+            self.error = e
+            log.exception("%s: agent loop failed", self.worker_id)
         finally:
-            self._call = None
+            self._call, self._live = None, False
             self._closed.set()
 
     def _info(self) -> pb.WorkerInfo:
@@ -177,9 +214,10 @@ class Agent:
                              model_config_json=config_json(self.spec.config), version=self._version,
                              stale=self._stale, pid=os.getpid())
 
-    async def _main(self) -> None:
+    async def _session(self) -> bool:
+        """One stream: register, then run what the coordinator sends.  True: stop for good."""
         md = auth_metadata(self.token)
-        async with grpc.aio.insecure_channel(self.address, options=CHANNEL_OPTIONS) as channel:
+        async with grpc.aio.insecure_channel(self.address, options=self._options) as channel:
             self._stub = pb_grpc.CoordinatorStub(channel)
             self._md = md
             call = self._call = self._stub.Connect(metadata=md)
@@ -190,19 +228,21 @@ class Agent:
                 if msg is grpc.aio.EOF or msg.WhichOneof("kind") != "registered":
                     raise ConnectionError(f"coordinator answered {msg!r} to register")
                 self.session = msg.registered.session
+                self._live = True
+                self.registrations += 1
                 self._registered.set()
-                log.info("%s registered with %s (session %s)", self.worker_id, self.address, self.session)
+                log.info("%s registered with %s (session %s, version %d)", self.worker_id, self.address,
+                         self.session, self._version)
                 while True:
                     msg = await call.read()
                     if msg is grpc.aio.EOF:
-                        break
+                        log.warning("%s: the coordinator ended the stream", self.worker_id)
+                        return False
                     kind = msg.WhichOneof("kind")
                     if kind == "run":
                         await self._on_run(msg.run)
                     elif kind == "outcome":
                         self._on_outcome(msg.outcome)
-            except asyncio.CancelledError:
-                pass
             except grpc.aio.AioRpcError as e:
                 # A write racing the server's refusal fails with a generic error: the call's own
                 # status says why (UNAUTHENTICATED, INVALID_ARGUMENT...).
@@ -210,13 +250,16 @@ class Agent:
                     code, details = await asyncio.wait_for(call.code(), 2.0), await call.details()
                 except (asyncio.TimeoutError, grpc.aio.AioRpcError):
                     code, details = e.code(), e.details()
-                if code != grpc.StatusCode.CANCELLED:
-                    self.error = ConnectionError(f"{code.name}: {details}")
-                    log.warning("%s: stream ended: %s %s", self.worker_id, code.name, details)
-            finally:  # a share still running is abandoned; a later start() queues behind it
+                self.error = ConnectionError(f"{code.name}: {details}")
+                log.warning("%s: stream ended: %s %s", self.worker_id, code.name, details)
+                return code in PERMANENT
+            except ConnectionError as e:
+                self.error = e
+                return False
+            finally:  # a share still running is abandoned; a later run is answered "busy" until it ends
+                self._live = False
                 for ev in self._cancel.values():
                     ev.set()
-                self._job = None
 
     async def _write(self, msg: pb.WorkerMessage) -> None:
         async with self._wlock:
@@ -224,10 +267,28 @@ class Agent:
 
     # ------------------------------------------------------------------ refits
     async def _on_run(self, run: pb.RunRefit) -> None:
-        if self._job is not None and not self._job.done():
-            await self._reply(run.refit_id, False, error="busy: still running an earlier refit")
-            return
         deadline = time.monotonic() + run.timeout_seconds
+        self._last_refit = run.refit_id
+        if self._running:
+            # A share abandoned with our last stream (the coordinator restarted, the network broke)
+            # still has to end: wait for it within this run's time, rather than answer "busy" to a
+            # coordinator that cannot know about it.  Reading the stream goes on meanwhile.
+            self._waiting = asyncio.ensure_future(self._after_previous(run, deadline))
+            return
+        await self._start(run, deadline)
+
+    async def _after_previous(self, run: pb.RunRefit, deadline: float) -> None:
+        try:
+            if self._job is not None:
+                await asyncio.wait((self._job,), timeout=max(0.0, deadline - time.monotonic()))
+            if self._running:
+                await self._reply(run.refit_id, False, error=f"busy: still running refit {self._running}")
+                return
+            await self._start(run, deadline)
+        except Exception as e:  # the stream is gone; the coordinator already counts us out
+            log.info("%s: could not run refit %s: %s", self.worker_id, run.refit_id, e)
+
+    async def _start(self, run: pb.RunRefit, deadline: float) -> None:
         if self.role == "engine":
             self._stale = True  # from now on our weights are being overwritten
         try:
@@ -241,14 +302,20 @@ class Agent:
         ctx = RunContext(run.plan_id, run.refit_id, self.spec, self.layout,
                          Rendezvous(r.host, r.port, r.prefix, r.world_size, r.rank, members), deadline, self.host)
         self._cancel = {run.refit_id: ctx.cancelled}
+        if self._abandoned == run.refit_id:  # the coordinator gave it up before it could start
+            ctx.cancelled.set()
         if getattr(self.data_plane, "inline", False):
             await self._write(self._execute(plan, run.version, ctx))
             return
+        self._running = run.refit_id
         fut = asyncio.get_running_loop().run_in_executor(self._pool, self._execute, plan, run.version, ctx)
         self._job = asyncio.ensure_future(self._finish(fut))
 
     async def _finish(self, fut: asyncio.Future) -> None:
-        result = await fut
+        try:
+            result = await fut
+        finally:
+            self._running = ""  # free before the coordinator can read our answer and send more
         try:
             await self._write(result)
         except Exception as e:  # the stream is gone; the coordinator already counts us out
@@ -284,7 +351,12 @@ class Agent:
         return plan
 
     def _on_outcome(self, out: pb.Outcome) -> None:
+        if out.refit_id != self._last_refit:  # about a refit we no longer run: not about our weights
+            log.info("%s: ignoring the outcome of refit %s (last ran %s)", self.worker_id, out.refit_id,
+                     self._last_refit or "none")
+            return
         if not out.committed:
+            self._abandoned = out.refit_id
             ev = self._cancel.get(out.refit_id)
             if ev is not None:
                 ev.set()

@@ -7,7 +7,10 @@
         client.refit(plan["plan_id"], version=step)          # raises RefitFailed on failure
 
 Plain data out: summaries and worker rows are dicts (the proto's field names), a refit is a
-`RefitResult`.  Refused requests raise `grpc.RpcError` with the server's status code.
+`RefitResult`.  A refused or failed call raises `ControlError` (a `grpc.RpcError` too, with
+``code()`` and ``details()``), one subclass per status: `InvalidRequest`, `PlanNotFound`,
+`VersionRefused` (FAILED_PRECONDITION), `Unauthenticated`, `Unavailable` (no coordinator there),
+`DeadlineExceeded`; a refit that ran and failed raises `RefitFailed`.
 """
 
 from __future__ import annotations
@@ -19,12 +22,65 @@ from typing import Any, Callable, Iterator
 import grpc
 from google.protobuf.descriptor import FieldDescriptor
 
-from refit.control.common import CHANNEL_OPTIONS, DEFAULT_PORT, ROLES, auth_metadata
+from refit.control.common import CHANNEL_OPTIONS, DEFAULT_PORT, PLACEMENTS, ROLES, auth_metadata
 from refit.control.v1 import refit_pb2 as pb
 from refit.control.v1 import refit_pb2_grpc as pb_grpc
 from refit.plan import Plan
 
-PLACEMENTS = {"colocated": pb.PLACEMENT_COLOCATED, "disaggregated": pb.PLACEMENT_DISAGGREGATED}
+
+class ControlError(grpc.RpcError):
+    """A call the coordinator refused, or that did not reach it: ``code()`` is the gRPC status."""
+
+    def __init__(self, method: str, code: grpc.StatusCode, details: str) -> None:
+        super().__init__(f"{method}: {code.name}: {details}")
+        self.method, self._code, self._details = method, code, details
+
+    def code(self) -> grpc.StatusCode:
+        return self._code
+
+    def details(self) -> str:
+        return self._details
+
+
+class InvalidRequest(ControlError):
+    """INVALID_ARGUMENT: the request is wrong (the message says how)."""
+
+
+class PlanNotFound(ControlError):
+    """NOT_FOUND: no such plan on this coordinator (it may have restarted: create the plan again)."""
+
+
+class VersionRefused(ControlError):
+    """FAILED_PRECONDITION: a version that does not increase, or a plan its workers no longer fit."""
+
+
+class Unauthenticated(ControlError):
+    """UNAUTHENTICATED: missing or wrong token."""
+
+
+class Unavailable(ControlError):
+    """UNAVAILABLE: no coordinator reachable at the address (yet)."""
+
+
+class DeadlineExceeded(ControlError):
+    """DEADLINE_EXCEEDED: no answer within the call's timeout."""
+
+
+_ERRORS = {grpc.StatusCode.INVALID_ARGUMENT: InvalidRequest, grpc.StatusCode.NOT_FOUND: PlanNotFound,
+           grpc.StatusCode.FAILED_PRECONDITION: VersionRefused, grpc.StatusCode.UNAUTHENTICATED: Unauthenticated,
+           grpc.StatusCode.UNAVAILABLE: Unavailable, grpc.StatusCode.DEADLINE_EXCEEDED: DeadlineExceeded}
+
+
+def _call(method: str, fn: Callable[..., Any], *args: Any, **kwargs: Any) -> Any:
+    """``fn(*args, **kwargs)`` with gRPC's exceptions turned into refit's."""
+    try:
+        return fn(*args, **kwargs)
+    except grpc.RpcError as e:
+        if isinstance(e, ControlError):
+            raise
+        code = e.code() if callable(getattr(e, "code", None)) else grpc.StatusCode.UNKNOWN
+        details = e.details() if callable(getattr(e, "details", None)) else str(e)
+        raise _ERRORS.get(code, ControlError)(method, code, details or "") from None
 
 
 def to_dict(msg: Any) -> dict[str, Any]:
@@ -96,14 +152,15 @@ class Client:
         """Plan (or find the cached plan) from a trainer group to an engine group; its summary."""
         opts = pb.PlanOptions(placement=PLACEMENTS.get(placement, -1) if placement else 0, planner=planner,
                               bucket_bytes=bucket_bytes)
-        resp = self._stub.CreatePlan(pb.CreatePlanRequest(src_group=src_group, dst_group=dst_group, options=opts),
-                                     metadata=self._md, timeout=self.timeout)
+        resp = _call("CreatePlan", self._stub.CreatePlan,
+                     pb.CreatePlanRequest(src_group=src_group, dst_group=dst_group, options=opts),
+                     metadata=self._md, timeout=self.timeout)
         return dict(to_dict(resp.summary), cached=resp.cached)
 
     def get_plan(self, plan_id: str, include_plan: bool = False) -> dict[str, Any]:
         """A plan's summary; with ``include_plan`` also the `refit.plan.Plan` under "plan"."""
-        resp = self._stub.GetPlan(pb.GetPlanRequest(plan_id=plan_id, include_plan=include_plan),
-                                  metadata=self._md, timeout=self.timeout)
+        resp = _call("GetPlan", self._stub.GetPlan, pb.GetPlanRequest(plan_id=plan_id, include_plan=include_plan),
+                     metadata=self._md, timeout=self.timeout)
         out = to_dict(resp.summary)
         if include_plan:
             out["plan"] = Plan.from_dict(json.loads(resp.plan_json))
@@ -111,13 +168,17 @@ class Client:
 
     def list_workers(self, group: str = "", role: str | None = None) -> list[dict[str, Any]]:
         req = pb.ListWorkersRequest(group=group, role=ROLES[role] if role else 0)
-        return [to_dict(w) for w in self._stub.ListWorkers(req, metadata=self._md, timeout=self.timeout).workers]
+        resp = _call("ListWorkers", self._stub.ListWorkers, req, metadata=self._md, timeout=self.timeout)
+        return [to_dict(w) for w in resp.workers]
 
     def refit(self, plan_id: str, version: int, timeout: float = 60.0, check: bool = True) -> RefitResult:
         """Run the plan for ``version``; returns within ``timeout`` seconds.  ``check``: raise
-        `RefitFailed` when it failed (the default: an RL loop should not go on silently)."""
-        resp = self._stub.Refit(pb.RefitRequest(plan_id=plan_id, version=version, timeout_seconds=timeout),
-                                metadata=self._md, timeout=timeout + 10.0)
+        `RefitFailed` when it failed (the default: an RL loop should not go on silently).
+        Idempotent: asking again for the version of a refit under way joins it, and for the
+        version last committed (still held by the engines) returns its result again."""
+        resp = _call("Refit", self._stub.Refit, pb.RefitRequest(plan_id=plan_id, version=version,
+                                                                timeout_seconds=timeout),
+                     metadata=self._md, timeout=timeout + 10.0)
         result = RefitResult.from_pb(resp)
         if check and not result.ok:
             raise RefitFailed(result)
@@ -127,7 +188,10 @@ class Client:
         """Refit events as they happen (blocks; close the iterator, or the client, to stop)."""
         call = self._stub.WatchRefits(pb.WatchRefitsRequest(plan_id=plan_id), metadata=self._md)
         try:
-            for event in call:
+            while True:
+                event = _call("WatchRefits", next, call, None)
+                if event is None:
+                    return
                 yield to_dict(event)
         finally:
             call.cancel()
@@ -135,8 +199,8 @@ class Client:
     def health(self, service: str = "") -> str:
         from grpc_health.v1 import health_pb2, health_pb2_grpc
 
-        resp = health_pb2_grpc.HealthStub(self._channel).Check(health_pb2.HealthCheckRequest(service=service),
-                                                                metadata=self._md, timeout=self.timeout)
+        resp = _call("Check", health_pb2_grpc.HealthStub(self._channel).Check,
+                     health_pb2.HealthCheckRequest(service=service), metadata=self._md, timeout=self.timeout)
         return health_pb2.HealthCheckResponse.ServingStatus.Name(resp.status)
 
     def close(self) -> None:

@@ -19,27 +19,61 @@ SERVICE_NAME = "refit.v1.Coordinator"
 ROLES = {"trainer": pb.ROLE_TRAINER, "engine": pb.ROLE_ENGINE}
 ROLE_NAMES = {v: k for k, v in ROLES.items()}
 
-# Plans of large models run to megabytes of JSON; keepalive notices dead peers whose sockets
-# linger (a host that vanished) instead of waiting on TCP timeouts.
-CHANNEL_OPTIONS = [
-    ("grpc.max_send_message_length", 512 * 2**20),
-    ("grpc.max_receive_message_length", 512 * 2**20),
-    ("grpc.keepalive_time_ms", 10_000),
-    ("grpc.keepalive_timeout_ms", 5_000),
-    ("grpc.keepalive_permit_without_calls", 1),
-]
-SERVER_OPTIONS = [
-    ("grpc.max_send_message_length", 512 * 2**20),
-    ("grpc.max_receive_message_length", 512 * 2**20),
-    ("grpc.keepalive_time_ms", 10_000),
-    ("grpc.keepalive_timeout_ms", 5_000),
-    ("grpc.http2.min_recv_ping_interval_without_data_ms", 5_000),
-    ("grpc.keepalive_permit_without_calls", 1),
-]
+# Placement names as refit's planners spell them, and their proto enum (the one map of both).
+PLACEMENTS = {"colocated": pb.PLACEMENT_COLOCATED, "disaggregated": pb.PLACEMENT_DISAGGREGATED}
+PLACEMENT_NAMES = {pb.PLACEMENT_UNSPECIFIED: "colocated", **{v: k for k, v in PLACEMENTS.items()}}
+
+# Keepalive: pings every KEEPALIVE_MS notice a peer whose host vanished (its socket lingers) instead
+# of waiting on TCP timeouts.  The server must accept pings that often, even on an idle stream, or
+# it answers GOAWAY "too_many_pings" and drops idle agents (RL steps are often minutes apart).
+KEEPALIVE_MS, KEEPALIVE_TIMEOUT_MS = 10_000, 5_000
+# Workers and clients send small messages (a registration is a few KiB); a server reading at most
+# this much per message cannot be made to buffer hundreds of MiB by an unauthenticated caller.
+# Plans of large models run to megabytes of JSON, and travel the other way.
+MAX_REQUEST_BYTES = 4 * 2**20
+MAX_PLAN_BYTES = 512 * 2**20
+
+
+def channel_options(keepalive_ms: int = KEEPALIVE_MS, keepalive_timeout_ms: int = KEEPALIVE_TIMEOUT_MS
+                    ) -> list[tuple[str, int]]:
+    """Options of agents' and clients' channels (real grpc core channel-arg names)."""
+    return [("grpc.max_send_message_length", MAX_REQUEST_BYTES),
+            ("grpc.max_receive_message_length", MAX_PLAN_BYTES),
+            ("grpc.keepalive_time_ms", keepalive_ms),
+            ("grpc.keepalive_timeout_ms", keepalive_timeout_ms),
+            ("grpc.keepalive_permit_without_calls", 1),
+            ("grpc.http2.max_pings_without_data", 0)]  # 0: no limit on pings of an idle stream
+
+
+def server_options(keepalive_ms: int = KEEPALIVE_MS, keepalive_timeout_ms: int = KEEPALIVE_TIMEOUT_MS
+                   ) -> list[tuple[str, int]]:
+    """Options of the coordinator's server.  ``grpc.so_reuseport`` 0: a second coordinator on a
+    taken port fails to start instead of sharing it (and splitting the registrations)."""
+    return [("grpc.max_send_message_length", MAX_PLAN_BYTES),
+            ("grpc.max_receive_message_length", MAX_REQUEST_BYTES),
+            ("grpc.keepalive_time_ms", keepalive_ms),
+            ("grpc.keepalive_timeout_ms", keepalive_timeout_ms),
+            ("grpc.keepalive_permit_without_calls", 1),
+            # accept client pings down to half their interval, on idle streams too
+            ("grpc.http2.min_ping_interval_without_data_ms", max(1, keepalive_ms // 2)),
+            ("grpc.http2.max_ping_strikes", 0),  # 0: never GOAWAY a pinging client
+            ("grpc.so_reuseport", 0)]
+
+
+CHANNEL_OPTIONS = channel_options()
+SERVER_OPTIONS = server_options()
 
 
 class NotFound(RefitError):
     """An unknown plan (NOT_FOUND)."""
+
+
+class Exhausted(RefitError):
+    """A limit of the coordinator is reached (too many workers or plans: RESOURCE_EXHAUSTED)."""
+
+
+class Conflict(RefitError):
+    """A registration for a slot a live worker holds (ALREADY_EXISTS)."""
 
 
 class Precondition(RefitError):
@@ -68,6 +102,12 @@ def auth_metadata(token: str | None) -> tuple[tuple[str, str], ...]:
     return (("authorization", f"Bearer {token}"),) if token else ()
 
 
+def short(value: object, limit: int = 80) -> str:
+    """``repr(value)`` cut to ``limit`` characters: error messages never echo huge inputs."""
+    text = repr(value)
+    return text if len(text) <= limit else f"{text[:limit]}... ({len(text)} characters)"
+
+
 def config_json(config: ModelConfig) -> str:
     return json.dumps(dataclasses.asdict(config), sort_keys=True)
 
@@ -81,10 +121,10 @@ def spec_from_registration(name: str, config: str, digest: str) -> ModelSpec:
         fields["moe_layers"] = tuple(fields.get("moe_layers", ()))
         spec = build_spec(name, ModelConfig(**fields))
     except (ValueError, TypeError) as e:
-        raise RefitError(f"model_config_json is not a refit ModelConfig: {e}") from None
+        raise RefitError(f"model_config_json is not a refit ModelConfig: {short(str(e))}") from None
     if spec.digest() != digest:
-        raise RefitError(f"model {name!r}: model_config_json gives digest {spec.digest()}, "
-                         f"the worker reported {digest or '(none)'}")
+        raise RefitError(f"model {short(name)}: model_config_json gives digest {spec.digest()}, "
+                         f"the worker reported {short(digest or '(none)')}")
     return spec
 
 

@@ -4,12 +4,13 @@ Pure bookkeeping: no gRPC, no I/O; the coordinator (`refit.control.coordinator`)
 from __future__ import annotations
 
 import asyncio
+import hashlib
 import json
 import time
 from dataclasses import dataclass, field
 from typing import Any, Awaitable, Callable
 
-from refit.control.common import ROLE_NAMES, config_difference, spec_from_registration, worker_id
+from refit.control.common import ROLE_NAMES, Conflict, Exhausted, Precondition, config_difference, short, spec_from_registration, worker_id
 from refit.control.v1 import refit_pb2 as pb
 from refit.errors import RefitError
 from refit.layouts import Layout, resolve_layout
@@ -67,6 +68,9 @@ class PlanEntry:
     generation: int = 0  # bumps when the data-plane communicator must be rebuilt
     sessions: tuple[str, ...] = ()
     broken: bool = False  # the last refit failed: rebuild before the next one
+    prefix: str = ""  # rendezvous key prefix of this generation: a random secret (see refit.proto)
+    running: Any = None  # the refits.Run under way (one per plan at a time), else None
+    committed: pb.RefitResponse | None = None  # the response of the refit that committed `version`
 
     @property
     def num_src(self) -> int:
@@ -83,23 +87,72 @@ class PlanEntry:
             bucket_bytes=s["bucket_bytes"], plan_seconds=s.get("plan_seconds", 0.0), version=self.version)
 
 
-def check_registration(info: pb.WorkerInfo, specs: dict[tuple[str, str], ModelSpec]) -> tuple[ModelSpec, Layout]:
-    """Refuse a registration that cannot take part in a plan; return its spec and resolved layout."""
+# Bounds on what a registration may ask of the coordinator, checked before anything is built: a
+# few hundred bytes must not be able to make it build millions of tensors (or echo megabytes).
+MAX_NAME = 128  # group, layout, model name, digest
+MAX_HOST = 255
+MAX_CONFIG_JSON = 64 * 2**10
+MAX_WORLD_SIZE = 65_536  # ranks of one layout
+MAX_VERSION = 2**53 - 1  # exact in JSON and float64; far beyond any RL loop's step count
+MAX_VERSION_STEP = 2**32  # the most a version may jump past what the engines hold
+# Model config fields: generous for today's largest models (Qwen3-235B: 94 layers, 128 experts).
+CONFIG_BOUNDS = {"hidden_size": 2**17, "num_layers": 1024, "num_heads": 4096, "num_kv_heads": 4096,
+                 "head_dim": 4096, "intermediate_size": 2**20, "vocab_size": 2**23, "num_experts": 4096,
+                 "moe_intermediate_size": 2**20}
+MAX_SPEC_TENSORS = 2_000_000
+
+
+def check_info(info: pb.WorkerInfo) -> None:
+    """Cheap checks of a registration's fields: sizes, names, numbers (no spec built yet)."""
     if info.role not in ROLE_NAMES:
         raise RefitError("register: role must be ROLE_TRAINER or ROLE_ENGINE")
-    if not info.group or "/" in info.group:
-        raise RefitError(f"register: group must be a non-empty name without '/', got {info.group!r}")
+    for name, limit in (("group", MAX_NAME), ("layout", MAX_NAME), ("model_name", MAX_NAME),
+                        ("model_digest", MAX_NAME), ("host", MAX_HOST), ("model_config_json", MAX_CONFIG_JSON)):
+        value = getattr(info, name)
+        if len(value) > limit:
+            raise RefitError(f"register: {name} has {len(value)} characters, at most {limit} allowed")
+    if not info.group or "/" in info.group or not info.group.isprintable():
+        raise RefitError(f"register: group must be a printable name without '/', got {short(info.group)}")
     if not info.layout:
         raise RefitError("register: layout is empty")
+    if info.rank >= MAX_WORLD_SIZE:
+        raise RefitError(f"register: rank {info.rank} is beyond {MAX_WORLD_SIZE} ranks")
+    if info.version > MAX_VERSION:
+        raise RefitError(f"register: version {info.version} is above {MAX_VERSION}")
+    try:
+        fields = json.loads(info.model_config_json)
+    except ValueError as e:
+        raise RefitError(f"register: model_config_json is not JSON: {short(str(e))}") from None
+    if not isinstance(fields, dict):
+        raise RefitError("register: model_config_json is not a JSON object")
+    for key, limit in CONFIG_BOUNDS.items():
+        v = fields.get(key, 0)
+        if not isinstance(v, int) or isinstance(v, bool) or not 0 <= v <= limit:
+            raise RefitError(f"register: model config {key} = {short(v)}; expected an integer in [0, {limit}]")
+    moe = fields.get("moe_layers", [])
+    if not isinstance(moe, list) or len(moe) > CONFIG_BOUNDS["num_layers"]:
+        raise RefitError("register: model config moe_layers must be a list of layer indices")
+    tensors = fields.get("num_layers", 0) * (3 * fields.get("num_experts", 0) + 16)
+    if tensors > MAX_SPEC_TENSORS:
+        raise RefitError(f"register: model config of about {tensors} tensors, at most {MAX_SPEC_TENSORS} allowed")
+
+
+def build_registration(info: pb.WorkerInfo, specs: dict[tuple[str, str], ModelSpec]) -> tuple[ModelSpec, Layout]:
+    """A checked registration's spec (cached in ``specs``) and resolved layout; refuses one that
+    cannot take part in a plan.  The heavy part: run it off the event loop."""
     key = (info.model_name, info.model_config_json)  # the config decides the spec: build it once
     spec = specs.get(key)
     if spec is None:
         spec = spec_from_registration(info.model_name, info.model_config_json, info.model_digest)
+        while len(specs) >= 64:  # a bounded cache: drop the oldest
+            specs.pop(next(iter(specs)))
         specs[key] = spec
     elif spec.digest() != info.model_digest:
-        raise RefitError(f"model {info.model_name!r}: model_config_json gives digest {spec.digest()}, "
-                         f"the worker reported {info.model_digest or '(none)'}")
+        raise RefitError(f"model {short(info.model_name)}: model_config_json gives digest {spec.digest()}, "
+                         f"the worker reported {short(info.model_digest or '(none)')}")
     layout = resolve_layout(info.layout, spec, "src" if info.role == pb.ROLE_TRAINER else "dst")
+    if layout.world_size > MAX_WORLD_SIZE:
+        raise RefitError(f"register: {layout.describe()} has {layout.world_size} ranks, at most {MAX_WORLD_SIZE}")
     if info.rank >= layout.world_size:
         raise RefitError(f"register: rank {info.rank} is outside {layout.describe()} (world size {layout.world_size})")
     return spec, layout
@@ -117,10 +170,10 @@ def group_members(workers: dict[str, Worker], group: str, role: int) -> list[Wor
     members = sorted((w for w in workers.values() if w.info.group == group), key=lambda w: w.info.rank)
     want = ROLE_NAMES[role]
     if not members:
-        raise RefitError(f"no worker is registered in group {group!r}")
+        raise RefitError(f"no worker is registered in group {short(group)}")
     ref = members[0]
     if ref.info.role != role:
-        raise RefitError(f"group {group!r} holds {ref.role}s; a plan's {'source' if want == 'trainer' else 'destination'} "
+        raise RefitError(f"group {short(group)} holds {ref.role}s; a plan's {'source' if want == 'trainer' else 'destination'} "
                          f"must be a {want} group")
     for w in members[1:]:
         if w.layout_str != ref.layout_str:
@@ -152,3 +205,52 @@ def check_same_model(src: Worker, dst: Worker) -> None:
 
 def plan_json(plan: Plan) -> bytes:
     return json.dumps(plan.to_dict(), separators=(",", ":")).encode()
+
+
+def check_plan_members(entry: PlanEntry, members: list[Worker]) -> None:
+    """Workers re-registered since the plan was made must still hold what it was made for."""
+    plan = entry.plan
+    for i, w in enumerate(members):
+        want = plan.src_layout if i < entry.num_src else plan.dst_layout
+        if w.layout_str != want or w.info.model_digest != plan.model_digest:
+            raise Precondition(f"plan {entry.plan_id} was made for {want} of model {plan.model_digest}; "
+                               f"{w.worker_id} now holds {w.layout_str} of {w.info.model_digest}: create a new plan")
+
+
+def absent_members(workers: dict[str, Worker], entry: PlanEntry) -> dict[str, pb.WorkerResult]:
+    return {m: pb.WorkerResult(outcome=pb.WORKER_OUTCOME_NOT_CONNECTED, error="not connected")
+            for m in entry.members if m not in workers or not workers[m].connected}
+
+
+def control_plan_id(plan_hash: str, src_group: str, dst_group: str) -> str:
+    """Control-plane id of (plan, groups): two engine groups of one layout share a plan hash."""
+    return hashlib.sha256(f"{plan_hash}:{src_group}:{dst_group}".encode()).hexdigest()[:16]
+
+
+def check_slot(workers: dict[str, Worker], info: pb.WorkerInfo, max_workers: int) -> None:
+    """A live worker's slot is only taken over by its own process (same host and pid: an agent
+    reconnecting over a stream we have not yet seen die); anyone else is refused."""
+    old = workers.get(f"{info.group}/{info.rank}")
+    if old is not None and old.connected and (old.info.host, old.info.pid) != (info.host, info.pid):
+        raise Conflict(f"{old.worker_id} is held by a live worker (pid {old.info.pid} on {short(old.info.host)}); "
+                       f"it can register again once that one's stream has ended")
+    if old is None and len(workers) >= max_workers:
+        raise Exhausted(f"the coordinator holds {max_workers} workers, its limit")
+
+
+def holds_version(workers: dict[str, Worker], entry: PlanEntry, version: int) -> bool:
+    """Every engine of the plan holds ``version``, fresh."""
+    engines = [workers.get(m) for m in entry.members[entry.num_src:]]
+    return all(w is not None and w.version == version and not w.stale for w in engines)
+
+
+def check_version(workers: dict[str, Worker], entry: PlanEntry, version: int) -> None:
+    """Refuse a version at or below what the plan or its engines hold, or one that jumps absurdly."""
+    held = [(entry.version, f"plan {entry.plan_id}")]
+    held += [(workers[m].version, m) for m in entry.members[entry.num_src:] if m in workers]
+    top, who = max(held)
+    if version <= top:
+        raise Precondition(f"version {version} is not above {top}, the version {who} holds; versions must increase")
+    if version - top > MAX_VERSION_STEP:
+        raise RefitError(f"version {version} jumps more than {MAX_VERSION_STEP} past {top}, the version {who} "
+                         f"holds: versions count refits, not random numbers")

@@ -6,8 +6,17 @@ the health service, and the TCPStore the workers' data planes meet on.  What a r
 
 Malformed requests never reach a handler as an exception: requests are parsed by deserializers
 that turn undecodable bytes into a marker, answered with INVALID_ARGUMENT.  `RefitError` (bad
-input) maps to INVALID_ARGUMENT, `NotFound` to NOT_FOUND, `Precondition` to FAILED_PRECONDITION;
-anything else is a bug: logged with its traceback, INTERNAL to the caller.
+input) maps to INVALID_ARGUMENT, `NotFound` to NOT_FOUND, `Precondition` to FAILED_PRECONDITION,
+`Conflict` to ALREADY_EXISTS, `Exhausted` to RESOURCE_EXHAUSTED; anything else is a bug: logged
+with its traceback, INTERNAL to the caller.  Requests larger than `MAX_REQUEST_BYTES` are refused
+by gRPC before they are read in full (RESOURCE_EXHAUSTED).
+
+What protects what.  With a token, every gRPC call needs it.  The rendezvous store (a plain
+torch TCPStore, which has no authentication) listens on the coordinator's host only, on the address
+workers reach it on, and its keys live under a random 128-bit prefix per plan generation that is
+told to members only over their authenticated streams: without the token one cannot name a key
+members read or write.  One *can* still connect to the store's port and fill it with junk keys
+(a denial of service, not a way in); values read from it are plain data, never unpickled.
 """
 
 from __future__ import annotations
@@ -15,7 +24,6 @@ from __future__ import annotations
 import argparse
 import asyncio
 import functools
-import hmac
 import logging
 import math
 import os
@@ -27,9 +35,12 @@ from typing import Any, Awaitable, Callable
 import grpc
 from google.protobuf.message import DecodeError
 
-from refit.control.common import DEFAULT_PORT, SERVER_OPTIONS, SERVICE_NAME, NotFound, Precondition, new_event_loop
+from refit.control.auth import TokenInterceptor
+from refit.control.common import (DEFAULT_PORT, KEEPALIVE_MS, KEEPALIVE_TIMEOUT_MS, SERVICE_NAME, Conflict, Exhausted,
+                                  NotFound, Precondition, new_event_loop, server_options)
 from refit.control.coordinator import Coordinator
 from refit.control.v1 import refit_pb2 as pb
+from refit.entrypoint import run_main, setup_logging
 from refit.errors import RefitError
 
 log = logging.getLogger(__name__)
@@ -61,16 +72,22 @@ def _rpc(fn: Callable[..., Awaitable[Any]]) -> Callable[..., Awaitable[Any]]:
             return await fn(self, request, context)
         except NotFound as e:
             await context.abort(grpc.StatusCode.NOT_FOUND, str(e))
-        except Precondition as e:
-            await context.abort(grpc.StatusCode.FAILED_PRECONDITION, str(e))
         except RefitError as e:
-            await context.abort(grpc.StatusCode.INVALID_ARGUMENT, str(e))
+            await context.abort(status_code(e), str(e))
         except grpc.aio.AbortError:
             raise
         except Exception as e:  # a bug: keep the traceback in our log, not in the caller's face
             log.exception("%s failed", fn.__name__)
             await context.abort(grpc.StatusCode.INTERNAL, f"{fn.__name__}: internal error ({type(e).__name__})")
     return wrapper
+
+
+def status_code(e: RefitError) -> grpc.StatusCode:
+    for cls, code in ((NotFound, grpc.StatusCode.NOT_FOUND), (Precondition, grpc.StatusCode.FAILED_PRECONDITION),
+                      (Conflict, grpc.StatusCode.ALREADY_EXISTS), (Exhausted, grpc.StatusCode.RESOURCE_EXHAUSTED)):
+        if isinstance(e, cls):
+            return code
+    return grpc.StatusCode.INVALID_ARGUMENT
 
 
 class Servicer:
@@ -90,9 +107,9 @@ class Servicer:
                 await context.write(msg)
 
         try:
-            worker = self.coord.register(first.register.info, send, asyncio.current_task())
+            worker = await self.coord.register(first.register.info, send, asyncio.current_task())
         except RefitError as e:
-            await context.abort(grpc.StatusCode.INVALID_ARGUMENT, str(e))
+            await context.abort(status_code(e), str(e))
         why = "its stream ended"
         try:
             await send(pb.CoordinatorMessage(registered=pb.Registered(worker_id=worker.worker_id, session=worker.session)))
@@ -169,36 +186,9 @@ def _handlers(s: Servicer) -> dict[str, grpc.RpcMethodHandler]:
     }
 
 
-class TokenInterceptor(grpc.aio.ServerInterceptor):
-    """Refuse (UNAUTHENTICATED) every call without ``authorization: Bearer <token>``."""
-
-    def __init__(self, token: str) -> None:
-        self._expected = f"Bearer {token}".encode()
-
-    async def intercept_service(self, continuation: Any, details: grpc.HandlerCallDetails) -> Any:
-        got = dict(details.invocation_metadata or ()).get("authorization", "")
-        got = got.encode() if isinstance(got, str) else got
-        handler = await continuation(details)
-        if hmac.compare_digest(got, self._expected) or handler is None:
-            return handler
-
-        async def deny(request: Any, context: grpc.aio.ServicerContext) -> None:
-            if handler.request_streaming:  # take the first message: refusing while it is in flight
-                try:                       # sometimes reaches the client as INTERNAL instead
-                    await asyncio.wait_for(context.read(), 5.0)
-                except asyncio.TimeoutError:
-                    pass
-            await context.abort(grpc.StatusCode.UNAUTHENTICATED, "missing or wrong bearer token")
-
-        kind = (handler.request_streaming, handler.response_streaming)
-        make = {(False, False): grpc.unary_unary_rpc_method_handler, (False, True): grpc.unary_stream_rpc_method_handler,
-                (True, False): grpc.stream_unary_rpc_method_handler, (True, True): grpc.stream_stream_rpc_method_handler}[kind]
-        return make(deny, handler.request_deserializer, handler.response_serializer)
-
-
 def _store(host: str) -> tuple[Any, int]:
     """The TCPStore the data planes rendezvous on, listening on ``host`` only (an OS-chosen port,
-    bound before torch sees it: no race for a 'free' port)."""
+    bound before torch sees it: no race for a 'free' port).  Never a wildcard address."""
     import datetime
 
     import torch.distributed as dist
@@ -217,11 +207,16 @@ class CoordinatorServer:
     """The coordinator, its gRPC server, health service and rendezvous store."""
 
     def __init__(self, host: str = "127.0.0.1", port: int = DEFAULT_PORT, token: str | None = None,
-                 default_timeout: float = 60.0, grace: float = 0.25, advertise_host: str | None = None) -> None:
-        """``advertise_host``: the address workers reach the rendezvous store on (default
-        ``host``; set it when listening on a wildcard address)."""
+                 default_timeout: float = 60.0, grace: float = 0.25, advertise_host: str | None = None,
+                 keepalive_ms: int = KEEPALIVE_MS, keepalive_timeout_ms: int = KEEPALIVE_TIMEOUT_MS) -> None:
+        """``advertise_host``: the address workers reach the rendezvous store on, and the only
+        one it listens on (default ``host``; required when ``host`` is a wildcard address)."""
         self.host, self.port, self.token = host, port, token
         self.advertise_host = advertise_host or host
+        if _wildcard(self.advertise_host):
+            raise RefitError(f"--host {host} listens everywhere: give --advertise-host, the address workers reach "
+                             f"this host on (the rendezvous store listens there only)")
+        self.options = server_options(keepalive_ms, keepalive_timeout_ms)
         self.default_timeout, self.grace = default_timeout, grace
         self.server: grpc.aio.Server | None = None
         self.coord: Coordinator | None = None
@@ -229,21 +224,26 @@ class CoordinatorServer:
     async def start(self) -> int:
         from grpc_health.v1 import health, health_pb2, health_pb2_grpc
 
-        self._store, store_port = _store(self.host)
-        self.coord = Coordinator(self.advertise_host, store_port, self.default_timeout, self.grace)
+        self.coord = Coordinator(self.advertise_host, 0, self.default_timeout, self.grace)
         interceptors = [TokenInterceptor(self.token)] if self.token else []
-        self.server = grpc.aio.server(options=SERVER_OPTIONS, interceptors=interceptors)
+        self.server = grpc.aio.server(options=self.options, interceptors=interceptors)
         handlers = _handlers(Servicer(self.coord))
         self.server.add_generic_rpc_handlers((grpc.method_handlers_generic_handler(SERVICE_NAME, handlers),))
         self.health = health.aio.HealthServicer()
         health_pb2_grpc.add_HealthServicer_to_server(self.health, self.server)
-        self.port = self.server.add_insecure_port(f"{self.host}:{self.port}")
-        if not self.port:
-            raise RefitError(f"cannot listen on {self.host}")
+        try:
+            bound = self.server.add_insecure_port(f"{self.host}:{self.port}")
+        except RuntimeError:
+            bound = 0
+        if not bound:
+            raise RefitError(f"cannot listen on {self.host}:{self.port}: address in use (another coordinator?) "
+                             f"or not an address of this host")
+        self.port = bound
+        self._store, self.coord.store_port = _store(self.advertise_host)  # once the port is ours
         await self.server.start()
         for name in ("", SERVICE_NAME):
             await self.health.set(name, health_pb2.HealthCheckResponse.SERVING)
-        log.info("refit coordinator on %s:%d (rendezvous store on port %d%s)", self.host, self.port, store_port,
+        log.info("refit coordinator on %s:%d (rendezvous store on port %d%s)", self.host, self.port, self.coord.store_port,
                  ", token required" if self.token else "")
         return self.port
 
@@ -301,12 +301,33 @@ class ThreadedServer:
         self.thread.join(10)
 
 
+def _wildcard(host: str) -> bool:
+    return host in ("", "0.0.0.0", "::", "[::]", "*")
+
+
+def read_token(args: argparse.Namespace) -> str | None:
+    """The token: --token-file, else $REFIT_TOKEN, else --token (visible to every local user in
+    /proc/PID/cmdline: prefer the other two)."""
+    if args.token_file:
+        try:
+            with open(args.token_file) as f:
+                token = f.read().strip()
+        except OSError as e:
+            raise RefitError(f"--token-file {args.token_file}: {e.strerror}") from None
+        if not token:
+            raise RefitError(f"--token-file {args.token_file} is empty")
+        return token
+    return os.environ.get("REFIT_TOKEN") or args.token
+
+
 def add_arguments(p: argparse.ArgumentParser) -> None:
     """The options of `refit serve` (also for a subparser of refit/cli.py)."""
     p.add_argument("--host", default="127.0.0.1", help="address to listen on (default 127.0.0.1: loopback only)")
     p.add_argument("--port", type=int, default=DEFAULT_PORT, help=f"port (default {DEFAULT_PORT}; 0 picks one)")
-    p.add_argument("--token", default=os.environ.get("REFIT_TOKEN"),
-                   help="require `authorization: Bearer TOKEN` on every call (default: $REFIT_TOKEN)")
+    p.add_argument("--token-file", help="require `authorization: Bearer TOKEN` on every call, TOKEN read from this "
+                   "file; or set $REFIT_TOKEN")
+    p.add_argument("--token", help="the token on the command line (visible to other users in the process list: "
+                   "prefer $REFIT_TOKEN or --token-file)")
     p.add_argument("--advertise-host", help="address workers reach this host on, for the data planes' rendezvous "
                    "store (default: --host; needed when --host is a wildcard such as 0.0.0.0)")
     p.add_argument("--timeout", type=float, default=60.0, help="refit timeout when a request gives none (seconds)")
@@ -331,21 +352,18 @@ async def serve(host: str, port: int, token: str | None, timeout: float, adverti
 
 def serve_main(argv: list[str] | None = None) -> int:
     args = build_parser().parse_args(argv)
-    if not logging.getLogger().handlers:
-        logging.basicConfig(level=logging.INFO if args.verbose else logging.WARNING,
-                            format="%(asctime)s %(name)s %(levelname)s %(message)s")
-    try:
+    setup_logging(args.verbose)
+
+    def run() -> int:
+        token = read_token(args)
         loop = new_event_loop()
         try:
-            loop.run_until_complete(serve(args.host, args.port, args.token, args.timeout, args.advertise_host))
+            loop.run_until_complete(serve(args.host, args.port, token, args.timeout, args.advertise_host))
         finally:
             loop.close()
-    except RefitError as e:
-        print(f"refit: error: {e}", file=sys.stderr)
-        return 2
-    except KeyboardInterrupt:
-        return 130
-    return 0
+        return 0
+
+    return run_main(run, "refit serve")
 
 
 if __name__ == "__main__":

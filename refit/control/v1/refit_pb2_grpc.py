@@ -73,10 +73,14 @@ class CoordinatorServicer:
         """One long-lived stream per worker.  The worker's first message must be `register`; the
         coordinator answers `registered` (or ends the stream with INVALID_ARGUMENT), then sends
         `run` commands and refit outcomes; the worker answers each `run` with one `result`.
-        Registering the same (group, rank) again replaces the old registration (a restarted
-        worker); the old stream ends with ABORTED.  A worker whose stream ends is disconnected: a
-        refit it takes part in fails, naming it.  A worker answers one `run` at a time: a `run` that
-        arrives while it still runs an earlier one is answered at once with an error ("busy").
+        Registering a (group, rank) whose worker is still connected is refused (ALREADY_EXISTS)
+        unless it comes from the same process (same host and pid: an agent reconnecting over a
+        stream the coordinator has not yet seen die), which replaces it; the old stream ends with
+        ABORTED.  Once the old stream has ended, anyone may register the slot (a restarted worker).
+        A worker whose stream ends is disconnected: a refit it takes part in fails, naming it; rows
+        of disconnected workers are kept for ListWorkers, the oldest pruned beyond 256.  A worker
+        answers one `run` at a time: a `run` that arrives while it still ends an abandoned share waits
+        for it within the run's timeout, then is answered with an error ("busy") if it has not ended.
         """
         context.set_code(grpc.StatusCode.UNIMPLEMENTED)
         context.set_details('Method not implemented!')
@@ -111,9 +115,24 @@ class CoordinatorServicer:
         succeeded, or as soon as the refit has failed (a member died, disconnected, reported an
         error or overran the timeout) — never later than the timeout.  After a failure the engines
         of the plan are stale until a later refit succeeds (a failed version may be retried).
-        Refits sharing workers run one after the other: a refit waits, within its timeout, for
-        members still busy.  FAILED_PRECONDITION also when a member re-registered with a layout or
-        model other than the plan's (create a new plan).
+
+        One refit of a plan runs at a time, end to end (dispatch to commit).  For a request
+        Refit(plan_id, version):
+        * `version` equal to that of the refit of this plan under way: the call JOINS it — no second
+        run — and returns the same RefitResponse (same refit_id) when it ends; if the caller's own
+        timeout ends first, it gets REFIT_STATUS_FAILED saying the refit did not end in time (ask
+        again to join again, or to get the committed result);
+        * `version` equal to the version this plan committed last, while every engine of the plan
+        still holds it fresh: the committed RefitResponse again (idempotent; nothing runs);
+        * `version` below the one under way, or not above what the plan or any of its engines hold:
+        FAILED_PRECONDITION;
+        * a higher version: waits, within its timeout, for the refit under way to end, then is
+        checked again and runs (FAILED, members BUSY, if the wait used up the timeout).
+        Refits of different plans sharing workers also run one after the other: a member stays busy
+        until the refit it took part in has ended *and* it answered (or left), so nothing is sent to
+        a worker that may still be writing.  An Outcome applies only to the refit it names.
+        FAILED_PRECONDITION also when a member re-registered with a layout or model other than the
+        plan's (create a new plan).  Refit ids are unique across coordinator restarts.
         """
         context.set_code(grpc.StatusCode.UNIMPLEMENTED)
         context.set_details('Method not implemented!')

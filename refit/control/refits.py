@@ -1,0 +1,100 @@
+"""One refit as the coordinator tracks it (`Run`), and how its outcome becomes a `RefitResponse`.
+Pure bookkeeping on protobuf messages: no I/O, no event loop."""
+
+from __future__ import annotations
+
+import asyncio
+import time
+from dataclasses import dataclass, field
+
+from refit.control.registry import PlanEntry, Worker
+from refit.control.v1 import refit_pb2 as pb
+
+# Worst first: the cause of a failure before its consequences.  A member that never answered
+# (TIMED_OUT) ranks above members that reported an error: when one member hangs, its peers
+# report their own timeouts, and the silent one is the cause.
+SEVERITY = [pb.WORKER_OUTCOME_DISCONNECTED, pb.WORKER_OUTCOME_TIMED_OUT, pb.WORKER_OUTCOME_NOT_CONNECTED,
+            pb.WORKER_OUTCOME_BUSY, pb.WORKER_OUTCOME_ERROR, pb.WORKER_OUTCOME_UNSPECIFIED]
+OUTCOME_TEXT = {pb.WORKER_OUTCOME_DISCONNECTED: "disconnected", pb.WORKER_OUTCOME_TIMED_OUT: "timed out",
+                pb.WORKER_OUTCOME_NOT_CONNECTED: "not connected", pb.WORKER_OUTCOME_BUSY: "busy",
+                pb.WORKER_OUTCOME_ERROR: "error", pb.WORKER_OUTCOME_UNSPECIFIED: "abandoned",
+                pb.WORKER_OUTCOME_OK: "ok"}
+
+
+@dataclass(eq=False)
+class Run:
+    """A refit of one plan for one version, from its reservation to its response.  ``ended``
+    resolves with the response: callers asking for the same version join it."""
+
+    refit_id: str
+    entry: PlanEntry
+    version: int
+    t0: float
+    ended: asyncio.Future
+    members: list[Worker] = field(default_factory=list)
+    results: dict[str, pb.WorkerResult] = field(default_factory=dict)
+    by_id: dict[str, Worker] = field(default_factory=dict)
+    answered: set[str] = field(default_factory=set)  # members whose own answer (or disconnect) arrived
+    done: int = 0
+    member_deadline: float = 0.0
+    failed: bool = False
+    dispatched: bool = False
+    wake: asyncio.Future | None = None
+
+    def resolve(self, w: Worker, res: pb.WorkerResult) -> bool:
+        """Record a member's result (the first one counts); True when it was new."""
+        if w.worker_id in self.results or self.by_id.get(w.worker_id) is not w:
+            return False
+        res.worker_id, res.role, res.rank = w.worker_id, w.info.role, w.info.rank
+        self.results[w.worker_id] = res
+        self.done += 1
+        if res.outcome != pb.WORKER_OUTCOME_OK:
+            self.failed = True
+        if self.wake is not None and not self.wake.done() and (self.failed or self.done == len(self.members)):
+            self.wake.set_result(None)
+        return True
+
+    def final_results(self, timed_out: bool) -> dict[str, pb.WorkerResult]:
+        """Every member's result; those without one timed out, or were abandoned after a failure."""
+        out = {}
+        for wid in self.by_id:
+            if wid in self.results:
+                out[wid] = self.results[wid]
+            elif timed_out:
+                out[wid] = pb.WorkerResult(outcome=pb.WORKER_OUTCOME_TIMED_OUT, error="no result within the timeout")
+            else:
+                out[wid] = pb.WorkerResult(outcome=pb.WORKER_OUTCOME_UNSPECIFIED,
+                                           error="still running when the refit failed")
+        return out
+
+
+def response(entry: PlanEntry, refit_id: str, version: int, t0: float, results: dict[str, pb.WorkerResult],
+             status: int, error: str) -> pb.RefitResponse:
+    workers = []
+    for m in entry.members:
+        r = results[m]
+        if not r.worker_id:
+            group, _, rank = m.rpartition("/")
+            r.worker_id, r.rank = m, int(rank)
+            r.role = pb.ROLE_TRAINER if group == entry.src_group else pb.ROLE_ENGINE
+        workers.append(r)
+    received = sum(r.bytes for r in workers if r.role == pb.ROLE_ENGINE)
+    return pb.RefitResponse(refit_id=refit_id, plan_id=entry.plan_id, version=version, status=status,
+                            error=error, seconds=time.monotonic() - t0, total_bytes=received, workers=workers)
+
+
+def failed_response(entry: PlanEntry, refit_id: str, version: int, t0: float,
+                    results: dict[str, pb.WorkerResult]) -> pb.RefitResponse:
+    """FAILED, naming the members at fault, worst first (then in plan order)."""
+    bad = sorted((r for r in results.items() if r[1].outcome != pb.WORKER_OUTCOME_OK),
+                 key=lambda kv: (SEVERITY.index(kv[1].outcome), entry.members.index(kv[0])))
+    names = "; ".join(f"{wid} {OUTCOME_TEXT[r.outcome]}: {r.error}" for wid, r in bad)
+    error = f"refit {refit_id} of plan {entry.plan_id} (version {version}) failed: {names}"
+    full = {m: results.get(m, pb.WorkerResult(outcome=pb.WORKER_OUTCOME_UNSPECIFIED, error="not started"))
+            for m in entry.members}
+    return response(entry, refit_id, version, t0, full, pb.REFIT_STATUS_FAILED, error)
+
+
+def touched(results: dict[str, pb.WorkerResult]) -> bool:
+    """Whether some member may have started writing (the engines' weights may be torn)."""
+    return any(r.outcome not in (pb.WORKER_OUTCOME_NOT_CONNECTED, pb.WORKER_OUTCOME_BUSY) for r in results.values())
