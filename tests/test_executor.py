@@ -10,7 +10,11 @@ from __future__ import annotations
 import dataclasses
 import json
 import math
+import os
+import subprocess
+import sys
 import time
+from pathlib import Path
 
 import pytest
 import torch
@@ -24,6 +28,8 @@ from refit.executor.shards import allocate, fill_sentinel, fill_source, verify
 from refit.executor.values import check_box, expected_bits, fill_box
 from refit.layouts import resolve_layout
 from refit.spec import ModelConfig, build_spec
+
+ROOT = Path(__file__).resolve().parents[1]
 
 MOE = build_spec("tiny-moe", ModelConfig(
     arch="qwen3_moe", hidden_size=32, num_layers=4, num_heads=4, num_kv_heads=2, head_dim=8,
@@ -279,3 +285,17 @@ def test_bench_via_grpc_cpu_json(capsys: pytest.CaptureFixture[str]) -> None:
     assert out["checked_elements"] > 0 and out["mismatches"] == 0 and out["engine_bytes"] > 0
     assert len(out["round_trip"]["all"]) == 3
     assert out["round_trip"]["median"] >= out["data"]["median"] > 0
+
+
+def test_bench_runs_from_a_folder_holding_another_refit(tmp_path: Path) -> None:
+    """Issue 11 item 13: `refit-bench` started where a ``refit/`` folder shadows the installed
+    package used to lose every worker to an ImportError ("rank 0 died")."""
+    bogus = tmp_path / "refit"
+    bogus.mkdir()
+    (bogus / "__init__.py").write_text("raise ImportError('the wrong refit was imported')\n")
+    script = Path(sys.executable).parent / "refit-bench"
+    env = {k: v for k, v in os.environ.items() if k != "PYTHONPATH"} | {"PYTHONPATH": str(ROOT)}
+    out = subprocess.run([str(script), "--model", "qwen3-8b", "--src", "tp1", "--dst", "tp2", "--iters", "1",
+                          "--cpu", "--json"], cwd=tmp_path, env=env, capture_output=True, text=True, timeout=300)
+    assert out.returncode == 0, out.stderr[-2000:]
+    assert json.loads(out.stdout)["verified"] is True

@@ -29,10 +29,10 @@ from __future__ import annotations
 import argparse
 import dataclasses
 import json
-import logging
 import sys
 from typing import Any
 
+from refit.entrypoint import run_main, setup_logging
 from refit.errors import RefitError
 from refit.layouts import resolve_layout
 from refit.spec import ModelSpec, build_spec, load_spec
@@ -180,15 +180,16 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
 
 def main(argv: list[str] | None = None) -> int:
     args = parse_args(argv)
-    logging.basicConfig(level=logging.INFO if args.verbose else logging.WARNING, format="%(levelname)s %(message)s")
+    setup_logging(args.verbose)
+    return run_main(lambda: _main(args), "refit-bench")
+
+
+def _main(args: argparse.Namespace) -> int:
     from refit.bench.launch import WorkerFailure
 
     try:
         result = run(args)
-    except RefitError as e:
-        print(f"refit-bench: {e}", file=sys.stderr)
-        return 2
-    except WorkerFailure as e:
+    except WorkerFailure as e:  # a worker died or failed: not bad input, its own exit status
         print(f"refit-bench: {e}", file=sys.stderr)
         return 3
     if result.get("via") == "grpc":
@@ -200,7 +201,6 @@ def main(argv: list[str] | None = None) -> int:
 
         print(json.dumps(result) if args.json else table(result))
     return 0 if result["verified"] else 1
-
 
 if __name__ == "__main__":
     sys.exit(main())

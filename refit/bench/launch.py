@@ -66,6 +66,7 @@ def run_job(job: Job, start_method: str | None = None,
     ctx = mp.get_context(start_method)
     if start_method == "forkserver":
         ctx.set_forkserver_preload(["refit.bench.worker"])
+        _start_forkserver_outside_cwd()
     members = range(len(job.topology.members))
     names = [job.topology.describe_member(m) for m in members]
     procs, conns = [], []
@@ -87,6 +88,21 @@ def run_job(job: Job, start_method: str | None = None,
         for path in glob.glob(f"/dev/shm/refit-{session}-*"):
             os.unlink(path)
         del store
+
+
+def _start_forkserver_outside_cwd() -> None:
+    """The forkserver runs ``python -c``, which puts the current directory first on its
+    ``sys.path``: started from a folder that holds another ``refit/`` (a source checkout), every
+    worker would import that one and die on its differences.  Start it from ``/`` instead; the
+    workers need no relative paths (the job carries the model spec, shard files are absolute)."""
+    from multiprocessing import forkserver
+
+    cwd = os.getcwd()
+    os.chdir("/")
+    try:
+        forkserver.ensure_running()
+    finally:
+        os.chdir(cwd)
 
 
 def _watch(job: Job, procs: list[Any], conns: list[Any], names: list[str],
