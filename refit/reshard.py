@@ -18,15 +18,15 @@ import struct
 from contextlib import ExitStack
 from typing import Any, Callable, Iterable
 
+from planners.base import SourceIndex, source_index, sources_for
+from refit.dtypes import DTYPE_BYTES, DTYPES, FROM_SAFETENSORS, TO_SAFETENSORS
 from refit.errors import RefitError
+from refit.hf_checkpoint import check_checkpoint, checkpoint_tensors, read_safetensors_header
 from refit.layouts import Layout, LocalTensor
 from refit.regions import PieceIndex, slices
-from refit.spec import (DTYPE_BYTES, _ST_DTYPES, ModelSpec, check_checkpoint, check_tensor_table, checkpoint_tensors,
-                        read_safetensors_header)
+from refit.spec import ModelSpec, check_tensor_table
 
 log = logging.getLogger(__name__)
-
-_TO_ST = {v: k for k, v in _ST_DTYPES.items()}
 
 
 def rank_file(directory: str, rank: int) -> str:
@@ -97,7 +97,7 @@ class ShardReader:
 
 def check_rank_header(header: dict[str, dict[str, Any]], expected: list[LocalTensor], path: str) -> None:
     """Refuse a rank file whose tensors differ from the layout's: name the first difference."""
-    found = {n: (tuple(i["shape"]), _ST_DTYPES.get(i["dtype"], i["dtype"])) for n, i in header.items()}
+    found = {n: (tuple(i["shape"]), FROM_SAFETENSORS.get(i["dtype"], i["dtype"])) for n, i in header.items()}
     check_tensor_table(found, {lt.name: (lt.shape, lt.dtype) for lt in expected}, os.path.basename(path))
 
 
@@ -118,7 +118,7 @@ class SafetensorsWriter:
             n = DTYPE_BYTES[dtype]
             for d in shape:
                 n *= d
-            header[name] = {"dtype": _TO_ST[dtype], "shape": list(shape), "data_offsets": [offset, offset + n]}
+            header[name] = {"dtype": TO_SAFETENSORS[dtype], "shape": list(shape), "data_offsets": [offset, offset + n]}
             self._order.append(name)
             self._nbytes[name] = n
             offset += n
@@ -152,13 +152,11 @@ class SafetensorsWriter:
 # Resharding
 
 
-def assemble(spec: ModelSpec, lt: LocalTensor, reader: ShardReader, src_index: "Any") -> "Any":
+def assemble(spec: ModelSpec, lt: LocalTensor, reader: ShardReader, src_index: SourceIndex) -> "Any":
     """Build one destination local tensor from the source files; padding stays zero."""
     import torch
 
-    from planners.base import sources_for
-
-    out = torch.zeros(lt.shape, dtype=getattr(torch, lt.dtype))
+    out = torch.zeros(lt.shape, dtype=getattr(torch, DTYPES[lt.dtype].torch))
     ndim_cache: dict[str, int] = {}
     for piece in lt.pieces:
         ndim = ndim_cache.setdefault(piece.tensor, len(spec[piece.tensor].shape))
@@ -180,8 +178,6 @@ def reshard(spec: ModelSpec, src: Layout, dst: Layout, in_dir: str, out_dir: str
             hf_config: dict[str, Any] | None = None, progress: Callable[[int], None] | None = None) -> dict[str, Any]:
     """Convert ``in_dir`` (layout ``src``) into ``out_dir`` (layout ``dst``), bit-exact.  Layouts
     must be resolved.  Returns a small report (files, tensors, bytes)."""
-    from planners.base import source_index
-
     reader = ShardReader(spec, src, in_dir)  # checks every input file before writing anything
     index = source_index(spec, src)
     os.makedirs(out_dir, exist_ok=True)

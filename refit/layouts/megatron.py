@@ -34,6 +34,8 @@ VOCAB_DIVISIBLE_BY = 128  # Megatron's --make-vocab-size-divisible-by default
 @dataclass(frozen=True)
 class MegatronLayout:
     framework: ClassVar[str] = "megatron"
+    degrees: ClassVar[tuple[str, ...]] = ("tp", "pp", "vpp", "ep", "etp", "dp", "cp", "first", "last")
+    examples: ClassVar[tuple[str, ...]] = ("megatron:tp4ep8", "megatron:tp2pp2vpp2")
     tp: int = 1
     pp: int = 1
     vpp: int = 1
