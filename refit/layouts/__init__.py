@@ -56,7 +56,7 @@ def layout_help() -> str:
             "as a destination.")
 
 
-LAYOUT_HELP = layout_help()
+LAYOUT_HELP = layout_help()  # of the built-in layouts; errors call layout_help() to list later ones too
 
 
 def _degree_token() -> re.Pattern[str]:
@@ -78,7 +78,7 @@ def parse_layout(text: str, role: Literal["src", "dst"] = "src") -> Layout:
         framework = DEFAULT_FRAMEWORK[role]
     cls = LAYOUTS.get(framework)
     if cls is None:
-        raise RefitError(f"unknown framework {framework!r} in layout {text!r}; {LAYOUT_HELP}")
+        raise RefitError(f"unknown framework {framework!r} in layout {text!r}; {layout_help()}")
     values: dict[str, int] = {}
     pos = 0
     for m in _degree_token().finditer(degrees):
@@ -86,13 +86,13 @@ def parse_layout(text: str, role: Literal["src", "dst"] = "src") -> Layout:
             break
         key, val = m.group(1), int(m.group(2))
         if key not in cls.degrees:
-            raise RefitError(f"{framework} layouts have no {key!r} degree (layout {text!r}); {LAYOUT_HELP}")
+            raise RefitError(f"{framework} layouts have no {key!r} degree (layout {text!r}); {layout_help()}")
         if key in values:
             raise RefitError(f"{key} given twice in layout {text!r}")
         values[key] = val
         pos = m.end()
     if pos != len(degrees) or (cls.degrees and not degrees):
-        raise RefitError(f"cannot parse layout {text!r} (stopped at {degrees[pos:]!r}); {LAYOUT_HELP}")
+        raise RefitError(f"cannot parse layout {text!r} (stopped at {degrees[pos:]!r}); {layout_help()}")
     if not cls.degrees:
         raise RefitError(f"{framework} layouts take no degrees: {text!r}")
     return cls(**values)  # type: ignore[call-arg]
