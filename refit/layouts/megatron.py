@@ -83,7 +83,7 @@ class MegatronLayout:
         for k in ("cp", "pp", "vpp", "ep"):
             if getattr(self, k) > 1:
                 s += f"{k}{getattr(self, k)}"
-        if self.ep > 1:
+        if self.ep > 1 or self.etp_ != 1:  # expert TP without EP too: tp1etp2 is not tp1
             s += f"etp{self.etp_}"
         s += f"dp{self.dp_}"
         if self.first is not None:
