@@ -266,15 +266,25 @@ def check_tensor_table(found: TensorTable, expected: TensorTable, where: str, ex
 
 
 # ---------------------------------------------------------------------------------------------
-# re-exported until the executor/control branches merge: refit/bench.py imports load_spec (and
-# DTYPE_BYTES, imported above for this module's own use) from here.  New code imports
-# refit.hf_checkpoint.load_spec and refit.dtypes.DTYPE_BYTES.
-_MOVED_TO_HF_CHECKPOINT = ("load_spec",)
+# re-exported until the executor/control branches merge: refit/bench.py imports load_spec and
+# refit/executor/program.py DTYPE_BYTES (imported above for this module's own use) from here, and
+# branches started before the move may use the other old names.  New code imports them from
+# refit.hf_checkpoint and refit.dtypes; the lead removes this block after merging.
+_MOVED = {  # old name here -> (new module, new name)
+    "load_spec": ("refit.hf_checkpoint", "load_spec"),
+    "spec_from_dir": ("refit.hf_checkpoint", "spec_from_dir"),
+    "checkpoint_tensors": ("refit.hf_checkpoint", "checkpoint_tensors"),
+    "check_checkpoint": ("refit.hf_checkpoint", "check_checkpoint"),
+    "read_safetensors_header": ("refit.hf_checkpoint", "read_safetensors_header"),
+    "_config_from_headers": ("refit.hf_checkpoint", "config_from_headers"),
+    "_ST_DTYPES": ("refit.dtypes", "FROM_SAFETENSORS"),
+}
 
 
 def __getattr__(name: str) -> Any:
-    if name in _MOVED_TO_HF_CHECKPOINT:
-        import refit.hf_checkpoint
+    if name in _MOVED:
+        import importlib
 
-        return getattr(refit.hf_checkpoint, name)
+        module, new = _MOVED[name]
+        return getattr(importlib.import_module(module), new)
     raise AttributeError(f"module 'refit.spec' has no attribute {name!r}")

@@ -37,8 +37,8 @@ def register_layout(cls: type[Layout]) -> type[Layout]:
     return cls
 
 
-for _cls in (MegatronLayout, VllmLayout, FsdpLayout, HFLayout):
-    register_layout(_cls)
+for _builtin in (MegatronLayout, VllmLayout, FsdpLayout, HFLayout):
+    register_layout(_builtin)
 
 
 def _help_for(cls: type[Layout]) -> str:
