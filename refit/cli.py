@@ -44,7 +44,8 @@ def cmd_models(args: argparse.Namespace) -> int:
     for name in CATALOG:
         spec = load_spec(name)
         c = spec.config
-        rows.append({"name": name, "arch": c.arch, "params": spec.num_params, "bf16_bytes": spec.num_params * DTYPE_BYTES["bfloat16"],
+        rows.append({"name": name, "arch": c.arch, "params": spec.num_params,
+                     "bf16_bytes": spec.num_params * DTYPE_BYTES["bfloat16"],
                      "layers": c.num_layers, "hidden": c.hidden_size, "heads": c.num_heads, "kv_heads": c.num_kv_heads,
                      "experts": c.num_experts, "vocab": c.vocab_size})
     if args.json:
