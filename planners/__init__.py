@@ -6,10 +6,9 @@ destination piece arrive exactly once, from a source rank that holds the same ca
 and must not depend on anything but its arguments (the plan id is a hash of the output).
 """
 
-from planners.base import Planner, PlanResult, make_plan
+from planners.base import Planner
 from planners.broadcast import BroadcastPlanner
 from planners.p2p import P2PPlanner
-
-PLANNERS: dict[str, type[Planner]] = {"p2p": P2PPlanner, "broadcast": BroadcastPlanner}
+from planners.registry import PLANNERS, PlanResult, make_plan
 
 __all__ = ["Planner", "PlanResult", "PLANNERS", "P2PPlanner", "BroadcastPlanner", "make_plan"]

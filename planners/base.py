@@ -1,20 +1,15 @@
-"""What planners share: the planner protocol, the source index, and `make_plan`."""
+"""What planners share: the planner protocol and the source index."""
 
 from __future__ import annotations
 
-import contextlib
-import gc
-import time
-from dataclasses import dataclass
-from typing import Any, Iterator, Protocol
+from typing import Protocol
 
 from refit.boxes import Box, intersect, volume
+from refit.dtypes import DTYPE_BYTES
 from refit.errors import RefitError
-from refit.layouts import Layout, all_holdings, resolve_layout
+from refit.layouts import Layout, all_holdings
 from refit.plan import Placement, Plan
-from refit.spec import DTYPE_BYTES, ModelSpec
-
-DEFAULT_BUCKET_BYTES = 256 * 2**20
+from refit.spec import ModelSpec
 
 
 class Planner(Protocol):
@@ -62,45 +57,3 @@ def sources_for(index: SourceIndex, tensor: str, box: Box, where: str) -> list[t
 
 def total_bytes(spec: ModelSpec, dst_holdings: list[dict[str, list[Box]]]) -> int:
     return sum(volume(b[1]) * DTYPE_BYTES[spec[t].dtype] for h in dst_holdings for t, bs in h.items() for b in bs)
-
-
-@dataclass(frozen=True)
-class PlanResult:
-    plan: Plan
-    summary: dict[str, Any]
-    src: Layout
-    dst: Layout
-
-
-def make_plan(spec: ModelSpec, src: str | Layout, dst: str | Layout, placement: str = "colocated",
-              planner: str = "p2p", bucket_bytes: int = DEFAULT_BUCKET_BYTES) -> PlanResult:
-    """Resolve both layouts, plan, and summarise — the whole of `refit plan`."""
-    from planners import PLANNERS
-    from refit.plan import summarize
-
-    if planner not in PLANNERS:
-        raise RefitError(f"unknown planner {planner!r}: {', '.join(PLANNERS)}")
-    if bucket_bytes < 4096:
-        raise RefitError(f"bucket size {bucket_bytes} bytes is too small (at least 4096)")
-    t0 = time.perf_counter()
-    with _gc_paused():
-        src_l = resolve_layout(src, spec, "src")
-        dst_l = resolve_layout(dst, spec, "dst")
-        place = Placement.make(placement, src_l.world_size, dst_l.world_size)
-        plan = PLANNERS[planner]().plan(spec, src_l, dst_l, place, bucket_bytes)
-        seconds = time.perf_counter() - t0
-        dst_total = total_bytes(spec, all_holdings(spec, dst_l))
-        return PlanResult(plan, summarize(plan, spec, dst_total, seconds), src_l, dst_l)
-
-
-@contextlib.contextmanager
-def _gc_paused() -> Iterator[None]:
-    """Planning allocates ~10^5 short-lived tuples and no reference cycles; the cyclic GC's passes
-    over them cost 15-40% of planning time and free nothing."""
-    was_enabled = gc.isenabled()
-    gc.disable()
-    try:
-        yield
-    finally:
-        if was_enabled:
-            gc.enable()

@@ -10,9 +10,10 @@ from __future__ import annotations
 
 from planners.base import source_index, sources_for
 from refit.boxes import Box, intersect, volume
+from refit.dtypes import DTYPE_BYTES
 from refit.layouts import Layout, all_holdings
 from refit.plan import Placement, Plan, Transfer, pack_buckets
-from refit.spec import DTYPE_BYTES, ModelSpec
+from refit.spec import ModelSpec
 
 
 def full_units(spec: ModelSpec, tensor: str) -> list[Box]:

@@ -13,10 +13,17 @@ import sys
 import tempfile
 from typing import Any, Callable
 
+from planners import make_plan
 from refit import __version__
+from refit.catalog import CATALOG
+from refit.dtypes import DTYPE_BYTES
 from refit.entrypoint import run_main, setup_logging
 from refit.errors import RefitError
-from refit.layouts import LAYOUT_HELP
+from refit.hf_checkpoint import hf_config, load_spec
+from refit.layouts import LAYOUT_HELP, resolve_layout
+from refit.plan import DEFAULT_BUCKET_BYTES
+from refit.reshard import check_output, reshard
+from refit.units import MiB, fmt_bytes
 
 EPILOG = f"""\
 {LAYOUT_HELP}
@@ -31,27 +38,17 @@ examples:
 """
 
 
-def fmt_bytes(n: float) -> str:
-    for unit in ("B", "KiB", "MiB", "GiB", "TiB"):
-        if abs(n) < 1024 or unit == "TiB":
-            return f"{n:.1f} {unit}" if unit != "B" else f"{int(n)} B"
-        n /= 1024
-    return f"{n:.1f} TiB"
-
-
 # ---------------------------------------------------------------------------------------------
 # models
 
 
 def cmd_models(args: argparse.Namespace) -> int:
-    from refit.catalog import CATALOG
-    from refit.spec import load_spec
-
     rows = []
     for name in CATALOG:
         spec = load_spec(name)
         c = spec.config
-        rows.append({"name": name, "arch": c.arch, "params": spec.num_params, "bf16_bytes": spec.num_params * 2,
+        rows.append({"name": name, "arch": c.arch, "params": spec.num_params,
+                     "bf16_bytes": spec.num_params * DTYPE_BYTES["bfloat16"],
                      "layers": c.num_layers, "hidden": c.hidden_size, "heads": c.num_heads, "kv_heads": c.num_kv_heads,
                      "experts": c.num_experts, "vocab": c.vocab_size})
     if args.json:
@@ -70,9 +67,7 @@ def cmd_models(args: argparse.Namespace) -> int:
 
 
 def cmd_layout(args: argparse.Namespace) -> int:
-    from refit.layouts import resolve_layout
-
-    spec = _load_spec(args.model)
+    spec = load_spec(args.model)
     layout = resolve_layout(args.layout, spec, args.role)
     if args.rank is not None and not 0 <= args.rank < layout.world_size:
         raise RefitError(f"rank {args.rank} is outside {layout.describe()} (world size {layout.world_size})")
@@ -105,10 +100,8 @@ def _degrees(d: dict[str, int]) -> str:
 
 
 def cmd_plan(args: argparse.Namespace) -> int:
-    from planners import make_plan
-
-    spec = _load_spec(args.model)
-    result = make_plan(spec, args.src, args.dst, args.placement, args.planner, int(args.bucket_mb * 2**20))
+    spec = load_spec(args.model)
+    result = make_plan(spec, args.src, args.dst, args.placement, args.planner, int(args.bucket_mb * MiB))
     s = result.summary
     if args.out:
         write_file_atomically(args.out, json.dumps(result.plan.to_dict(), separators=(",", ":")))
@@ -161,21 +154,18 @@ def write_file_atomically(path: str, text: str) -> None:
 
 
 def cmd_reshard(args: argparse.Namespace) -> int:
-    from refit.layouts import resolve_layout
-    from refit.reshard import check_output, reshard
-
     if not os.path.isdir(args.in_dir):
         raise RefitError(f"--in {args.in_dir} is not a directory")
     check_output(args.in_dir, args.out_dir, args.force)
-    spec = _load_spec(args.model)
+    spec = load_spec(args.model)
     src = resolve_layout(args.src, spec, "src")
     dst = resolve_layout(args.dst, spec, "dst")
     print(f"source  {src.describe():<36} {_degrees(src.details())}", file=sys.stderr)
     print(f"dest    {dst.describe():<36} {_degrees(dst.details())}", file=sys.stderr)
-    hf_config = _hf_config(args.model, spec) if dst.framework == "hf" else None
+    config = hf_config(args.model, spec) if dst.framework == "hf" else None
     bar = _progress(total=_dst_bytes(spec, dst), disable=args.json or not sys.stderr.isatty(), unit="B")
     try:
-        report = reshard(spec, src, dst, args.in_dir, args.out_dir, hf_config, progress=bar.update, force=args.force)
+        report = reshard(spec, src, dst, args.in_dir, args.out_dir, config, progress=bar.update, force=args.force)
     finally:
         bar.close()
     report.update(src=src.describe(), dst=dst.describe())
@@ -186,38 +176,8 @@ def cmd_reshard(args: argparse.Namespace) -> int:
     return 0
 
 
-def _load_spec(model: str) -> Any:
-    """`refit.spec.load_spec`, with unreadable checkpoint files reported as one line."""
-    from refit.spec import load_spec
-
-    try:
-        return load_spec(model)
-    except RefitError:
-        raise
-    except (OSError, ValueError, RecursionError, TypeError, KeyError) as e:
-        raise RefitError(f"--model {model}: cannot read it: {type(e).__name__}: {str(e)[:120]}") from None
-
-
 def _dst_bytes(spec: Any, dst: Any) -> int:
     return sum(t.nbytes for r in range(dst.world_size) for t in dst.local_tensors(spec, r))
-
-
-def _hf_config(model: str, spec: Any) -> dict[str, Any]:
-    """config.json for an HF output: the input directory's own, else the catalog entry's."""
-    from refit.catalog import CATALOG
-
-    path = os.path.join(model, "config.json")
-    if os.path.isdir(model) and os.path.exists(path):
-        try:
-            with open(path) as f:
-                return json.load(f)
-        except (OSError, ValueError, RecursionError) as e:
-            raise RefitError(f"{path}: cannot read it: {str(e)[:120]}") from None
-    cfg = dict(CATALOG.get(model, {}))
-    archs = {"llama": "LlamaForCausalLM", "qwen2": "Qwen2ForCausalLM", "qwen3": "Qwen3ForCausalLM",
-             "qwen3_moe": "Qwen3MoeForCausalLM"}
-    cfg.setdefault("architectures", [archs[spec.config.arch]])
-    return cfg
 
 
 def _progress(total: int, disable: bool, unit: str) -> Any:
@@ -266,7 +226,8 @@ def build_parser() -> argparse.ArgumentParser:
                     help="colocated: source rank i and destination rank i share GPU i; disaggregated: separate GPUs")
     pl.add_argument("--planner", choices=["p2p", "broadcast"], default="p2p",
                     help="p2p: shard-to-shard (default); broadcast: full-tensor baseline")
-    pl.add_argument("--bucket-mb", type=float, default=256, help="largest transfer bucket in MiB (default 256)")
+    pl.add_argument("--bucket-mb", type=float, default=DEFAULT_BUCKET_BYTES / MiB,
+                    help=f"largest transfer bucket in MiB (default {DEFAULT_BUCKET_BYTES // MiB})")
     pl.add_argument("--json", action="store_true", help="print one JSON object (layouts and summary)")
     pl.add_argument("--out", help="write the full plan (JSON) to this file")
     pl.set_defaults(func=cmd_plan)

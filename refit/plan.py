@@ -17,10 +17,13 @@ from dataclasses import dataclass, field
 from typing import Any, Literal, NamedTuple
 
 from refit.boxes import Index, volume
+from refit.dtypes import DTYPE_BYTES
 from refit.errors import RefitError
-from refit.spec import DTYPE_BYTES, ModelSpec
+from refit.spec import ModelSpec
 
 PLAN_FORMAT = 1
+# Largest transfer bucket when the caller names none (`refit plan`, `make_plan`, the coordinator).
+DEFAULT_BUCKET_BYTES = 256 * 2**20
 PlacementKind = Literal["colocated", "disaggregated"]
 
 

@@ -26,14 +26,15 @@ import tempfile
 from contextlib import ExitStack
 from typing import Any, Callable, Iterable
 
+from planners.base import SourceIndex, source_index, sources_for
+from refit.dtypes import DTYPE_BYTES, DTYPES, FROM_SAFETENSORS, TO_SAFETENSORS
 from refit.errors import RefitError
+from refit.hf_checkpoint import check_checkpoint, checkpoint_tensors, read_safetensors_header
 from refit.layouts import Layout, LocalTensor
 from refit.regions import PieceIndex, slices
-from refit.spec import DTYPE_BYTES, _ST_DTYPES, ModelSpec, check_checkpoint, check_tensor_table
+from refit.spec import ModelSpec, check_tensor_table
 
 log = logging.getLogger(__name__)
-
-_TO_ST = {v: k for k, v in _ST_DTYPES.items()}
 
 
 def rank_file(directory: str, rank: int) -> str:
@@ -56,7 +57,7 @@ class ShardReader:
         if not os.path.isdir(directory):
             raise RefitError(f"input directory {directory} does not exist")
         if layout.framework == "hf":
-            found = hf_tensors(directory)
+            found = checkpoint_tensors(directory)
             if not found:
                 raise RefitError(f"{directory}: no *.safetensors files (expected an HF checkpoint)")
             check_checkpoint(spec, found, directory)
@@ -77,7 +78,7 @@ class ShardReader:
             if not os.path.exists(path):
                 raise RefitError(f"{self.directory}: missing {os.path.basename(path)} "
                                  f"({self.layout.describe()} has {world} ranks)")
-            header = read_header(path)
+            header = read_safetensors_header(path)
             expected = self.layout.local_tensors(self.spec, rank)
             check_rank_header(header, expected, path)
             for lt in expected:
@@ -104,85 +105,9 @@ class ShardReader:
         self._stack.close()
 
 
-def read_header(path: str) -> dict[str, dict[str, Any]]:
-    """A .safetensors file's header, checked: JSON of well-formed entries, and every byte they
-    describe present in the file (a truncated file is refused here, before anything is written)."""
-    try:
-        size = os.path.getsize(path)
-        with open(path, "rb") as f:
-            raw = f.read(8)
-            if len(raw) != 8:
-                raise RefitError(f"{path}: not a safetensors file ({size} bytes)")
-            (n,) = struct.unpack("<Q", raw)
-            if n > 100 * 2**20 or 8 + n > size:
-                raise RefitError(f"{path}: not a safetensors file, or truncated (a header of {n} bytes in {size})")
-            header = json.loads(f.read(n))
-    except OSError as e:
-        raise RefitError(f"{path}: cannot read: {e.strerror or e}") from None
-    except (ValueError, RecursionError) as e:  # JSONDecodeError, UnicodeDecodeError, nesting
-        raise RefitError(f"{path}: not a safetensors file (its header is not JSON: {str(e)[:80]})") from None
-    if not isinstance(header, dict):
-        raise RefitError(f"{path}: not a safetensors file (its header is not a JSON object)")
-    header.pop("__metadata__", None)
-    end = 0
-    for name, info in header.items():
-        ok = isinstance(info, dict) and isinstance(info.get("dtype"), str) and isinstance(info.get("shape"), list) \
-            and isinstance(info.get("data_offsets"), list) and len(info["data_offsets"]) == 2 \
-            and all(isinstance(d, int) and d >= 0 for d in info["shape"] + info["data_offsets"]) \
-            and info["data_offsets"][0] <= info["data_offsets"][1]
-        if not ok:
-            raise RefitError(f"{path}: malformed header entry for tensor {name[:80]!r}")
-        end = max(end, info["data_offsets"][1])
-    if 8 + n + end > size:
-        raise RefitError(f"{path}: truncated: its header describes {8 + n + end} bytes, the file holds {size}")
-    return header
-
-
-def hf_tensors(directory: str) -> dict[str, tuple[tuple[int, ...], str, str]]:
-    """HF tensor name -> (shape, dtype, file).  With ``model.safetensors.index.json`` its weight map
-    decides which file holds what; without one, a tensor found in two files is refused (a stray
-    copy must not silently win)."""
-    index_path = os.path.join(directory, "model.safetensors.index.json")
-    found: dict[str, tuple[tuple[int, ...], str, str]] = {}
-    headers: dict[str, dict[str, dict[str, Any]]] = {}
-
-    def header(fname: str) -> dict[str, dict[str, Any]]:
-        if fname not in headers:
-            headers[fname] = read_header(os.path.join(directory, fname))
-        return headers[fname]
-
-    def entry(name: str, fname: str) -> tuple[tuple[int, ...], str, str]:
-        info = header(fname)[name]
-        return tuple(info["shape"]), _ST_DTYPES.get(info["dtype"], info["dtype"]), os.path.join(directory, fname)
-
-    if os.path.exists(index_path):
-        try:
-            with open(index_path) as f:
-                weight_map = json.load(f)["weight_map"]
-            assert isinstance(weight_map, dict)
-        except (OSError, ValueError, KeyError, TypeError, AssertionError) as e:
-            raise RefitError(f"{index_path}: not an index with a weight_map ({type(e).__name__})") from None
-        for name, fname in weight_map.items():
-            if not isinstance(fname, str) or os.path.basename(fname) != fname or not fname.endswith(".safetensors"):
-                raise RefitError(f"{index_path}: {name!r} maps to {str(fname)[:80]!r}, not a file of this directory")
-            if not os.path.exists(os.path.join(directory, fname)):
-                raise RefitError(f"{index_path}: {name!r} is in {fname}, which is missing")
-            if name not in header(fname):
-                raise RefitError(f"{index_path}: {name!r} is not in {fname}")
-            found[name] = entry(name, fname)
-        return found
-    for fname in sorted(f for f in os.listdir(directory) if f.endswith(".safetensors")):
-        for name in header(fname):
-            if name in found:
-                raise RefitError(f"{directory}: {name!r} is in both {os.path.basename(found[name][2])} and {fname}; "
-                                 f"remove the stray file or add model.safetensors.index.json")
-            found[name] = entry(name, fname)
-    return found
-
-
 def check_rank_header(header: dict[str, dict[str, Any]], expected: list[LocalTensor], path: str) -> None:
     """Refuse a rank file whose tensors differ from the layout's: name the first difference."""
-    found = {n: (tuple(i["shape"]), _ST_DTYPES.get(i["dtype"], i["dtype"])) for n, i in header.items()}
+    found = {n: (tuple(i["shape"]), FROM_SAFETENSORS.get(i["dtype"], i["dtype"])) for n, i in header.items()}
     check_tensor_table(found, {lt.name: (lt.shape, lt.dtype) for lt in expected}, os.path.basename(path))
 
 
@@ -203,7 +128,7 @@ class SafetensorsWriter:
             n = DTYPE_BYTES[dtype]
             for d in shape:
                 n *= d
-            header[name] = {"dtype": _TO_ST[dtype], "shape": list(shape), "data_offsets": [offset, offset + n]}
+            header[name] = {"dtype": TO_SAFETENSORS[dtype], "shape": list(shape), "data_offsets": [offset, offset + n]}
             self._order.append(name)
             self._nbytes[name] = n
             offset += n
@@ -239,13 +164,11 @@ class SafetensorsWriter:
 # Resharding
 
 
-def assemble(spec: ModelSpec, lt: LocalTensor, reader: ShardReader, src_index: "Any") -> "Any":
+def assemble(spec: ModelSpec, lt: LocalTensor, reader: ShardReader, src_index: SourceIndex) -> "Any":
     """Build one destination local tensor from the source files; padding stays zero."""
     import torch
 
-    from planners.base import sources_for
-
-    out = torch.zeros(lt.shape, dtype=getattr(torch, lt.dtype))
+    out = torch.zeros(lt.shape, dtype=getattr(torch, DTYPES[lt.dtype].torch))
     ndim_cache: dict[str, int] = {}
     for piece in lt.pieces:
         ndim = ndim_cache.setdefault(piece.tensor, len(spec[piece.tensor].shape))
@@ -307,8 +230,6 @@ def reshard(spec: ModelSpec, src: Layout, dst: Layout, in_dir: str, out_dir: str
     """Convert ``in_dir`` (layout ``src``) into ``out_dir`` (layout ``dst``), bit-exact.  Layouts
     must be resolved.  ``force``: replace a non-empty ``out_dir``.  Returns a small report
     (files, tensors, bytes).  Raises `RefitError` (nothing published) on any bad input or I/O error."""
-    from planners.base import source_index
-
     out_dir = os.path.abspath(out_dir)
     check_output(in_dir, out_dir, force)
     reader = ShardReader(spec, src, in_dir)  # checks every input file before writing anything

@@ -10,7 +10,8 @@ stacks what repeats:
 
 An HF checkpoint tensor (``model.layers.3.mlp.experts.7.gate_proj.weight``) is then one box of a
 canonical tensor, and a vLLM rank's ``w13_weight`` for all layers is a handful of boxes instead of
-thousands.  Nothing here imports torch: specs are pure data.
+thousands.  Nothing here imports torch: specs are pure data.  Reading a spec from an HF
+checkpoint directory or the catalog (`load_spec`) lives in `refit.hf_checkpoint`.
 """
 
 from __future__ import annotations
@@ -18,17 +19,11 @@ from __future__ import annotations
 import hashlib
 import json
 import math
-import os
-import re
-import struct
 from dataclasses import dataclass, field
 from typing import Any, Iterator, Mapping
 
+from refit.dtypes import DTYPE_BYTES
 from refit.errors import RefitError
-
-DTYPE_BYTES = {"bfloat16": 2, "float16": 2, "float32": 4, "float8_e4m3fn": 1}
-# safetensors header dtype codes -> our dtype names
-_ST_DTYPES = {"BF16": "bfloat16", "F16": "float16", "F32": "float32", "F8_E4M3": "float8_e4m3fn"}
 
 SUPPORTED_ARCHS = ("llama", "qwen2", "qwen3", "qwen3_moe")
 
@@ -250,90 +245,6 @@ def build_spec(name: str, cfg: ModelConfig) -> ModelSpec:
     return ModelSpec(name, cfg, tuple(out))
 
 
-# ---------------------------------------------------------------------------------------------
-# Reading models from disk
-
-
-def read_safetensors_header(path: str) -> dict[str, dict[str, Any]]:
-    """Tensor name -> {"dtype", "shape", "data_offsets"} from a .safetensors file's header only."""
-    with open(path, "rb") as f:
-        raw = f.read(8)
-        if len(raw) != 8:
-            raise RefitError(f"{path}: not a safetensors file (too short)")
-        (n,) = struct.unpack("<Q", raw)
-        if n > 100 * 2**20:
-            raise RefitError(f"{path}: not a safetensors file (header of {n} bytes)")
-        header = json.loads(f.read(n))
-    header.pop("__metadata__", None)
-    return header
-
-
-def checkpoint_tensors(directory: str) -> dict[str, tuple[tuple[int, ...], str, str]]:
-    """HF checkpoint tensor name -> (shape, dtype, file) for every *.safetensors in ``directory``."""
-    files = sorted(f for f in os.listdir(directory) if f.endswith(".safetensors"))
-    found: dict[str, tuple[tuple[int, ...], str, str]] = {}
-    for fname in files:
-        path = os.path.join(directory, fname)
-        for name, info in read_safetensors_header(path).items():
-            dtype = _ST_DTYPES.get(info["dtype"], info["dtype"])
-            found[name] = (tuple(info["shape"]), dtype, path)
-    return found
-
-
-def _config_from_headers(tensors: dict[str, tuple[tuple[int, ...], str, str]]) -> dict[str, Any]:
-    """Guess an HF config from tensor names and shapes (when a checkpoint has no config.json)."""
-    def shape(name: str) -> tuple[int, ...]:
-        if name not in tensors:
-            raise RefitError(f"checkpoint has no config.json and no {name!r} to infer it from")
-        return tensors[name][0]
-
-    vocab, hidden = shape("model.embed_tokens.weight")
-    layers = 1 + max(int(m.group(1)) for n in tensors if (m := re.match(r"model\.layers\.(\d+)\.", n)))
-    q_rows = shape("model.layers.0.self_attn.q_proj.weight")[0]
-    kv_rows = shape("model.layers.0.self_attn.k_proj.weight")[0]
-    if "model.layers.0.self_attn.q_norm.weight" not in tensors:
-        raise RefitError("checkpoint has no config.json; without q_norm the head size cannot be inferred")
-    head_dim = shape("model.layers.0.self_attn.q_norm.weight")[0]
-    cfg: dict[str, Any] = {
-        "hidden_size": hidden, "vocab_size": vocab, "num_hidden_layers": layers, "head_dim": head_dim,
-        "num_attention_heads": q_rows // head_dim, "num_key_value_heads": kv_rows // head_dim,
-        "tie_word_embeddings": "lm_head.weight" not in tensors,
-        "torch_dtype": tensors["model.embed_tokens.weight"][1],
-    }
-    experts = {int(m.group(1)) for n in tensors if (m := re.match(r"model\.layers\.\d+\.mlp\.experts\.(\d+)\.", n))}
-    if experts:
-        moe = sorted({int(m.group(1)) for n in tensors if (m := re.match(r"model\.layers\.(\d+)\.mlp\.experts\.", n))})
-        cfg.update(model_type="qwen3_moe", num_experts=len(experts),
-                   moe_intermediate_size=shape(f"model.layers.{moe[0]}.mlp.experts.0.gate_proj.weight")[0],
-                   mlp_only_layers=[l for l in range(layers) if l not in moe])
-        dense = [l for l in range(layers) if l not in moe]
-        if dense:
-            cfg["intermediate_size"] = shape(f"model.layers.{dense[0]}.mlp.gate_proj.weight")[0]
-    else:
-        cfg.update(model_type="qwen3", intermediate_size=shape("model.layers.0.mlp.gate_proj.weight")[0])
-    return cfg
-
-
-def spec_from_dir(directory: str) -> ModelSpec:
-    """Spec of the model in ``directory``: from its config.json, checked against (or, without one,
-    inferred from) the safetensors headers.  No tensor data is read."""
-    cfg_path = os.path.join(directory, "config.json")
-    tensors = checkpoint_tensors(directory)
-    if os.path.exists(cfg_path):
-        with open(cfg_path) as f:
-            hf_cfg = json.load(f)
-    elif tensors:
-        hf_cfg = _config_from_headers(tensors)
-    else:
-        raise RefitError(f"{directory}: neither config.json nor *.safetensors found")
-    if tensors and "torch_dtype" not in hf_cfg and "dtype" not in hf_cfg:
-        hf_cfg["torch_dtype"] = next(iter(tensors.values()))[1]
-    spec = build_spec(os.path.basename(os.path.normpath(directory)), ModelConfig.from_hf(hf_cfg))
-    if tensors:
-        check_checkpoint(spec, tensors, directory)
-    return spec
-
-
 TensorTable = Mapping[str, tuple[tuple[int, ...], str]]  # name -> (shape, dtype)
 
 
@@ -354,18 +265,4 @@ def check_tensor_table(found: TensorTable, expected: TensorTable, where: str, ex
         raise RefitError(f"{where}: unexpected tensor {extra[0]!r}{more}")
 
 
-def check_checkpoint(spec: ModelSpec, tensors: dict[str, tuple[tuple[int, ...], str, str]], where: str) -> None:
-    """Refuse a checkpoint whose tensors differ from the spec: name the first difference."""
-    expected = {t.name: (t.shape, spec[t.tensor].dtype) for t in spec.hf_tensors()}
-    check_tensor_table({n: (shape, dtype) for n, (shape, dtype, _) in tensors.items()}, expected, where)
-
-
-def load_spec(model: str) -> ModelSpec:
-    """A catalog name (``qwen3-30b-moe``) or a directory with config.json and/or safetensors."""
-    from refit.catalog import CATALOG
-
-    if model in CATALOG:
-        return build_spec(model, ModelConfig.from_hf(CATALOG[model]))
-    if os.path.isdir(model):
-        return spec_from_dir(model)
-    raise RefitError(f"unknown model {model!r}: not a directory, and not one of {', '.join(CATALOG)}")
+# ---------------------------------------------------------------------------------------------

@@ -7,8 +7,8 @@ import torch
 
 from refit.errors import RefitError
 from refit.layouts import parse_layout, resolve_layout
-from refit.layouts.hf import chunk_rows
-from refit.spec import load_spec
+from refit.layouts.fsdp import chunk_rows
+from refit.hf_checkpoint import load_spec
 from tests.tiny import tiny_spec
 
 Q30 = load_spec("qwen3-30b-moe")

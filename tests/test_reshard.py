@@ -9,7 +9,7 @@ import torch
 from safetensors import safe_open
 
 from refit.cli import main
-from refit.spec import checkpoint_tensors
+from refit.hf_checkpoint import checkpoint_tensors
 from tests.tiny import write_hf_checkpoint
 
 
@@ -71,7 +71,7 @@ def test_padding_rows_are_zero_and_names_are_the_frameworks(tmp_path):
 
 def test_hf_spec_from_headers_only(tmp_path):
     """Without config.json the spec is inferred from safetensors headers (no data read)."""
-    from refit.spec import spec_from_dir
+    from refit.hf_checkpoint import spec_from_dir
     from tests.tiny import tiny_spec
 
     src = str(tmp_path / "hf")

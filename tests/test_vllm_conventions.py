@@ -47,7 +47,7 @@ def checkpoints(tmp_path_factory):
 @pytest.mark.parametrize("maker,layout,ep", CASES, ids=[f"{m[10:]}-{l}" for m, l, _ in CASES])
 def test_reshard_output_equals_what_vllm_loads(tmp_path, checkpoints, maker, layout, ep):
     from refit.layouts import resolve_layout
-    from refit.spec import load_spec
+    from refit.hf_checkpoint import load_spec
     from tests.vllm_harness.capture import capture_vllm_loaded_params, read_capture_meta
 
     model_dir = checkpoints[maker]

@@ -32,12 +32,14 @@ import json
 import sys
 from typing import Any
 
+from planners import make_plan
 from refit.entrypoint import run_main, setup_logging
 from refit.errors import RefitError
 from refit.layouts import resolve_layout
-from refit.spec import ModelSpec, build_spec, load_spec
+from refit.hf_checkpoint import load_spec
+from refit.spec import ModelSpec, build_spec
+from refit.units import MiB
 
-MiB = 2**20
 
 
 # ---------------------------------------------------------------------------------------------
@@ -152,8 +154,6 @@ def _kill_hook() -> tuple[tuple[str, int, int] | None, bool]:
 
 
 def run(args: argparse.Namespace) -> dict[str, Any]:
-    from planners import make_plan
-
     spec = load_spec(args.model)
     gpus = _gpu_count(args.cpu)
     device = "cuda" if gpus else "cpu"

@@ -13,9 +13,10 @@ from typing import Any
 from refit.bench.launch import run_job
 from refit.bench.worker import Job, Phase, Refit
 from refit.executor.topology import Topology
-from refit.spec import DTYPE_BYTES, ModelSpec
+from refit.dtypes import DTYPE_BYTES
+from refit.spec import ModelSpec
+from refit.units import MiB, fmt_bytes
 
-MiB = 2**20
 
 
 def run_direct(args: argparse.Namespace, spec: ModelSpec, plans: list[Any], device: str,
@@ -105,12 +106,7 @@ def report(spec: ModelSpec, plans: list[Any], timed: list[list[bool]], results: 
 
 
 def _size(n: float | None) -> str:
-    if n is None:
-        return "-"
-    for unit, div in (("GiB", 2**30), ("MiB", MiB), ("KiB", 1024)):
-        if n >= div:
-            return f"{n / div:.1f} {unit}"
-    return f"{n:.0f} B"
+    return "-" if n is None else fmt_bytes(n)
 
 
 def table(r: dict[str, Any]) -> str:

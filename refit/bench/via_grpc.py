@@ -22,6 +22,7 @@ from typing import Any
 
 from refit.errors import RefitError
 from refit.spec import ModelSpec
+from refit.units import fmt_bytes
 
 log = logging.getLogger(__name__)
 
@@ -177,6 +178,6 @@ def table_grpc(r: dict[str, Any]) -> str:
                       ("overhead", "control + barriers")):
         s = r[key]
         lines.append(f"{what:24s} {ms(s['median'])} {ms(s['min'])} {ms(s['max'])}")
-    lines += ["", f"engines received {r['engine_bytes'] / 2**30:.2f} GiB per refit; verified: "
+    lines += ["", f"engines received {fmt_bytes(r['engine_bytes'])} per refit; verified: "
               f"{'yes' if r['verified'] else 'NO'} ({r['checked_elements']} elements, {r['mismatches']} wrong)"]
     return "\n".join(lines)

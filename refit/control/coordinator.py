@@ -34,7 +34,6 @@ import uuid
 from typing import Callable
 
 from planners import PLANNERS, make_plan
-from planners.base import DEFAULT_BUCKET_BYTES
 from refit.control.common import PLACEMENT_NAMES, Exhausted, NotFound, Precondition, short
 from refit.control.events import EventHub
 from refit.control.refits import Run, failed_response, response, touched
@@ -43,6 +42,7 @@ from refit.control.registry import (MAX_VERSION, PlanEntry, Worker, absent_membe
                                     check_version, control_plan_id, group_members, holds_version, plan_json)
 from refit.control.v1 import refit_pb2 as pb
 from refit.errors import RefitError
+from refit.plan import DEFAULT_BUCKET_BYTES
 from refit.spec import ModelSpec
 
 log = logging.getLogger(__name__)

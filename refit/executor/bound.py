@@ -24,7 +24,7 @@ from refit.executor.topology import Endpoint
 from refit.executor.transports import Comm
 from refit.executor.values import TORCH_DTYPES, int_view
 from refit.regions import Block, slices
-from refit.spec import DTYPE_BYTES
+from refit.dtypes import DTYPE_BYTES
 
 Remaining = Callable[[], float]  # seconds left in this refit; raises past the deadline or when abandoned
 

@@ -19,16 +19,12 @@ import math
 import torch
 
 from refit.boxes import Index, split_box
+from refit.dtypes import DTYPES
 from refit.regions import slices
 
 DEFAULT_CHUNK = 1 << 24  # elements per chunk: a few int64 temporaries of 128 MiB at most
 
-TORCH_DTYPES = {
-    "bfloat16": torch.bfloat16,
-    "float16": torch.float16,
-    "float32": torch.float32,
-    "float8_e4m3fn": torch.float8_e4m3fn,
-}
+TORCH_DTYPES = {name: getattr(torch, d.torch) for name, d in DTYPES.items()}  # refit.dtypes, as torch dtypes
 _INT_OF_WIDTH = {1: torch.int8, 2: torch.int16, 4: torch.int32, 8: torch.int64}
 _M32 = 0xFFFFFFFF
 

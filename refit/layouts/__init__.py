@@ -1,5 +1,10 @@
 """Layouts: how each framework splits a model over ranks.  `parse_layout` turns strings such as
-``megatron:tp4ep8``, ``vllm:tp8dp4``, ``fsdp:dp8`` or ``hf`` into layout objects."""
+``megatron:tp4ep8``, ``vllm:tp8dp4``, ``fsdp:dp8`` or ``hf`` into layout objects.
+
+Every framework is one layout class in its own module, declaring its ``framework`` name, the
+``degrees`` its strings may give and a few ``examples``; `LAYOUTS` maps framework names to those
+classes, and parsing, help and error messages are derived from it.
+"""
 
 from __future__ import annotations
 
@@ -8,61 +13,89 @@ from typing import Literal
 
 from refit.errors import RefitError
 from refit.layouts.base import Layout, LocalTensor, Piece, all_holdings, holdings
-from refit.layouts.hf import FsdpLayout, HFLayout
+from refit.layouts.fsdp import FsdpLayout
+from refit.layouts.hf import HFLayout
 from refit.layouts.megatron import MegatronLayout
 from refit.layouts.vllm import VllmLayout
 from refit.spec import ModelSpec
 
 __all__ = ["Layout", "LocalTensor", "Piece", "parse_layout", "resolve_layout", "holdings", "all_holdings",
-           "MegatronLayout", "VllmLayout", "FsdpLayout", "HFLayout", "LAYOUT_HELP"]
+           "MegatronLayout", "VllmLayout", "FsdpLayout", "HFLayout", "LAYOUTS", "LAYOUT_HELP", "register_layout"]
 
-_DEGREES = {
-    "megatron": ("tp", "pp", "vpp", "ep", "etp", "dp", "cp", "first", "last"),
-    "vllm": ("tp", "ep", "dp"),
-    "fsdp": ("dp",),
-    "hf": (),
-}
-_TOKEN = re.compile(r"(vpp|etp|first|last|tp|pp|ep|dp|cp)(\d+)")
+# framework name -> layout class (in the order LAYOUT_HELP lists them)
+LAYOUTS: dict[str, type[Layout]] = {}
 
-LAYOUT_HELP = (
-    "layouts: megatron:<tp,pp,vpp,ep,etp,dp,cp,first,last><N>... (e.g. megatron:tp4ep8, megatron:tp2pp2vpp2), "
-    "vllm:<tp,ep,dp><N>... (e.g. vllm:tp8, vllm:tp4ep4, vllm:tp8dp4), fsdp:dp<N>, hf. "
-    "A bare tp4ep8 means megatron as a source and vllm as a destination."
-)
+# A layout string without a framework prefix: Megatron as a source, vLLM as a destination.
+DEFAULT_FRAMEWORK = {"src": "megatron", "dst": "vllm"}
+
+
+def register_layout(cls: type[Layout]) -> type[Layout]:
+    """Add a layout class to the registry (its ``framework`` must be new)."""
+    if cls.framework in LAYOUTS:
+        raise ValueError(f"a layout for framework {cls.framework!r} is already registered: {LAYOUTS[cls.framework]}")
+    LAYOUTS[cls.framework] = cls
+    return cls
+
+
+for _builtin in (MegatronLayout, VllmLayout, FsdpLayout, HFLayout):
+    register_layout(_builtin)
+
+
+def _help_for(cls: type[Layout]) -> str:
+    if not cls.degrees:
+        return cls.framework
+    if len(cls.degrees) == 1 and not cls.examples:
+        return f"{cls.framework}:{cls.degrees[0]}<N>"
+    return f"{cls.framework}:<{','.join(cls.degrees)}><N>... (e.g. {', '.join(cls.examples)})"
+
+
+def layout_help() -> str:
+    """One paragraph on layout strings, from the registry (shown by the CLI and in errors)."""
+    return (f"layouts: {', '.join(_help_for(cls) for cls in LAYOUTS.values())}. "
+            f"A bare tp4ep8 means {DEFAULT_FRAMEWORK['src']} as a source and {DEFAULT_FRAMEWORK['dst']} "
+            "as a destination.")
+
+
+LAYOUT_HELP = layout_help()  # of the built-in layouts; errors call layout_help() to list later ones too
+
+
+def _degree_token() -> re.Pattern[str]:
+    """``<degree><N>`` for every degree any registered layout takes; longer names first so that
+    an alternative is never cut short by one that is its prefix."""
+    names = sorted({d for cls in LAYOUTS.values() for d in cls.degrees}, key=lambda d: (-len(d), d))
+    return re.compile(rf"({'|'.join(names)})(\d+)")
 
 
 def parse_layout(text: str, role: Literal["src", "dst"] = "src") -> Layout:
     """Parse a layout string.  Without a framework prefix, a source is Megatron and a destination
     vLLM (the RL refit direction)."""
     text = text.strip().lower()
-    if text == "hf":
-        return HFLayout()
+    bare = LAYOUTS.get(text)
+    if bare is not None and not bare.degrees:
+        return bare()
     framework, _, degrees = text.rpartition(":")
     if not framework:
-        framework = "megatron" if role == "src" else "vllm"
-    if framework not in _DEGREES:
-        raise RefitError(f"unknown framework {framework!r} in layout {text!r}; {LAYOUT_HELP}")
+        framework = DEFAULT_FRAMEWORK[role]
+    cls = LAYOUTS.get(framework)
+    if cls is None:
+        raise RefitError(f"unknown framework {framework!r} in layout {text!r}; {layout_help()}")
     values: dict[str, int] = {}
     pos = 0
-    for m in _TOKEN.finditer(degrees):
+    for m in _degree_token().finditer(degrees):
         if m.start() != pos:
             break
         key, val = m.group(1), int(m.group(2))
-        if key not in _DEGREES[framework]:
-            raise RefitError(f"{framework} layouts have no {key!r} degree (layout {text!r}); {LAYOUT_HELP}")
+        if key not in cls.degrees:
+            raise RefitError(f"{framework} layouts have no {key!r} degree (layout {text!r}); {layout_help()}")
         if key in values:
             raise RefitError(f"{key} given twice in layout {text!r}")
         values[key] = val
         pos = m.end()
-    if pos != len(degrees) or (framework != "hf" and not degrees):
-        raise RefitError(f"cannot parse layout {text!r} (stopped at {degrees[pos:]!r}); {LAYOUT_HELP}")
-    if framework == "megatron":
-        return MegatronLayout(**values)
-    if framework == "vllm":
-        return VllmLayout(**values)
-    if framework == "fsdp":
-        return FsdpLayout(**values)
-    raise RefitError(f"hf layouts take no degrees: {text!r}")
+    if pos != len(degrees) or (cls.degrees and not degrees):
+        raise RefitError(f"cannot parse layout {text!r} (stopped at {degrees[pos:]!r}); {layout_help()}")
+    if not cls.degrees:
+        raise RefitError(f"{framework} layouts take no degrees: {text!r}")
+    return cls(**values)  # type: ignore[call-arg]
 
 
 def resolve_layout(text: str | Layout, spec: ModelSpec, role: Literal["src", "dst"] = "src") -> Layout:

@@ -2,7 +2,9 @@
 
 Contract of a layout (one class per framework, each in its own module):
 
-1. ``parse``: a layout is built from degrees parsed out of a string (``megatron:tp4ep8``).
+1. ``parse``: a layout is built from degrees parsed out of a string (``megatron:tp4ep8``); the
+   class declares its ``framework`` name and the ``degrees`` it takes, and is listed in the
+   registry of `refit.layouts` (``LAYOUTS``), which does the parsing.
 2. ``resolve(spec)`` fills the degrees the framework would derive (dp, etp, edp, vocab padding,
    pipeline split) and checks that the model can be split that way, raising `RefitError` with the
    numbers when it cannot.  Only resolved layouts are asked for tensors.
@@ -25,8 +27,9 @@ import math
 from typing import ClassVar, NamedTuple, Protocol
 
 from refit.boxes import Box, Index, join_runs, merge_boxes
+from refit.dtypes import DTYPE_BYTES
 from refit.errors import RefitError
-from refit.spec import DTYPE_BYTES, ModelSpec
+from refit.spec import ModelSpec
 
 
 class Piece(NamedTuple):
@@ -52,7 +55,9 @@ class LocalTensor(NamedTuple):
 
 
 class Layout(Protocol):
-    framework: ClassVar[str]
+    framework: ClassVar[str]  # the prefix of its layout strings: ``megatron`` in ``megatron:tp4ep8``
+    degrees: ClassVar[tuple[str, ...]]  # the degrees a layout string may give (constructor keywords)
+    examples: ClassVar[tuple[str, ...]]  # layout strings shown in LAYOUT_HELP
 
     @property
     def world_size(self) -> int: ...

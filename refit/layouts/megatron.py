@@ -34,6 +34,8 @@ VOCAB_DIVISIBLE_BY = 128  # Megatron's --make-vocab-size-divisible-by default
 @dataclass(frozen=True)
 class MegatronLayout:
     framework: ClassVar[str] = "megatron"
+    degrees: ClassVar[tuple[str, ...]] = ("tp", "pp", "vpp", "ep", "etp", "dp", "cp", "first", "last")
+    examples: ClassVar[tuple[str, ...]] = ("megatron:tp4ep8", "megatron:tp2pp2vpp2")
     tp: int = 1
     pp: int = 1
     vpp: int = 1
@@ -81,7 +83,7 @@ class MegatronLayout:
         for k in ("cp", "pp", "vpp", "ep"):
             if getattr(self, k) > 1:
                 s += f"{k}{getattr(self, k)}"
-        if self.ep > 1:
+        if self.ep > 1 or self.etp_ != 1:  # expert TP without EP too: tp1etp2 is not tp1
             s += f"etp{self.etp_}"
         s += f"dp{self.dp_}"
         if self.first is not None:

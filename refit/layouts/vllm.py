@@ -37,6 +37,8 @@ def expert_range(num_experts: int, ep: int, ep_rank: int) -> tuple[int, int]:
 @dataclass(frozen=True)
 class VllmLayout:
     framework: ClassVar[str] = "vllm"
+    degrees: ClassVar[tuple[str, ...]] = ("tp", "ep", "dp")
+    examples: ClassVar[tuple[str, ...]] = ("vllm:tp8", "vllm:tp4ep4", "vllm:tp8dp4")
     tp: int = 1
     dp: int | None = None
     ep: int | None = None  # None: expert parallel off; else the EP size, which vLLM fixes to tp*dp

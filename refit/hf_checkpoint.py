@@ -1,0 +1,203 @@
+"""Hugging Face checkpoints on disk: safetensors headers, ``config.json``, and the model spec
+they describe.  Only headers and JSON are read here, never tensor data, and nothing imports
+torch: `load_spec` is part of planning.
+
+(`refit.layouts.hf` is a different thing: the *layout* of an HF checkpoint, one rank holding
+every tensor in full.)
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import re
+import struct
+from typing import Any
+
+from refit.catalog import CATALOG
+from refit.dtypes import FROM_SAFETENSORS
+from refit.errors import RefitError
+from refit.spec import ModelConfig, ModelSpec, build_spec, check_tensor_table
+
+# HF config.json ``model_type`` -> the ``architectures`` entry transformers expects (written into
+# the config.json of an HF output when the input had none).  Keys: `refit.spec.SUPPORTED_ARCHS`.
+HF_ARCHITECTURES = {
+    "llama": "LlamaForCausalLM",
+    "qwen2": "Qwen2ForCausalLM",
+    "qwen3": "Qwen3ForCausalLM",
+    "qwen3_moe": "Qwen3MoeForCausalLM",
+}
+
+MAX_HEADER_BYTES = 100 * 2**20  # the safetensors format's own limit on a header
+
+# HF checkpoint tensor name -> (shape, dtype, file)
+CheckpointTensors = dict[str, tuple[tuple[int, ...], str, str]]
+
+
+def read_safetensors_header(path: str) -> dict[str, dict[str, Any]]:
+    """A .safetensors file's header, checked: JSON of well-formed entries, and every byte they
+    describe present in the file (a truncated file is refused here, before anything is written)."""
+    try:
+        size = os.path.getsize(path)
+        with open(path, "rb") as f:
+            raw = f.read(8)
+            if len(raw) != 8:
+                raise RefitError(f"{path}: not a safetensors file ({size} bytes)")
+            (n,) = struct.unpack("<Q", raw)
+            if n > MAX_HEADER_BYTES or 8 + n > size:
+                raise RefitError(f"{path}: not a safetensors file, or truncated (a header of {n} bytes in {size})")
+            header = json.loads(f.read(n))
+    except OSError as e:
+        raise RefitError(f"{path}: cannot read: {e.strerror or e}") from None
+    except (ValueError, RecursionError) as e:  # JSONDecodeError, UnicodeDecodeError, nesting
+        raise RefitError(f"{path}: not a safetensors file (its header is not JSON: {str(e)[:80]})") from None
+    if not isinstance(header, dict):
+        raise RefitError(f"{path}: not a safetensors file (its header is not a JSON object)")
+    header.pop("__metadata__", None)
+    end = 0
+    for name, info in header.items():
+        ok = isinstance(info, dict) and isinstance(info.get("dtype"), str) and isinstance(info.get("shape"), list) \
+            and isinstance(info.get("data_offsets"), list) and len(info["data_offsets"]) == 2 \
+            and all(isinstance(d, int) and d >= 0 for d in info["shape"] + info["data_offsets"]) \
+            and info["data_offsets"][0] <= info["data_offsets"][1]
+        if not ok:
+            raise RefitError(f"{path}: malformed header entry for tensor {name[:80]!r}")
+        end = max(end, info["data_offsets"][1])
+    if 8 + n + end > size:
+        raise RefitError(f"{path}: truncated: its header describes {8 + n + end} bytes, the file holds {size}")
+    return header
+
+
+def checkpoint_tensors(directory: str) -> CheckpointTensors:
+    """HF tensor name -> (shape, dtype, file).  With ``model.safetensors.index.json`` its weight map
+    decides which file holds what; without one, a tensor found in two files is refused (a stray
+    copy must not silently win)."""
+    index_path = os.path.join(directory, "model.safetensors.index.json")
+    found: CheckpointTensors = {}
+    headers: dict[str, dict[str, dict[str, Any]]] = {}
+
+    def header(fname: str) -> dict[str, dict[str, Any]]:
+        if fname not in headers:
+            headers[fname] = read_safetensors_header(os.path.join(directory, fname))
+        return headers[fname]
+
+    def entry(name: str, fname: str) -> tuple[tuple[int, ...], str, str]:
+        info = header(fname)[name]
+        return tuple(info["shape"]), FROM_SAFETENSORS.get(info["dtype"], info["dtype"]), os.path.join(directory, fname)
+
+    if os.path.exists(index_path):
+        try:
+            with open(index_path) as f:
+                weight_map = json.load(f)["weight_map"]
+            assert isinstance(weight_map, dict)
+        except (OSError, ValueError, KeyError, TypeError, AssertionError) as e:
+            raise RefitError(f"{index_path}: not an index with a weight_map ({type(e).__name__})") from None
+        for name, fname in weight_map.items():
+            if not isinstance(fname, str) or os.path.basename(fname) != fname or not fname.endswith(".safetensors"):
+                raise RefitError(f"{index_path}: {name!r} maps to {str(fname)[:80]!r}, not a file of this directory")
+            if not os.path.exists(os.path.join(directory, fname)):
+                raise RefitError(f"{index_path}: {name!r} is in {fname}, which is missing")
+            if name not in header(fname):
+                raise RefitError(f"{index_path}: {name!r} is not in {fname}")
+            found[name] = entry(name, fname)
+        return found
+    for fname in sorted(f for f in os.listdir(directory) if f.endswith(".safetensors")):
+        for name in header(fname):
+            if name in found:
+                raise RefitError(f"{directory}: {name!r} is in both {os.path.basename(found[name][2])} and {fname}; "
+                                 f"remove the stray file or add model.safetensors.index.json")
+            found[name] = entry(name, fname)
+    return found
+
+
+def config_from_headers(tensors: CheckpointTensors) -> dict[str, Any]:
+    """Guess an HF config from tensor names and shapes (when a checkpoint has no config.json)."""
+    def shape(name: str) -> tuple[int, ...]:
+        if name not in tensors:
+            raise RefitError(f"checkpoint has no config.json and no {name!r} to infer it from")
+        return tensors[name][0]
+
+    vocab, hidden = shape("model.embed_tokens.weight")
+    layers = 1 + max(int(m.group(1)) for n in tensors if (m := re.match(r"model\.layers\.(\d+)\.", n)))
+    q_rows = shape("model.layers.0.self_attn.q_proj.weight")[0]
+    kv_rows = shape("model.layers.0.self_attn.k_proj.weight")[0]
+    if "model.layers.0.self_attn.q_norm.weight" not in tensors:
+        raise RefitError("checkpoint has no config.json; without q_norm the head size cannot be inferred")
+    head_dim = shape("model.layers.0.self_attn.q_norm.weight")[0]
+    cfg: dict[str, Any] = {
+        "hidden_size": hidden, "vocab_size": vocab, "num_hidden_layers": layers, "head_dim": head_dim,
+        "num_attention_heads": q_rows // head_dim, "num_key_value_heads": kv_rows // head_dim,
+        "tie_word_embeddings": "lm_head.weight" not in tensors,
+        "torch_dtype": tensors["model.embed_tokens.weight"][1],
+    }
+    experts = {int(m.group(1)) for n in tensors if (m := re.match(r"model\.layers\.\d+\.mlp\.experts\.(\d+)\.", n))}
+    if experts:
+        moe = sorted({int(m.group(1)) for n in tensors if (m := re.match(r"model\.layers\.(\d+)\.mlp\.experts\.", n))})
+        cfg.update(model_type="qwen3_moe", num_experts=len(experts),
+                   moe_intermediate_size=shape(f"model.layers.{moe[0]}.mlp.experts.0.gate_proj.weight")[0],
+                   mlp_only_layers=[l for l in range(layers) if l not in moe])
+        dense = [l for l in range(layers) if l not in moe]
+        if dense:
+            cfg["intermediate_size"] = shape(f"model.layers.{dense[0]}.mlp.gate_proj.weight")[0]
+    else:
+        cfg.update(model_type="qwen3", intermediate_size=shape("model.layers.0.mlp.gate_proj.weight")[0])
+    return cfg
+
+
+def check_checkpoint(spec: ModelSpec, tensors: CheckpointTensors, where: str) -> None:
+    """Refuse a checkpoint whose tensors differ from the spec: name the first difference."""
+    expected = {t.name: (t.shape, spec[t.tensor].dtype) for t in spec.hf_tensors()}
+    check_tensor_table({n: (shape, dtype) for n, (shape, dtype, _) in tensors.items()}, expected, where)
+
+
+def spec_from_dir(directory: str) -> ModelSpec:
+    """Spec of the model in ``directory``: from its config.json, checked against (or, without one,
+    inferred from) the safetensors headers.  No tensor data is read."""
+    cfg_path = os.path.join(directory, "config.json")
+    tensors = checkpoint_tensors(directory)
+    if os.path.exists(cfg_path):
+        hf_cfg = _read_json(cfg_path)
+    elif tensors:
+        hf_cfg = config_from_headers(tensors)
+    else:
+        raise RefitError(f"{directory}: neither config.json nor *.safetensors found")
+    if tensors and "torch_dtype" not in hf_cfg and "dtype" not in hf_cfg:
+        hf_cfg["torch_dtype"] = next(iter(tensors.values()))[1]
+    spec = build_spec(os.path.basename(os.path.normpath(directory)), ModelConfig.from_hf(hf_cfg))
+    if tensors:
+        check_checkpoint(spec, tensors, directory)
+    return spec
+
+
+def load_spec(model: str) -> ModelSpec:
+    """A catalog name (``qwen3-30b-moe``) or a directory with config.json and/or safetensors."""
+    if model in CATALOG:
+        return build_spec(model, ModelConfig.from_hf(CATALOG[model]))
+    if os.path.isdir(model):
+        return spec_from_dir(model)
+    raise RefitError(f"unknown model {model!r}: not a directory, and not one of {', '.join(CATALOG)}")
+
+
+def hf_config(model: str, spec: ModelSpec) -> dict[str, Any]:
+    """config.json for an HF output of ``model``: the input directory's own, else the catalog
+    entry's, with the ``architectures`` transformers needs to load it."""
+    path = os.path.join(model, "config.json")
+    if os.path.isdir(model) and os.path.exists(path):
+        return _read_json(path)
+    cfg = dict(CATALOG.get(model, {}))
+    cfg.setdefault("architectures", [HF_ARCHITECTURES[spec.config.arch]])
+    return cfg
+
+
+def _read_json(path: str) -> dict[str, Any]:
+    """A JSON object from ``path``; anything else is one line of `RefitError`, not a traceback."""
+    try:
+        with open(path) as f:
+            data = json.load(f)
+    except OSError as e:
+        raise RefitError(f"{path}: cannot read it: {e.strerror or e}") from None
+    except (ValueError, RecursionError) as e:
+        raise RefitError(f"{path}: not JSON: {str(e)[:120]}") from None
+    if not isinstance(data, dict):
+        raise RefitError(f"{path}: not a JSON object")
+    return data
