@@ -34,6 +34,8 @@ from typing import NamedTuple
 
 import torch
 
+from refit.executor import table_copy
+
 Pair = tuple[torch.Tensor, torch.Tensor]  # (destination view, source view)
 
 
@@ -180,6 +182,8 @@ class CopyBatch:
                  dma: bool = False) -> None:
         self.peer = peer
         self.blocks = len(pairs)
+        self.device_index = pairs[0][0].device.index if pairs and pairs[0][0].is_cuda else None
+        self._table: "table_copy.TableCopy | None" = None
         pairs = merge(pairs) if do_merge else list(pairs)
         self.copies = len(pairs)
         self.nbytes = sum(d.numel() * d.element_size() for d, _ in pairs)
@@ -202,6 +206,11 @@ class CopyBatch:
         """Issue the copy-engine part on the CUDA stream handle ``stream``."""
         if not self.memcpys:
             return
+        if self._table is None and table_copy.enabled(self.memcpys):
+            self._table = table_copy.TableCopy(self.memcpys, self.device_index)
+        if self._table is not None:  # many small copies: one kernel over a table, not a call each
+            self._table.launch(stream)
+            return
         from cupy.cuda import runtime
 
         default = runtime.memcpyDefault  # unified addressing: the driver knows each pointer's device
@@ -218,5 +227,6 @@ class CopyBatch:
             torch._foreach_copy_(dsts, srcs)
 
     def __repr__(self) -> str:
-        return (f"CopyBatch({self.blocks} blocks -> {self.copies} copies, {len(self.memcpys)} memcpys, "
+        how = f"{len(self.memcpys)} memcpys" + (f" as one table kernel of {self._table.n} pieces" if self._table else "")
+        return (f"CopyBatch({self.blocks} blocks -> {self.copies} copies, {how}, "
                 f"{self.nbytes} bytes)")
