@@ -96,6 +96,9 @@ class TableCopy:
         self.n = len(rows)
         with cupy.cuda.Device(index):
             self.table = cupy.asarray([v for row in rows for v in row], dtype=cupy.uint64)
+            # The upload ran on cupy's stream; `launch` runs on another (non-blocking) one, which
+            # would not wait for it.  Built once per plan, so a full sync here costs nothing later.
+            cupy.cuda.runtime.deviceSynchronize()
             if index not in _KERNELS:
                 _KERNELS[index] = cupy.RawKernel(_SOURCE, "copy_table")
         self.blocks = max(1, min(self.n, 132 * 4))
