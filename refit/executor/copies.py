@@ -184,6 +184,7 @@ class CopyBatch:
         self.blocks = len(pairs)
         self.device_index = pairs[0][0].device.index if pairs and pairs[0][0].is_cuda else None
         self._table: "table_copy.TableCopy | None" = None
+        self._use_table: bool | None = None
         pairs = merge(pairs) if do_merge else list(pairs)
         self.copies = len(pairs)
         self.nbytes = sum(d.numel() * d.element_size() for d, _ in pairs)
@@ -202,13 +203,22 @@ class CopyBatch:
     def torch_pairs(self) -> int:
         return len(self._pairs)
 
-    def run_memcpys(self, stream: int) -> None:
-        """Issue the copy-engine part on the CUDA stream handle ``stream``."""
+    @property
+    def table(self) -> bool:
+        """Whether the memcpys run as one table kernel (`refit.executor.table_copy`)."""
+        if self._use_table is None:
+            self._use_table = bool(self.memcpys) and table_copy.enabled(self.memcpys)
+        return self._use_table
+
+    def run_memcpys(self, stream: int, device_index: int | None = None) -> None:
+        """Issue the copy-engine part on the CUDA stream handle ``stream`` (of device
+        ``device_index``, default the destination's; a table kernel runs on that device)."""
         if not self.memcpys:
             return
-        if self._table is None and table_copy.enabled(self.memcpys):
-            self._table = table_copy.TableCopy(self.memcpys, self.device_index)
-        if self._table is not None:  # many small copies: one kernel over a table, not a call each
+        if self.table:  # many small copies: one kernel over a table, not a call each
+            index = self.device_index if device_index is None else device_index
+            if self._table is None or self._table.index != index:
+                self._table = table_copy.TableCopy(self.memcpys, index)
             self._table.launch(stream)
             return
         from cupy.cuda import runtime

@@ -141,9 +141,12 @@ class CudaDevice:
             streams = self.pull_streams[batch.peer.index] = (here, torch.cuda.Stream(batch.peer))
         here, there = streams
         start = self._mark(here)
-        if self.pull_on == "src":  # the peer's copy engines push (still issued in our context there)
+        # A table kernel runs on the peer, which reads its own memory and writes ours: SM loads
+        # from a peer's CUDA IPC mapping fault (measured on 4x H200: cudaErrorIllegalAddress;
+        # the mapping lives in the peer device's context), stores to our own memory do not.
+        if self.pull_on == "src" or batch.table:  # the peer pushes (still issued in our context there)
             there.wait_event(_record(here))
-            batch.run_memcpys(there.cuda_stream)
+            batch.run_memcpys(there.cuda_stream, batch.peer.index)
             here.wait_event(_record(there))
         else:
             batch.run_memcpys(here.cuda_stream)  # pulled by our device's copy engines, in our context
