@@ -203,6 +203,19 @@ class CopyBatch:
     def torch_pairs(self) -> int:
         return len(self._pairs)
 
+    def table_pulls_here(self) -> bool:
+        """Whether this peer batch's table kernel can run on our own device, reading the peer
+        through our own mappings (`refit.executor.ipc_alias`); else it runs on the peer."""
+        if self._table is not None:
+            return self._table.index == self.device_index
+        if os.environ.get("REFIT_TABLE_PULL", "here") != "here":
+            return False
+        try:
+            self._table = table_copy.TableCopy(self.memcpys, self.device_index, alias_sources=True)
+        except LookupError:
+            return False
+        return True
+
     @property
     def table(self) -> bool:
         """Whether the memcpys run as one table kernel (`refit.executor.table_copy`)."""
@@ -218,7 +231,8 @@ class CopyBatch:
         if self.table:  # many small copies: one kernel over a table, not a call each
             index = self.device_index if device_index is None else device_index
             if self._table is None or self._table.index != index:
-                self._table = table_copy.TableCopy(self.memcpys, index)
+                pulled = self.peer is not None and self.peer.index != index
+                self._table = table_copy.TableCopy(self.memcpys, index, alias_sources=pulled)
             self._table.launch(stream)
             return
         from cupy.cuda import runtime
@@ -237,6 +251,6 @@ class CopyBatch:
             torch._foreach_copy_(dsts, srcs)
 
     def __repr__(self) -> str:
-        how = f"{len(self.memcpys)} memcpys" + (f" as one table kernel of {self._table.n} pieces" if self._table else "")
+        how = f"{len(self.memcpys)} memcpys" + (f" as one table kernel of {self._table.n} pieces on cuda:{self._table.index}" if self._table else "")
         return (f"CopyBatch({self.blocks} blocks -> {self.copies} copies, {how}, "
                 f"{self.nbytes} bytes)")

@@ -141,10 +141,11 @@ class CudaDevice:
             streams = self.pull_streams[batch.peer.index] = (here, torch.cuda.Stream(batch.peer))
         here, there = streams
         start = self._mark(here)
-        # A table kernel runs on the peer, which reads its own memory and writes ours: SM loads
-        # from a peer's CUDA IPC mapping fault (measured on 4x H200: cudaErrorIllegalAddress;
-        # the mapping lives in the peer device's context), stores to our own memory do not.
-        if self.pull_on == "src" or batch.table:  # the peer pushes (still issued in our context there)
+        # A table kernel reads the peer through our own second mapping of its memory when it can
+        # (`ipc_alias`); else it runs on the peer, which reads its own memory and writes ours: SM
+        # loads through torch's mapping fault here (measured on 4x H200: cudaErrorIllegalAddress;
+        # that mapping lives in the peer device's context).
+        if self.pull_on == "src" or (batch.table and not batch.table_pulls_here()):  # the peer pushes
             there.wait_event(_record(here))
             batch.run_memcpys(there.cuda_stream, batch.peer.index)
             here.wait_event(_record(there))

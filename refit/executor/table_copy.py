@@ -88,11 +88,24 @@ MIN_CALLS = 64
 class TableCopy:
     """The table of one batch on device ``index``; `launch` copies all of it on a stream."""
 
-    def __init__(self, memcpys: Sequence["Memcpy"], index: int) -> None:
+    def __init__(self, memcpys: Sequence["Memcpy"], index: int, alias_sources: bool = False) -> None:
+        """``alias_sources``: read sources through this device's own mappings of peer IPC memory
+        (`refit.executor.ipc_alias`); raises LookupError when one has none (the caller then
+        runs the table on the peer instead)."""
         import cupy
 
         self.index = index
         rows = table_rows(memcpys)
+        if alias_sources:
+            from refit.executor import ipc_alias
+
+            aliased = []
+            for d, dp, s, sp, w, h in rows:
+                a = ipc_alias.alias(s, index)
+                if a is None:
+                    raise LookupError(f"source 0x{s:x} has no mapping on cuda:{index}")
+                aliased.append((d, dp, a, sp, w, h))
+            rows = aliased
         self.n = len(rows)
         with cupy.cuda.Device(index):
             self.table = cupy.asarray([v for row in rows for v in row], dtype=cupy.uint64)

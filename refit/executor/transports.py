@@ -41,6 +41,7 @@ from typing import Any, Callable, Protocol
 import torch
 import torch.distributed as dist
 
+from refit.executor import ipc_alias
 from refit.executor.device import CudaDevice
 from refit.executor.shards import Shards
 
@@ -73,7 +74,11 @@ def import_arena(handle: bytes) -> torch.Tensor:
     kind, *rest = pickle.loads(handle)
     if kind == "cuda":
         rebuild, args = rest
-        return rebuild(*args)
+        arena = rebuild(*args)
+        _, _, _, _, _, _, _, handle, size, offset, *_ = args  # torch's rebuild_cuda_tensor arguments
+        if isinstance(handle, bytes):
+            ipc_alias.remember(arena.untyped_storage().data_ptr(), size - offset, handle, offset)
+        return arena
     path, nbytes = rest
     return torch.from_file(path, shared=True, size=nbytes, dtype=torch.uint8)
 
