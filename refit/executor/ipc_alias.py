@@ -39,6 +39,7 @@ def remember(start: int, nbytes: int, handle: bytes, offset: int) -> None:
     allocation that IPC ``handle`` exports."""
     raw = _raw_handle(handle)
     if raw is None or nbytes <= 0:
+        log.info("IPC handle of %d bytes (kind %r): no second mapping", len(handle), handle[:1])
         return
     with _lock:
         if start not in _maps:
