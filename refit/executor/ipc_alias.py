@@ -27,10 +27,13 @@ _aliases: dict[tuple[bytes, int], int] = {}  # (raw handle, device) -> base addr
 
 
 def _raw_handle(handle: bytes) -> bytes | None:
+    """The cudaIpcMemHandle_t inside torch's handle: torch 2.11 sends a version byte (2) and a
+    kind byte (``c``: a plain cudaMalloc block) before it (seen on the GPU machine)."""
     if len(handle) == _IPC_HANDLE_BYTES:
         return handle
-    if len(handle) == _IPC_HANDLE_BYTES + 1:  # torch's kind byte + the handle (plain cudaMalloc blocks)
-        return handle[1:]
+    kind_at = len(handle) - _IPC_HANDLE_BYTES - 1
+    if kind_at in (0, 1) and handle[kind_at:kind_at + 1] == b"c":
+        return handle[kind_at + 1:]
     return None  # expandable segments and other kinds: no second mapping, callers fall back
 
 
