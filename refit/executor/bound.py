@@ -23,8 +23,8 @@ from refit.executor.schedule import Program, Wire
 from refit.executor.topology import Endpoint
 from refit.executor.transports import Comm
 from refit.executor.values import TORCH_DTYPES, int_view
-from refit.regions import Block, slices
 from refit.dtypes import DTYPE_BYTES
+from refit.regions import Block, slices
 
 Remaining = Callable[[], float]  # seconds left in this refit; raises past the deadline or when abandoned
 
@@ -95,6 +95,15 @@ def _buffer_pairs(wire: Wire, buf: torch.Tensor, views: _Views, into_buffer: boo
     return pairs
 
 
+def _ring_distance(me: torch.device, peer: torch.device) -> tuple[int, str]:
+    """Round of a pull from ``peer``: round k reads the GPU k places ahead on the ring, so that
+    when every device issues its pulls in this order each GPU is read by one peer at a time."""
+    if me.type != "cuda" or peer.type != "cuda":
+        return (0, str(peer))
+    n = max(torch.cuda.device_count(), me.index + 1, peer.index + 1)
+    return ((peer.index - me.index) % n, str(peer))
+
+
 def bind(program: Program, tensors: dict[Endpoint, dict[str, torch.Tensor]], device: torch.device) -> Bound:
     """Make the views and staging buffers once; ``tensors`` holds, for every endpoint on the
     devices this member drives, its local tensors (own or mapped from a peer) and its gather
@@ -125,7 +134,7 @@ def bind(program: Program, tensors: dict[Endpoint, dict[str, torch.Tensor]], dev
             s_view = views.block(m.src_ep, m.src)
             by_device[s_view.device].append((views.block(m.dst_ep, m.dst), s_view))
         pulls = [CopyBatch(pairs, peer=dev if dev.type == "cuda" and dev != device else None, dma=dma)
-                 for dev, pairs in sorted(by_device.items(), key=lambda x: str(x[0]))]
+                 for dev, pairs in sorted(by_device.items(), key=lambda x: _ring_distance(device, x[0]))]
         stages.append(BoundStage(st.stage, CopyBatch(move_pairs, dma=dma), steps, pulls))
     return Bound(program, stages, [b for s in sets + rsets for b in s])
 

@@ -34,6 +34,8 @@ from typing import NamedTuple
 
 import torch
 
+from refit.executor import table_copy
+
 Pair = tuple[torch.Tensor, torch.Tensor]  # (destination view, source view)
 
 
@@ -180,6 +182,9 @@ class CopyBatch:
                  dma: bool = False) -> None:
         self.peer = peer
         self.blocks = len(pairs)
+        self.device_index = pairs[0][0].device.index if pairs and pairs[0][0].is_cuda else None
+        self._table: "table_copy.TableCopy | None" = None
+        self._use_table: bool | None = None
         pairs = merge(pairs) if do_merge else list(pairs)
         self.copies = len(pairs)
         self.nbytes = sum(d.numel() * d.element_size() for d, _ in pairs)
@@ -198,9 +203,37 @@ class CopyBatch:
     def torch_pairs(self) -> int:
         return len(self._pairs)
 
-    def run_memcpys(self, stream: int) -> None:
-        """Issue the copy-engine part on the CUDA stream handle ``stream``."""
+    def table_pulls_here(self) -> bool:
+        """Whether this peer batch's table kernel can run on our own device, reading the peer
+        through our own mappings (`refit.executor.ipc_alias`); else it runs on the peer."""
+        if self._table is not None:
+            return self._table.index == self.device_index
+        if os.environ.get("REFIT_TABLE_PULL", "here") != "here":
+            return False
+        try:
+            self._table = table_copy.TableCopy(self.memcpys, self.device_index, alias_sources=True)
+        except LookupError:
+            return False
+        return True
+
+    @property
+    def table(self) -> bool:
+        """Whether the memcpys run as one table kernel (`refit.executor.table_copy`)."""
+        if self._use_table is None:
+            self._use_table = bool(self.memcpys) and table_copy.enabled(self.memcpys)
+        return self._use_table
+
+    def run_memcpys(self, stream: int, device_index: int | None = None) -> None:
+        """Issue the copy-engine part on the CUDA stream handle ``stream`` (of device
+        ``device_index``, default the destination's; a table kernel runs on that device)."""
         if not self.memcpys:
+            return
+        if self.table:  # many small copies: one kernel over a table, not a call each
+            index = self.device_index if device_index is None else device_index
+            if self._table is None or self._table.index != index:
+                pulled = self.peer is not None and self.peer.index != index
+                self._table = table_copy.TableCopy(self.memcpys, index, alias_sources=pulled)
+            self._table.launch(stream)
             return
         from cupy.cuda import runtime
 
@@ -218,5 +251,6 @@ class CopyBatch:
             torch._foreach_copy_(dsts, srcs)
 
     def __repr__(self) -> str:
-        return (f"CopyBatch({self.blocks} blocks -> {self.copies} copies, {len(self.memcpys)} memcpys, "
+        how = f"{len(self.memcpys)} memcpys" + (f" as one table kernel of {self._table.n} pieces on cuda:{self._table.index}" if self._table else "")
+        return (f"CopyBatch({self.blocks} blocks -> {self.copies} copies, {how}, "
                 f"{self.nbytes} bytes)")

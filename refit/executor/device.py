@@ -80,6 +80,15 @@ class CudaDevice:
         self.copy_stream = torch.cuda.Stream(self.torch)
         self.comm_stream = torch.cuda.Stream(self.torch)
         self.pull_streams: dict[int, tuple[torch.cuda.Stream, torch.cuda.Stream]] = {}  # peer -> (here, there)
+        # How pulls from several peers share this device's inbound link.  "rounds" (default): one
+        # stream for all of them, issued in round order (`refit.executor.program.bind` sorts them
+        # by ring distance), so at any time each GPU reads one peer and is read by one.  "all":
+        # a stream per peer, all at once.  Measured on 4x H200 (a2a_probe): pulling from all
+        # peers at once halves the per-GPU inbound bandwidth (197 vs 383 GB/s in rounds).
+        self.pull_order = os.environ.get("REFIT_PULL_ORDER", "rounds")
+        if self.pull_order not in ("rounds", "all"):
+            raise ValueError(f"REFIT_PULL_ORDER must be rounds or all, not {self.pull_order!r}")
+        self._round_stream: torch.cuda.Stream | None = None
         # Which device's stream issues a pull's memcpys: "dst" (ours) or "src" (the peer's), for measurement.
         self.pull_on = os.environ.get("REFIT_PULL_ON", "dst")
         # REFIT_TRACE=1: time every batch with CUDA events and log the timeline after each refit.
@@ -122,14 +131,23 @@ class CudaDevice:
         streams = self.pull_streams.get(batch.peer.index)
         if streams is None:
             enable_peer_access(self.index, batch.peer.index)
-            here = torch.cuda.Stream(self.torch)
+            if self.pull_order == "rounds":  # one stream: the peers take turns, in issue order
+                if self._round_stream is None:
+                    self._round_stream = torch.cuda.Stream(self.torch)
+                here = self._round_stream
+            else:
+                here = torch.cuda.Stream(self.torch)
             here.wait_stream(self.copy_stream)  # begin() has ordered the copy stream after the fills
             streams = self.pull_streams[batch.peer.index] = (here, torch.cuda.Stream(batch.peer))
         here, there = streams
         start = self._mark(here)
-        if self.pull_on == "src":  # the peer's copy engines push (still issued in our context there)
+        # A table kernel reads the peer through our own second mapping of its memory when it can
+        # (`ipc_alias`); else it runs on the peer, which reads its own memory and writes ours: SM
+        # loads through torch's mapping fault here (measured on 4x H200: cudaErrorIllegalAddress;
+        # that mapping lives in the peer device's context).
+        if self.pull_on == "src" or (batch.table and not batch.table_pulls_here()):  # the peer pushes
             there.wait_event(_record(here))
-            batch.run_memcpys(there.cuda_stream)
+            batch.run_memcpys(there.cuda_stream, batch.peer.index)
             here.wait_event(_record(there))
         else:
             batch.run_memcpys(here.cuda_stream)  # pulled by our device's copy engines, in our context

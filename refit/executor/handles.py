@@ -26,6 +26,7 @@ import re
 from typing import Any, Callable
 
 from refit.errors import RefitError
+from refit.executor import ipc_alias
 
 NCCL_ID_BYTES = 128
 MAX_HANDLE_BYTES = 16 << 20  # far above any real value (an expandable-segments CUDA handle lists one
@@ -198,7 +199,11 @@ def open_cuda(f: dict[str, Any]) -> Any:
     from torch.multiprocessing.reductions import rebuild_cuda_tensor
 
     cls = torch.nn.Parameter if f["tensor_cls"] == "Parameter" else torch.Tensor
-    return rebuild_cuda_tensor(
+    tensor = rebuild_cuda_tensor(
         cls, torch.Size(f["size"]), f["stride"], f["offset"], torch.storage.TypedStorage, getattr(torch, f["dtype"]),
         f["device"], f["handle"], f["storage_size_bytes"], f["storage_offset_bytes"], f["requires_grad"],
         f["ref_counter_handle"], f["ref_counter_offset"], f["event_handle"], f["event_sync_required"])
+    # Kernels on other devices read this memory through a second mapping of their own (ipc_alias).
+    ipc_alias.remember(tensor.untyped_storage().data_ptr(), f["storage_size_bytes"], f["handle"],
+                       f["storage_offset_bytes"])
+    return tensor

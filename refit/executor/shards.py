@@ -25,12 +25,21 @@ ALIGN = 512  # bytes; keeps every view aligned for any dtype and for vectorised 
 SENTINEL = 0xA5  # destination bytes before the first refit
 
 
-def arena_offsets(tensors: Sequence[LocalTensor]) -> tuple[dict[str, int], int]:
-    """Byte offset of each local tensor in the arena, and the arena size (deterministic)."""
+def arena_offsets(tensors: Sequence[LocalTensor], scattered: bool | None = None) -> tuple[dict[str, int], int]:
+    """Byte offset of each local tensor in the arena, and the arena size (deterministic, so a
+    peer rebuilds the views from the layout alone).
+
+    ``scattered`` (default: ``REFIT_ALLOC=framework``) lays the tensors out the way frameworks
+    leave them rather than packed in layout order: in reverse order (Megatron's DDP buffers hold
+    parameters in reverse) with irregular gaps between them (separate allocations, as vLLM makes
+    one per parameter).  Then equal blocks of neighbouring tensors no longer sit at evenly spaced
+    addresses, so copies cannot be merged across tensors — the case a real refit meets."""
+    if scattered is None:
+        scattered = os.environ.get("REFIT_ALLOC", "arena") == "framework"
     offsets, pos = {}, 0
-    for lt in tensors:
+    for i, lt in enumerate(reversed(tensors) if scattered else tensors):
         offsets[lt.name] = pos
-        pos += -(-lt.nbytes // ALIGN) * ALIGN
+        pos += -(-lt.nbytes // ALIGN) * ALIGN + (ALIGN * (1 + i * 7 % 5) if scattered else 0)
     return offsets, max(pos, ALIGN)
 
 
