@@ -87,6 +87,9 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     p.add_argument("--bucket-mb", type=float, default=None, help="bucket size in MiB (default 256 on GPU, 1 on CPU)")
     p.add_argument("--vs", choices=["broadcast", "p2p"], default=None, help="also run this planner and compare")
     p.add_argument("--json", action="store_true", help="print one JSON object instead of the table")
+    p.add_argument("--alloc", default="framework", choices=["framework", "arena"],
+                   help="how shards are allocated: framework (default: as Megatron/vLLM leave parameters, so "
+                        "blocks of neighbouring tensors do not merge) or arena (packed, merges into few copies)")
     p.add_argument("--transport", default="auto", choices=["auto", "nccl", "gloo", "ipc"],
                    help="between devices: auto (default: ipc on one host's peer-capable GPUs, else "
                         "nccl; gloo on CPU), nccl/gloo (the communicator of the device kind), ipc")

@@ -33,7 +33,8 @@ def run_direct(args: argparse.Namespace, spec: ModelSpec, plans: list[Any], devi
     job = Job("", spec, first.src, first.dst, topo, tuple(phases), device=device, timeout_s=args.timeout,
               link_bytes=int(link_mb * MiB), kill=kill, hang=hang,
               log_level=logging.INFO if args.verbose else logging.WARNING,
-              transport="ipc" if transport == "ipc" else "comm")
+              transport="ipc" if transport == "ipc" else "comm", alloc=args.alloc)
+    a2a = _measure_a2a(first.plan.placement.num_gpus, args.link_mb) if device == "cuda" else {}
 
     try:
         from tqdm import tqdm
@@ -47,15 +48,35 @@ def run_direct(args: argparse.Namespace, spec: ModelSpec, plans: list[Any], devi
                     bar.update(1)
             results = run_job(job, on_progress=progress)
     timed = [[rf.timed for rf in ph.refits] for ph in phases]
-    return report(spec, plans, timed, results, device, reduced, len(topo.members), int(link_mb * MiB), transport)
+    return report(spec, plans, timed, results, device, reduced, len(topo.members), int(link_mb * MiB), transport,
+                  a2a, args.alloc)
+
+
+def _measure_a2a(gpus: int, link_mb: float | None) -> dict[str, Any]:
+    """The all-to-all primitives among the run's GPUs (`refit.a2a_floor`), measured in this
+    process before the workers start; empty on one GPU or without cupy."""
+    try:
+        from refit.a2a_floor import measure
+    except ImportError:
+        return {}
+    nbytes = int((link_mb if link_mb is not None else 256) * MiB)
+    try:
+        gbps = measure(list(range(gpus)), nbytes)
+    except ImportError:
+        return {}
+    return {"bytes_per_pair": nbytes, "gbps": gbps} if gbps else {}
 
 
 def report(spec: ModelSpec, plans: list[Any], timed: list[list[bool]], results: list[Any], device: str,
            reduced: dict[str, list[int]] | None, processes: int, link_bytes: int,
-           transport: str | None = None) -> dict[str, Any]:
-    """Everything the table prints, as one JSON-able dict."""
+           transport: str | None = None, a2a: dict[str, Any] | None = None, alloc: str = "arena") -> dict[str, Any]:
+    """Everything the table prints, as one JSON-able dict.  The floor is the largest per-device
+    remote volume over the best all-to-all primitive measured among the run's GPUs (``a2a``: copy
+    engines in rounds, NCCL), else over the link between the first two devices (CPU)."""
     link_s = next((w.link_seconds for w in results if w.link_seconds), None)
     link_gbps = link_bytes / link_s / 1e9 if link_s else None
+    best = max(a2a["gbps"].values()) if a2a else None
+    floor_gbps = best or link_gbps
     first = plans[0]
     itemsize = DTYPE_BYTES[spec.config.dtype]
     out: dict[str, Any] = {
@@ -66,7 +87,9 @@ def report(spec: ModelSpec, plans: list[Any], timed: list[list[bool]], results: 
         "params": spec.num_params, "model_bytes": spec.nbytes,
         "link": {"bytes": link_bytes, "seconds": link_s, "gbps": link_gbps,
                  "what": ("NCCL" if device == "cuda" else "gloo") + " send/recv between the first two devices"},
-        "runs": [],
+        "a2a": a2a or None, "floor_gbps": floor_gbps,
+        "floor_what": "best all-to-all primitive among the run's GPUs" if best else "link between the first two devices",
+        "alloc": alloc, "runs": [],
     }
     for i, r in enumerate(plans):
         s = r.summary
@@ -77,7 +100,7 @@ def report(spec: ModelSpec, plans: list[Any], timed: list[list[bool]], results: 
         moved = s["remote_bytes"] + s["local_bytes"]
         median = statistics.median(per_refit)
         floor_bytes = max(s["max_send_bytes"], s["max_recv_bytes"])
-        floor = floor_bytes / (link_gbps * 1e9) if link_gbps and floor_bytes else None
+        floor = floor_bytes / (floor_gbps * 1e9) if floor_gbps and floor_bytes else None
         peaks = [p.peak_extra_bytes for p in phase if p.peak_extra_bytes is not None]
         staging = max(p.staging_bytes + p.gather_bytes for p in phase)
         out["runs"].append({
@@ -124,6 +147,12 @@ def table(r: dict[str, Any]) -> str:
     link = r["link"]
     lines.append(f"link: {link['gbps']:.2f} GB/s ({link['what']}, {_size(link['bytes'])} messages)" if link["gbps"]
                  else "link: not measured (no remote bytes between two devices)")
+    if r.get("a2a"):
+        g = r["a2a"]["gbps"]
+        lines.append(f"all-to-all among the {r['gpus_used']} GPUs, per GPU in: copy engines in rounds "
+                     f"{g['ce_rounds']:.1f} GB/s, NCCL {g['nccl']:.1f} GB/s ({_size(r['a2a']['bytes_per_pair'])} "
+                     f"per pair); the floor uses the faster")
+    lines.append(f"shards allocated {'as frameworks do (one buffer per parameter set, reverse order, gaps)' if r.get('alloc') == 'framework' else 'packed in one arena per endpoint'}")
     lines.append("")
     head = f"{'planner':<10} {'median s':>9} {'min s':>9} {'max s':>9} {'GB/s':>8} {'floor s':>9} {'x floor':>8} {'extra mem/proc':>15}  verified"
     lines.append(head)
@@ -145,10 +174,10 @@ def table(r: dict[str, Any]) -> str:
                      f"{run['blocks']} blocks -> {run['copies']} copies per refit"
                      + (f" ({run['memcpys']} copy-engine memcpys)" if run.get("memcpys") else ""))
     lines.append("GB/s = plan bytes moved (remote + local, each byte once) / median seconds; floor = largest "
-                 "per-device remote bytes (send or receive) / link GB/s measured in this run; extra mem = "
-                 + r["runs"][0]["peak_extra_what"] + ", largest process"
-                 + ("; transport ipc: the floor still uses the communicator's measured link, and buckets "
-                    "between devices are direct peer reads (no staging)" if r["transport"] == "ipc" else ""))
+                 f"per-device remote bytes (send or receive) / {r.get('floor_what', 'link')} measured in this run; "
+                 "extra mem = " + r["runs"][0]["peak_extra_what"] + ", largest process"
+                 + ("; transport ipc: buckets between devices are direct peer reads (no staging)"
+                    if r["transport"] == "ipc" else ""))
     return "\n".join(lines)
 
 

@@ -66,6 +66,9 @@ class Job:
     hang: bool = False  # test hook: the `kill` victim stops itself (SIGSTOP) instead of dying
     store_port: int = 0
     log_level: int = logging.WARNING
+    # "framework": shards laid out as frameworks leave parameters (reverse order, irregular gaps:
+    # blocks of neighbouring tensors do not merge); "arena": packed in layout order (they do).
+    alloc: str = "framework"
     transport: str = "comm"  # "comm": NCCL (GPU) / gloo (CPU) between devices; "ipc": direct reads
 
 
@@ -125,11 +128,11 @@ class Session:
         self.shards: dict[Endpoint, Shards] = {}
         for ep in self.mine:  # a CPU shard another process reads lives in /dev/shm
             shm = self.shm_path(ep) if job.device == "cpu" and shares(topo, self.member, ep, ipc) else None
-            self.shards[ep] = allocate(self.locals_of(ep), torch.device(device), shm)
+            self.shards[ep] = allocate(self.locals_of(ep), torch.device(device), shm, job.alloc == "framework")
         names = [topo.describe_member(m) for m in range(len(topo.members))]
         store = connect("127.0.0.1", job.store_port, job.session, job.timeout_s)
         self.m = Member(store, topo, self.member, device, self.shards, job.spec, job.src, job.dst, names,
-                        Budget(job.timeout_s, "set-up"), ipc=ipc)
+                        Budget(job.timeout_s, "set-up"), ipc=ipc, scattered=job.alloc == "framework")
         self.device = self.m.device
         self.report("setup")
 

@@ -104,9 +104,10 @@ class Member:
 
     def __init__(self, store: dist.Store, topology: Topology, member: int, device: str, own: Mapping[Endpoint, Own],
                  spec: ModelSpec, src: Layout, dst: Layout, names: Sequence[str], remaining: Remaining,
-                 ipc: bool = False, host: str = "127.0.0.1") -> None:
+                 ipc: bool = False, host: str = "127.0.0.1", scattered: bool = False) -> None:
+        """``scattered``: peers' arenas are laid out framework-style (`refit.executor.shards.arena_offsets`)."""
         self.store, self.topo, self.member, self.names = store, topology, member, list(names)
-        self.spec, self.src, self.dst, self.ipc = spec, src, dst, ipc
+        self.spec, self.src, self.dst, self.ipc, self.scattered = spec, src, dst, ipc, scattered
         self.name = self.names[member]
         self.cuda = device.startswith("cuda")
         self.device: Device = make_device("cuda" if self.cuda else "cpu", torch.device(device).index or 0)
@@ -169,7 +170,7 @@ class Member:
             layout = self.src if ep[0] == "src" else self.dst
             arena = shared
             self.imported.append(arena)
-            out = views(arena, list(layout.local_tensors(self.spec, ep[1])))
+            out = views(arena, list(layout.local_tensors(self.spec, ep[1])), self.scattered)
         if arena is not None and arena.is_cuda and arena.device != self.device.torch:
             self.peer_devices.add(arena.device.index)
         return out

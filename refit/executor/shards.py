@@ -25,17 +25,15 @@ ALIGN = 512  # bytes; keeps every view aligned for any dtype and for vectorised 
 SENTINEL = 0xA5  # destination bytes before the first refit
 
 
-def arena_offsets(tensors: Sequence[LocalTensor], scattered: bool | None = None) -> tuple[dict[str, int], int]:
+def arena_offsets(tensors: Sequence[LocalTensor], scattered: bool = False) -> tuple[dict[str, int], int]:
     """Byte offset of each local tensor in the arena, and the arena size (deterministic, so a
     peer rebuilds the views from the layout alone).
 
-    ``scattered`` (default: ``REFIT_ALLOC=framework``) lays the tensors out the way frameworks
+    ``scattered`` lays the tensors out the way frameworks
     leave them rather than packed in layout order: in reverse order (Megatron's DDP buffers hold
     parameters in reverse) with irregular gaps between them (separate allocations, as vLLM makes
     one per parameter).  Then equal blocks of neighbouring tensors no longer sit at evenly spaced
     addresses, so copies cannot be merged across tensors — the case a real refit meets."""
-    if scattered is None:
-        scattered = os.environ.get("REFIT_ALLOC", "arena") == "framework"
     offsets, pos = {}, 0
     for i, lt in enumerate(reversed(tensors) if scattered else tensors):
         offsets[lt.name] = pos
@@ -43,9 +41,9 @@ def arena_offsets(tensors: Sequence[LocalTensor], scattered: bool | None = None)
     return offsets, max(pos, ALIGN)
 
 
-def views(arena: torch.Tensor, tensors: Sequence[LocalTensor]) -> dict[str, torch.Tensor]:
+def views(arena: torch.Tensor, tensors: Sequence[LocalTensor], scattered: bool = False) -> dict[str, torch.Tensor]:
     """The local tensors as views of ``arena`` (uint8, laid out by `arena_offsets`)."""
-    offsets, total = arena_offsets(tensors)
+    offsets, total = arena_offsets(tensors, scattered)
     if arena.numel() < total:
         raise ValueError(f"arena of {arena.numel()} bytes is smaller than the {total} its layout needs")
     out = {}
@@ -70,17 +68,19 @@ class Shards:
         return self.arena.numel()
 
 
-def allocate(tensors: Sequence[LocalTensor], device: torch.device, shm_path: str | None = None) -> Shards:
+def allocate(tensors: Sequence[LocalTensor], device: torch.device, shm_path: str | None = None,
+             scattered: bool = False) -> Shards:
     """Allocate an arena on ``device``.  With ``shm_path`` (CPU only) the arena is a shared
-    mapping of that file, so a process on the same "device" can map it too."""
-    _, total = arena_offsets(tensors)
+    mapping of that file, so a process on the same "device" can map it too.  ``scattered``: lay it
+    out as frameworks leave their parameters (`arena_offsets`)."""
+    _, total = arena_offsets(tensors, scattered)
     if shm_path is not None:
         if device.type != "cpu":
             raise ValueError("shm_path is for CPU arenas; CUDA arenas are shared through CUDA IPC")
         arena = torch.from_file(shm_path, shared=True, size=total, dtype=torch.uint8)
     else:
         arena = torch.empty(total, dtype=torch.uint8, device=device)
-    return Shards(list(tensors), arena, views(arena, tensors), shm_path)
+    return Shards(list(tensors), arena, views(arena, tensors, scattered), shm_path)
 
 
 def fill_source(shards: Shards, spec: ModelSpec, seed: int) -> None:
