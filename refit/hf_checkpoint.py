@@ -42,11 +42,13 @@ def read_safetensors_header(path: str) -> dict[str, dict[str, Any]]:
         with open(path, "rb") as f:
             raw = f.read(8)
             if len(raw) != 8:
-                raise RefitError(f"{path}: not a safetensors file ({size} bytes)")
+                raise RefitError(f"{path}: not a safetensors file (too short: {size} bytes)")
             (n,) = struct.unpack("<Q", raw)
             if n > MAX_HEADER_BYTES or 8 + n > size:
                 raise RefitError(f"{path}: not a safetensors file, or truncated (a header of {n} bytes in {size})")
             header = json.loads(f.read(n))
+    except RefitError:  # a ValueError too: not to be re-worded below
+        raise
     except OSError as e:
         raise RefitError(f"{path}: cannot read: {e.strerror or e}") from None
     except (ValueError, RecursionError) as e:  # JSONDecodeError, UnicodeDecodeError, nesting
