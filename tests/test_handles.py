@@ -29,8 +29,10 @@ def test_round_trips() -> None:
     many = handles.decode(handles.encode("tensors", {"tensors": {"layers.0.w": CUDA, "b": {**CUDA, "event_handle": None}}}),
                           "tensors")
     assert many["tensors"]["b"]["event_handle"] is None and many["tensors"]["layers.0.w"]["dtype"] == "bfloat16"
-    uid = tuple((i * 37) % 256 - 128 for i in range(128))  # signed C chars, as cupy gives them
-    assert handles.nccl_id(handles.nccl_handle(uid)) == uid
+    uid = tuple((i * 37) % 256 - 128 for i in range(128))  # signed C chars, as older cupy gives them
+    assert handles.nccl_id(handles.nccl_handle(uid), like=uid) == uid
+    raw = bytes((i * 37) % 256 for i in range(128))  # bytes, as cupy 14 gives them (GPU machine)
+    assert handles.nccl_id(handles.nccl_handle(raw), like=raw) == raw
 
 
 @pytest.mark.parametrize("value,match", [

@@ -168,10 +168,12 @@ def nccl_handle(unique_id: tuple[int, ...] | bytes) -> bytes:
     return encode("nccl", {"id": b64(raw)})
 
 
-def nccl_id(data: bytes) -> tuple[int, ...]:
-    """The unique id as cupy's ``NcclCommunicator`` takes it: signed C chars."""
+def nccl_id(data: bytes, like: tuple[int, ...] | bytes = b"") -> tuple[int, ...] | bytes:
+    """The unique id as cupy's ``NcclCommunicator`` takes it, in the form of ``like`` (what this
+    cupy's ``get_unique_id`` returns): bytes (cupy 14, seen on the GPU machine) or a tuple of
+    signed C chars (older cupy)."""
     raw = decode(data, "nccl")["id"]
-    return tuple(b - 256 if b > 127 else b for b in raw)
+    return raw if isinstance(like, bytes) else tuple(b - 256 if b > 127 else b for b in raw)
 
 
 def cuda_fields(tensor: Any) -> dict[str, Any]:

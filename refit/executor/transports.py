@@ -194,9 +194,10 @@ class CupyNcclComm(_NcclBase):
             raise RuntimeError("the GPU transport needs cupy with NCCL (pip install cupy-cuda13x), "
                                "or set REFIT_NCCL=torch") from e
         self.nccl = nccl
+        mine = nccl.get_unique_id()  # also tells which form this cupy takes
         if rank == 0:
-            store.set("nccl_unique_id", handles.nccl_handle(nccl.get_unique_id()))
-        uid = handles.nccl_id(store.get("nccl_unique_id"))  # blocks until rank 0 has published it
+            store.set("nccl_unique_id", handles.nccl_handle(mine))
+        uid = handles.nccl_id(store.get("nccl_unique_id"), like=mine)  # blocks until rank 0 has published it
         with cupy.cuda.Device(device.index):
             self.comm = nccl.NcclCommunicator(size, uid, rank)
         self.uint8 = getattr(nccl, "NCCL_UINT8", 1)
