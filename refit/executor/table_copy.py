@@ -22,6 +22,7 @@ PIECE_BYTES = 256 << 10
 THREADS = 512
 
 _SOURCE = r"""
+#define UNROLL 4
 extern "C" __global__ void copy_table(const unsigned long long* __restrict__ t, long long n) {
     // t: n rows of (dst, dpitch, src, spitch, width, height), addresses and bytes.
     for (long long r = blockIdx.x; r < n; r += gridDim.x) {
@@ -30,10 +31,27 @@ extern "C" __global__ void copy_table(const unsigned long long* __restrict__ t, 
         const char* src = (const char*)d[2];
         unsigned long long dp = d[1], sp = d[3], w = d[4], h = d[5];
         if ((((unsigned long long)dst | (unsigned long long)src | dp | sp | w) & 15) == 0) {
+            // UNROLL loads in flight per thread before the stores: reads of a peer over NVLink
+            // take microseconds each, so bandwidth needs many outstanding loads.
             unsigned long long words = w >> 4, total = words * h;
-            for (unsigned long long i = threadIdx.x; i < total; i += blockDim.x) {
-                unsigned long long row = i / words, col = i - row * words;
-                ((uint4*)(dst + row * dp))[col] = ((const uint4*)(src + row * sp))[col];
+            for (unsigned long long base = threadIdx.x; base < total; base += UNROLL * blockDim.x) {
+                uint4 v[UNROLL];
+                #pragma unroll
+                for (int k = 0; k < UNROLL; k++) {
+                    unsigned long long i = base + k * blockDim.x;
+                    if (i < total) {
+                        unsigned long long row = i / words, col = i - row * words;
+                        v[k] = ((const uint4*)(src + row * sp))[col];
+                    }
+                }
+                #pragma unroll
+                for (int k = 0; k < UNROLL; k++) {
+                    unsigned long long i = base + k * blockDim.x;
+                    if (i < total) {
+                        unsigned long long row = i / words, col = i - row * words;
+                        ((uint4*)(dst + row * dp))[col] = v[k];
+                    }
+                }
             }
         } else {
             unsigned long long total = w * h;
