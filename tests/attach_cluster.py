@@ -80,6 +80,29 @@ class Engines:
             a.data_plane.close()
 
 
+def make_hf_model(cls_name: str, seed: int = 0, **cfg: Any) -> torch.nn.Module:
+    """A tiny transformers model in bf16 whose every parameter holds random values (norms included)."""
+    import transformers
+
+    config_cls = getattr(transformers, cls_name.replace("ForCausalLM", "Config"))
+    torch.manual_seed(seed)
+    model = getattr(transformers, cls_name)(config_cls(**cfg)).to(torch.bfloat16)
+    with torch.no_grad():
+        for p in model.parameters():
+            p.normal_()
+    return model
+
+
+def train_step(model: torch.nn.Module, seed: int) -> None:
+    """One real optimizer step: the parameters change in place."""
+    torch.manual_seed(seed)
+    x = torch.randint(0, model.config.vocab_size, (2, 6))
+    loss = model(x).logits.float().pow(2).mean()
+    loss.backward()
+    torch.optim.SGD(model.parameters(), lr=0.5).step()
+    model.zero_grad(set_to_none=True)
+
+
 # ------------------------------------------------------------------------------------------------
 # Trainer processes
 

@@ -16,7 +16,7 @@ from refit.errors import RefitError
 from refit.integrations import hf as refit_hf
 from refit.layouts import HFLayout
 from refit.spec import load_spec
-from tests.attach_cluster import Engines, expected_engine_tensors
+from tests.attach_cluster import Engines, expected_engine_tensors, make_hf_model as make, train_step
 
 transformers = pytest.importorskip("transformers")
 warnings.filterwarnings("ignore", module="transformers")
@@ -30,17 +30,6 @@ LLAMA = dict(hidden_size=64, num_hidden_layers=2, num_attention_heads=4, num_key
              intermediate_size=96, vocab_size=129, tie_word_embeddings=False, dtype="bfloat16")
 
 
-def make(cls_name: str, seed: int = 0, **cfg) -> torch.nn.Module:
-    """A tiny model in bf16 whose every parameter holds random values (norms included)."""
-    config_cls = getattr(transformers, cls_name.replace("ForCausalLM", "Config"))
-    torch.manual_seed(seed)
-    model = getattr(transformers, cls_name)(config_cls(**cfg)).to(torch.bfloat16)
-    with torch.no_grad():
-        for p in model.parameters():
-            p.normal_()
-    return model
-
-
 @pytest.fixture(scope="module")
 def server():
     s = ThreadedServer(default_timeout=30.0)
@@ -48,16 +37,6 @@ def server():
     yield s, client
     client.close()
     s.stop()
-
-
-def train_step(model: torch.nn.Module, seed: int) -> None:
-    """One real optimizer step: the parameters change in place."""
-    torch.manual_seed(seed)
-    x = torch.randint(0, model.config.vocab_size, (2, 6))
-    loss = model(x).logits.float().pow(2).mean()
-    loss.backward()
-    torch.optim.SGD(model.parameters(), lr=0.5).step()
-    model.zero_grad(set_to_none=True)
 
 
 def refit_and_check(client, model, agent, engines_by_layout, plans, version, tmp_path) -> None:
@@ -163,3 +142,24 @@ def test_attach_refuses_before_registering(server, cls_name, cfg, change, messag
     with pytest.raises(RefitError, match=__import__("re").escape(message)):
         refit_hf.attach(model, srv.address, group="refused")
     assert client.list_workers(group="refused") == []
+
+
+def test_refit_refused_when_parameters_moved(server) -> None:
+    """A parameter re-pointed after attach (``p.data = ...``, as ``model.to()`` or a wrapper that
+    moves parameters into its buffers does) would leave the agent serving stale memory: the next
+    refit fails, naming it, and the engines are told it failed."""
+    from refit.control.client import RefitFailed
+
+    srv, client = server
+    model = make("LlamaForCausalLM", **LLAMA)
+    agent = refit_hf.attach(model, srv.address, group="moved")
+    engines = Engines(srv.address, agent.spec, "vllm:tp1", group="moved-engine")
+    try:
+        plan = client.create_plan("moved", "moved-engine")["plan_id"]
+        assert client.refit(plan, version=1, timeout=60).ok
+        model.model.norm.weight.data = model.model.norm.weight.data.clone()
+        with pytest.raises(RefitFailed, match="'model.norm.weight' .* no longer lies where it did at attach"):
+            client.refit(plan, version=2, timeout=60)
+    finally:
+        agent.stop()
+        engines.close()
