@@ -1,6 +1,7 @@
 """`refit_megatron.attach` on real megatron-core GPTModels (local spec, Float16Module-wrapped, bf16)
 over a real gloo world of spawned ranks: Qwen3-MoE-like tp2 ep2 (SequentialMLP experts, dense and
-MoE layers) and Qwen2-like (tied embeddings, qkv bias) pp2 vpp2.  Values are placed by Megatron's
+MoE layers) under Megatron's DDP with the distributed optimizer (parameters served from DDP's
+buffers), and Qwen2-like (tied embeddings, qkv bias) pp2 vpp2.  Values are placed by Megatron's
 own ``sharded_state_dict`` (a function of checkpoint key and global index), so the reference HF
 tensors are built without refit's megatron layout or the integration's name mapping; the engines
 (vLLM layout, in this process) must equal refit's offline reshard of them bit for bit, before and
@@ -24,11 +25,21 @@ def megatron_trainer(rank: int, world: int, model: str, par: dict, address: str,
     install_cpu_shims()
     from refit.integrations import megatron as refit_megatron
 
+    par = dict(par)
+    ddp = par.pop("ddp", False)
     init_parallel(**par)
     spec = tiny_spec(model)
     chunks = build_gpt(spec, vpp=par.get("vpp"))
+    wrapped, buffers = chunks, set()
+    if ddp:  # Megatron's DDP with the distributed optimizer: parameters become views of its buffers
+        from megatron.core.distributed import DistributedDataParallel, DistributedDataParallelConfig
+
+        ddp_config = DistributedDataParallelConfig(use_distributed_optimizer=True)
+        wrapped = [DistributedDataParallel(c.module.config, ddp_config, c) for c in chunks]
+        buffers = {b.param_data.untyped_storage().data_ptr() for w in wrapped
+                   for b in w.buffers + w.expert_parallel_buffers}
     shapes = fill_by_placement(chunks, 1)
-    agent = refit_megatron.attach(chunks if par.get("vpp") else chunks[0], address, group=group, spec=spec)
+    agent = refit_megatron.attach(wrapped if par.get("vpp") else wrapped[0], address, group=group, spec=spec)
 
     def handle(cmd: str, arg):
         if cmd == "shapes":
@@ -36,9 +47,10 @@ def megatron_trainer(rank: int, world: int, model: str, par: dict, address: str,
         if cmd == "fill":  # the trainer's parameters rewritten in place (as an optimizer step does)
             fill_by_placement(chunks, arg)
             return None
-        if cmd == "views":
+        if cmd == "views":  # served from the parameters' own storage: DDP's buffers when wrapped
             params = {p.untyped_storage().data_ptr() for c in chunks for p in c.parameters()}
-            return {t.untyped_storage().data_ptr() for t in agent.tensors.values()} <= params
+            served = {t.untyped_storage().data_ptr() for t in agent.tensors.values()}
+            return served == params and (not ddp or served == buffers)
         if cmd == "layout":
             return agent.layout.describe()
         raise ValueError(cmd)
@@ -56,9 +68,9 @@ def server():
 
 
 @pytest.mark.parametrize("model,par,layout,engine_layout", [
-    ("tiny-qwen3-moe", dict(tp=2, ep=2, etp=1), "megatron:tp2ep2etp1dp1", "vllm:tp2"),
+    ("tiny-qwen3-moe", dict(tp=2, ep=2, etp=1, ddp=True), "megatron:tp2ep2etp1dp1", "vllm:tp2"),
     ("tiny-qwen2", dict(pp=2, vpp=2), "megatron:tp1pp2vpp2dp1", "vllm:tp2"),
-], ids=["qwen3-moe-tp2ep2", "qwen2-tied-pp2vpp2"])
+], ids=["qwen3-moe-tp2ep2-ddp", "qwen2-tied-pp2vpp2"])
 def test_megatron_attach_refit_bit_exact(server, tmp_path, model, par, layout, engine_layout) -> None:
     srv, client = server
     group = f"megatron-{model}"
