@@ -99,3 +99,67 @@ def test_megatron_attach_refit_bit_exact(server, tmp_path, model, par, layout, e
         trainers.close()
         if engines is not None:
             engines.close()
+
+
+def test_local_and_te_names() -> None:
+    """Local-spec names map onto the TE names of refit's megatron layout; TE names map to themselves."""
+    from refit.integrations.megatron import _local_name
+    from refit.layouts import resolve_layout
+
+    spec = tiny_spec("tiny-qwen3-moe")  # layer 1 dense, 0/2/3 MoE
+    layout = resolve_layout("megatron:tp2ep2", spec)
+    expected = {lt.name for lt in layout.local_tensors(spec, 0)}
+    cases = {
+        "decoder.layers.0.input_layernorm.weight": "decoder.layers.0.self_attention.linear_qkv.layer_norm_weight",
+        "decoder.layers.1.pre_mlp_layernorm.weight": "decoder.layers.1.mlp.linear_fc1.layer_norm_weight",
+        "decoder.layers.0.pre_mlp_layernorm.weight": "decoder.layers.0.pre_mlp_layernorm.weight",
+        "decoder.layers.0.mlp.experts.local_experts.3.linear_fc1.weight": "decoder.layers.0.mlp.experts.linear_fc1.weight3",
+        "decoder.layers.2.mlp.experts.local_experts.0.linear_fc2.weight": "decoder.layers.2.mlp.experts.linear_fc2.weight0",
+        "decoder.layers.1.mlp.linear_fc1.weight": "decoder.layers.1.mlp.linear_fc1.weight",
+    }
+    for local, te in cases.items():
+        assert _local_name("", local, expected) == te
+    for te in expected:  # TE-spec parameters (grouped GEMM weight{i} included) are refit's names already
+        assert _local_name("", te, expected) == te
+    assert _local_name("", "decoder.layers.0.mlp.experts.local_experts.4.linear_fc1.weight", expected) is None  # ep rank 1's
+    assert _local_name("", "decoder.layers.0.self_attention.linear_proj.bias", expected) is None
+
+
+def refusing_megatron_trainer(rank: int, world: int, address: str):
+    from tests.megatron_models import build_gpt, init_parallel, install_cpu_shims
+
+    install_cpu_shims()
+    from megatron.core import parallel_state as ps
+
+    from refit.errors import RefitError
+    from refit.integrations import megatron as refit_megatron
+
+    init_parallel()
+    messages = []
+    for model, spec_name, overrides in (("tiny-llama", "tiny-llama", dict(add_bias_linear=True)),
+                                        ("tiny-qwen3-moe", "tiny-qwen3-moe", dict(moe_router_enable_expert_bias=True,
+                                                                                 moe_router_score_function="sigmoid")),
+                                        ("tiny-llama", "tiny-qwen2", {})):
+        chunks = build_gpt(tiny_spec(model), **overrides)
+        try:
+            refit_megatron.attach(chunks[0], address, group="refused", spec=tiny_spec(spec_name))
+            messages.append("attached")
+        except RefitError as e:
+            messages.append(str(e))
+    ps.destroy_model_parallel()
+    return None, lambda cmd, arg: messages
+
+
+def test_megatron_attach_refusals(server) -> None:
+    srv, client = server
+    trainers = Trainers(1, refusing_megatron_trainer, srv.address)
+    try:
+        answers = trainers.ready()
+        assert all(a[0] == "ready" for a in answers), answers
+        bias, expert_bias, other_model = trainers.ask("messages")[0]
+        assert "parameter 'decoder.layers.0.self_attention.linear_proj.bias'" in bias and "add_bias_linear" in bias
+        assert "moe_router_enable_expert_bias" in expert_bias and "is True" in expert_bias
+        assert "megatron config" in other_model and "tiny-qwen2" in other_model
+        assert client.list_workers(group="refused") == []
+    finally:
+        trainers.close()
