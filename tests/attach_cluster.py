@@ -143,7 +143,7 @@ class Trainers:
             self.conns.append(parent)
             self.procs.append(p)
 
-    def ready(self, timeout: float = 180.0) -> list[Any]:
+    def ready(self, timeout: float = 300.0) -> list[Any]:
         """Each rank's answer: ("ready", spec) or ("error", message, traceback)."""
         out = []
         for c in self.conns:
@@ -151,7 +151,7 @@ class Trainers:
             out.append(c.recv())
         return out
 
-    def ask(self, cmd: str, arg: Any = None, timeout: float = 120.0) -> list[Any]:
+    def ask(self, cmd: str, arg: Any = None, timeout: float = 300.0) -> list[Any]:
         for c in self.conns:
             c.send((cmd, arg))
         out = []

@@ -41,7 +41,7 @@ def server():
 
 def refit_and_check(client, model, agent, engines_by_layout, plans, version, tmp_path) -> None:
     for plan in plans:
-        result = client.refit(plan, version=version, timeout=60)
+        result = client.refit(plan, version=version, timeout=180)
         assert result.ok, result
     ckpt = tmp_path / f"v{version}"
     model.save_pretrained(ckpt)  # transformers' own (fused -> per-expert) checkpoint

@@ -91,7 +91,7 @@ def test_megatron_attach_refit_bit_exact(server, tmp_path, model, par, layout, e
         for version in (1, 2):
             if version == 2:
                 trainers.ask("fill", version)
-            assert client.refit(plan, version=version, timeout=60).ok
+            assert client.refit(plan, version=version, timeout=180).ok
             write_hf(str(tmp_path / f"v{version}"), megatron_to_hf(shapes, spec, version))
             bad = engines.mismatches(expected_engine_tensors(spec, engine_layout, str(tmp_path / f"v{version}")))
             assert not bad, bad[:5]

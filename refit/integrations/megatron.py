@@ -27,6 +27,7 @@ each parameter).  The legacy ``GroupedMLP`` (``experts.weight1``), shared expert
 
 from __future__ import annotations
 
+import logging
 import re
 from typing import Any, Sequence
 
@@ -39,6 +40,8 @@ from refit.layouts import MegatronLayout
 from refit.spec import ModelSpec, load_spec
 
 __all__ = ["attach", "layout_from_parallel_state"]
+
+log = logging.getLogger(__name__)
 
 # local-spec name -> TE-spec name (refit's), tried when a name is not a local tensor as is
 _LOCAL_TO_TE = (
@@ -55,7 +58,13 @@ def attach(model: torch.nn.Module | Sequence[torch.nn.Module], address: str, *, 
     not) as rank (global rank) of ``group``; ``spec``: an HF directory, a catalog name or a
     `ModelSpec`.  Call on every rank.  Returns the started agent."""
     spec = spec if isinstance(spec, ModelSpec) else load_spec(spec)
-    chunks = [_unwrap(m) for m in (model if isinstance(model, (list, tuple)) else [model])]
+    wrappers = list(model) if isinstance(model, (list, tuple)) else [model]
+    if any(getattr(getattr(w, "ddp_config", None), "overlap_param_gather", False) for w in wrappers):
+        # The distributed optimizer then all-gathers updated parameters during the *next* forward:
+        # right after optimizer.step() the buffers hold other ranks' old shards.
+        log.warning("overlap_param_gather is on: before each refit, finish the parameter all-gather "
+                    "(model_chunk.start_param_sync(force_sync=True) on every chunk), or refits send stale shards")
+    chunks = [_unwrap(m) for m in wrappers]
     _check_config(chunks, spec)
     layout = layout_from_parallel_state(spec, chunks)
     rank = global_rank()
