@@ -65,7 +65,7 @@ def refuse_unmapped(unmapped: list[str], where: str, why: str = "") -> None:
 
 def check_dtypes(served: Mapping[str, "Served"], spec: ModelSpec) -> None:
     want = spec.config.dtype
-    for name, s in served.items():
+    for s in served.values():
         got = DTYPE_NAMES.get(s.view.dtype, str(s.view.dtype))
         if got != want:
             raise RefitError(f"parameter {s.param_name!r} is {got}, the model's config says {want}: refit moves bits "

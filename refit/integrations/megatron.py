@@ -20,8 +20,9 @@ differs in three places, mapped here:
 
 Values are the live parameters (``detach()``: a view, never a copy).  Under Megatron's DDP with
 the distributed optimizer every parameter's data is a view into DDP's contiguous param buffer, so
-they are served from that buffer (on GPU, CUDA IPC then maps the buffer's allocation once, not
-each parameter).  The legacy ``GroupedMLP`` (``experts.weight1``), shared experts, linear biases
+they are served from that buffer (checked on CPU).  On GPU the views share the buffer's one
+allocation, which torch's CUDA IPC exports and opens once per allocation, not per parameter (torch's
+mechanism; not exercised on a GPU by refit's tests).  The legacy ``GroupedMLP`` (``experts.weight1``), shared experts, linear biases
 (``add_bias_linear``) and router expert bias are refused, naming the parameter.
 """
 
