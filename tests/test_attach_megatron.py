@@ -1,7 +1,8 @@
 """`refit_megatron.attach` on real megatron-core GPTModels (local spec, Float16Module-wrapped, bf16)
 over a real gloo world of spawned ranks: Qwen3-MoE-like tp2 ep2 (SequentialMLP experts, dense and
 MoE layers) under Megatron's DDP with the distributed optimizer (parameters served from DDP's
-buffers), and Qwen2-like (tied embeddings, qkv bias) pp2 vpp2.  Values are placed by Megatron's
+buffers), Qwen2-like (tied embeddings, qkv bias) pp2 vpp2, and a dense Llama-like under DDP dp2
+(replicas: the plan reads each box from one of them).  Values are placed by Megatron's
 own ``sharded_state_dict`` (a function of checkpoint key and global index), so the reference HF
 tensors are built without refit's megatron layout or the integration's name mapping; the engines
 (vLLM layout, in this process) must equal refit's offline reshard of them bit for bit, before and
@@ -70,7 +71,8 @@ def server():
 @pytest.mark.parametrize("model,par,layout,engine_layout", [
     ("tiny-qwen3-moe", dict(tp=2, ep=2, etp=1, ddp=True), "megatron:tp2ep2etp1dp1", "vllm:tp2"),
     ("tiny-qwen2", dict(pp=2, vpp=2), "megatron:tp1pp2vpp2dp1", "vllm:tp2"),
-], ids=["qwen3-moe-tp2ep2-ddp", "qwen2-tied-pp2vpp2"])
+    ("tiny-llama", dict(tp=1, ddp=True), "megatron:tp1dp2", "vllm:tp2"),
+], ids=["qwen3-moe-tp2ep2-ddp", "qwen2-tied-pp2vpp2", "llama-dp2-ddp"])
 def test_megatron_attach_refit_bit_exact(server, tmp_path, model, par, layout, engine_layout) -> None:
     srv, client = server
     group = f"megatron-{model}"
