@@ -38,7 +38,8 @@ def spec_of_hf_config(config: Any, params: Mapping[str, torch.Tensor]) -> ModelS
     if dtype is None:
         dtypes = {p.dtype for p in params.values()}
         if len(dtypes) != 1:
-            raise RefitError(f"the model's parameters mix dtypes {sorted(map(str, dtypes))} and model.config names none")
+            raise RefitError(f"the model's parameters mix dtypes {sorted(map(str, dtypes))} "
+                             f"and model.config names none")
         dtype = dtypes.pop()
     cfg["dtype"] = DTYPE_NAMES.get(dtype, str(dtype)) if isinstance(dtype, torch.dtype) else dtype
     cfg.pop("torch_dtype", None)

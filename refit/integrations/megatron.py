@@ -22,8 +22,10 @@ Values are the live parameters (``detach()``: a view, never a copy).  Under Mega
 the distributed optimizer every parameter's data is a view into DDP's contiguous param buffer, so
 they are served from that buffer (checked on CPU).  On GPU the views share the buffer's one
 allocation, which torch's CUDA IPC exports and opens once per allocation, not per parameter (torch's
-mechanism; not exercised on a GPU by refit's tests).  The legacy ``GroupedMLP`` (``experts.weight1``), shared experts, linear biases
-(``add_bias_linear``) and router expert bias are refused, naming the parameter.
+mechanism; not exercised on a GPU by refit's tests).
+
+Refused, naming the parameter or setting: the legacy ``GroupedMLP`` (``experts.weight1``), shared
+experts, linear biases (``add_bias_linear``) and the router's expert bias.
 """
 
 from __future__ import annotations
@@ -46,7 +48,8 @@ log = logging.getLogger(__name__)
 
 # local-spec name -> TE-spec name (refit's), tried when a name is not a local tensor as is
 _LOCAL_TO_TE = (
-    (re.compile(r"^(decoder\.layers\.\d+\.)input_layernorm\.weight$"), r"\1self_attention.linear_qkv.layer_norm_weight"),
+    (re.compile(r"^(decoder\.layers\.\d+\.)input_layernorm\.weight$"),
+     r"\1self_attention.linear_qkv.layer_norm_weight"),
     (re.compile(r"^(decoder\.layers\.\d+\.)pre_mlp_layernorm\.weight$"), r"\1mlp.linear_fc1.layer_norm_weight"),
     (re.compile(r"^(decoder\.layers\.\d+\.mlp\.experts\.)local_experts\.(\d+)\.(linear_fc[12])\.weight$"),
      r"\1\3.weight\2"),
@@ -128,7 +131,8 @@ def _check_config(chunks: Sequence[torch.nn.Module], spec: ModelSpec) -> None:
     checks = [("num_layers", cfg.num_layers, c.num_layers), ("hidden_size", cfg.hidden_size, c.hidden_size),
               ("num_attention_heads", cfg.num_attention_heads, c.num_heads), ("num_query_groups", kv, c.num_kv_heads),
               ("kv_channels", cfg.kv_channels, c.head_dim), ("qk_layernorm", bool(cfg.qk_layernorm), c.qk_norm),
-              ("add_qkv_bias", bool(cfg.add_qkv_bias), c.qkv_bias), ("gated_linear_unit", bool(cfg.gated_linear_unit), True),
+              ("add_qkv_bias", bool(cfg.add_qkv_bias), c.qkv_bias),
+              ("gated_linear_unit", bool(cfg.gated_linear_unit), True),
               ("normalization", cfg.normalization, "RMSNorm"),
               ("share_embeddings_and_output_weights", bool(chunks[0].share_embeddings_and_output_weights),
                c.tie_embeddings),
