@@ -1,0 +1,124 @@
+"""What the trainer integrations share: the spec of a transformers config, the process's rank,
+the "nothing silently dropped" check, and a trainer agent serving live parameters.
+
+Live parameters.  The agent serves *views* of the parameters' storage (``detach()``, ``narrow``,
+``select``: never a copy), so a refit sends what the trainer holds when it runs.  A view stays
+right only while the parameter keeps its storage: a model moved (``.to("cuda")``), wrapped by a
+framework that re-points parameters into its own buffers (Megatron's DDP), or re-materialized
+after attach would leave the agent serving the old memory.  `LiveDataPlane` checks before every
+refit that each served view still lies where its parameter's data does, and refuses otherwise.
+"""
+
+from __future__ import annotations
+
+import logging
+from dataclasses import dataclass
+from typing import Any, Callable, Mapping
+
+import torch
+
+from refit.control.agent import TrainerAgent
+from refit.control.dataplane import RunContext
+from refit.control.dataplane_executor import ExecutorDataPlane
+from refit.errors import RefitError
+from refit.layouts import Layout
+from refit.plan import Plan
+from refit.spec import ModelConfig, ModelSpec, build_spec
+
+log = logging.getLogger(__name__)
+
+DTYPE_NAMES = {torch.bfloat16: "bfloat16", torch.float16: "float16", torch.float32: "float32"}
+
+
+def spec_of_hf_config(config: Any, params: Mapping[str, torch.Tensor]) -> ModelSpec:
+    """refit's spec of a transformers ``PretrainedConfig`` (``model.config``).  A config naming no
+    dtype takes its parameters' (one for all, else refused: refit moves bits and never casts)."""
+    cfg = config.to_dict()
+    dtype = cfg.get("dtype") or cfg.get("torch_dtype")
+    if dtype is None:
+        dtypes = {p.dtype for p in params.values()}
+        if len(dtypes) != 1:
+            raise RefitError(f"the model's parameters mix dtypes {sorted(map(str, dtypes))} "
+                             f"and model.config names none")
+        dtype = dtypes.pop()
+    cfg["dtype"] = DTYPE_NAMES.get(dtype, str(dtype)) if isinstance(dtype, torch.dtype) else dtype
+    cfg.pop("torch_dtype", None)
+    name = str(getattr(config, "name_or_path", "") or cfg.get("model_type") or "model").rstrip("/").rsplit("/", 1)[-1]
+    return build_spec(name, ModelConfig.from_hf(cfg))
+
+
+def global_rank() -> int:
+    """This process's rank in the default process group (0 without torch.distributed)."""
+    import torch.distributed as dist
+
+    return dist.get_rank() if dist.is_available() and dist.is_initialized() else 0
+
+
+def refuse_unmapped(unmapped: list[str], where: str, why: str = "") -> None:
+    """Item 5 of the contract: a parameter refit cannot place is an error, never skipped."""
+    if not unmapped:
+        return
+    more = f" (and {len(unmapped) - 1} more: {', '.join(unmapped[1:4])}{'...' if len(unmapped) > 4 else ''})" \
+        if len(unmapped) > 1 else ""
+    raise RefitError(f"{where}: parameter {unmapped[0]!r}{more} has no place in refit's tensors of this model"
+                     f"{'; ' + why if why else ''}; refusing to attach rather than leave it behind")
+
+
+def check_dtypes(served: Mapping[str, "Served"], spec: ModelSpec) -> None:
+    want = spec.config.dtype
+    for s in served.values():
+        got = DTYPE_NAMES.get(s.view.dtype, str(s.view.dtype))
+        if got != want:
+            raise RefitError(f"parameter {s.param_name!r} is {got}, the model's config says {want}: refit moves bits "
+                             f"and does not cast; keep the trainer's parameters in {want} (or fix config.dtype)")
+
+
+@dataclass
+class Served:
+    """One local tensor of refit's layout as served: a view of a live parameter's storage."""
+
+    view: torch.Tensor
+    param_name: str  # the framework's parameter name (for messages)
+    live: Callable[[], torch.Tensor]  # the parameter's data now (its local shard for a DTensor)
+
+    def __post_init__(self) -> None:
+        self._where = _where(self.live())
+
+    def moved(self) -> bool:
+        return _where(self.live()) != self._where
+
+
+def _where(t: torch.Tensor) -> tuple[Any, ...]:
+    return (t.device, t.untyped_storage().data_ptr(), t.storage_offset(), tuple(t.shape), t.stride())
+
+
+class LiveDataPlane(ExecutorDataPlane):
+    """`refit.executor`'s data plane, refusing to run on views whose parameter has moved."""
+
+    def __init__(self, served: Mapping[str, Served], **kwargs: Any) -> None:
+        super().__init__(**kwargs)
+        self.served = served
+
+    def __call__(self, plan: Plan, role: str, rank: int, tensors: Mapping[str, torch.Tensor], version: int,
+                 ctx: RunContext) -> tuple[int, float]:
+        moved = [s.param_name for s in self.served.values() if s.moved()]
+        if moved:
+            raise RefitError(f"parameter {moved[0]!r} ({len(set(moved))} in all) no longer lies where it did at "
+                             f"attach (model moved, re-wrapped or re-materialized after attach?): attach again")
+        return super().__call__(plan, role, rank, tensors, version, ctx)
+
+
+def start_trainer(address: str, *, group: str, rank: int, spec: ModelSpec, layout: Layout,
+                  served: Mapping[str, Served], token: str | None = None, **agent_options: Any) -> TrainerAgent:
+    """Check, then register: the layout's tensors of ``rank`` must all be served (names, shapes,
+    dtypes, by `TrainerAgent`'s own check) before anything connects."""
+    check_dtypes(served, spec)
+    tensors = {name: s.view for name, s in served.items()}
+    devices = {t.device for t in tensors.values()}
+    if len(devices) == 1 and (dev := next(iter(devices))).type == "cuda":
+        agent_options.setdefault("gpu", dev.index or 0)
+    agent = TrainerAgent(address, group=group, rank=rank, spec=spec, layout=layout, tensors=tensors,
+                         data_plane=LiveDataPlane(served), token=token, **agent_options)
+    log.info("%s: serving %d tensors of %s (%s) from live parameters", agent.worker_id, len(tensors),
+             spec.name, agent.layout.describe())
+    return agent.start()

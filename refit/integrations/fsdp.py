@@ -1,0 +1,80 @@
+"""Attach a transformers model sharded with torch FSDP2 (``fully_shard``) to the refit control plane.
+
+    from refit.integrations import fsdp as refit_fsdp
+    agent = refit_fsdp.attach(model, "127.0.0.1:50051", group="trainer")   # on every rank
+
+FSDP2 turns every parameter into a DTensor placed ``Shard(0)`` over the data-parallel mesh, its
+rows split as ``torch.chunk`` does (ceil-sized chunks, the last ones short or empty): refit's
+``fsdp:dp<N>`` layout.  What moves is each rank's local shard (``to_local()``, a view of FSDP's
+sharded storage); no rank ever gathers a full tensor.
+
+Supported: a 1-D mesh spanning the whole world in rank order (mesh coordinate = global rank),
+every parameter sharded on dim 0.  Refused, naming the parameter: 2-D meshes (HSDP, FSDP x TP),
+other placements (``shard_placement_fn``), parameters left unsharded, and transformers 5 fused
+experts (FSDP shards their expert dimension, which refit's fsdp layout, per expert, cannot
+describe).
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+import torch
+import torch.distributed as dist
+
+from refit.control.agent import TrainerAgent
+from refit.errors import RefitError
+from refit.integrations._common import global_rank, spec_of_hf_config, start_trainer
+from refit.integrations.hf import serve_hf_parameters
+from refit.layouts import FsdpLayout
+
+__all__ = ["attach"]
+
+
+def attach(model: torch.nn.Module, address: str, *, group: str = "trainer", token: str | None = None,
+           **agent_options: Any) -> TrainerAgent:
+    """Register this rank's shard of an FSDP2-sharded transformers ``model`` as rank (global rank)
+    of ``group``; call it on every rank.  Returns the started agent."""
+    from torch.distributed.tensor import DTensor
+
+    named = list(model.named_parameters(remove_duplicate=False))
+    if not named:
+        raise RefitError("the model has no parameters")
+    dp = _data_parallel_size(named, DTensor)
+    rank = global_rank()
+    spec = spec_of_hf_config(model.config, {n: p.to_local() for n, p in named})
+    layout = FsdpLayout(dp=dp).resolve(spec)
+    served = serve_hf_parameters(named, spec, layout, rank, local=lambda p: p.to_local().detach(),
+                                 fused_experts=False)
+    return start_trainer(address, group=group, rank=rank, spec=spec, layout=layout, served=served, token=token,
+                         **agent_options)
+
+
+def _data_parallel_size(named: list[tuple[str, torch.Tensor]], dtensor: type) -> int:
+    """The dp degree, after checking that every parameter is a DTensor placed Shard(0) on one 1-D
+    mesh whose coordinate is the global rank."""
+    from torch.distributed.tensor import Shard
+
+    mesh = None
+    for name, p in named:
+        if not isinstance(p, dtensor):
+            raise RefitError(f"parameter {name!r} is not a DTensor: fully_shard every module holding parameters "
+                             f"(the root module too) before attaching, or use refit_hf.attach for an unsharded model")
+        if p.device_mesh.ndim != 1:
+            raise RefitError(f"parameter {name!r} lies on a {p.device_mesh.ndim}-D mesh {p.device_mesh.mesh_dim_names}"
+                             f": refit's fsdp layout is Shard(0) over one data-parallel dimension; HSDP and FSDP x "
+                             f"TP (2-D) meshes are not supported")
+        if tuple(p.placements) != (Shard(0),):
+            raise RefitError(f"parameter {name!r} is placed {tuple(p.placements)}, refit's fsdp layout needs "
+                             f"(Shard(dim=0),) (no shard_placement_fn)")
+        if mesh is None:
+            mesh = p.device_mesh
+        elif p.device_mesh != mesh:
+            raise RefitError(f"parameter {name!r} lies on mesh {p.device_mesh}, others on {mesh}: one mesh only")
+    assert mesh is not None
+    world = dist.get_world_size()
+    ranks = mesh.mesh.flatten().tolist()
+    if ranks != list(range(world)):
+        raise RefitError(f"the FSDP mesh holds ranks {ranks} of a world of {world}: refit needs one mesh over the "
+                         f"whole world in rank order (mesh coordinate = global rank)")
+    return len(ranks)

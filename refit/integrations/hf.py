@@ -1,0 +1,112 @@
+"""Attach an unsharded transformers model (one process) to the refit control plane.
+
+    from refit.integrations import hf as refit_hf
+    agent = refit_hf.attach(model, "127.0.0.1:50051", group="trainer")
+
+The spec comes from ``model.config``; the layout is ``hf`` (one rank holding every tensor).
+Parameters are served as views of their live storage under refit's HF names:
+
+* most parameters already carry their HF checkpoint name;
+* transformers 5 stores a MoE layer's experts fused (``Qwen3MoeExperts``):
+  ``mlp.experts.gate_up_proj`` [E, 2I, H] whose rows are [gate; up] of each expert (its forward
+  takes ``linear(x, gate_up_proj[e]).chunk(2)`` as gate, up) and ``mlp.experts.down_proj``
+  [E, H, I]; expert e's ``gate_proj.weight`` is then ``gate_up_proj[e, :I]``, ``up_proj.weight``
+  ``gate_up_proj[e, I:]``, ``down_proj.weight`` ``down_proj[e]`` — all views;
+* the per-expert form (``mlp.experts.{e}.gate_proj.weight``, transformers 4) is served as is;
+* a tied ``lm_head.weight`` is the embedding itself: served once, as ``model.embed_tokens.weight``.
+
+A parameter that maps to none of refit's tensors (a Llama's ``mlp_bias`` or ``o_proj`` bias, an
+untied ``lm_head`` when the config says tied) fails the attach, naming it.
+"""
+
+from __future__ import annotations
+
+import re
+from typing import Any, Callable, Iterable
+
+import torch
+
+from refit.control.agent import TrainerAgent
+from refit.errors import RefitError
+from refit.integrations._common import Served, global_rank, refuse_unmapped, spec_of_hf_config, start_trainer
+from refit.layouts import HFLayout, Layout
+from refit.spec import ModelSpec
+
+__all__ = ["attach", "serve_hf_parameters"]
+
+_FUSED = re.compile(r"^(?P<experts>.*\.mlp\.experts)\.(?P<kind>gate_up_proj|down_proj)$")
+
+
+def attach(model: torch.nn.Module, address: str, *, group: str = "trainer", token: str | None = None,
+           **agent_options: Any) -> TrainerAgent:
+    """Register this process's unsharded transformers ``model`` as rank (global rank) of ``group``
+    and serve its live parameters; returns the started agent."""
+    named = list(model.named_parameters(remove_duplicate=False))
+    spec = spec_of_hf_config(model.config, dict(named))
+    layout = HFLayout().resolve(spec)
+    rank = global_rank()
+    if rank != 0:
+        raise RefitError(f"refit_hf.attach serves an unsharded model as the one rank of layout hf, but this process "
+                         f"is global rank {rank}: use refit_fsdp.attach for a sharded model, or attach on rank 0 only")
+    served = serve_hf_parameters(named, spec, layout, 0, local=lambda p: p.detach())
+    return start_trainer(address, group=group, rank=0, spec=spec, layout=layout, served=served, token=token,
+                         **agent_options)
+
+
+def serve_hf_parameters(named: Iterable[tuple[str, torch.Tensor]], spec: ModelSpec, layout: Layout, rank: int,
+                        local: Callable[[torch.Tensor], torch.Tensor], fused_experts: bool = True) -> dict[str, Served]:
+    """Map parameters under HF names to ``layout``'s local tensors of ``rank`` (whose names are HF
+    names: layouts ``hf`` and ``fsdp``).  ``local(p)`` is the part of ``p`` this process holds, as
+    a view; ``fused_experts=False`` refuses the fused expert form (see `refit_fsdp`)."""
+    expected = {lt.name: lt for lt in layout.local_tensors(spec, rank)}
+    served: dict[str, Served] = {}
+    unmapped: list[str] = []
+    first_name: dict[int, str] = {}
+    for name, p in named:
+        if id(p) in first_name and name not in expected:
+            continue  # a tied alias (lm_head.weight of tied embeddings): served under its first name
+        first_name.setdefault(id(p), name)
+        live = (lambda p=p: local(p))
+        m = _FUSED.match(name)
+        if m and f"{m['experts']}.0.gate_proj.weight" in expected:
+            if not fused_experts:
+                raise RefitError(f"{name!r}: fused experts sharded by FSDP2 split the expert dimension, which refit's "
+                                 f"fsdp layout (every HF tensor Shard(0), per expert) cannot describe; shard the "
+                                 f"per-expert form, or attach an unsharded copy with refit_hf")
+            served.update(_split_fused(spec, m["experts"], m["kind"], name, live))
+        elif name in expected:
+            served[name] = Served(live(), name, live)
+        else:
+            unmapped.append(name)
+    refuse_unmapped(unmapped, f"{spec.name} ({spec.config.arch}, layout {layout.describe()})", _hint(spec, unmapped))
+    return served
+
+
+def _split_fused(spec: ModelSpec, experts: str, kind: str, name: str,
+                 live: Callable[[], torch.Tensor]) -> dict[str, Served]:
+    c = spec.config
+    E, I, H = c.num_experts, c.moe_intermediate_size, c.hidden_size
+    w = live()
+    want = (E, 2 * I, H) if kind == "gate_up_proj" else (E, H, I)
+    if tuple(w.shape) != want:
+        raise RefitError(f"{name!r} has shape {list(w.shape)}, expected {list(want)} "
+                         f"(experts {E}, moe_intermediate_size {I}, hidden_size {H})")
+    out = {}
+    for e in range(E):
+        if kind == "gate_up_proj":
+            out[f"{experts}.{e}.gate_proj.weight"] = Served(w[e, :I], name, live)
+            out[f"{experts}.{e}.up_proj.weight"] = Served(w[e, I:], name, live)
+        else:
+            out[f"{experts}.{e}.down_proj.weight"] = Served(w[e], name, live)
+    return out
+
+
+def _hint(spec: ModelSpec, unmapped: list[str]) -> str:
+    c = spec.config
+    if any(n.endswith(".bias") for n in unmapped):
+        held = "q/k/v projection biases only" if c.qkv_bias else "no biases"
+        return (f"refit's {c.arch} holds {held} (mlp_bias, o_proj biases and biases of other layers are not "
+                f"supported)")
+    if "lm_head.weight" in unmapped and c.tie_embeddings:
+        return "model.config.tie_word_embeddings is true but lm_head.weight is a parameter of its own"
+    return f"refit knows {c.arch} as in its HF checkpoint names"

@@ -1,0 +1,204 @@
+"""Attach a megatron-core GPTModel (or its list of virtual-pipeline chunks) to the refit control plane.
+
+    from refit.integrations import megatron as refit_megatron
+    agent = refit_megatron.attach(model, "127.0.0.1:50051", group="trainer", spec="/path/to/hf_dir")
+
+Called on every rank after ``parallel_state.initialize_model_parallel`` (and after wrapping the
+model in Megatron's DDP, whose buffers the parameters then live in).  The layout is read from
+``megatron.core.parallel_state`` (tp, pp, vpp, ep, etp, cp, dp) and the config's uneven pipeline
+split, then checked against the model itself: this rank's coordinates, the layers each chunk
+built, the config's dimensions against the spec's.
+
+Names: refit's megatron layout uses the Transformer Engine spec's names.  The local (non-TE) spec
+differs in three places, mapped here:
+
+* ``input_layernorm.weight`` is TE's ``self_attention.linear_qkv.layer_norm_weight``;
+* on dense layers ``pre_mlp_layernorm.weight`` is TE's ``mlp.linear_fc1.layer_norm_weight``
+  (MoE layers keep ``pre_mlp_layernorm.weight`` in both specs);
+* SequentialMLP experts ``mlp.experts.local_experts.{i}.linear_fc1.weight`` are TE grouped-GEMM's
+  ``mlp.experts.linear_fc1.weight{i}`` (same for fc2), with either spec.
+
+Values are the live parameters (``detach()``: a view, never a copy).  Under Megatron's DDP with
+the distributed optimizer every parameter's data is a view into DDP's contiguous param buffer, so
+they are served from that buffer (checked on CPU).  On GPU the views share the buffer's one
+allocation, which torch's CUDA IPC exports and opens once per allocation, not per parameter (torch's
+mechanism; not exercised on a GPU by refit's tests).
+
+Refused, naming the parameter or setting: the legacy ``GroupedMLP`` (``experts.weight1``), shared
+experts, linear biases (``add_bias_linear``) and the router's expert bias.
+"""
+
+from __future__ import annotations
+
+import logging
+import re
+from typing import Any, Sequence
+
+import torch
+
+from refit.control.agent import TrainerAgent
+from refit.errors import RefitError
+from refit.integrations._common import Served, global_rank, refuse_unmapped, start_trainer
+from refit.layouts import MegatronLayout
+from refit.spec import ModelSpec, load_spec
+
+__all__ = ["attach", "layout_from_parallel_state"]
+
+log = logging.getLogger(__name__)
+
+# local-spec name -> TE-spec name (refit's), tried when a name is not a local tensor as is
+_LOCAL_TO_TE = (
+    (re.compile(r"^(decoder\.layers\.\d+\.)input_layernorm\.weight$"),
+     r"\1self_attention.linear_qkv.layer_norm_weight"),
+    (re.compile(r"^(decoder\.layers\.\d+\.)pre_mlp_layernorm\.weight$"), r"\1mlp.linear_fc1.layer_norm_weight"),
+    (re.compile(r"^(decoder\.layers\.\d+\.mlp\.experts\.)local_experts\.(\d+)\.(linear_fc[12])\.weight$"),
+     r"\1\3.weight\2"),
+)
+
+
+def attach(model: torch.nn.Module | Sequence[torch.nn.Module], address: str, *, group: str = "trainer",
+           spec: str | ModelSpec, token: str | None = None, **agent_options: Any) -> TrainerAgent:
+    """Register this rank of a megatron-core ``GPTModel`` (or list of model chunks, DDP-wrapped or
+    not) as rank (global rank) of ``group``; ``spec``: an HF directory, a catalog name or a
+    `ModelSpec`.  Call on every rank.  Returns the started agent."""
+    spec = spec if isinstance(spec, ModelSpec) else load_spec(spec)
+    wrappers = list(model) if isinstance(model, (list, tuple)) else [model]
+    if any(getattr(getattr(w, "ddp_config", None), "overlap_param_gather", False) for w in wrappers):
+        # The distributed optimizer then all-gathers updated parameters during the *next* forward:
+        # right after optimizer.step() the buffers hold other ranks' old shards.
+        log.warning("overlap_param_gather is on: before each refit, finish the parameter all-gather "
+                    "(model_chunk.start_param_sync(force_sync=True) on every chunk), or refits send stale shards")
+    chunks = [_unwrap(m) for m in wrappers]
+    _check_config(chunks, spec)
+    layout = layout_from_parallel_state(spec, chunks)
+    rank = global_rank()
+    _check_coords(layout, rank)
+    _check_layers(layout, spec, chunks, rank)
+    served = _serve(chunks, spec, layout, rank)
+    return start_trainer(address, group=group, rank=rank, spec=spec, layout=layout, served=served, token=token,
+                         **agent_options)
+
+
+def _unwrap(m: torch.nn.Module) -> torch.nn.Module:
+    """The GPTModel inside Megatron's DistributedDataParallel / Float16Module wrappers."""
+    while not hasattr(m, "decoder") and isinstance(getattr(m, "module", None), torch.nn.Module):
+        m = m.module
+    if not hasattr(m, "decoder"):
+        raise RefitError(f"{type(m).__name__} is not a megatron-core GPTModel (no .decoder)")
+    return m
+
+
+def layout_from_parallel_state(spec: ModelSpec, chunks: Sequence[torch.nn.Module]) -> MegatronLayout:
+    """refit's megatron layout of this job, degrees read from ``megatron.core.parallel_state``."""
+    from megatron.core import parallel_state as ps
+
+    if not ps.model_parallel_is_initialized():
+        raise RefitError("megatron.core.parallel_state is not initialized: call initialize_model_parallel first")
+    vpp = ps.get_virtual_pipeline_model_parallel_world_size() or 1
+    if len(chunks) != vpp:
+        raise RefitError(f"got {len(chunks)} model chunks, parallel_state says virtual pipeline size {vpp}")
+    cfg = chunks[0].config
+    if getattr(cfg, "pipeline_model_parallel_layout", None) is not None:
+        raise RefitError("pipeline_model_parallel_layout is not supported; use num_layers_in_first/last_pipeline_stage")
+    moe = spec.config.is_moe
+    layout = MegatronLayout(
+        tp=ps.get_tensor_model_parallel_world_size(), pp=ps.get_pipeline_model_parallel_world_size(), vpp=vpp,
+        ep=ps.get_expert_model_parallel_world_size(), etp=ps.get_expert_tensor_parallel_world_size() if moe else None,
+        dp=ps.get_data_parallel_world_size(), cp=ps.get_context_parallel_world_size(),
+        first=getattr(cfg, "num_layers_in_first_pipeline_stage", None),
+        last=getattr(cfg, "num_layers_in_last_pipeline_stage", None))
+    return layout.resolve(spec)
+
+
+def _check_coords(layout: MegatronLayout, rank: int) -> None:
+    """refit numbers ranks tp-cp-ep-dp-pp (Megatron's default order): refuse any other."""
+    from megatron.core import parallel_state as ps
+
+    got = dict(tp=ps.get_tensor_model_parallel_rank(), cp=ps.get_context_parallel_rank(),
+               dp=ps.get_data_parallel_rank(), pp=ps.get_pipeline_model_parallel_rank(),
+               etp=ps.get_expert_tensor_parallel_rank(), ep=ps.get_expert_model_parallel_rank(),
+               edp=ps.get_expert_data_parallel_rank())
+    want = layout.coords(rank)
+    if got != want:
+        raise RefitError(f"global rank {rank} has parallel_state coordinates {got}, refit's {layout.describe()} "
+                         f"expects {want}: initialize_model_parallel with the default order tp-cp-ep-dp-pp")
+
+
+def _check_config(chunks: Sequence[torch.nn.Module], spec: ModelSpec) -> None:
+    """The megatron config against the spec, dimension by dimension, with the numbers."""
+    cfg, c = chunks[0].config, spec.config
+    kv = cfg.num_query_groups or cfg.num_attention_heads
+    checks = [("num_layers", cfg.num_layers, c.num_layers), ("hidden_size", cfg.hidden_size, c.hidden_size),
+              ("num_attention_heads", cfg.num_attention_heads, c.num_heads), ("num_query_groups", kv, c.num_kv_heads),
+              ("kv_channels", cfg.kv_channels, c.head_dim), ("qk_layernorm", bool(cfg.qk_layernorm), c.qk_norm),
+              ("add_qkv_bias", bool(cfg.add_qkv_bias), c.qkv_bias),
+              ("gated_linear_unit", bool(cfg.gated_linear_unit), True),
+              ("normalization", cfg.normalization, "RMSNorm"),
+              ("share_embeddings_and_output_weights", bool(chunks[0].share_embeddings_and_output_weights),
+               c.tie_embeddings),
+              ("num_moe_experts", cfg.num_moe_experts or 0, c.num_experts if c.is_moe else 0)]
+    if c.dense_layers:
+        checks.append(("ffn_hidden_size", cfg.ffn_hidden_size, c.intermediate_size))
+    if c.is_moe:
+        checks.append(("moe_ffn_hidden_size", cfg.moe_ffn_hidden_size, c.moe_intermediate_size))
+        checks.append(("moe_router_enable_expert_bias (its bias is a buffer refit does not move)",
+                       bool(getattr(cfg, "moe_router_enable_expert_bias", False)), False))
+        checks.append(("moe_shared_expert_intermediate_size (shared experts)",
+                       getattr(cfg, "moe_shared_expert_intermediate_size", None), None))
+    for what, got, want in checks:
+        if got != want:
+            raise RefitError(f"megatron config {what} is {got}, {spec.name} has {want}")
+
+
+def _check_layers(layout: MegatronLayout, spec: ModelSpec, chunks: Sequence[torch.nn.Module], rank: int) -> None:
+    """Each chunk built the layers refit's pipeline split gives it, MoE exactly where the spec has it."""
+    pp = layout.coords(rank)["pp"]
+    stages = layout.stage_layers(spec.config.num_layers)
+    moe = set(spec.config.moe_layers)
+    for c, chunk in enumerate(chunks):
+        built = [int(layer.layer_number) - 1 for layer in chunk.decoder.layers]
+        if built != stages[(pp, c)]:
+            raise RefitError(f"pipeline rank {pp} chunk {c} built layers {built}, refit's {layout.describe()} "
+                             f"places layers {stages[(pp, c)]} there")
+        for layer_id, layer in zip(built, chunk.decoder.layers):
+            if hasattr(layer.mlp, "router") != (layer_id in moe):
+                raise RefitError(f"layer {layer_id} is {'MoE' if hasattr(layer.mlp, 'router') else 'dense'} in the "
+                                 f"model, {'MoE' if layer_id in moe else 'dense'} in {spec.name}")
+
+
+def _serve(chunks: Sequence[torch.nn.Module], spec: ModelSpec, layout: MegatronLayout, rank: int) -> dict[str, Served]:
+    expected = {lt.name for lt in layout.local_tensors(spec, rank)}
+    served: dict[str, Served] = {}
+    unmapped: list[str] = []
+    for c, chunk in enumerate(chunks):
+        prefix = f"chunk{c}." if layout.vpp > 1 else ""
+        for name, p in chunk.named_parameters():
+            local = _local_name(prefix, name, expected)
+            if local is None:
+                unmapped.append(prefix + name)
+                continue
+            live = (lambda p=p: p.detach())
+            served[local] = Served(live(), prefix + name, live)
+    refuse_unmapped(unmapped, f"{spec.name} on rank {rank} of {layout.describe()}", _hint(unmapped))
+    return served
+
+
+def _local_name(prefix: str, name: str, expected: set[str]) -> str | None:
+    if prefix + name in expected:
+        return prefix + name
+    for pattern, te in _LOCAL_TO_TE:
+        if pattern.match(name):
+            candidate = prefix + pattern.sub(te, name)
+            if candidate in expected:
+                return candidate
+    return None
+
+
+def _hint(unmapped: list[str]) -> str:
+    first = unmapped[0] if unmapped else ""
+    if re.search(r"\.experts\.weight[12]$", first):
+        return "the legacy GroupedMLP (moe_grouped_gemm with the local spec) is not supported: use TE's grouped GEMM " \
+               "or SequentialMLP"
+    if first.endswith("bias") or "bias" in first:
+        return "refit's models hold no linear biases besides q/k/v (add_bias_linear is not supported)"
+    return "refit knows the Transformer Engine and local spec names of llama/qwen models"
