@@ -15,7 +15,7 @@ from refit.control.server import ThreadedServer
 from refit.errors import RefitError
 from refit.integrations import hf as refit_hf
 from refit.layouts import HFLayout
-from refit.spec import load_spec
+from refit.hf_checkpoint import load_spec
 from tests.attach_cluster import Engines, expected_engine_tensors, make_hf_model as make, train_step
 
 transformers = pytest.importorskip("transformers")

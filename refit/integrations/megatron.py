@@ -40,7 +40,8 @@ from refit.control.agent import TrainerAgent
 from refit.errors import RefitError
 from refit.integrations._common import Served, global_rank, refuse_unmapped, start_trainer
 from refit.layouts import MegatronLayout
-from refit.spec import ModelSpec, load_spec
+from refit.hf_checkpoint import load_spec
+from refit.spec import ModelSpec
 
 __all__ = ["attach", "layout_from_parallel_state"]
 
