@@ -81,13 +81,22 @@ class VllmLayout:
         if self.ep is not None and not c.is_moe:
             raise RefitError(f"vllm: ep{self.ep} given but {spec.name} has no experts")
         divides("vllm: attention heads", c.num_heads, "tp", self.tp)
+        if c.arch == "glm4_moe":
+            # Glm4MoE builds its GateLinear with params_dtype float32: vLLM upcasts the checkpoint's
+            # router weight at load, and refit moves bytes without converting dtypes.
+            raise RefitError(f"vllm: glm4_moe holds mlp.gate.weight as float32 (upcast from {c.dtype} at load); "
+                             f"refit does not convert dtypes, so {spec.name} cannot be refit into vLLM yet")
+        if c.num_shared_experts:
+            divides("vllm: shared experts' intermediate size", c.shared_intermediate_size, "tp", self.tp)
         if c.arch == "qwen2" and c.head_dim * c.num_heads != c.hidden_size:
             # vLLM's Qwen2Attention ignores config.head_dim and would load narrowed q/k/v silently.
             raise RefitError(f"vllm: qwen2 with head_dim {c.head_dim} != hidden_size/heads "
                              f"({c.hidden_size}/{c.num_heads}) is loaded wrongly by vLLM")
         divides(f"vllm: vocab padded to a multiple of {VOCAB_PADDING}", pad_to(c.vocab_size, VOCAB_PADDING), "tp",
                 self.tp)
-        if c.num_kv_heads >= self.tp:
+        if c.is_mla:
+            pass  # MLA: q/kv up-projections and o_proj split by heads; the down-projections replicated
+        elif c.num_kv_heads >= self.tp:
             divides("vllm: kv heads", c.num_kv_heads, "tp", self.tp)
         else:
             divides("vllm: tp", self.tp, "kv heads (replicated when fewer than tp)", c.num_kv_heads)
@@ -120,9 +129,12 @@ class VllmLayout:
                 pos = spec.layer_pos(tensor, layer)
                 return LocalTensor(p + local, (n,), dt, (Piece(tensor, (pos, 0), (1, n), (0, 0)),))
 
-            out.extend(self._qkv(spec, p, layer, t))
+            if c.is_mla:
+                out.extend(self._mla(spec, p, layer, t))
+            else:
+                out.extend(self._qkv(spec, p, layer, t))
             o = "model.layers.*.self_attn.o_proj.weight"
-            cols = c.num_heads * hd // T
+            cols = spec[o].shape[2] // T
             out.append(LocalTensor(p + "self_attn.o_proj.weight", (H, cols), dt,
                                    (Piece(o, (spec.layer_pos(o, layer), 0, t * cols), (1, H, cols), (0, 0, 0)),)))
             if c.qk_norm:
@@ -164,16 +176,18 @@ class VllmLayout:
             out.append(LocalTensor(f"{p}self_attn.qkv_proj.{kind}", shape, dt, tuple(pieces)))
         return out
 
-    def _dense_mlp(self, spec: ModelSpec, p: str, layer: int, t: int) -> list[LocalTensor]:
+    def _dense_mlp(self, spec: ModelSpec, p: str, layer: int, t: int, shared: bool = False) -> list[LocalTensor]:
         c = spec.config
-        H, dt, n = c.hidden_size, c.dtype, c.intermediate_size // self.tp
-        gate, up, down = (f"model.layers.*.mlp.{x}_proj.weight" for x in ("gate", "up", "down"))
+        width, mlp = (c.shared_intermediate_size, "mlp.shared_experts") if shared else (c.intermediate_size, "mlp")
+        H, dt, n = c.hidden_size, c.dtype, width // self.tp
+        gate, up, down = (f"model.layers.*.{mlp}.{x}_proj.weight" for x in ("gate", "up", "down"))
         pos = spec.layer_pos(gate, layer)
+        p += mlp + "."
         return [
-            LocalTensor(f"{p}mlp.gate_up_proj.weight", (2 * n, H), dt,
+            LocalTensor(f"{p}gate_up_proj.weight", (2 * n, H), dt,
                         (Piece(gate, (pos, t * n, 0), (1, n, H), (0, 0, 0)),
                          Piece(up, (pos, t * n, 0), (1, n, H), (0, n, 0)))),
-            LocalTensor(f"{p}mlp.down_proj.weight", (H, n), dt, (Piece(down, (pos, 0, t * n), (1, H, n), (0, 0, 0)),)),
+            LocalTensor(f"{p}down_proj.weight", (H, n), dt, (Piece(down, (pos, 0, t * n), (1, H, n), (0, 0, 0)),)),
         ]
 
     def _moe(self, spec: ModelSpec, p: str, layer: int, rank: int) -> list[LocalTensor]:
@@ -189,12 +203,55 @@ class VllmLayout:
             e0, ne = 0, E
             n = I // (self.tp * self.dp_)
             i0 = rank * n  # flattened dp x tp rank == global rank
-        return [
-            LocalTensor(f"{p}mlp.gate.weight", (E, H), dt,
-                        (Piece(router, (spec.layer_pos(router, layer), 0, 0), (1, E, H), (0, 0, 0)),)),
+        out = [LocalTensor(f"{p}mlp.gate.weight", (E, H), dt,
+                           (Piece(router, (spec.layer_pos(router, layer), 0, 0), (1, E, H), (0, 0, 0)),))]
+        if c.router_bias:  # float32 in the checkpoint and in vLLM
+            bias = "model.layers.*.mlp.gate.e_score_correction_bias"
+            out.append(LocalTensor(f"{p}mlp.gate.e_score_correction_bias", (E,), "float32",
+                                   (Piece(bias, (spec.layer_pos(bias, layer), 0), (1, E), (0, 0)),)))
+        if c.num_shared_experts:  # an ordinary MLP, split over tp only (dp replicas hold copies)
+            out.extend(self._dense_mlp(spec, p, layer, rank % self.tp, shared=True))
+        return out + [
             LocalTensor(f"{p}mlp.experts.routed_experts.w13_weight", (ne, 2 * n, H), dt, (
                 Piece(gate, (pos, e0, i0, 0), (1, ne, n, H), (0, 0, 0, 0)),
                 Piece(up, (pos, e0, i0, 0), (1, ne, n, H), (0, 0, n, 0)))),
             LocalTensor(f"{p}mlp.experts.routed_experts.w2_weight", (ne, H, n), dt,
                         (Piece(down, (pos, e0, 0, i0), (1, ne, H, n), (0, 0, 0, 0)),)),
         ]
+
+    def _mla(self, spec: ModelSpec, p: str, layer: int, t: int) -> list[LocalTensor]:
+        """DeepseekV2MLAAttention's parameters, in its order.  The down-projections are replicated
+        (with q LoRA, q_a_proj and kv_a_proj_with_mqa are fused row-wise into ``fused_qkv_a_proj``);
+        q_b_proj / q_proj and kv_b_proj are split by heads (contiguous rows) over tp."""
+        c = spec.config
+        T, H, dt = self.tp, c.hidden_size, c.dtype
+        n = f"{p}self_attn."
+        out: list[LocalTensor] = []
+
+        def rows(local: str, tensor: str, lo: int, count: int, at: int = 0) -> Piece:
+            ts = spec[f"model.layers.*.self_attn.{tensor}"]
+            return Piece(ts.name, (spec.layer_pos(ts.name, layer), lo, 0), (1, count, ts.shape[2]), (0, at, 0))
+
+        def norm(local: str, tensor: str, size: int) -> LocalTensor:
+            name = f"model.layers.*.self_attn.{tensor}"
+            return LocalTensor(n + local, (size,), dt, (Piece(name, (spec.layer_pos(name, layer), 0), (1, size), (0, 0)),))
+
+        def split(local: str, tensor: str) -> LocalTensor:
+            full, cols = spec[f"model.layers.*.self_attn.{tensor}"].shape[1:]
+            k = full // T
+            return LocalTensor(n + local, (k, cols), dt, (rows(local, tensor, t * k, k),))
+
+        kv_a = c.kv_lora_rank + c.qk_rope_head_dim
+        if c.q_lora_rank:
+            qa = c.q_lora_rank
+            out.append(LocalTensor(n + "fused_qkv_a_proj.weight", (qa + kv_a, H), dt, (
+                rows("", "q_a_proj.weight", 0, qa), rows("", "kv_a_proj_with_mqa.weight", 0, kv_a, qa))))
+            out.append(norm("q_a_layernorm.weight", "q_a_layernorm.weight", qa))
+            out.append(split("q_b_proj.weight", "q_b_proj.weight"))
+        else:
+            out.append(LocalTensor(n + "kv_a_proj_with_mqa.weight", (kv_a, H), dt,
+                                   (rows("", "kv_a_proj_with_mqa.weight", 0, kv_a),)))
+            out.append(split("q_proj.weight", "q_proj.weight"))
+        out.append(norm("kv_a_layernorm.weight", "kv_a_layernorm.weight", c.kv_lora_rank))
+        out.append(split("kv_b_proj.weight", "kv_b_proj.weight"))
+        return out
