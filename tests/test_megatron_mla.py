@@ -79,3 +79,37 @@ def test_local_spec_splits_down_projections_that_the_te_spec_keeps_whole(results
         assert local[name][0] * 2 == ours[name][0]  # local: rows / tp; TE (refit): whole
     for name in ("linear_q_up_proj.weight", "linear_kv_up_proj.weight", "linear_proj.weight"):
         assert local[name] == ours[name]
+
+
+@pytest.mark.parametrize("tp,pp,ep", [(2, 1, 2), (1, 2, 4)])
+def test_glm_style_gptmodel_names_and_shapes(tp, pp, ep):
+    """GQA with qkv bias and qk norm, a dense first layer, shared experts and the router's float32
+    ``expert_bias`` buffer: GPTModel's parameters and persistent buffers (local spec, mapped to TE
+    names) equal refit's local tensors rank by rank."""
+    from refit.layouts.base import pad_to
+    from refit.layouts.megatron import VOCAB_DIVISIBLE_BY
+    from tests import megatron_harness as mh
+
+    layers, vocab = 4, 200
+    cfg = ModelConfig("glm4_moe", hidden_size=16, num_layers=layers, num_heads=4, num_kv_heads=2, head_dim=4,
+                      intermediate_size=32, vocab_size=vocab, qkv_bias=True, qk_norm=True, num_experts=4,
+                      moe_intermediate_size=8, moe_layers=(1, 2, 3), num_shared_experts=2, router_bias=True)
+    spec = build_spec("glm", cfg)
+    layout = MegatronLayout(tp=tp, pp=pp, ep=ep, etp=1).resolve(spec)
+    got = mh.megatron_gpt_param_names(
+        num_layers=layers, hidden_size=16, num_attention_heads=4, num_query_groups=2, kv_channels=4,
+        ffn_hidden_size=32, moe_ffn_hidden_size=8, num_experts=4, moe_layer_freq=[0, 1, 1, 1],
+        vocab_size=pad_to(vocab, VOCAB_DIVISIBLE_BY * tp), tp=tp, pp=pp, ep=ep, etp=1, qk_layernorm=True,
+        add_qkv_bias=True, moe_router_enable_expert_bias=True, moe_shared_expert_intermediate_size=16,
+        world_size=layout.world_size, with_sharded=False)
+    for rank in range(layout.world_size):
+        ours = {(t.name, t.shape) for t in layout.local_tensors(spec, rank)}
+        theirs = set()
+        for (r, _chunk), info in got.items():
+            if r != rank:
+                continue
+            for name, shape in info["params"] + info["buffers"]:
+                j = int(name.split(".")[2]) if name.startswith("decoder.layers.") else None
+                is_moe = j is not None and info["layer_numbers"][j] in cfg.moe_layers
+                theirs.add((mh.te_spec_param_name(name, is_moe_layer=is_moe), tuple(shape)))
+        assert ours == theirs, f"rank {rank}: only refit {sorted(ours - theirs)[:3]}, only megatron {sorted(theirs - ours)[:3]}"
