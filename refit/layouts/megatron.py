@@ -13,6 +13,10 @@ Conventions (checked against megatron-core 0.16.1 in tests/test_megatron_convent
 * Experts (TE grouped-GEMM naming): ``mlp.experts.linear_fc1.weight{i}`` = [gate; up] rows of this
   etp shard, ``linear_fc2.weight{i}`` = down split on dim 1; local expert i on ep rank k is
   global expert k*E/EP + i.
+* MLA (TE spec, qk_layernorm): ``linear_q_down_proj`` / ``linear_kv_down_proj`` whole on every tp
+  rank, q_a/kv_a norms fused as the up-projections' ``layer_norm_weight``, up-projections split by
+  heads; no rope reordering against HF (tests/test_megatron_mla.py).  Shared experts
+  ``mlp.shared_experts.linear_fc{1,2}`` split over tp; ``mlp.router.expert_bias`` float32.
 * Pipeline: model chunk c of pp rank p holds a run of consecutive layers; runs are laid out in
   virtual-stage order (c, p).  Local names restart at ``decoder.layers.0`` in every chunk, and
   chunks are prefixed ``chunk{c}.`` when vpp > 1.

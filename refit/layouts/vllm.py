@@ -11,6 +11,10 @@ Conventions (checked against vllm 0.32's own loaders in tests/test_vllm_conventi
   (rank dp*tp + t), ``w13_weight`` [E, 2I/(dp*tp), H], ``w2_weight`` [E, H, I/(dp*tp)].
   With expert parallel the EP group is the same dp*tp ranks; experts are placed linearly, the first
   E % ep ranks getting one more, and are not split inside.
+* DeepSeek-V3 MLA: with q LoRA, ``fused_qkv_a_proj`` = [q_a_proj; kv_a_proj_with_mqa], replicated;
+  without, ``kv_a_proj_with_mqa`` replicated and ``q_proj`` split by heads; ``q_b_proj`` and
+  ``kv_b_proj`` split by heads (contiguous rows).  Shared experts: an MLP split over tp only.
+  ``e_score_correction_bias`` stays float32.  GLM-4.5 is refused (vLLM upcasts its router to float32).
 * ``embed_tokens`` / ``lm_head``: vocab padded to a multiple of 64, split evenly over tp;
   a tied ``lm_head`` is the embedding itself and does not appear among the parameters.
 """
