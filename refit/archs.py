@@ -60,6 +60,23 @@ def family_fields(cfg: dict[str, Any], layers: int, heads: int) -> dict[str, Any
     return out
 
 
+def gqa_tensors(cfg: Any, per_layer: PerLayer) -> None:
+    """Grouped-query attention (Llama, Qwen, GLM-4.5), HF names."""
+    H, hd = cfg.hidden_size, cfg.head_dim
+    q_rows, kv_rows = cfg.num_heads * hd, cfg.num_kv_heads * hd
+    per_layer("self_attn.q_proj.weight", (q_rows, H))
+    per_layer("self_attn.k_proj.weight", (kv_rows, H))
+    per_layer("self_attn.v_proj.weight", (kv_rows, H))
+    if cfg.qkv_bias:
+        per_layer("self_attn.q_proj.bias", (q_rows,))
+        per_layer("self_attn.k_proj.bias", (kv_rows,))
+        per_layer("self_attn.v_proj.bias", (kv_rows,))
+    if cfg.qk_norm:
+        per_layer("self_attn.q_norm.weight", (hd,))
+        per_layer("self_attn.k_norm.weight", (hd,))
+    per_layer("self_attn.o_proj.weight", (H, q_rows))
+
+
 def mla_tensors(cfg: Any, per_layer: PerLayer) -> None:
     """The attention tensors of a DeepSeek-V3 layer (HF names), in checkpoint order."""
     H, nh = cfg.hidden_size, cfg.num_heads

@@ -25,7 +25,7 @@ import struct
 from dataclasses import dataclass, field
 from typing import Any, Iterator, Mapping
 
-from refit.archs import FAMILY_ARCHS, family_fields, mla_tensors, moe_extra_tensors, mtp_layer_of, not_moved
+from refit.archs import FAMILY_ARCHS, family_fields, gqa_tensors, mla_tensors, moe_extra_tensors, mtp_layer_of, not_moved
 from refit.errors import RefitError
 
 log = logging.getLogger(__name__)
@@ -257,7 +257,7 @@ def build_spec(name: str, cfg: ModelConfig) -> ModelSpec:
     if cfg.is_mla:
         mla_tensors(cfg, per_layer)
     else:
-        _gqa_tensors(cfg, per_layer)
+        gqa_tensors(cfg, per_layer)
     per_layer("post_attention_layernorm.weight", (H,))
     dense = cfg.dense_layers
     per_layer("mlp.gate_proj.weight", (cfg.intermediate_size, H), dense)
@@ -274,23 +274,6 @@ def build_spec(name: str, cfg: ModelConfig) -> ModelSpec:
     if not cfg.tie_embeddings:
         out.append(TensorSpec("lm_head.weight", (cfg.vocab_size, H), dt))
     return ModelSpec(name, cfg, tuple(out))
-
-
-def _gqa_tensors(cfg: ModelConfig, per_layer) -> None:
-    """Grouped-query attention (Llama, Qwen, GLM-4.5), HF names."""
-    H, hd = cfg.hidden_size, cfg.head_dim
-    q_rows, kv_rows = cfg.num_heads * hd, cfg.num_kv_heads * hd
-    per_layer("self_attn.q_proj.weight", (q_rows, H))
-    per_layer("self_attn.k_proj.weight", (kv_rows, H))
-    per_layer("self_attn.v_proj.weight", (kv_rows, H))
-    if cfg.qkv_bias:
-        per_layer("self_attn.q_proj.bias", (q_rows,))
-        per_layer("self_attn.k_proj.bias", (kv_rows,))
-        per_layer("self_attn.v_proj.bias", (kv_rows,))
-    if cfg.qk_norm:
-        per_layer("self_attn.q_norm.weight", (hd,))
-        per_layer("self_attn.k_norm.weight", (hd,))
-    per_layer("self_attn.o_proj.weight", (H, q_rows))
 
 
 # ---------------------------------------------------------------------------------------------
