@@ -128,6 +128,8 @@ def cmd_plan(args: argparse.Namespace) -> int:
     for label, n in rows:
         print(f"  {label:<26}{fmt_bytes(n):>12}")
     print(f"  {'transfers / buckets':<26}{s['num_transfers']:>6} / {s['num_buckets']}")
+    for line in s.get("not_moved", ()):
+        print(f"  not moved: {line}")
     if args.out:
         print(f"\nplan written to {args.out}")
     return 0
@@ -182,7 +184,8 @@ def _hf_config(model: str, spec: Any) -> dict[str, Any]:
     cfg = dict(CATALOG.get(model, {}))
     archs = {"llama": "LlamaForCausalLM", "qwen2": "Qwen2ForCausalLM", "qwen3": "Qwen3ForCausalLM",
              "qwen3_moe": "Qwen3MoeForCausalLM"}
-    cfg.setdefault("architectures", [archs[spec.config.arch]])
+    if "architectures" not in cfg:  # catalog entries of other families name their own
+        cfg["architectures"] = [archs[spec.config.arch]]
     return cfg
 
 

@@ -150,3 +150,16 @@ def test_plans_move_every_element_once_for_mla_and_glm(case):
         result = make_plan(spec, src, dst, placement, planner, 4096)
         canon = canonical_ids(spec)
         check_destination(spec, dst, canon, *run_plan(result.plan, spec, src, dst, canon))
+
+
+def test_cli_lists_the_new_models_and_says_what_is_not_moved(capsys):
+    from refit.cli import _hf_config, main
+
+    assert main(["models"]) == 0
+    out = capsys.readouterr().out
+    for name in ("deepseek-v3", "kimi-k2", "moonlight-16b", "glm-4.5-air", "glm-4.5"):
+        assert name in out
+    assert main(["plan", "--model", "deepseek-v3", "--src", "megatron:tp8pp8ep8first5last8",
+                 "--dst", "vllm:tp8ep64dp8"]) == 0
+    assert "not moved: model.layers.61.*: 1 multi-token-prediction layer" in capsys.readouterr().out
+    assert _hf_config("deepseek-v3", load_spec("deepseek-v3"))["architectures"] == ["DeepseekV3ForCausalLM"]
