@@ -20,6 +20,7 @@ sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
 from planners import make_plan  # noqa: E402
 from refit.layouts import all_holdings  # noqa: E402
+from refit.layouts.vllm import clear_caches  # noqa: E402
 from refit.spec import load_spec  # noqa: E402
 
 # (model, src, dst, placement, planner, target seconds or None)
@@ -45,6 +46,7 @@ def measure(model: str, src: str, dst: str, placement: str, planner: str, repeat
     times = []
     for _ in range(repeat):
         all_holdings.cache_clear()
+        clear_caches()
         t0 = time.perf_counter()
         result = make_plan(spec, src, dst, placement, planner)
         times.append(time.perf_counter() - t0)

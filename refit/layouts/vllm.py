@@ -21,6 +21,7 @@ Conventions (checked against vllm 0.32's own loaders in tests/test_vllm_conventi
 
 from __future__ import annotations
 
+import functools
 from dataclasses import dataclass, field, replace
 from typing import ClassVar
 
@@ -29,6 +30,19 @@ from refit.layouts.base import LocalTensor, Piece, divides, pad_to, vocab_pieces
 from refit.spec import ModelSpec
 
 VOCAB_PADDING = 64  # vllm.model_executor.layers.vocab_parallel_embedding.DEFAULT_VOCAB_PADDING_SIZE
+
+
+@functools.lru_cache(maxsize=256)
+def _tp_rank_layers(layout: "VllmLayout", spec: ModelSpec, t: int) -> tuple:
+    """Every layer's dp-independent tensors of tp rank ``t`` (see `VllmLayout._layer_parts`),
+    built once and shared by the dp ranks: an MoE engine's ranks all differ (their experts), and
+    building 256 ranks x 61 layers of identical attention tensors was most of a 1T plan's layout time."""
+    return tuple(layout._layer_parts(spec, layer, t) for layer in range(spec.config.num_layers))
+
+
+def clear_caches() -> None:
+    """Forget built layer tensors (for cold planning-time measurements)."""
+    _tp_rank_layers.cache_clear()
 
 
 def expert_range(num_experts: int, ep: int, ep_rank: int) -> tuple[int, int]:
@@ -121,40 +135,45 @@ class VllmLayout:
         c = spec.config
         T = self.tp
         t = rank % T
-        H, hd, dt = c.hidden_size, c.head_dim, c.dtype
+        H, dt = c.hidden_size, c.dtype
         padded = pad_to(c.vocab_size, VOCAB_PADDING)
         out: list[LocalTensor] = []
         shape, pieces = vocab_pieces("model.embed_tokens.weight", c.vocab_size, H, padded, T, t)
         out.append(LocalTensor("model.embed_tokens.weight", shape, dt, pieces))
-        for layer in range(c.num_layers):
-            p = f"model.layers.{layer}."
-
-            def whole(local: str, tensor: str, n: int) -> LocalTensor:
-                pos = spec.layer_pos(tensor, layer)
-                return LocalTensor(p + local, (n,), dt, (Piece(tensor, (pos, 0), (1, n), (0, 0)),))
-
-            if c.is_mla:
-                out.extend(self._mla(spec, p, layer, t))
-            else:
-                out.extend(self._qkv(spec, p, layer, t))
-            o = "model.layers.*.self_attn.o_proj.weight"
-            cols = spec[o].shape[2] // T
-            out.append(LocalTensor(p + "self_attn.o_proj.weight", (H, cols), dt,
-                                   (Piece(o, (spec.layer_pos(o, layer), 0, t * cols), (1, H, cols), (0, 0, 0)),)))
-            if c.qk_norm:
-                out.append(whole("self_attn.q_norm.weight", "model.layers.*.self_attn.q_norm.weight", hd))
-                out.append(whole("self_attn.k_norm.weight", "model.layers.*.self_attn.k_norm.weight", hd))
+        for layer, (head, tail) in enumerate(_tp_rank_layers(self, spec, t)):
+            out.extend(head)
             if layer in c.moe_layers:
-                out.extend(self._moe(spec, p, layer, rank))
-            else:
-                out.extend(self._dense_mlp(spec, p, layer, t))
-            out.append(whole("input_layernorm.weight", "model.layers.*.input_layernorm.weight", H))
-            out.append(whole("post_attention_layernorm.weight", "model.layers.*.post_attention_layernorm.weight", H))
+                out.extend(self._routed_experts(spec, f"model.layers.{layer}.", layer, rank))
+            out.extend(tail)
         out.append(LocalTensor("model.norm.weight", (H,), dt, (Piece("model.norm.weight", (0,), (H,), (0,)),)))
         if not c.tie_embeddings:
             shape, pieces = vocab_pieces("lm_head.weight", c.vocab_size, H, padded, T, t)
             out.append(LocalTensor("lm_head.weight", shape, dt, pieces))
         return out
+
+    def _layer_parts(self, spec: ModelSpec, layer: int, t: int) -> tuple[tuple[LocalTensor, ...], tuple[LocalTensor, ...]]:
+        """A layer's tensors on tp rank ``t`` that do not depend on the dp rank: those before the
+        routed experts (attention, dense MLP or router + shared experts) and those after (norms)."""
+        c = spec.config
+        H, hd, dt, T = c.hidden_size, c.head_dim, c.dtype, self.tp
+        p = f"model.layers.{layer}."
+
+        def whole(local: str, tensor: str, n: int) -> LocalTensor:
+            pos = spec.layer_pos(tensor, layer)
+            return LocalTensor(p + local, (n,), dt, (Piece(tensor, (pos, 0), (1, n), (0, 0)),))
+
+        head = self._mla(spec, p, layer, t) if c.is_mla else self._qkv(spec, p, layer, t)
+        o = "model.layers.*.self_attn.o_proj.weight"
+        cols = spec[o].shape[2] // T
+        head.append(LocalTensor(p + "self_attn.o_proj.weight", (H, cols), dt,
+                                (Piece(o, (spec.layer_pos(o, layer), 0, t * cols), (1, H, cols), (0, 0, 0)),)))
+        if c.qk_norm:
+            head.append(whole("self_attn.q_norm.weight", "model.layers.*.self_attn.q_norm.weight", hd))
+            head.append(whole("self_attn.k_norm.weight", "model.layers.*.self_attn.k_norm.weight", hd))
+        head.extend(self._moe(spec, p, layer, t) if layer in c.moe_layers else self._dense_mlp(spec, p, layer, t))
+        tail = (whole("input_layernorm.weight", "model.layers.*.input_layernorm.weight", H),
+                whole("post_attention_layernorm.weight", "model.layers.*.post_attention_layernorm.weight", H))
+        return tuple(head), tail
 
     def _qkv(self, spec: ModelSpec, p: str, layer: int, t: int) -> list[LocalTensor]:
         c = spec.config
@@ -194,10 +213,24 @@ class VllmLayout:
             LocalTensor(f"{p}down_proj.weight", (H, n), dt, (Piece(down, (pos, 0, t * n), (1, H, n), (0, 0, 0)),)),
         ]
 
-    def _moe(self, spec: ModelSpec, p: str, layer: int, rank: int) -> list[LocalTensor]:
+    def _moe(self, spec: ModelSpec, p: str, layer: int, t: int) -> list[LocalTensor]:
+        """Router, its bias and the shared experts (the same on every dp rank of tp rank ``t``)."""
+        c = spec.config
+        H, dt, E = c.hidden_size, c.dtype, c.num_experts
+        router = "model.layers.*.mlp.gate.weight"
+        out = [LocalTensor(f"{p}mlp.gate.weight", (E, H), dt,
+                           (Piece(router, (spec.layer_pos(router, layer), 0, 0), (1, E, H), (0, 0, 0)),))]
+        if c.router_bias:  # float32 in the checkpoint and in vLLM
+            bias = "model.layers.*.mlp.gate.e_score_correction_bias"
+            out.append(LocalTensor(f"{p}mlp.gate.e_score_correction_bias", (E,), "float32",
+                                   (Piece(bias, (spec.layer_pos(bias, layer), 0), (1, E), (0, 0)),)))
+        if c.num_shared_experts:  # an ordinary MLP, split over tp only (dp replicas hold copies)
+            out.extend(self._dense_mlp(spec, p, layer, t, shared=True))
+        return out
+
+    def _routed_experts(self, spec: ModelSpec, p: str, layer: int, rank: int) -> list[LocalTensor]:
         c = spec.config
         H, dt, E, I = c.hidden_size, c.dtype, c.num_experts, c.moe_intermediate_size
-        router = "model.layers.*.mlp.gate.weight"
         gate, up, down = (f"model.layers.*.mlp.experts.*.{x}_proj.weight" for x in ("gate", "up", "down"))
         pos = spec.layer_pos(gate, layer)
         if self.expert_parallel:
@@ -207,15 +240,7 @@ class VllmLayout:
             e0, ne = 0, E
             n = I // (self.tp * self.dp_)
             i0 = rank * n  # flattened dp x tp rank == global rank
-        out = [LocalTensor(f"{p}mlp.gate.weight", (E, H), dt,
-                           (Piece(router, (spec.layer_pos(router, layer), 0, 0), (1, E, H), (0, 0, 0)),))]
-        if c.router_bias:  # float32 in the checkpoint and in vLLM
-            bias = "model.layers.*.mlp.gate.e_score_correction_bias"
-            out.append(LocalTensor(f"{p}mlp.gate.e_score_correction_bias", (E,), "float32",
-                                   (Piece(bias, (spec.layer_pos(bias, layer), 0), (1, E), (0, 0)),)))
-        if c.num_shared_experts:  # an ordinary MLP, split over tp only (dp replicas hold copies)
-            out.extend(self._dense_mlp(spec, p, layer, rank % self.tp, shared=True))
-        return out + [
+        return [
             LocalTensor(f"{p}mlp.experts.routed_experts.w13_weight", (ne, 2 * n, H), dt, (
                 Piece(gate, (pos, e0, i0, 0), (1, ne, n, H), (0, 0, 0, 0)),
                 Piece(up, (pos, e0, i0, 0), (1, ne, n, H), (0, 0, n, 0)))),
