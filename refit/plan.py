@@ -143,8 +143,8 @@ class Plan:
 
 def pack_buckets(transfers: list[Transfer], plan_tensors: dict[str, tuple[str, Index]], bucket_bytes: int,
                  src_gpus: tuple[int, ...], dst_gpus: tuple[int, ...]) -> tuple[list[Transfer], list[Bucket]]:
-    """Split transfers to fit ``bucket_bytes`` and pack them, per (stage, src, dst) pair, into
-    buckets.  Order: stage, then local copies, then remote pairs in rounds of the GPU distance
+    """Split transfers to fit ``bucket_bytes`` and pack them, per (stage, src, dst) pair and widest
+    dtype first, into buckets.  Order: stage, then local copies, then remote pairs in rounds of the GPU distance
     ``(dst_gpu - src_gpu) mod G`` so that in each round every GPU sends to one peer and receives
     from one peer."""
     from refit.boxes import split_box
@@ -172,7 +172,13 @@ def pack_buckets(transfers: list[Transfer], plan_tensors: dict[str, tuple[str, I
     for key in sorted(pairs, key=order):
         stage, s, d = key
         first, nbytes = len(out_t), 0
-        for t in pairs[key]:
+        group = pairs[key]
+        if len({itemsizes[t.tensor] for t in group}) > 1:
+            # Widest dtype first (stable): every transfer in a bucket buffer then starts at a
+            # multiple of its own item size (a float32 router bias after a bfloat16 box of odd
+            # size would not).  Single-dtype models keep their order, and their plan ids.
+            group = sorted(group, key=lambda t: -itemsizes[t.tensor])
+        for t in group:
             b = volume(t.size) * itemsizes[t.tensor]
             if nbytes and nbytes + b > bucket_bytes:
                 out_b.append(Bucket(stage, s, d, first, len(out_t) - first, nbytes))

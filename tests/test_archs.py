@@ -163,3 +163,18 @@ def test_cli_lists_the_new_models_and_says_what_is_not_moved(capsys):
                  "--dst", "vllm:tp8ep64dp8"]) == 0
     assert "not moved: model.layers.61.*: 1 multi-token-prediction layer" in capsys.readouterr().out
     assert _hf_config("deepseek-v3", load_spec("deepseek-v3"))["architectures"] == ["DeepseekV3ForCausalLM"]
+
+
+def test_executor_moves_float32_biases_beside_odd_bfloat16_boxes():
+    """Real processes (gloo, shared memory): a bucket holding a bfloat16 box of odd size and a
+    float32 router bias must still place the bias at a 4-byte-aligned offset."""
+    from tests.test_executor import _check, _job
+    from refit.executor import run_job
+
+    odd = build_spec("odd-mla", ModelConfig(
+        "deepseek_v3", hidden_size=6, num_layers=3, num_heads=2, num_kv_heads=2, head_dim=4, intermediate_size=6,
+        vocab_size=37, q_lora_rank=3, kv_lora_rank=5, qk_nope_head_dim=2, qk_rope_head_dim=2, v_head_dim=3,
+        num_experts=4, moe_intermediate_size=2, moe_layers=(1, 2), num_shared_experts=1, router_bias=True))
+    for src, dst, placement in (("megatron:tp2ep2", "vllm:tp2", "disaggregated"), ("hf", "vllm:tp2ep2", "colocated")):
+        job, plans = _job(odd, src, dst, placement)
+        _check(run_job(job), plans, odd)
