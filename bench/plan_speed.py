@@ -21,6 +21,7 @@ sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 from planners import make_plan  # noqa: E402
 from refit.layouts import all_holdings  # noqa: E402
 from refit.hf_checkpoint import load_spec  # noqa: E402
+from refit.layouts.vllm import clear_caches  # noqa: E402
 
 # (model, src, dst, placement, planner, target seconds or None)
 CASES = [
@@ -30,6 +31,13 @@ CASES = [
     ("qwen3-30b-moe", "tp4ep8", "vllm:tp4ep4", "disaggregated", "p2p", None),
     ("qwen3-30b-moe", "tp4ep8", "tp8", "colocated", "broadcast", None),
     ("llama3.1-70b", "megatron:tp8pp4vpp5", "vllm:tp8dp4", "colocated", "p2p", None),
+    # 1T scale (issue 14): Kimi-K2 256 -> 128 GPUs, DeepSeek-V3 NeMo-RL-style 256 -> 256 GPUs.  61 layers on
+    # pp16: 4 on the first stage, 1 on the last, 4 on each other.  Without vLLM expert parallel every
+    # engine rank holds a slice of every expert (the largest plans); with it, whole experts.
+    ("kimi-k2", "megatron:pp16ep16first4last1", "vllm:tp16dp8", "colocated", "p2p", 3.0),
+    ("deepseek-v3", "megatron:tp8pp16ep16first4last1", "vllm:tp32dp8", "colocated", "p2p", 3.0),
+    ("kimi-k2", "megatron:pp16ep16first4last1", "vllm:tp16ep128dp8", "disaggregated", "p2p", None),
+    ("deepseek-v3", "megatron:tp8pp16ep16first4last1", "vllm:tp32ep256dp8", "colocated", "p2p", None),
 ]
 
 
@@ -38,12 +46,14 @@ def measure(model: str, src: str, dst: str, placement: str, planner: str, repeat
     times = []
     for _ in range(repeat):
         all_holdings.cache_clear()
+        clear_caches()
         t0 = time.perf_counter()
         result = make_plan(spec, src, dst, placement, planner)
         times.append(time.perf_counter() - t0)
     s = result.summary
     return {"model": model, "src": s["src"], "dst": s["dst"], "placement": placement, "planner": planner,
             "median_s": statistics.median(times), "min_s": min(times), "num_transfers": s["num_transfers"],
+            "num_buckets": s["num_buckets"], "plan_json_bytes": len(json.dumps(result.plan.to_dict(), separators=(",", ":"))),
             "plan_id": s["plan_id"]}
 
 
@@ -78,12 +88,13 @@ def main() -> int:
         print(json.dumps({"machine": platform.processor() or platform.machine(), "cpu_reference": ref,
                           "cases": rows}, indent=2))
     else:
-        print(f"{'model':<16}{'src':<42}{'dst':<16}{'placement':<15}{'planner':<10}{'median':>9}{'min':>9}"
-              f"{'transfers':>10}  target")
+        print(f"{'model':<16}{'src':<46}{'dst':<16}{'placement':<15}{'planner':<10}{'median':>9}{'min':>9}"
+              f"{'transfers':>10}{'plan MB':>9}  target")
         for r in rows:
             tgt = "" if r["target_s"] is None else f"<= {r['target_s'] * 1e3:.0f} ms {'ok' if r['ok'] else 'MISSED'}"
-            print(f"{r['model']:<16}{r['src']:<42}{r['dst']:<16}{r['placement']:<15}{r['planner']:<10}"
-                  f"{r['median_s'] * 1e3:>7.1f}ms{r['min_s'] * 1e3:>7.1f}ms{r['num_transfers']:>10}  {tgt}")
+            print(f"{r['model']:<16}{r['src']:<46}{r['dst']:<16}{r['placement']:<15}{r['planner']:<10}"
+                  f"{r['median_s'] * 1e3:>7.1f}ms{r['min_s'] * 1e3:>7.1f}ms{r['num_transfers']:>10}"
+                  f"{r['plan_json_bytes'] / 1e6:>9.1f}  {tgt}")
         print(f"cpu reference (sum(range(10**6)), best of 5): {ref['before_ms']:.1f} ms before, "
               f"{ref['after_ms']:.1f} ms after")
     return 0 if all(r["ok"] is not False for r in rows) else 1

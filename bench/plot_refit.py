@@ -53,7 +53,7 @@ def matrix(model: str, src: str, dst: str, placement: str, out: str) -> None:
     import matplotlib.pyplot as plt
 
     from planners import make_plan
-    from refit.spec import load_spec
+    from refit.hf_checkpoint import load_spec
 
     spec = load_spec(model)
     plan = make_plan(spec, src, dst, placement).plan

@@ -35,14 +35,17 @@ class P2PPlanner:
                     if key not in parts_cache:
                         parts_cache[key] = sources_for(index, tensor, box, f"destination rank {d}")
                     for part, ranks in parts_cache[key]:
-                        local = [r for r in ranks if sgpu[r] == dgpu[d]]
-                        if local or len(ranks) == 1:
-                            s = (local or ranks)[0]
-                            chosen.append((s, d, tensor, part))
-                            if sgpu[s] != dgpu[d]:
-                                send[sgpu[s]] += volume(part[1]) * itemsize
+                        if len(ranks) == 1:  # the common case at scale (experts): no choice to make
+                            s = ranks[0]
                         else:
-                            open_items.append((volume(part[1]) * itemsize, d, tensor, part, ranks))
+                            local = [r for r in ranks if sgpu[r] == dgpu[d]]
+                            if not local:
+                                open_items.append((volume(part[1]) * itemsize, d, tensor, part, ranks))
+                                continue
+                            s = local[0]
+                        chosen.append((s, d, tensor, part))
+                        if sgpu[s] != dgpu[d]:
+                            send[sgpu[s]] += volume(part[1]) * itemsize
         # Balance the free choices, largest first (stable order on ties keeps plans reproducible).
         for i in sorted(range(len(open_items)), key=lambda i: -open_items[i][0]):
             nbytes, d, tensor, part, ranks = open_items[i]

@@ -43,7 +43,10 @@ def make_plan(spec: ModelSpec, src: str | Layout, dst: str | Layout, placement: 
         plan = PLANNERS[planner]().plan(spec, src_l, dst_l, place, bucket_bytes)
         seconds = time.perf_counter() - t0
         dst_total = total_bytes(spec, all_holdings(spec, dst_l))
-        return PlanResult(plan, summarize(plan, spec, dst_total, seconds), src_l, dst_l)
+        summary = summarize(plan, spec, dst_total, seconds)
+        if spec.not_moved:  # e.g. DeepSeek-V3's MTP layers: said, never silently dropped
+            summary["not_moved"] = list(spec.not_moved)
+        return PlanResult(plan, summary, src_l, dst_l)
 
 
 @contextlib.contextmanager

@@ -122,6 +122,8 @@ def cmd_plan(args: argparse.Namespace) -> int:
     for label, n in rows:
         print(f"  {label:<26}{fmt_bytes(n):>12}")
     print(f"  {'transfers / buckets':<26}{s['num_transfers']:>6} / {s['num_buckets']}")
+    for line in s.get("not_moved", ()):
+        print(f"  not moved: {line}")
     if args.out:
         print(f"\nplan written to {args.out}")
     return 0

@@ -9,6 +9,7 @@ every tensor in full.)
 from __future__ import annotations
 
 import json
+import logging
 import os
 import re
 import struct
@@ -17,7 +18,10 @@ from typing import Any
 from refit.catalog import CATALOG
 from refit.dtypes import FROM_SAFETENSORS
 from refit.errors import RefitError
+from refit.archs import mtp_layer_of
 from refit.spec import ModelConfig, ModelSpec, build_spec, check_tensor_table
+
+log = logging.getLogger(__name__)
 
 # HF config.json ``model_type`` -> the ``architectures`` entry transformers expects (written into
 # the config.json of an HF output when the input had none).  Keys: `refit.spec.SUPPORTED_ARCHS`.
@@ -26,6 +30,9 @@ HF_ARCHITECTURES = {
     "qwen2": "Qwen2ForCausalLM",
     "qwen3": "Qwen3ForCausalLM",
     "qwen3_moe": "Qwen3MoeForCausalLM",
+    "deepseek_v3": "DeepseekV3ForCausalLM",
+    "kimi_k2": "DeepseekV3ForCausalLM",  # Kimi-K2's config.json names DeepSeek-V3's class (its code is remote)
+    "glm4_moe": "Glm4MoeForCausalLM",
 }
 
 MAX_HEADER_BYTES = 100 * 2**20  # the safetensors format's own limit on a header
@@ -149,7 +156,12 @@ def config_from_headers(tensors: CheckpointTensors) -> dict[str, Any]:
 def check_checkpoint(spec: ModelSpec, tensors: CheckpointTensors, where: str) -> None:
     """Refuse a checkpoint whose tensors differ from the spec: name the first difference."""
     expected = {t.name: (t.shape, spec[t.tensor].dtype) for t in spec.hf_tensors()}
-    check_tensor_table({n: (shape, dtype) for n, (shape, dtype, _) in tensors.items()}, expected, where)
+    # MTP layers (DeepSeek-V3, GLM-4.5) are accepted and named as not moved, never dropped silently
+    found = {n: (shape, dtype) for n, (shape, dtype, _) in tensors.items() if mtp_layer_of(spec.config, n) is None}
+    if len(found) < len(tensors):
+        for line in spec.not_moved:
+            log.warning("%s: %s (%d tensors)", where, line, len(tensors) - len(found))
+    check_tensor_table(found, expected, where)
 
 
 def spec_from_dir(directory: str) -> ModelSpec:
@@ -187,7 +199,8 @@ def hf_config(model: str, spec: ModelSpec) -> dict[str, Any]:
     if os.path.isdir(model) and os.path.exists(path):
         return _read_json(path)
     cfg = dict(CATALOG.get(model, {}))
-    cfg.setdefault("architectures", [HF_ARCHITECTURES[spec.config.arch]])
+    if "architectures" not in cfg:  # catalog entries of other families name their own
+        cfg["architectures"] = [HF_ARCHITECTURES[spec.config.arch]]
     return cfg
 
 

@@ -121,7 +121,9 @@ class Plan:
             "bucket_bytes": self.bucket_bytes,
             "tensors": [[n, self.tensors[n][0], list(self.tensors[n][1])] for n in names],
             # [stage, src, dst, tensor index, start, size]
-            "transfers": [[t.stage, t.src, t.dst, index[t.tensor], list(t.start), list(t.size)] for t in self.transfers],
+            # (start/size stay tuples: json writes them as the same arrays, and copying 10^5 of
+            # them is a tenth of a 1T-model plan's time)
+            "transfers": [[t.stage, t.src, t.dst, index[t.tensor], t.start, t.size] for t in self.transfers],
             # [stage, src, dst, first transfer, count, bytes]
             "buckets": [[b.stage, b.src, b.dst, b.first, b.count, b.nbytes] for b in self.buckets],
         }
@@ -151,18 +153,23 @@ class Plan:
 
 def pack_buckets(transfers: list[Transfer], plan_tensors: dict[str, tuple[str, Index]], bucket_bytes: int,
                  src_gpus: tuple[int, ...], dst_gpus: tuple[int, ...]) -> tuple[list[Transfer], list[Bucket]]:
-    """Split transfers to fit ``bucket_bytes`` and pack them, per (stage, src, dst) pair, into
-    buckets.  Order: stage, then local copies, then remote pairs in rounds of the GPU distance
+    """Split transfers to fit ``bucket_bytes`` and pack them, per (stage, src, dst) pair and widest
+    dtype first, into buckets.  Order: stage, then local copies, then remote pairs in rounds of the GPU distance
     ``(dst_gpu - src_gpu) mod G`` so that in each round every GPU sends to one peer and receives
     from one peer."""
     from refit.boxes import split_box
 
     num_gpus = max(src_gpus + dst_gpus) + 1
     pairs: dict[tuple[int, int, int], list[Transfer]] = {}
+    itemsizes = {n: DTYPE_BYTES[dt] for n, (dt, _) in plan_tensors.items()}
     for t in transfers:
-        itemsize = DTYPE_BYTES[plan_tensors[t.tensor][0]]
+        itemsize = itemsizes[t.tensor]
+        group = pairs.setdefault((t.stage, t.src, t.dst), [])
+        if volume(t.size) * itemsize <= bucket_bytes:  # the common case: nothing to split
+            group.append(t)
+            continue
         for start, size in split_box((t.start, t.size), max(1, bucket_bytes // itemsize)):
-            pairs.setdefault((t.stage, t.src, t.dst), []).append(Transfer(t.stage, t.src, t.dst, t.tensor, start, size))
+            group.append(Transfer(t.stage, t.src, t.dst, t.tensor, start, size))
 
     def order(key: tuple[int, int, int]) -> tuple[int, int, int, int]:
         stage, s, d = key
@@ -175,8 +182,14 @@ def pack_buckets(transfers: list[Transfer], plan_tensors: dict[str, tuple[str, I
     for key in sorted(pairs, key=order):
         stage, s, d = key
         first, nbytes = len(out_t), 0
-        for t in pairs[key]:
-            b = t.numel * DTYPE_BYTES[plan_tensors[t.tensor][0]]
+        group = pairs[key]
+        if len({itemsizes[t.tensor] for t in group}) > 1:
+            # Widest dtype first (stable): every transfer in a bucket buffer then starts at a
+            # multiple of its own item size (a float32 router bias after a bfloat16 box of odd
+            # size would not).  Single-dtype models keep their order, and their plan ids.
+            group = sorted(group, key=lambda t: -itemsizes[t.tensor])
+        for t in group:
+            b = volume(t.size) * itemsizes[t.tensor]
             if nbytes and nbytes + b > bucket_bytes:
                 out_b.append(Bucket(stage, s, d, first, len(out_t) - first, nbytes))
                 first, nbytes = len(out_t), 0

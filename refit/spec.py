@@ -22,10 +22,11 @@ import math
 from dataclasses import dataclass, field
 from typing import Any, Iterator, Mapping
 
+from refit.archs import FAMILY_ARCHS, family_fields, gqa_tensors, mla_tensors, moe_extra_tensors, mtp_layer_of, not_moved
 from refit.dtypes import DTYPE_BYTES
 from refit.errors import RefitError
 
-SUPPORTED_ARCHS = ("llama", "qwen2", "qwen3", "qwen3_moe")
+SUPPORTED_ARCHS = ("llama", "qwen2", "qwen3", "qwen3_moe", "deepseek_v3", "kimi_k2", "glm4_moe")
 
 
 @dataclass(frozen=True)
@@ -47,6 +48,23 @@ class ModelConfig:
     moe_intermediate_size: int = 0
     moe_layers: tuple[int, ...] = ()
     dtype: str = "bfloat16"
+    # DeepSeek-V3 / GLM-4.5 family (refit/archs.py); zero/False for the others
+    num_shared_experts: int = 0  # one shared MLP of width moe_intermediate_size * num_shared_experts
+    router_bias: bool = False  # mlp.gate.e_score_correction_bias, float32
+    num_mtp_layers: int = 0  # multi-token-prediction layers after the decoder: not moved
+    q_lora_rank: int = 0  # MLA (kv_lora_rank > 0); q_lora_rank 0: a plain q_proj
+    kv_lora_rank: int = 0
+    qk_nope_head_dim: int = 0
+    qk_rope_head_dim: int = 0
+    v_head_dim: int = 0
+
+    @property
+    def is_mla(self) -> bool:
+        return self.kv_lora_rank > 0
+
+    @property
+    def shared_intermediate_size(self) -> int:
+        return self.moe_intermediate_size * self.num_shared_experts
 
     @property
     def is_moe(self) -> bool:
@@ -90,6 +108,13 @@ class ModelConfig:
         dtype = str(cfg.get("torch_dtype") or cfg.get("dtype") or "bfloat16")
         if dtype not in DTYPE_BYTES:
             raise RefitError(f"unsupported dtype {dtype!r}; refit knows {', '.join(DTYPE_BYTES)}")
+        if arch in FAMILY_ARCHS:
+            fields = dict(arch=arch, hidden_size=hidden, num_layers=layers, num_heads=heads, num_kv_heads=kv,
+                          head_dim=head_dim, intermediate_size=int(cfg.get("intermediate_size", 0)),
+                          vocab_size=vocab, tie_embeddings=bool(cfg.get("tie_word_embeddings", False)),
+                          dtype=dtype)
+            fields.update(family_fields(cfg, layers, heads))
+            return cls(**fields)
         return cls(
             arch=arch,
             hidden_size=hidden,
@@ -175,6 +200,11 @@ class ModelSpec:
         return self._layer_pos[name][layer]  # type: ignore[attr-defined]
 
     @property
+    def not_moved(self) -> tuple[str, ...]:
+        """Checkpoint contents refit accepts but does not move (MTP layers), said plainly."""
+        return not_moved(self.config)
+
+    @property
     def num_params(self) -> int:
         return sum(t.numel for t in self.tensors)
 
@@ -207,27 +237,19 @@ class ModelSpec:
 
 def build_spec(name: str, cfg: ModelConfig) -> ModelSpec:
     """The canonical tensors of a model with config ``cfg``."""
-    H, hd, dt = cfg.hidden_size, cfg.head_dim, cfg.dtype
+    H, dt = cfg.hidden_size, cfg.dtype
     all_layers = tuple(range(cfg.num_layers))
     out: list[TensorSpec] = [TensorSpec("model.embed_tokens.weight", (cfg.vocab_size, H), dt)]
 
-    def per_layer(suffix: str, shape: tuple[int, ...], layers: tuple[int, ...] = all_layers) -> None:
+    def per_layer(suffix: str, shape: tuple[int, ...], layers: tuple[int, ...] = all_layers, dtype: str = dt) -> None:
         if layers:
-            out.append(TensorSpec(f"model.layers.*.{suffix}", (len(layers),) + shape, dt, layers))
+            out.append(TensorSpec(f"model.layers.*.{suffix}", (len(layers),) + shape, dtype, layers))
 
-    q_rows, kv_rows = cfg.num_heads * hd, cfg.num_kv_heads * hd
     per_layer("input_layernorm.weight", (H,))
-    per_layer("self_attn.q_proj.weight", (q_rows, H))
-    per_layer("self_attn.k_proj.weight", (kv_rows, H))
-    per_layer("self_attn.v_proj.weight", (kv_rows, H))
-    if cfg.qkv_bias:
-        per_layer("self_attn.q_proj.bias", (q_rows,))
-        per_layer("self_attn.k_proj.bias", (kv_rows,))
-        per_layer("self_attn.v_proj.bias", (kv_rows,))
-    if cfg.qk_norm:
-        per_layer("self_attn.q_norm.weight", (hd,))
-        per_layer("self_attn.k_norm.weight", (hd,))
-    per_layer("self_attn.o_proj.weight", (H, q_rows))
+    if cfg.is_mla:
+        mla_tensors(cfg, per_layer)
+    else:
+        gqa_tensors(cfg, per_layer)
     per_layer("post_attention_layernorm.weight", (H,))
     dense = cfg.dense_layers
     per_layer("mlp.gate_proj.weight", (cfg.intermediate_size, H), dense)
@@ -239,6 +261,7 @@ def build_spec(name: str, cfg: ModelConfig) -> ModelSpec:
         per_layer("mlp.experts.*.gate_proj.weight", (E, I, H), cfg.moe_layers)
         per_layer("mlp.experts.*.up_proj.weight", (E, I, H), cfg.moe_layers)
         per_layer("mlp.experts.*.down_proj.weight", (E, H, I), cfg.moe_layers)
+        moe_extra_tensors(cfg, per_layer)
     out.append(TensorSpec("model.norm.weight", (H,), dt))
     if not cfg.tie_embeddings:
         out.append(TensorSpec("lm_head.weight", (cfg.vocab_size, H), dt))
@@ -263,6 +286,3 @@ def check_tensor_table(found: TensorTable, expected: TensorTable, where: str, ex
     if extra:
         more = f" (and {len(extra) - 1} more)" if len(extra) > 1 else ""
         raise RefitError(f"{where}: unexpected tensor {extra[0]!r}{more}")
-
-
-# ---------------------------------------------------------------------------------------------

@@ -134,7 +134,8 @@ def test_architectures_are_transformers_own_names():
     assert set(HF_ARCHITECTURES) == set(SUPPORTED_ARCHS)
     names = _transformers_causal_lm_names()
     for model_type, arch in HF_ARCHITECTURES.items():
-        assert names[model_type] == arch
+        # kimi_k2 is remote code, not in transformers: its config names DeepSeek-V3's class
+        assert names["deepseek_v3" if model_type == "kimi_k2" else model_type] == arch
 
 
 def test_hf_config_for_an_output(tmp_path):

@@ -1,6 +1,6 @@
 """refit's vLLM layout against the real vLLM (CPU build 0.32).
 
-A tiny Qwen3-MoE and a tiny Qwen2 checkpoint are loaded by a real vLLM engine at tensor-parallel
+Tiny Qwen3-MoE, Qwen2 and DeepSeek-V3 (MLA, with and without q LoRA) checkpoints are loaded by a real vLLM engine at tensor-parallel
 size 2 (with and without expert parallel).  Each worker's parameters are captured as vLLM's own
 weight loaders left them, before `process_weights_after_loading` repacks them for CPU kernels
 (tests/vllm_harness/capture.py).  `refit reshard --src hf --dst vllm:tp2…` must produce exactly
@@ -29,6 +29,10 @@ CASES = [  # (model maker, refit destination layout, vLLM enable_expert_parallel
     ("make_tiny_qwen3_moe", "vllm:tp2", False),
     ("make_tiny_qwen3_moe", "vllm:tp2ep2", True),
     ("make_tiny_qwen2", "vllm:tp2", False),
+    # DeepSeek-V3 MLA with q LoRA (fused_qkv_a_proj), shared experts, float32 router bias, expert parallel
+    ("make_tiny_deepseek_v3", "vllm:tp2ep2", True),
+    # Moonlight-style MLA without q LoRA (q_proj), experts tensor-split
+    ("make_tiny_moonlight", "vllm:tp2", False),
 ]
 
 
@@ -65,4 +69,5 @@ def test_reshard_output_equals_what_vllm_loads(tmp_path, checkpoints, maker, lay
         for name, w in want.items():
             g = got[name]
             assert (g.shape, g.dtype) == (w.shape, w.dtype), (rank, name, g.shape, w.shape)
-            assert torch.equal(g.view(torch.int16), w.view(torch.int16)), f"rank {rank}: {name} differs"
+            bits = torch.int32 if w.dtype == torch.float32 else torch.int16  # router biases are float32
+            assert torch.equal(g.view(bits), w.view(bits)), f"rank {rank}: {name} differs"

@@ -23,6 +23,29 @@ TINY_CONFIGS = {
     "tiny-llama": {"model_type": "llama", "architectures": ["LlamaForCausalLM"], "hidden_size": 32,
                    "num_hidden_layers": 4, "num_attention_heads": 8, "num_key_value_heads": 8,
                    "intermediate_size": 64, "vocab_size": 129, "tie_word_embeddings": False, "torch_dtype": "bfloat16"},
+    # DeepSeek-V3 with q LoRA (fused_qkv_a_proj in vLLM), one dense layer, 2 shared experts, 1 MTP layer
+    "tiny-deepseek-v3": {"model_type": "deepseek_v3", "architectures": ["DeepseekV3ForCausalLM"], "hidden_size": 32,
+                         "num_hidden_layers": 4, "num_attention_heads": 4, "num_key_value_heads": 4,
+                         "q_lora_rank": 16, "kv_lora_rank": 16, "qk_nope_head_dim": 8, "qk_rope_head_dim": 4,
+                         "v_head_dim": 8, "intermediate_size": 48, "moe_intermediate_size": 16,
+                         "n_routed_experts": 8, "n_shared_experts": 2, "first_k_dense_replace": 1,
+                         "num_experts_per_tok": 2, "topk_method": "noaux_tc", "num_nextn_predict_layers": 1,
+                         "vocab_size": 300, "tie_word_embeddings": False, "torch_dtype": "bfloat16"},
+    # Moonlight-style: no q LoRA (a plain q_proj), no MTP
+    "tiny-moonlight": {"model_type": "deepseek_v3", "architectures": ["DeepseekV3ForCausalLM"], "hidden_size": 32,
+                       "num_hidden_layers": 3, "num_attention_heads": 4, "num_key_value_heads": 4,
+                       "q_lora_rank": None, "kv_lora_rank": 16, "qk_nope_head_dim": 8, "qk_rope_head_dim": 4,
+                       "v_head_dim": 8, "intermediate_size": 48, "moe_intermediate_size": 16,
+                       "n_routed_experts": 4, "n_shared_experts": 1, "first_k_dense_replace": 1,
+                       "num_experts_per_tok": 2, "topk_method": "noaux_tc", "num_nextn_predict_layers": 0,
+                       "vocab_size": 260, "tie_word_embeddings": False, "torch_dtype": "bfloat16"},
+    "tiny-glm4-moe": {"model_type": "glm4_moe", "architectures": ["Glm4MoeForCausalLM"], "hidden_size": 32,
+                      "num_hidden_layers": 3, "num_attention_heads": 4, "num_key_value_heads": 2, "head_dim": 8,
+                      "attention_bias": True, "use_qk_norm": True, "partial_rotary_factor": 0.5,
+                      "intermediate_size": 48, "moe_intermediate_size": 16, "n_routed_experts": 4,
+                      "n_shared_experts": 1, "first_k_dense_replace": 1, "num_experts_per_tok": 2,
+                      "num_nextn_predict_layers": 1, "vocab_size": 280, "tie_word_embeddings": False,
+                      "torch_dtype": "bfloat16"},
 }
 
 
@@ -42,8 +65,9 @@ def write_hf_checkpoint(directory: str, name: str, seed: int = 0, files: int = 2
     for i in range(files):
         chunk = hf[i * per_file:(i + 1) * per_file]
         path = os.path.join(directory, f"model-{i + 1:05d}-of-{files:05d}.safetensors")
-        w = SafetensorsWriter(path, [(t.name, t.shape, "bfloat16") for t in chunk], {"format": "pt"})
-        for t in chunk:
-            w.write(t.name, torch.randn(t.shape, generator=gen).to(torch.bfloat16))
+        dtypes = [spec[t.tensor].dtype for t in chunk]  # router biases are float32
+        w = SafetensorsWriter(path, [(t.name, t.shape, d) for t, d in zip(chunk, dtypes)], {"format": "pt"})
+        for t, d in zip(chunk, dtypes):
+            w.write(t.name, torch.randn(t.shape, generator=gen).to(getattr(torch, d)))
         w.close()
     return spec

@@ -13,6 +13,10 @@ Conventions (checked against megatron-core 0.16.1 in tests/test_megatron_convent
 * Experts (TE grouped-GEMM naming): ``mlp.experts.linear_fc1.weight{i}`` = [gate; up] rows of this
   etp shard, ``linear_fc2.weight{i}`` = down split on dim 1; local expert i on ep rank k is
   global expert k*E/EP + i.
+* MLA (TE spec, qk_layernorm): ``linear_q_down_proj`` / ``linear_kv_down_proj`` whole on every tp
+  rank, q_a/kv_a norms fused as the up-projections' ``layer_norm_weight``, up-projections split by
+  heads; no rope reordering against HF (tests/test_megatron_mla.py).  Shared experts
+  ``mlp.shared_experts.linear_fc{1,2}`` split over tp; ``mlp.router.expert_bias`` float32.
 * Pipeline: model chunk c of pp rank p holds a run of consecutive layers; runs are laid out in
   virtual-stage order (c, p).  Local names restart at ``decoder.layers.0`` in every chunk, and
   chunks are prefixed ``chunk{c}.`` when vpp > 1.
@@ -104,8 +108,11 @@ class MegatronLayout:
                 f"divisible by etp*ep ({self.etp_}*{self.ep}={self.etp_ * self.ep})"
             )
         divides("megatron: attention heads", c.num_heads, "tp", self.tp)
-        qkv_rows = (c.num_heads + 2 * c.num_kv_heads) * c.head_dim
-        divides("megatron: linear_qkv rows ((heads + 2*kv heads) * head_dim)", qkv_rows, "tp", self.tp)
+        if not c.is_mla:
+            qkv_rows = (c.num_heads + 2 * c.num_kv_heads) * c.head_dim
+            divides("megatron: linear_qkv rows ((heads + 2*kv heads) * head_dim)", qkv_rows, "tp", self.tp)
+        if c.num_shared_experts:
+            divides("megatron: shared experts' intermediate size", c.shared_intermediate_size, "tp", self.tp)
         if c.dense_layers:
             divides("megatron: intermediate_size", c.intermediate_size, "tp", self.tp)
         if self.ep > 1 or self.etp is not None:
@@ -222,6 +229,8 @@ class MegatronLayout:
 
     def _attention(self, spec: ModelSpec, p: str, layer: int, t: int) -> list[LocalTensor]:
         c = spec.config
+        if c.is_mla:
+            return self._mla(spec, p, layer, t)
         T, H, hd, dt = self.tp, c.hidden_size, c.head_dim, c.dtype
         G = c.num_kv_heads
         q_per_g = c.num_heads // G
@@ -263,19 +272,22 @@ class MegatronLayout:
                                (Piece(o, (spec.layer_pos(o, layer), 0, t * cols), (1, H, cols), (0, 0, 0)),)))
         return out
 
-    def _dense_mlp(self, spec: ModelSpec, p: str, layer: int, t: int) -> list[LocalTensor]:
+    def _dense_mlp(self, spec: ModelSpec, p: str, layer: int, t: int, shared: bool = False) -> list[LocalTensor]:
         c = spec.config
-        H, dt, n = c.hidden_size, c.dtype, c.intermediate_size // self.tp
-        gate, up, down = (f"model.layers.*.mlp.{x}_proj.weight" for x in ("gate", "up", "down"))
+        width, hf, mp = ((c.shared_intermediate_size, "mlp.shared_experts", "mlp.shared_experts") if shared
+                         else (c.intermediate_size, "mlp", "mlp"))
+        H, dt, n = c.hidden_size, c.dtype, width // self.tp
+        gate, up, down = (f"model.layers.*.{hf}.{x}_proj.weight" for x in ("gate", "up", "down"))
         ln = "model.layers.*.post_attention_layernorm.weight"
         pos = spec.layer_pos(gate, layer)
-        return [
-            LocalTensor(f"{p}mlp.linear_fc1.layer_norm_weight", (H,), dt,
-                        (Piece(ln, (spec.layer_pos(ln, layer), 0), (1, H), (0, 0)),)),
-            LocalTensor(f"{p}mlp.linear_fc1.weight", (2 * n, H), dt,
+        # a dense layer fuses the pre-MLP norm into linear_fc1; shared experts sit after pre_mlp_layernorm
+        norm = [] if shared else [LocalTensor(f"{p}mlp.linear_fc1.layer_norm_weight", (H,), dt,
+                                              (Piece(ln, (spec.layer_pos(ln, layer), 0), (1, H), (0, 0)),))]
+        return norm + [
+            LocalTensor(f"{p}{mp}.linear_fc1.weight", (2 * n, H), dt,
                         (Piece(gate, (pos, t * n, 0), (1, n, H), (0, 0, 0)),
                          Piece(up, (pos, t * n, 0), (1, n, H), (0, n, 0)))),
-            LocalTensor(f"{p}mlp.linear_fc2.weight", (H, n), dt,
+            LocalTensor(f"{p}{mp}.linear_fc2.weight", (H, n), dt,
                         (Piece(down, (pos, 0, t * n), (1, H, n), (0, 0, 0)),)),
         ]
 
@@ -294,6 +306,12 @@ class MegatronLayout:
             LocalTensor(f"{p}mlp.router.weight", (E, H), dt,
                         (Piece(router, (spec.layer_pos(router, layer), 0, 0), (1, E, H), (0, 0, 0)),)),
         ]
+        if c.router_bias:  # TopKRouter's expert_bias buffer (moe_router_enable_expert_bias), kept float32
+            bias = "model.layers.*.mlp.gate.e_score_correction_bias"
+            out.append(LocalTensor(f"{p}mlp.router.expert_bias", (E,), "float32",
+                                   (Piece(bias, (spec.layer_pos(bias, layer), 0), (1, E), (0, 0)),)))
+        if c.num_shared_experts:  # SharedExpertMLP: an MLP split over tp (not etp)
+            out.extend(self._dense_mlp(spec, p, layer, co["tp"], shared=True))
         per_rank = E // self.ep
         e0 = co["ep"] * per_rank
         zero, up_at, fc1_shape, fc2_shape = (0, 0, 0, 0), (0, 0, n, 0), (2 * n, H), (H, n)
@@ -306,4 +324,43 @@ class MegatronLayout:
         for i in range(per_rank):
             out.append(LocalTensor(f"{p}mlp.experts.linear_fc2.weight{i}", fc2_shape, dt,
                                    (Piece(down, (pos, e0 + i, 0, lo), fc2_size, zero),)))
+        return out
+
+    def _mla(self, spec: ModelSpec, p: str, layer: int, t: int) -> list[LocalTensor]:
+        """MLASelfAttention under the Transformer Engine spec with qk_layernorm (as DeepSeek-V3
+        recipes run it): the down-projections are TELinear ``duplicated`` (whole on every tp rank);
+        q_a/kv_a layernorms are fused into the up-projections as ``layer_norm_weight``; the
+        up-projections are split by heads (contiguous rows), linear_proj on dim 1."""
+        c = spec.config
+        T, dt = self.tp, c.dtype
+        a = f"{p}self_attention."
+
+        def whole(local: str, tensor: str) -> LocalTensor:
+            ts = spec[f"model.layers.*.{tensor}"]
+            inner = ts.shape[1:]
+            return LocalTensor(a + local if local != "input_layernorm.weight" else p + local, inner, dt,
+                               (Piece(ts.name, (spec.layer_pos(ts.name, layer),) + (0,) * len(inner), (1,) + inner,
+                                      (0,) * len(ts.shape)),))
+
+        def split(local: str, tensor: str) -> LocalTensor:
+            ts = spec[f"model.layers.*.self_attn.{tensor}"]
+            k, cols = ts.shape[1] // T, ts.shape[2]
+            return LocalTensor(a + local, (k, cols), dt,
+                               (Piece(ts.name, (spec.layer_pos(ts.name, layer), t * k, 0), (1, k, cols), (0, 0, 0)),))
+
+        out = [whole("input_layernorm.weight", "input_layernorm.weight")]
+        if c.q_lora_rank:
+            out += [whole("linear_q_down_proj.weight", "self_attn.q_a_proj.weight"),
+                    whole("linear_q_up_proj.layer_norm_weight", "self_attn.q_a_layernorm.weight"),
+                    split("linear_q_up_proj.weight", "q_b_proj.weight")]
+        else:
+            out.append(split("linear_q_proj.weight", "q_proj.weight"))
+        out += [whole("linear_kv_down_proj.weight", "self_attn.kv_a_proj_with_mqa.weight"),
+                whole("linear_kv_up_proj.layer_norm_weight", "self_attn.kv_a_layernorm.weight"),
+                split("linear_kv_up_proj.weight", "kv_b_proj.weight")]
+        o = spec["model.layers.*.self_attn.o_proj.weight"]
+        cols = o.shape[2] // T
+        out.append(LocalTensor(f"{a}linear_proj.weight", (c.hidden_size, cols), dt,
+                               (Piece(o.name, (spec.layer_pos(o.name, layer), 0, t * cols), (1, c.hidden_size, cols),
+                                      (0, 0, 0)),)))
         return out

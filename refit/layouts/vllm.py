@@ -11,12 +11,17 @@ Conventions (checked against vllm 0.32's own loaders in tests/test_vllm_conventi
   (rank dp*tp + t), ``w13_weight`` [E, 2I/(dp*tp), H], ``w2_weight`` [E, H, I/(dp*tp)].
   With expert parallel the EP group is the same dp*tp ranks; experts are placed linearly, the first
   E % ep ranks getting one more, and are not split inside.
+* DeepSeek-V3 MLA: with q LoRA, ``fused_qkv_a_proj`` = [q_a_proj; kv_a_proj_with_mqa], replicated;
+  without, ``kv_a_proj_with_mqa`` replicated and ``q_proj`` split by heads; ``q_b_proj`` and
+  ``kv_b_proj`` split by heads (contiguous rows).  Shared experts: an MLP split over tp only.
+  ``e_score_correction_bias`` stays float32.  GLM-4.5 is refused (vLLM upcasts its router to float32).
 * ``embed_tokens`` / ``lm_head``: vocab padded to a multiple of 64, split evenly over tp;
   a tied ``lm_head`` is the embedding itself and does not appear among the parameters.
 """
 
 from __future__ import annotations
 
+import functools
 from dataclasses import dataclass, field, replace
 from typing import ClassVar
 
@@ -25,6 +30,19 @@ from refit.layouts.base import LocalTensor, Piece, divides, pad_to, vocab_pieces
 from refit.spec import ModelSpec
 
 VOCAB_PADDING = 64  # vllm.model_executor.layers.vocab_parallel_embedding.DEFAULT_VOCAB_PADDING_SIZE
+
+
+@functools.lru_cache(maxsize=256)
+def _tp_rank_layers(layout: "VllmLayout", spec: ModelSpec, t: int) -> tuple:
+    """Every layer's dp-independent tensors of tp rank ``t`` (see `VllmLayout._layer_parts`),
+    built once and shared by the dp ranks: an MoE engine's ranks all differ (their experts), and
+    building 256 ranks x 61 layers of identical attention tensors was most of a 1T plan's layout time."""
+    return tuple(layout._layer_parts(spec, layer, t) for layer in range(spec.config.num_layers))
+
+
+def clear_caches() -> None:
+    """Forget built layer tensors (for cold planning-time measurements)."""
+    _tp_rank_layers.cache_clear()
 
 
 def expert_range(num_experts: int, ep: int, ep_rank: int) -> tuple[int, int]:
@@ -83,13 +101,22 @@ class VllmLayout:
         if self.ep is not None and not c.is_moe:
             raise RefitError(f"vllm: ep{self.ep} given but {spec.name} has no experts")
         divides("vllm: attention heads", c.num_heads, "tp", self.tp)
+        if c.arch == "glm4_moe":
+            # Glm4MoE builds its GateLinear with params_dtype float32: vLLM upcasts the checkpoint's
+            # router weight at load, and refit moves bytes without converting dtypes.
+            raise RefitError(f"vllm: glm4_moe holds mlp.gate.weight as float32 (upcast from {c.dtype} at load); "
+                             f"refit does not convert dtypes, so {spec.name} cannot be refit into vLLM yet")
+        if c.num_shared_experts:
+            divides("vllm: shared experts' intermediate size", c.shared_intermediate_size, "tp", self.tp)
         if c.arch == "qwen2" and c.head_dim * c.num_heads != c.hidden_size:
             # vLLM's Qwen2Attention ignores config.head_dim and would load narrowed q/k/v silently.
             raise RefitError(f"vllm: qwen2 with head_dim {c.head_dim} != hidden_size/heads "
                              f"({c.hidden_size}/{c.num_heads}) is loaded wrongly by vLLM")
         divides(f"vllm: vocab padded to a multiple of {VOCAB_PADDING}", pad_to(c.vocab_size, VOCAB_PADDING), "tp",
                 self.tp)
-        if c.num_kv_heads >= self.tp:
+        if c.is_mla:
+            pass  # MLA: q/kv up-projections and o_proj split by heads; the down-projections replicated
+        elif c.num_kv_heads >= self.tp:
             divides("vllm: kv heads", c.num_kv_heads, "tp", self.tp)
         else:
             divides("vllm: tp", self.tp, "kv heads (replicated when fewer than tp)", c.num_kv_heads)
@@ -110,37 +137,45 @@ class VllmLayout:
         c = spec.config
         T = self.tp
         t = rank % T
-        H, hd, dt = c.hidden_size, c.head_dim, c.dtype
+        H, dt = c.hidden_size, c.dtype
         padded = pad_to(c.vocab_size, VOCAB_PADDING)
         out: list[LocalTensor] = []
         shape, pieces = vocab_pieces("model.embed_tokens.weight", c.vocab_size, H, padded, T, t)
         out.append(LocalTensor("model.embed_tokens.weight", shape, dt, pieces))
-        for layer in range(c.num_layers):
-            p = f"model.layers.{layer}."
-
-            def whole(local: str, tensor: str, n: int) -> LocalTensor:
-                pos = spec.layer_pos(tensor, layer)
-                return LocalTensor(p + local, (n,), dt, (Piece(tensor, (pos, 0), (1, n), (0, 0)),))
-
-            out.extend(self._qkv(spec, p, layer, t))
-            o = "model.layers.*.self_attn.o_proj.weight"
-            cols = c.num_heads * hd // T
-            out.append(LocalTensor(p + "self_attn.o_proj.weight", (H, cols), dt,
-                                   (Piece(o, (spec.layer_pos(o, layer), 0, t * cols), (1, H, cols), (0, 0, 0)),)))
-            if c.qk_norm:
-                out.append(whole("self_attn.q_norm.weight", "model.layers.*.self_attn.q_norm.weight", hd))
-                out.append(whole("self_attn.k_norm.weight", "model.layers.*.self_attn.k_norm.weight", hd))
+        for layer, (head, tail) in enumerate(_tp_rank_layers(self, spec, t)):
+            out.extend(head)
             if layer in c.moe_layers:
-                out.extend(self._moe(spec, p, layer, rank))
-            else:
-                out.extend(self._dense_mlp(spec, p, layer, t))
-            out.append(whole("input_layernorm.weight", "model.layers.*.input_layernorm.weight", H))
-            out.append(whole("post_attention_layernorm.weight", "model.layers.*.post_attention_layernorm.weight", H))
+                out.extend(self._routed_experts(spec, f"model.layers.{layer}.", layer, rank))
+            out.extend(tail)
         out.append(LocalTensor("model.norm.weight", (H,), dt, (Piece("model.norm.weight", (0,), (H,), (0,)),)))
         if not c.tie_embeddings:
             shape, pieces = vocab_pieces("lm_head.weight", c.vocab_size, H, padded, T, t)
             out.append(LocalTensor("lm_head.weight", shape, dt, pieces))
         return out
+
+    def _layer_parts(self, spec: ModelSpec, layer: int, t: int) -> tuple[tuple[LocalTensor, ...], tuple[LocalTensor, ...]]:
+        """A layer's tensors on tp rank ``t`` that do not depend on the dp rank: those before the
+        routed experts (attention, dense MLP or router + shared experts) and those after (norms)."""
+        c = spec.config
+        H, hd, dt, T = c.hidden_size, c.head_dim, c.dtype, self.tp
+        p = f"model.layers.{layer}."
+
+        def whole(local: str, tensor: str, n: int) -> LocalTensor:
+            pos = spec.layer_pos(tensor, layer)
+            return LocalTensor(p + local, (n,), dt, (Piece(tensor, (pos, 0), (1, n), (0, 0)),))
+
+        head = self._mla(spec, p, layer, t) if c.is_mla else self._qkv(spec, p, layer, t)
+        o = "model.layers.*.self_attn.o_proj.weight"
+        cols = spec[o].shape[2] // T
+        head.append(LocalTensor(p + "self_attn.o_proj.weight", (H, cols), dt,
+                                (Piece(o, (spec.layer_pos(o, layer), 0, t * cols), (1, H, cols), (0, 0, 0)),)))
+        if c.qk_norm:
+            head.append(whole("self_attn.q_norm.weight", "model.layers.*.self_attn.q_norm.weight", hd))
+            head.append(whole("self_attn.k_norm.weight", "model.layers.*.self_attn.k_norm.weight", hd))
+        head.extend(self._moe(spec, p, layer, t) if layer in c.moe_layers else self._dense_mlp(spec, p, layer, t))
+        tail = (whole("input_layernorm.weight", "model.layers.*.input_layernorm.weight", H),
+                whole("post_attention_layernorm.weight", "model.layers.*.post_attention_layernorm.weight", H))
+        return tuple(head), tail
 
     def _qkv(self, spec: ModelSpec, p: str, layer: int, t: int) -> list[LocalTensor]:
         c = spec.config
@@ -166,22 +201,38 @@ class VllmLayout:
             out.append(LocalTensor(f"{p}self_attn.qkv_proj.{kind}", shape, dt, tuple(pieces)))
         return out
 
-    def _dense_mlp(self, spec: ModelSpec, p: str, layer: int, t: int) -> list[LocalTensor]:
+    def _dense_mlp(self, spec: ModelSpec, p: str, layer: int, t: int, shared: bool = False) -> list[LocalTensor]:
         c = spec.config
-        H, dt, n = c.hidden_size, c.dtype, c.intermediate_size // self.tp
-        gate, up, down = (f"model.layers.*.mlp.{x}_proj.weight" for x in ("gate", "up", "down"))
+        width, mlp = (c.shared_intermediate_size, "mlp.shared_experts") if shared else (c.intermediate_size, "mlp")
+        H, dt, n = c.hidden_size, c.dtype, width // self.tp
+        gate, up, down = (f"model.layers.*.{mlp}.{x}_proj.weight" for x in ("gate", "up", "down"))
         pos = spec.layer_pos(gate, layer)
+        p += mlp + "."
         return [
-            LocalTensor(f"{p}mlp.gate_up_proj.weight", (2 * n, H), dt,
+            LocalTensor(f"{p}gate_up_proj.weight", (2 * n, H), dt,
                         (Piece(gate, (pos, t * n, 0), (1, n, H), (0, 0, 0)),
                          Piece(up, (pos, t * n, 0), (1, n, H), (0, n, 0)))),
-            LocalTensor(f"{p}mlp.down_proj.weight", (H, n), dt, (Piece(down, (pos, 0, t * n), (1, H, n), (0, 0, 0)),)),
+            LocalTensor(f"{p}down_proj.weight", (H, n), dt, (Piece(down, (pos, 0, t * n), (1, H, n), (0, 0, 0)),)),
         ]
 
-    def _moe(self, spec: ModelSpec, p: str, layer: int, rank: int) -> list[LocalTensor]:
+    def _moe(self, spec: ModelSpec, p: str, layer: int, t: int) -> list[LocalTensor]:
+        """Router, its bias and the shared experts (the same on every dp rank of tp rank ``t``)."""
+        c = spec.config
+        H, dt, E = c.hidden_size, c.dtype, c.num_experts
+        router = "model.layers.*.mlp.gate.weight"
+        out = [LocalTensor(f"{p}mlp.gate.weight", (E, H), dt,
+                           (Piece(router, (spec.layer_pos(router, layer), 0, 0), (1, E, H), (0, 0, 0)),))]
+        if c.router_bias:  # float32 in the checkpoint and in vLLM
+            bias = "model.layers.*.mlp.gate.e_score_correction_bias"
+            out.append(LocalTensor(f"{p}mlp.gate.e_score_correction_bias", (E,), "float32",
+                                   (Piece(bias, (spec.layer_pos(bias, layer), 0), (1, E), (0, 0)),)))
+        if c.num_shared_experts:  # an ordinary MLP, split over tp only (dp replicas hold copies)
+            out.extend(self._dense_mlp(spec, p, layer, t, shared=True))
+        return out
+
+    def _routed_experts(self, spec: ModelSpec, p: str, layer: int, rank: int) -> list[LocalTensor]:
         c = spec.config
         H, dt, E, I = c.hidden_size, c.dtype, c.num_experts, c.moe_intermediate_size
-        router = "model.layers.*.mlp.gate.weight"
         gate, up, down = (f"model.layers.*.mlp.experts.*.{x}_proj.weight" for x in ("gate", "up", "down"))
         pos = spec.layer_pos(gate, layer)
         if self.expert_parallel:
@@ -192,11 +243,46 @@ class VllmLayout:
             n = I // (self.tp * self.dp_)
             i0 = rank * n  # flattened dp x tp rank == global rank
         return [
-            LocalTensor(f"{p}mlp.gate.weight", (E, H), dt,
-                        (Piece(router, (spec.layer_pos(router, layer), 0, 0), (1, E, H), (0, 0, 0)),)),
             LocalTensor(f"{p}mlp.experts.routed_experts.w13_weight", (ne, 2 * n, H), dt, (
                 Piece(gate, (pos, e0, i0, 0), (1, ne, n, H), (0, 0, 0, 0)),
                 Piece(up, (pos, e0, i0, 0), (1, ne, n, H), (0, 0, n, 0)))),
             LocalTensor(f"{p}mlp.experts.routed_experts.w2_weight", (ne, H, n), dt,
                         (Piece(down, (pos, e0, 0, i0), (1, ne, H, n), (0, 0, 0, 0)),)),
         ]
+
+    def _mla(self, spec: ModelSpec, p: str, layer: int, t: int) -> list[LocalTensor]:
+        """DeepseekV2MLAAttention's parameters, in its order.  The down-projections are replicated
+        (with q LoRA, q_a_proj and kv_a_proj_with_mqa are fused row-wise into ``fused_qkv_a_proj``);
+        q_b_proj / q_proj and kv_b_proj are split by heads (contiguous rows) over tp."""
+        c = spec.config
+        T, H, dt = self.tp, c.hidden_size, c.dtype
+        n = f"{p}self_attn."
+        out: list[LocalTensor] = []
+
+        def rows(local: str, tensor: str, lo: int, count: int, at: int = 0) -> Piece:
+            ts = spec[f"model.layers.*.self_attn.{tensor}"]
+            return Piece(ts.name, (spec.layer_pos(ts.name, layer), lo, 0), (1, count, ts.shape[2]), (0, at, 0))
+
+        def norm(local: str, tensor: str, size: int) -> LocalTensor:
+            name = f"model.layers.*.self_attn.{tensor}"
+            return LocalTensor(n + local, (size,), dt, (Piece(name, (spec.layer_pos(name, layer), 0), (1, size), (0, 0)),))
+
+        def split(local: str, tensor: str) -> LocalTensor:
+            full, cols = spec[f"model.layers.*.self_attn.{tensor}"].shape[1:]
+            k = full // T
+            return LocalTensor(n + local, (k, cols), dt, (rows(local, tensor, t * k, k),))
+
+        kv_a = c.kv_lora_rank + c.qk_rope_head_dim
+        if c.q_lora_rank:
+            qa = c.q_lora_rank
+            out.append(LocalTensor(n + "fused_qkv_a_proj.weight", (qa + kv_a, H), dt, (
+                rows("", "q_a_proj.weight", 0, qa), rows("", "kv_a_proj_with_mqa.weight", 0, kv_a, qa))))
+            out.append(norm("q_a_layernorm.weight", "q_a_layernorm.weight", qa))
+            out.append(split("q_b_proj.weight", "q_b_proj.weight"))
+        else:
+            out.append(LocalTensor(n + "kv_a_proj_with_mqa.weight", (kv_a, H), dt,
+                                   (rows("", "kv_a_proj_with_mqa.weight", 0, kv_a),)))
+            out.append(split("q_proj.weight", "q_proj.weight"))
+        out.append(norm("kv_a_layernorm.weight", "kv_a_layernorm.weight", c.kv_lora_rank))
+        out.append(split("kv_b_proj.weight", "kv_b_proj.weight"))
+        return out

@@ -95,6 +95,38 @@ def make_tiny_qwen2(dir: str, seed: int = 0) -> None:  # noqa: A002 (API name)
     _save(model, cfg, dir)
 
 
+def make_tiny_deepseek_v3(dir: str, seed: int = 0, q_lora_rank: int | None = 64) -> None:  # noqa: A002
+    """DeepSeek-V3 (MLA) small in every dimension vLLM's CPU MLA backend allows: kv_lora_rank 512 and
+    qk_rope_head_dim 64 are what it supports.  Layer 0 dense, layer 1 MoE with 2 shared experts.
+    ``e_score_correction_bias`` stays float32 (transformers' ``_keep_in_fp32_modules_strict``; the
+    released DeepSeek-V3 checkpoints store it as F32) and gets random values."""
+    from transformers import DeepseekV3Config, DeepseekV3ForCausalLM
+
+    cfg = DeepseekV3Config(
+        vocab_size=TINY_VOCAB, hidden_size=128, intermediate_size=256, moe_intermediate_size=64,
+        num_hidden_layers=2, num_attention_heads=4, num_key_value_heads=4, n_shared_experts=2,
+        n_routed_experts=4, num_experts_per_tok=2, n_group=1, topk_group=1, first_k_dense_replace=1,
+        topk_method="noaux_tc",  # as in DeepSeek-V3's config.json; without it vLLM builds no bias
+        q_lora_rank=q_lora_rank, kv_lora_rank=512, qk_nope_head_dim=32, qk_rope_head_dim=64, v_head_dim=32,
+        max_position_embeddings=256, tie_word_embeddings=False, bos_token_id=1, eos_token_id=2, pad_token_id=0,
+        dtype="bfloat16",
+    )
+    torch.manual_seed(seed)
+    model = DeepseekV3ForCausalLM(cfg).to(torch.bfloat16)
+    _randomize_(model, seed)
+    gen = torch.Generator(device="cpu").manual_seed(seed + 1)
+    with torch.no_grad():
+        for name, mod in sorted(model.named_modules()):
+            if hasattr(mod, "e_score_correction_bias"):
+                mod.e_score_correction_bias = torch.randn(cfg.n_routed_experts, generator=gen, dtype=torch.float32)
+    _save(model, cfg, dir)
+
+
+def make_tiny_moonlight(dir: str, seed: int = 0) -> None:  # noqa: A002
+    """Moonlight-style DeepSeek-V3: no q LoRA (a plain ``q_proj``)."""
+    make_tiny_deepseek_v3(dir, seed, q_lora_rank=None)
+
+
 if __name__ == "__main__":
     import argparse
 
