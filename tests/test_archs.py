@@ -154,7 +154,8 @@ def test_plans_move_every_element_once_for_mla_and_glm(case):
 
 
 def test_cli_lists_the_new_models_and_says_what_is_not_moved(capsys):
-    from refit.cli import _hf_config, main
+    from refit.cli import main
+    from refit.hf_checkpoint import hf_config
 
     assert main(["models"]) == 0
     out = capsys.readouterr().out
@@ -163,14 +164,14 @@ def test_cli_lists_the_new_models_and_says_what_is_not_moved(capsys):
     assert main(["plan", "--model", "deepseek-v3", "--src", "megatron:tp8pp8ep8first5last8",
                  "--dst", "vllm:tp8ep64dp8"]) == 0
     assert "not moved: model.layers.61.*: 1 multi-token-prediction layer" in capsys.readouterr().out
-    assert _hf_config("deepseek-v3", load_spec("deepseek-v3"))["architectures"] == ["DeepseekV3ForCausalLM"]
+    assert hf_config("deepseek-v3", load_spec("deepseek-v3"))["architectures"] == ["DeepseekV3ForCausalLM"]
 
 
 def test_executor_moves_float32_biases_beside_odd_bfloat16_boxes():
     """Real processes (gloo, shared memory): a bucket holding a bfloat16 box of odd size and a
     float32 router bias must still place the bias at a 4-byte-aligned offset."""
     from tests.test_executor import _check, _job
-    from refit.executor import run_job
+    from refit.bench.launch import run_job
 
     odd = build_spec("odd-mla", ModelConfig(
         "deepseek_v3", hidden_size=6, num_layers=3, num_heads=2, num_kv_heads=2, head_dim=4, intermediate_size=6,
