@@ -1,5 +1,5 @@
 """Real megatron-core GPTModels on CPU for the attach tests, over *real* gloo process groups
-(unlike tests/megatron_harness.py, whose fake groups cannot move data).
+(unlike tests/harness/megatron/, whose fake groups cannot move data).
 
 CPU shims (see tests/MEGATRON_FACTS.md): Megatron allocates some buffers on
 ``torch.cuda.current_device()`` and calls ``Tensor.cuda()`` in the tied-embedding setup when

@@ -1,5 +1,5 @@
 """refit's Megatron layout against megatron-core 0.16.1's own code, run on CPU
-(tests/megatron_harness.py: RankGenerator / initialize_model_parallel, the pipeline layer offsets,
+(tests/harness/megatron/: RankGenerator / initialize_model_parallel, the pipeline layer offsets,
 SelfAttention's qkv split, MLP's fc1 split, GPTModel's named_parameters)."""
 
 from __future__ import annotations
@@ -13,7 +13,7 @@ from refit.spec import ModelConfig, build_spec
 
 pytest.importorskip("megatron.core")
 
-from tests import megatron_harness as mh  # noqa: E402
+from tests.harness import megatron as mh  # noqa: E402
 
 pytestmark = pytest.mark.megatron
 

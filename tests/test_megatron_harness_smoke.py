@@ -1,19 +1,14 @@
-"""Smoke tests for tests/megatron_harness.py (Megatron-Core ground truth on CPU).
+"""Smoke tests for tests/harness/megatron/ (Megatron-Core ground truth on CPU).
 
 Each subprocess-backed harness call costs ~5 s (fresh interpreter importing megatron.core);
 results are cached per argument set, so the calls below are shared between tests.
 """
 
-import os
-import sys
-
 import pytest
-
-sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 
 pytest.importorskip("megatron.core")
 
-import megatron_harness as mh  # noqa: E402
+from tests.harness import megatron as mh  # noqa: E402
 
 KEYS = {"tp", "cp", "dp", "pp", "etp", "ep", "edp"}
 
