@@ -35,6 +35,10 @@ SERVER_OPTIONS = [
     ("grpc.keepalive_timeout_ms", 5_000),
     ("grpc.http2.min_recv_ping_interval_without_data_ms", 5_000),
     ("grpc.keepalive_permit_without_calls", 1),
+    # Never answer early pings with GOAWAY "too_many_pings": on a loaded host (a vLLM engine
+    # starting next to idle trainer agents) the server's loop runs late, two 10 s pings look
+    # closer than 5 s, and after two such strikes idle agents were cut off.
+    ("grpc.http2.max_ping_strikes", 0),
 ]
 
 

@@ -1,0 +1,1 @@
+"""Integrations: refit inside the frameworks users run (vLLM engines today)."""
