@@ -61,7 +61,7 @@ def fill_from(spec: Any, layout: Any, rank: int, canon: dict[str, torch.Tensor],
     return out
 
 
-def _trainer_main(conn: Any, address: str, group: str, rank: int, layout: str, model_dir: str) -> None:
+def _trainer_main(conn: Any, entered: Any, address: str, group: str, rank: int, layout: str, model_dir: str) -> None:
     from refit.control.agent import TrainerAgent
     from refit.layouts import resolve_layout
     from refit.spec import load_spec
@@ -80,7 +80,7 @@ def _trainer_main(conn: Any, address: str, group: str, rank: int, layout: str, m
             inner = agent.data_plane
 
             def slow(*a: Any, _inner: Any = inner, _delay: float = arg) -> Any:
-                conn.send(("entered", None))
+                entered.set()
                 time.sleep(_delay)
                 return _inner(*a)
             agent.data_plane = slow
@@ -98,16 +98,27 @@ class Trainers:
         from refit.layouts import resolve_layout
         from refit.spec import load_spec
 
+        self.address, self.layout, self.model_dir, self.group = address, layout, model_dir, group
         n = resolve_layout(layout, load_spec(model_dir), "src").world_size
-        self.procs, self.conns = [], []
+        self.procs: list[Any] = [None] * n
+        self.conns: list[Any] = [None] * n
+        self.entered = [CTX.Event() for _ in range(n)]
         for r in range(n):
-            parent, child = CTX.Pipe()
-            p = CTX.Process(target=_trainer_main, args=(child, address, group, r, layout, model_dir), daemon=True)
-            p.start()
-            self.procs.append(p)
-            self.conns.append(parent)
+            self._spawn(r)
         for c in self.conns:
             assert c.poll(120) and c.recv()[0] == "ready"
+
+    def _spawn(self, rank: int) -> None:
+        parent, child = CTX.Pipe()
+        p = CTX.Process(target=_trainer_main, args=(child, self.entered[rank], self.address, self.group, rank,
+                                                   self.layout, self.model_dir), daemon=True)
+        p.start()
+        self.procs[rank], self.conns[rank] = p, parent
+
+    def respawn(self, rank: int) -> None:
+        """A new process for ``rank`` (holding the weights it was created with)."""
+        self._spawn(rank)
+        assert self.conns[rank].poll(120) and self.conns[rank].recv()[0] == "ready"
 
     def ask(self, rank: int, cmd: str, arg: Any = None, timeout: float = 60.0) -> Any:
         self.conns[rank].send((cmd, arg))
@@ -148,16 +159,24 @@ def generate(llm: Any, prompts: list[list[int]] = PROMPTS) -> list[tuple[list[in
     return result
 
 
-def _engine_main(conn: Any, model_dir: str, tp: int, ep: bool, coordinator: str | None, group: str) -> None:
-    os.environ.update(cpu_env(tp))
-    logging.basicConfig(level=logging.INFO)
+def make_llm(model_dir: str, tp: int, ep: bool, refit: bool) -> Any:
     from vllm import LLM
 
-    kw: dict[str, Any] = {}
-    if coordinator:
-        kw["weight_transfer_config"] = {"backend": "refit"}
-    llm = LLM(model=model_dir, skip_tokenizer_init=True, dtype="bfloat16", enforce_eager=True, tensor_parallel_size=tp,
-              enable_expert_parallel=ep, max_model_len=128, max_num_seqs=4, **kw)
+    kw: dict[str, Any] = {"weight_transfer_config": {"backend": "refit"}} if refit else {}
+    return LLM(model=model_dir, skip_tokenizer_init=True, dtype="bfloat16", enforce_eager=True, tensor_parallel_size=tp,
+               enable_expert_parallel=ep, max_model_len=128, max_num_seqs=4, **kw)
+
+
+def _setup_process(tp: int) -> None:
+    os.environ.update(cpu_env(tp))
+    # TP=1: engine core and worker in this process (saves two interpreter starts of vLLM)
+    os.environ.setdefault("VLLM_ENABLE_V1_MULTIPROCESSING", "0" if tp == 1 else "1")
+    logging.basicConfig(level=logging.INFO)
+
+
+def _engine_main(conn: Any, model_dir: str, tp: int, ep: bool, coordinator: str | None, group: str) -> None:
+    _setup_process(tp)
+    llm = make_llm(model_dir, tp, ep, bool(coordinator))
     if coordinator:
         llm.init_weight_transfer_engine({"init_info": {"coordinator": coordinator, "group": group}})
     conn.send(("ready", os.getpid()))
@@ -176,16 +195,38 @@ def _engine_main(conn: Any, model_dir: str, tp: int, ep: bool, coordinator: str 
             elif cmd == "weight_version":
                 conn.send(("ok", llm.get_weight_version()))
             elif cmd == "stop":
-                llm.llm_engine.engine_core.shutdown()
+                _shutdown(llm)
                 conn.send(("ok", None))
                 return
         except Exception as e:  # noqa: BLE001 - the test reads it
             conn.send(("error", f"{type(e).__name__}: {e}\n{traceback.format_exc()[-2000:]}"))
 
 
+def _shutdown(llm: Any) -> None:
+    import gc
+
+    try:
+        llm.llm_engine.engine_core.shutdown()
+    except Exception:  # noqa: BLE001 - best effort; the process ends next
+        pass
+    del llm
+    gc.collect()
+
+
+def _references_main(conn: Any, model_dirs: list[str], tp: int, ep: bool) -> None:
+    _setup_process(tp)
+    out = []
+    for d in model_dirs:
+        llm = make_llm(d, tp, ep, False)
+        out.append(generate(llm))
+        _shutdown(llm)
+    conn.send(("ok", out))
+
+
 class Engine:
     def __init__(self, model_dir: str, tp: int = 1, ep: bool = False, coordinator: str | None = None,
                  group: str = "engine") -> None:
+        self.group = group
         self.conn, child = CTX.Pipe()
         self.proc = CTX.Process(target=_engine_main, args=(child, model_dir, tp, ep, coordinator, group))
         self.proc.start()
@@ -218,10 +259,18 @@ class Engine:
                 self.proc.join(10)
 
 
-def fresh_outputs(model_dir: str, tp: int = 1, ep: bool = False) -> list[tuple[list[int], list[float]]]:
-    """What a fresh engine started from ``model_dir`` answers."""
-    e = Engine(model_dir, tp, ep)
+def fresh_outputs(model_dirs: list[str], tp: int = 1, ep: bool = False) -> list[Any]:
+    """What fresh engines started from each of ``model_dirs`` answer (one after the other, in
+    one spawned process)."""
+    conn, child = CTX.Pipe()
+    proc = CTX.Process(target=_references_main, args=(child, model_dirs, tp, ep))
+    proc.start()
     try:
-        return e.generate()
+        assert conn.poll(900), "reference engines did not answer"
+        status, value = conn.recv()
+        assert status == "ok", value
+        return value
     finally:
-        e.close()
+        proc.join(60)
+        if proc.is_alive():
+            proc.kill()

@@ -89,9 +89,18 @@ class Landing:
                                  f"layout is {list(lt.shape)} {lt.dtype}, and {type(module).__name__} declares no "
                                  f"post-load processing to re-run")
         self.groups = list(groups.values())
+        # Modules that share a re-processed tensor (a tied LM head holds the embedding's weight)
+        # keep their own processed copy: re-process them too, after the owners.
+        owned = {id(getattr(g.module, attr)): g.module_name for g in self.groups for _, attr in g.params}
+        self.aliases: list[tuple[str, torch.nn.Module]] = []
+        for name, module in model.named_modules():
+            if name in groups or not transforms_after_loading(module):
+                continue
+            if any(id(t) in owned for t in module.parameters(recurse=False)):
+                self.aliases.append((name, module))
         counts = Counter(self.paths.values())
-        log.info("refit landing, rank %d: %d parameters in place, %d re-processed in %d modules (e.g. %s)", rank,
-                 counts[INPLACE], counts[REPROCESS], len(self.groups),
+        log.info("refit landing, rank %d: %d parameters in place, %d re-processed in %d modules (+%d sharing "
+                 "them) (e.g. %s)", rank, counts[INPLACE], counts[REPROCESS], len(self.groups), len(self.aliases),
                  ", ".join(f"{g.module_name}: {type(g.module.quant_method).__name__ if hasattr(g.module, 'quant_method') else type(g.module).__name__}"
                            for g in self.groups[:3]))
         for name, path in self.paths.items():
@@ -109,6 +118,8 @@ class Landing:
             getattr(module, attr).data.copy_(self.staging[name])
         for g in self.groups:
             self._reprocess(g, model_config)
+        for _, module in self.aliases:
+            module.quant_method.process_weights_after_loading(module)
         return time.perf_counter() - t0
 
     def _reprocess(self, g: _Group, model_config: Any) -> None:
