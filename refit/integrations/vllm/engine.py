@@ -54,24 +54,28 @@ class RefitUpdateInfo(WeightTransferUpdateInfo):
 
 
 class WatchingEngineAgent(EngineAgent):
-    """An engine agent that remembers the outcome of each version, for `wait_outcome`."""
+    """An engine agent that remembers the outcome of each refit, for `wait_outcome`."""
+
+    KEEP = 64  # outcomes remembered
 
     def __init__(self, *args: Any, **kwargs: Any) -> None:
         super().__init__(*args, **kwargs)
-        self._outcomes: dict[int, tuple[bool, str]] = {}
+        self._outcomes: dict[str, tuple[bool, str]] = {}
         self._cond = threading.Condition()
 
     def _on_outcome(self, out: Any) -> None:
         super()._on_outcome(out)
         with self._cond:
-            self._outcomes[out.version] = (out.committed, out.error)
+            self._outcomes[out.refit_id] = (out.committed, out.error)
+            while len(self._outcomes) > self.KEEP:
+                self._outcomes.pop(next(iter(self._outcomes)))
             self._cond.notify_all()
 
-    def wait_outcome(self, version: int, timeout: float) -> tuple[bool, str] | None:
-        """(committed, error) of the last refit of ``version`` this agent heard of, or None."""
+    def wait_outcome(self, refit_id: str, timeout: float) -> tuple[bool, str] | None:
+        """(committed, error) of refit ``refit_id`` as this agent heard it, or None."""
         with self._cond:
-            self._cond.wait_for(lambda: version in self._outcomes, timeout)
-            return self._outcomes.get(version)
+            self._cond.wait_for(lambda: refit_id in self._outcomes, timeout)
+            return self._outcomes.get(refit_id)
 
 
 class RefitWeightTransferEngine(WeightTransferEngine[RefitInitInfo, RefitUpdateInfo]):
@@ -109,14 +113,13 @@ class RefitWeightTransferEngine(WeightTransferEngine[RefitInitInfo, RefitUpdateI
         agent, landing, info = self._require_init()
         t0 = time.perf_counter()
         version = int(update_info.version)
-        outcome: tuple[bool, str] = (False, "")
+        outcome: tuple[bool, str, str] = (False, "", "")
         if self.rank == 0:
             outcome = self._run_refit(info, update_info.plan_id, version, update_info.timeout)
-        outcome = self._broadcast(outcome)
-        ok, error = outcome
+        ok, refit_id, error = self._broadcast(outcome)
         if not ok:
             raise RuntimeError(f"refit {update_info.plan_id} version {version} failed: {error}")
-        seen = agent.wait_outcome(version, 10.0)  # the commit reaches every agent right after the client
+        seen = agent.wait_outcome(refit_id, 10.0)  # the commit reaches every agent right after the client
         if seen is None or not seen[0]:
             raise RuntimeError(f"refit version {version}: {agent.worker_id} did not see the commit "
                                f"({seen[1] if seen else 'no outcome within 10 s'})")
@@ -143,24 +146,24 @@ class RefitWeightTransferEngine(WeightTransferEngine[RefitInitInfo, RefitUpdateI
         return self.agent, self.landing, self.init_info
 
     @staticmethod
-    def _run_refit(info: RefitInitInfo, plan_id: str, version: int, timeout: float) -> tuple[bool, str]:
+    def _run_refit(info: RefitInitInfo, plan_id: str, version: int, timeout: float) -> tuple[bool, str, str]:
+        """(ok, refit id, error) of running the plan for ``version``."""
         import grpc
 
         from refit.control.client import Client, RefitFailed
 
         try:
             with Client(info.coordinator, token=info.token) as client:
-                client.refit(plan_id, version, timeout=timeout)
-            return True, ""
+                return True, client.refit(plan_id, version, timeout=timeout).refit_id, ""
         except RefitFailed as e:
-            return False, str(e)
+            return False, e.result.refit_id, str(e)
         except grpc.RpcError as e:
-            return False, f"{e.code().name}: {e.details()}"  # type: ignore[attr-defined]
+            return False, "", f"{e.code().name}: {e.details()}"  # type: ignore[attr-defined]
         except Exception as e:  # noqa: BLE001 - reported to every worker, raised there
-            return False, f"{type(e).__name__}: {e}"
+            return False, "", f"{type(e).__name__}: {e}"
 
     @staticmethod
-    def _broadcast(outcome: tuple[bool, str]) -> tuple[bool, str]:
+    def _broadcast(outcome: tuple[bool, str, str]) -> tuple[bool, str, str]:
         """Rank 0's outcome on every worker of this engine (over vLLM's own CPU group)."""
         import torch.distributed as dist
         from vllm.distributed import parallel_state as ps
