@@ -38,15 +38,16 @@ CASES = [
     ("moe", "megatron:tp2", 2, False, True),
     ("moe", "megatron:tp2ep2", 2, True, False),
     ("dense", "megatron:tp2", 2, False, False),
+    ("qwen2-tied", "hf", 1, False, False),  # tied LM head, qkv bias
 ]
 
 
 @pytest.fixture(scope="module")
 def ckpts(tmp_path_factory):
-    from tests.vllm_harness.make_models import make_tiny_qwen3, make_tiny_qwen3_moe
+    from tests.vllm_harness.make_models import make_tiny_qwen2, make_tiny_qwen3, make_tiny_qwen3_moe
 
     out = {}
-    for model, maker in (("moe", make_tiny_qwen3_moe), ("dense", make_tiny_qwen3)):
+    for model, maker in (("moe", make_tiny_qwen3_moe), ("dense", make_tiny_qwen3), ("qwen2-tied", make_tiny_qwen2)):
         for seed in (1, 2, 3):
             d = str(tmp_path_factory.mktemp(f"{model}-w{seed}"))
             maker(d, seed=seed)
