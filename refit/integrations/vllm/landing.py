@@ -49,6 +49,10 @@ def transforms_after_loading(module: torch.nn.Module) -> bool:
     return bool(is_deferred_attention_layer(module))
 
 
+def _method_name(module: torch.nn.Module) -> str:
+    return type(getattr(module, "quant_method", module)).__name__
+
+
 @dataclass
 class _Group:
     """The refit tensors of one module that must be re-processed together."""
@@ -73,7 +77,8 @@ class Landing:
             try:
                 module = model.get_submodule(module_name)
             except AttributeError:
-                raise RefitError(f"vllm: the model has no module {module_name!r} for refit tensor {lt.name!r}") from None
+                raise RefitError(f"vllm: the model has no module {module_name!r} for refit tensor {lt.name!r}") \
+                    from None
             live = getattr(module, attr, None)
             if not isinstance(live, torch.Tensor):
                 raise RefitError(f"vllm: {module_name} has no tensor {attr!r} for refit tensor {lt.name!r}")
@@ -101,8 +106,7 @@ class Landing:
         counts = Counter(self.paths.values())
         log.info("refit landing, rank %d: %d parameters in place, %d re-processed in %d modules (+%d sharing "
                  "them) (e.g. %s)", rank, counts[INPLACE], counts[REPROCESS], len(self.groups), len(self.aliases),
-                 ", ".join(f"{g.module_name}: {type(g.module.quant_method).__name__ if hasattr(g.module, 'quant_method') else type(g.module).__name__}"
-                           for g in self.groups[:3]))
+                 ", ".join(f"{g.module_name}: {_method_name(g.module)}" for g in self.groups[:3]))
         for name, path in self.paths.items():
             log.debug("refit landing: %s -> %s", name, path)
 
