@@ -128,7 +128,9 @@ class RefitWeightTransferEngine(WeightTransferEngine[RefitInitInfo, RefitUpdateI
                  seconds, time.perf_counter() - t0)
 
     def update_weights(self, update_info: dict[str, Any]) -> None:
-        self.receive_weights(self.parse_update_info(update_info))  # CPU: nothing asynchronous to wait for
+        self.receive_weights(self.parse_update_info(update_info))
+        if self.device.type == "cuda":  # copies and re-processing are queued on the stream
+            torch.cuda.synchronize(self.device)
 
     def shutdown(self) -> None:
         if self.agent is not None:
