@@ -83,6 +83,12 @@ def _call(method: str, fn: Callable[..., Any], *args: Any, **kwargs: Any) -> Any
         raise _ERRORS.get(code, ControlError)(method, code, details or "") from None
 
 
+def _repeated(f: FieldDescriptor) -> bool:
+    # protobuf >= 6 has is_repeated (and deprecates label); 5.x has only label
+    flag = getattr(f, "is_repeated", None)
+    return bool(flag) if flag is not None else f.label == FieldDescriptor.LABEL_REPEATED
+
+
 def to_dict(msg: Any) -> dict[str, Any]:
     """A message as plain Python: every field present, ints as ints (protobuf's JSON mapping would
     make uint64 strings), enums by name, nested messages as dicts."""
@@ -95,7 +101,7 @@ def to_dict(msg: Any) -> dict[str, Any]:
         elif f.type == FieldDescriptor.TYPE_ENUM:
             names = {n: v.name for n, v in f.enum_type.values_by_number.items()}
             conv = lambda v, names=names: names.get(v, v)  # noqa: E731
-        out[f.name] = [conv(v) for v in value] if f.is_repeated else conv(value)
+        out[f.name] = [conv(v) for v in value] if _repeated(f) else conv(value)
     return out
 
 

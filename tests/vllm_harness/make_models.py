@@ -67,6 +67,31 @@ def make_tiny_qwen3_moe(dir: str, seed: int = 0) -> None:  # noqa: A002 (API nam
     _save(model, cfg, dir)
 
 
+def make_tiny_qwen3(dir: str, seed: int = 0) -> None:  # noqa: A002 (API name)
+    """A dense Qwen3 (qk-norm, no qkv bias, untied head)."""
+    from transformers import Qwen3Config, Qwen3ForCausalLM
+
+    cfg = Qwen3Config(
+        vocab_size=TINY_VOCAB,
+        hidden_size=128,
+        intermediate_size=256,
+        num_hidden_layers=2,
+        num_attention_heads=4,
+        num_key_value_heads=2,
+        head_dim=64,
+        max_position_embeddings=256,
+        tie_word_embeddings=False,
+        bos_token_id=1,
+        eos_token_id=2,
+        pad_token_id=0,
+        dtype="bfloat16",
+    )
+    torch.manual_seed(seed)
+    model = Qwen3ForCausalLM(cfg).to(torch.bfloat16)
+    _randomize_(model, seed)
+    _save(model, cfg, dir)
+
+
 def make_tiny_qwen2(dir: str, seed: int = 0) -> None:  # noqa: A002 (API name)
     from transformers import Qwen2Config, Qwen2ForCausalLM
 
@@ -131,8 +156,8 @@ if __name__ == "__main__":
     import argparse
 
     ap = argparse.ArgumentParser()
-    ap.add_argument("kind", choices=["qwen3_moe", "qwen2"])
+    ap.add_argument("kind", choices=["qwen3_moe", "qwen3", "qwen2"])
     ap.add_argument("dir")
     ap.add_argument("--seed", type=int, default=0)
     a = ap.parse_args()
-    (make_tiny_qwen3_moe if a.kind == "qwen3_moe" else make_tiny_qwen2)(a.dir, a.seed)
+    {"qwen3_moe": make_tiny_qwen3_moe, "qwen3": make_tiny_qwen3, "qwen2": make_tiny_qwen2}[a.kind](a.dir, a.seed)

@@ -2,8 +2,7 @@ from google.protobuf.internal import containers as _containers
 from google.protobuf.internal import enum_type_wrapper as _enum_type_wrapper
 from google.protobuf import descriptor as _descriptor
 from google.protobuf import message as _message
-from collections.abc import Iterable as _Iterable, Mapping as _Mapping
-from typing import ClassVar as _ClassVar, Optional as _Optional, Union as _Union
+from typing import ClassVar as _ClassVar, Iterable as _Iterable, Mapping as _Mapping, Optional as _Optional, Union as _Union
 
 DESCRIPTOR: _descriptor.FileDescriptor
 
@@ -77,7 +76,7 @@ class WorkerInfo(_message.Message):
     version: int
     stale: bool
     pid: int
-    def __init__(self, role: _Optional[_Union[Role, str]] = ..., group: _Optional[str] = ..., rank: _Optional[int] = ..., host: _Optional[str] = ..., gpu: _Optional[int] = ..., layout: _Optional[str] = ..., model_name: _Optional[str] = ..., model_digest: _Optional[str] = ..., model_config_json: _Optional[str] = ..., version: _Optional[int] = ..., stale: _Optional[bool] = ..., pid: _Optional[int] = ...) -> None: ...
+    def __init__(self, role: _Optional[_Union[Role, str]] = ..., group: _Optional[str] = ..., rank: _Optional[int] = ..., host: _Optional[str] = ..., gpu: _Optional[int] = ..., layout: _Optional[str] = ..., model_name: _Optional[str] = ..., model_digest: _Optional[str] = ..., model_config_json: _Optional[str] = ..., version: _Optional[int] = ..., stale: bool = ..., pid: _Optional[int] = ...) -> None: ...
 
 class Register(_message.Message):
     __slots__ = ("info",)
@@ -97,7 +96,7 @@ class RunResult(_message.Message):
     error: str
     bytes: int
     seconds: float
-    def __init__(self, refit_id: _Optional[str] = ..., ok: _Optional[bool] = ..., error: _Optional[str] = ..., bytes: _Optional[int] = ..., seconds: _Optional[float] = ...) -> None: ...
+    def __init__(self, refit_id: _Optional[str] = ..., ok: bool = ..., error: _Optional[str] = ..., bytes: _Optional[int] = ..., seconds: _Optional[float] = ...) -> None: ...
 
 class WorkerMessage(_message.Message):
     __slots__ = ("register", "result")
@@ -157,7 +156,7 @@ class Outcome(_message.Message):
     committed: bool
     version: int
     error: str
-    def __init__(self, refit_id: _Optional[str] = ..., committed: _Optional[bool] = ..., version: _Optional[int] = ..., error: _Optional[str] = ...) -> None: ...
+    def __init__(self, refit_id: _Optional[str] = ..., committed: bool = ..., version: _Optional[int] = ..., error: _Optional[str] = ...) -> None: ...
 
 class CoordinatorMessage(_message.Message):
     __slots__ = ("registered", "run", "outcome")
@@ -187,7 +186,7 @@ class WorkerStatus(_message.Message):
     stale: bool
     busy_refit: str
     registered_unix: float
-    def __init__(self, worker_id: _Optional[str] = ..., info: _Optional[_Union[WorkerInfo, _Mapping]] = ..., session: _Optional[str] = ..., connected: _Optional[bool] = ..., version: _Optional[int] = ..., stale: _Optional[bool] = ..., busy_refit: _Optional[str] = ..., registered_unix: _Optional[float] = ...) -> None: ...
+    def __init__(self, worker_id: _Optional[str] = ..., info: _Optional[_Union[WorkerInfo, _Mapping]] = ..., session: _Optional[str] = ..., connected: bool = ..., version: _Optional[int] = ..., stale: bool = ..., busy_refit: _Optional[str] = ..., registered_unix: _Optional[float] = ...) -> None: ...
 
 class ListWorkersRequest(_message.Message):
     __slots__ = ("group", "role")
@@ -275,7 +274,7 @@ class CreatePlanResponse(_message.Message):
     CACHED_FIELD_NUMBER: _ClassVar[int]
     summary: PlanSummary
     cached: bool
-    def __init__(self, summary: _Optional[_Union[PlanSummary, _Mapping]] = ..., cached: _Optional[bool] = ...) -> None: ...
+    def __init__(self, summary: _Optional[_Union[PlanSummary, _Mapping]] = ..., cached: bool = ...) -> None: ...
 
 class GetPlanRequest(_message.Message):
     __slots__ = ("plan_id", "include_plan")
@@ -283,7 +282,7 @@ class GetPlanRequest(_message.Message):
     INCLUDE_PLAN_FIELD_NUMBER: _ClassVar[int]
     plan_id: str
     include_plan: bool
-    def __init__(self, plan_id: _Optional[str] = ..., include_plan: _Optional[bool] = ...) -> None: ...
+    def __init__(self, plan_id: _Optional[str] = ..., include_plan: bool = ...) -> None: ...
 
 class GetPlanResponse(_message.Message):
     __slots__ = ("summary", "plan_json")

@@ -5,7 +5,7 @@ import warnings
 
 from refit.control.v1 import refit_pb2 as refit_dot_v1_dot_refit__pb2
 
-GRPC_GENERATED_VERSION = '1.85.1'
+GRPC_GENERATED_VERSION = '1.66.0'
 GRPC_VERSION = grpc.__version__
 _version_not_supported = False
 
@@ -18,14 +18,14 @@ except ImportError:
 if _version_not_supported:
     raise RuntimeError(
         f'The grpc package installed is at version {GRPC_VERSION},'
-        + ' but the generated code in refit/v1/refit_pb2_grpc.py depends on'
+        + f' but the generated code in refit/v1/refit_pb2_grpc.py depends on'
         + f' grpcio>={GRPC_GENERATED_VERSION}.'
         + f' Please upgrade your grpc module to grpcio>={GRPC_GENERATED_VERSION}'
         + f' or downgrade your generated code using grpcio-tools<={GRPC_VERSION}.'
     )
 
 
-class CoordinatorStub:
+class CoordinatorStub(object):
     """Missing associated documentation comment in .proto file."""
 
     def __init__(self, channel):
@@ -66,7 +66,7 @@ class CoordinatorStub:
                 _registered_method=True)
 
 
-class CoordinatorServicer:
+class CoordinatorServicer(object):
     """Missing associated documentation comment in .proto file."""
 
     def Connect(self, request_iterator, context):
@@ -186,7 +186,7 @@ def add_CoordinatorServicer_to_server(servicer, server):
 
 
  # This class is part of an EXPERIMENTAL API.
-class Coordinator:
+class Coordinator(object):
     """Missing associated documentation comment in .proto file."""
 
     @staticmethod

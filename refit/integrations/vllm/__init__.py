@@ -1,0 +1,16 @@
+"""refit as a vLLM weight-transfer backend named ``refit``.
+
+Installing ``refit[vllm]`` registers it through vLLM's ``vllm.general_plugins`` entry point
+(`refit.integrations.vllm.plugin.register`), so an RL loop drives it with vLLM's own calls::
+
+    llm = LLM(model=..., weight_transfer_config={"backend": "refit"})
+    llm.init_weight_transfer_engine({"init_info": {"coordinator": "127.0.0.1:50051", "group": "engine"}})
+    plan = refit.Client("127.0.0.1:50051").create_plan("trainer", "engine")
+    llm.start_weight_update()
+    llm.update_weights({"update_info": {"plan_id": plan["plan_id"], "version": step}})
+    llm.finish_weight_update(weight_version=str(step))
+
+Modules: ``plugin`` (registration), ``config`` (rank, layout and spec from vLLM's configs),
+``landing`` (staging buffers, and putting them into the live model), ``engine`` (the worker-side
+`WeightTransferEngine` and its engine agent).
+"""

@@ -1,0 +1,148 @@
+"""Landing a refit in a live vLLM model: stage the rank's shard, then put it in place.
+
+The data plane writes this rank's shard into *staging* tensors in the layout vLLM's weight
+loaders produce (refit's ``vllm:`` layout: fused qkv / gate_up / w13, vocab padding, expert
+slices), never into the live model: a refit that fails half-way leaves the engine serving its
+old weights untouched.  Once the coordinator committed the refit, `Landing.apply` runs between
+engine steps (inside ``update_weights``) and puts each parameter in place by one of two paths,
+decided once per parameter when the engine is set up and logged:
+
+* ``inplace``: the live parameter still has the loader's shape and dtype and its module does no
+  post-load processing (norms, and on CUDA every unquantized bf16/fp16 weight of a module without
+  a transforming quant method): copy into its storage; addresses are kept (CUDA graphs hold them).
+* ``reprocess``: vLLM transformed the weight after loading (CPU GEMM prepacking, MoE kernel
+  layouts, quantization): restore the module's parameters in the loader layout from the staged
+  shard and re-run that module's own post-load processing, module by module, so that only one
+  module's extra copy is alive at a time.  MoE methods that skip their expert repacking on a
+  "weight update" (vLLM 0.32's unquantized method with the CPU experts does, which makes vLLM's
+  own reload of a Qwen3-MoE wrong on CPU) are processed as on first load.
+"""
+
+from __future__ import annotations
+
+import logging
+import time
+from collections import Counter
+from dataclasses import dataclass
+from typing import Any
+
+import torch
+
+from refit.errors import RefitError
+from refit.layouts import Layout
+from refit.spec import ModelSpec
+
+log = logging.getLogger(__name__)
+
+INPLACE, REPROCESS = "inplace", "reprocess"
+
+
+def transforms_after_loading(module: torch.nn.Module) -> bool:
+    """Whether vLLM post-processes this module's weights after loading them."""
+    from vllm.model_executor.layers.attention import is_deferred_attention_layer
+    from vllm.model_executor.layers.quantization.base_config import QuantizeMethodBase
+
+    qm = getattr(module, "quant_method", None)
+    if isinstance(qm, QuantizeMethodBase) and \
+            type(qm).process_weights_after_loading is not QuantizeMethodBase.process_weights_after_loading:
+        return True
+    return bool(is_deferred_attention_layer(module))
+
+
+def _method_name(module: torch.nn.Module) -> str:
+    return type(getattr(module, "quant_method", module)).__name__
+
+
+@dataclass
+class _Group:
+    """The refit tensors of one module that must be re-processed together."""
+
+    module_name: str
+    module: torch.nn.Module
+    params: list[tuple[str, str]]  # (refit local name, attribute on the module)
+
+
+class Landing:
+    def __init__(self, model: torch.nn.Module, spec: ModelSpec, layout: Layout, rank: int,
+                 device: torch.device) -> None:
+        self.model = model
+        self.local = layout.local_tensors(spec, rank)
+        self.staging: dict[str, torch.Tensor] = {
+            lt.name: torch.zeros(lt.shape, dtype=getattr(torch, lt.dtype), device=device) for lt in self.local}
+        self.paths: dict[str, str] = {}
+        self.inplace: list[tuple[str, torch.nn.Module, str]] = []
+        groups: dict[str, _Group] = {}
+        for lt in self.local:
+            module_name, _, attr = lt.name.rpartition(".")
+            try:
+                module = model.get_submodule(module_name)
+            except AttributeError:
+                raise RefitError(f"vllm: the model has no module {module_name!r} for refit tensor {lt.name!r}") \
+                    from None
+            live = getattr(module, attr, None)
+            if not isinstance(live, torch.Tensor):
+                raise RefitError(f"vllm: {module_name} has no tensor {attr!r} for refit tensor {lt.name!r}")
+            same = tuple(live.shape) == lt.shape and live.dtype == self.staging[lt.name].dtype
+            if transforms_after_loading(module):
+                self.paths[lt.name] = REPROCESS
+                groups.setdefault(module_name, _Group(module_name, module, [])).params.append((lt.name, attr))
+            elif same:
+                self.paths[lt.name] = INPLACE
+                self.inplace.append((lt.name, module, attr))
+            else:
+                raise RefitError(f"vllm: {lt.name} is {list(live.shape)} {live.dtype} in the live model, the loader "
+                                 f"layout is {list(lt.shape)} {lt.dtype}, and {type(module).__name__} declares no "
+                                 f"post-load processing to re-run")
+        self.groups = list(groups.values())
+        # Modules that share a re-processed tensor (a tied LM head holds the embedding's weight)
+        # keep their own processed copy: re-process them too, after the owners.
+        owned = {id(getattr(g.module, attr)): g.module_name for g in self.groups for _, attr in g.params}
+        self.aliases: list[tuple[str, torch.nn.Module]] = []
+        for name, module in model.named_modules():
+            if name in groups or not transforms_after_loading(module):
+                continue
+            if any(id(t) in owned for t in module.parameters(recurse=False)):
+                self.aliases.append((name, module))
+        counts = Counter(self.paths.values())
+        log.info("refit landing, rank %d: %d parameters in place, %d re-processed in %d modules (+%d sharing "
+                 "them) (e.g. %s)", rank, counts[INPLACE], counts[REPROCESS], len(self.groups), len(self.aliases),
+                 ", ".join(f"{g.module_name}: {_method_name(g.module)}" for g in self.groups[:3]))
+        for name, path in self.paths.items():
+            log.debug("refit landing: %s -> %s", name, path)
+
+    @property
+    def nbytes(self) -> int:
+        return sum(t.numel() * t.element_size() for t in self.staging.values())
+
+    @torch.no_grad()
+    def apply(self, model_config: Any) -> float:
+        """Put the staged shard into the live model; returns the seconds it took."""
+        t0 = time.perf_counter()
+        for name, module, attr in self.inplace:
+            getattr(module, attr).data.copy_(self.staging[name])
+        for g in self.groups:
+            self._reprocess(g, model_config)
+        for _, module in self.aliases:
+            module.quant_method.process_weights_after_loading(module)
+        return time.perf_counter() - t0
+
+    def _reprocess(self, g: _Group, model_config: Any) -> None:
+        from vllm.model_executor.layers.attention import is_deferred_attention_layer
+
+        for name, attr in g.params:
+            live, staged = getattr(g.module, attr), self.staging[name]
+            if tuple(live.shape) == tuple(staged.shape) and live.dtype == staged.dtype:
+                live.data.copy_(staged)  # e.g. an embedding, which keeps its weight next to a packed copy
+            else:
+                # a fresh tensor: the processed module may keep it, and the staging buffer is
+                # rewritten by the next refit
+                setattr(g.module, attr, torch.nn.Parameter(staged.clone(), requires_grad=False))
+        qm = getattr(g.module, "quant_method", None)
+        if qm is not None:
+            if getattr(qm, "moe_kernel", None) is not None:
+                qm.moe_kernel = None  # process as on first load (see the module docstring)
+            qm.process_weights_after_loading(g.module)
+            if hasattr(g.module, "update_param_tp_status"):
+                g.module.update_param_tp_status()
+        if is_deferred_attention_layer(g.module):
+            g.module.process_weights_after_loading(model_config.dtype)

