@@ -31,7 +31,7 @@ def agents_main(address: str, role: str, group: str, ranks: list[int], layout: s
     sys.path.insert(0, ROOT)
     from refit.control.agent import EngineAgent, TrainerAgent
     from refit.control.dataplane import NoopDataPlane
-    from tests.tiny import tiny_spec
+    from tests.harness.tiny import tiny_spec
 
     spec = tiny_spec(MODEL)
     cls = TrainerAgent if role == "trainer" else EngineAgent

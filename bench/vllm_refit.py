@@ -52,7 +52,7 @@ def main() -> int:
     p.add_argument("--repeats", type=int, default=5)
     a = p.parse_args()
     sys.path.insert(0, ROOT)
-    from tests.vllm_rl_harness import Trainers, _setup_process, fresh_outputs, generate, make_llm
+    from tests.harness.vllm_rl import Trainers, _setup_process, fresh_outputs, generate, make_llm
 
     from refit.control.client import Client
     from refit.control.server import ThreadedServer

@@ -5,7 +5,7 @@
 
 protoc writes `from refit.v1 import refit_pb2` (the proto's own path); the stubs live in the
 package `refit.control.v1`, so that import is rewritten.  Generated files are committed, so that
-users need no grpcio-tools; tests/test_control_plane.py fails when they drift from the .proto.
+users need no grpcio-tools; tests/integration/test_control_plane.py fails when they drift from the .proto.
 
 Generated with grpcio-tools 1.66.0 (protobuf gencode 5.27.2), so that they import under every
 grpcio >= 1.66 and protobuf >= 5.29 (what vLLM and Ray environments carry; newer runtimes accept

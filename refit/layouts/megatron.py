@@ -1,6 +1,6 @@
 """Megatron-Core: how a GPTModel's parameters are split over ranks, and what they are called.
 
-Conventions (checked against megatron-core 0.16.1 in tests/test_megatron_conventions.py):
+Conventions (checked against megatron-core 0.16.1 in tests/integration/test_megatron_conventions.py):
 
 * Ranks are ordered ``tp-cp-ep-dp-pp`` (tp fastest).  Dense groups: rank = tp + T*(cp + C*(dp + D*pp)).
   Expert groups: rank = etp + Te*(ep + E*(edp + EDP*pp)) with etp*ep*edp = tp*cp*dp.
@@ -15,7 +15,7 @@ Conventions (checked against megatron-core 0.16.1 in tests/test_megatron_convent
   global expert k*E/EP + i.
 * MLA (TE spec, qk_layernorm): ``linear_q_down_proj`` / ``linear_kv_down_proj`` whole on every tp
   rank, q_a/kv_a norms fused as the up-projections' ``layer_norm_weight``, up-projections split by
-  heads; no rope reordering against HF (tests/test_megatron_mla.py).  Shared experts
+  heads; no rope reordering against HF (tests/integration/test_megatron_mla.py).  Shared experts
   ``mlp.shared_experts.linear_fc{1,2}`` split over tp; ``mlp.router.expert_bias`` float32.
 * Pipeline: model chunk c of pp rank p holds a run of consecutive layers; runs are laid out in
   virtual-stage order (c, p).  Local names restart at ``decoder.layers.0`` in every chunk, and

@@ -1,6 +1,6 @@
 """vLLM: the parameters each worker of an engine holds, as its weight loaders fill them.
 
-Conventions (checked against vllm 0.32's own loaders in tests/test_vllm_conventions.py):
+Conventions (checked against vllm 0.32's own loaders in tests/integration/test_vllm_conventions.py):
 
 * Global rank = dp_rank * tp + tp_rank.  Every dp replica holds the attention/dense weights.
 * ``qkv_proj`` = [q heads of this rank; k; v].  With fewer kv heads than tp each kv head is

@@ -55,7 +55,7 @@ def megatron_layer_ids(
     parallel_state's pp rank / vpp world size, which are set and restored around the call.
 
     Megatron's own exceptions propagate unchanged (ValueError from TransformerConfig,
-    AssertionError from the two functions) -- see MEGATRON_FACTS.md for the list.
+    AssertionError from the two functions) -- see tests/harness/megatron/FACTS.md for the list.
     Note: the result is returned raw; Megatron does not itself check that the chunks partition
     range(num_layers).
     """

@@ -1,0 +1,146 @@
+"""Worker processes for the control-plane tests: real trainer and engine agents (multiprocessing
+spawn) over the CPU gloo transport, driven from the test through a pipe.
+
+Weights are a pure function of (canonical element, version): every element of every canonical
+tensor gets a pseudo-random bf16 value hashed from its global index and the version, and a rank's
+local tensors are filled from those through the layout's pieces (padding stays 0), as tests/harness/sim.py
+does with ids.  An engine can then check, bit for bit, that it holds exactly version v.
+"""
+
+from __future__ import annotations
+
+import multiprocessing as mp
+import os
+import time
+from typing import Any
+
+import torch
+
+from refit.control.agent import EngineAgent, TrainerAgent
+from refit.control.dataplane_executor import ExecutorDataPlane
+from refit.layouts import Layout, resolve_layout
+from refit.regions import slices
+from refit.spec import ModelSpec
+from tests.harness.tiny import tiny_spec
+
+CTX = mp.get_context("spawn")
+MODEL, SRC, DST = "tiny-qwen3-moe", "megatron:tp2ep2", "vllm:tp2"
+
+
+def canonical(spec: ModelSpec, version: int) -> dict[str, torch.Tensor]:
+    out, base = {}, 0
+    for t in spec.tensors:
+        ids = torch.arange(base, base + t.numel, dtype=torch.int64)
+        base += t.numel
+        x = (ids * 2654435761 + version * 40503 + 12345) % (1 << 31)
+        x = (x ^ (x >> 15)) * 2246822519 % (1 << 31)
+        out[t.name] = ((x >> 7).to(torch.float32) / float(1 << 24) - 0.5).to(torch.bfloat16).reshape(t.shape)
+    return out
+
+
+def fill(spec: ModelSpec, layout: Layout, rank: int, version: int, tensors: dict[str, torch.Tensor] | None = None
+         ) -> dict[str, torch.Tensor]:
+    """A rank's local tensors holding ``version`` (in place when ``tensors`` is given)."""
+    canon = canonical(spec, version)
+    out = tensors if tensors is not None else {}
+    for lt in layout.local_tensors(spec, rank):
+        t = out.setdefault(lt.name, torch.zeros(lt.shape, dtype=torch.bfloat16))
+        t.zero_()
+        for p in lt.pieces:
+            t.view(lt.view_shape(len(spec[p.tensor].shape)))[slices(p.local_start, p.size)] = \
+                canon[p.tensor][slices(p.start, p.size)]
+    return out
+
+
+class HookedDataPlane(ExecutorDataPlane):
+    """The executor data plane (gloo on CPU) with a test hook: sleep before a given version's share."""
+
+    def __init__(self, entered: Any) -> None:
+        super().__init__()
+        self.delays: dict[int, float] = {}
+        self.entered = entered
+
+    def __call__(self, plan, role, rank, tensors, version, ctx):  # type: ignore[no-untyped-def]
+        delay = self.delays.pop(version, 0.0)
+        if delay:
+            self.entered.set()
+            time.sleep(delay)
+        return super().__call__(plan, role, rank, tensors, version, ctx)
+
+
+def worker_main(conn: Any, entered: Any, address: str, role: str, group: str, rank: int, layout: str,
+                version: int) -> None:
+    spec = tiny_spec(MODEL)
+    lay = resolve_layout(layout, spec, "src" if role == "trainer" else "dst")
+    tensors = fill(spec, lay, rank, version)
+    dp = HookedDataPlane(entered)
+    cls = TrainerAgent if role == "trainer" else EngineAgent
+    agent = cls(address, group=group, rank=rank, spec=spec, layout=lay, tensors=tensors, data_plane=dp,
+                version=version if role == "engine" else 0).start()
+    conn.send(("ready", os.getpid()))
+    while True:
+        cmd, arg = conn.recv()
+        if cmd == "fill":
+            fill(spec, lay, rank, arg, tensors)
+            conn.send(("ok", None))
+        elif cmd == "check":  # number of local tensors that differ from `arg`'s, bit for bit
+            want = fill(spec, lay, rank, arg)
+            bad = [n for n in want if not torch.equal(want[n].view(torch.int16), tensors[n].view(torch.int16))]
+            conn.send(("ok", bad))
+        elif cmd == "delay":
+            dp.delays[arg[0]] = arg[1]
+            entered.clear()
+            conn.send(("ok", None))
+        elif cmd == "state":
+            conn.send(("ok", (agent.version, agent.stale, agent.connected)))
+        elif cmd == "disconnect":
+            agent.stop()
+            conn.send(("ok", None))
+        elif cmd == "reconnect":
+            agent.start()
+            conn.send(("ok", None))
+        elif cmd == "stop":
+            agent.stop()
+            conn.send(("ok", None))
+            return
+
+
+class Worker:
+    """A spawned agent process and the pipe that drives it."""
+
+    def __init__(self, address: str, role: str, group: str, rank: int, layout: str, version: int = 0) -> None:
+        self.role, self.group, self.rank = role, group, rank
+        self.conn, child = CTX.Pipe()
+        self.entered = CTX.Event()
+        self.proc = CTX.Process(target=worker_main, args=(child, self.entered, address, role, group, rank, layout, version),
+                                daemon=True)
+        self.proc.start()
+
+    @property
+    def worker_id(self) -> str:
+        return f"{self.group}/{self.rank}"
+
+    def ready(self, timeout: float = 60.0) -> None:
+        assert self.conn.poll(timeout), f"{self.worker_id} did not start"
+        assert self.conn.recv()[0] == "ready"
+
+    def ask(self, cmd: str, arg: Any = None, timeout: float = 30.0) -> Any:
+        self.conn.send((cmd, arg))
+        assert self.conn.poll(timeout), f"{self.worker_id}: no answer to {cmd}"
+        status, value = self.conn.recv()
+        assert status == "ok"
+        return value
+
+    def kill(self) -> None:
+        self.proc.kill()
+        self.proc.join(10)
+
+    def close(self) -> None:
+        if self.proc.is_alive():
+            try:
+                self.ask("stop", timeout=10)
+            except (AssertionError, OSError, EOFError):
+                pass
+            self.proc.join(5)
+            if self.proc.is_alive():
+                self.proc.kill()

@@ -1,0 +1,134 @@
+"""`refit_fsdp.attach` on transformers models sharded by torch FSDP2 ``fully_shard`` over a real
+gloo world of spawned ranks (dp2 and dp3, uneven shards): refit into engine agents (vLLM layout,
+in this process), bit-exact against refit's offline reshard of the full tensors the trainer holds
+(``DTensor.full_tensor()``, gathered for the check only); then a real FSDP2 training step and
+again.  And the refusals: fused experts, a 2-D mesh, a module left unsharded."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from refit.control.client import Client
+from refit.control.server import ThreadedServer
+from tests.harness.attach_cluster import Engines, Trainers, expected_engine_tensors, make_hf_model, train_step, write_hf
+
+pytest.importorskip("transformers")
+
+LLAMA = dict(hidden_size=64, num_hidden_layers=2, num_attention_heads=4, num_key_value_heads=2,
+             intermediate_size=96, vocab_size=129, tie_word_embeddings=False, dtype="bfloat16")
+QWEN2_TIED = dict(hidden_size=64, num_hidden_layers=2, num_attention_heads=4, num_key_value_heads=2,
+                  intermediate_size=80, vocab_size=250, tie_word_embeddings=True, dtype="bfloat16")
+QWEN3_MOE = dict(hidden_size=64, num_hidden_layers=2, num_attention_heads=4, num_key_value_heads=2, head_dim=16,
+                 intermediate_size=96, moe_intermediate_size=32, num_experts=4, num_experts_per_tok=2, vocab_size=300,
+                 mlp_only_layers=[1], dtype="bfloat16")
+
+
+def shard(model: torch.nn.Module, world: int, mesh_shape: tuple[int, ...] | None = None, root: bool = True):
+    from torch.distributed.device_mesh import init_device_mesh
+    from torch.distributed.fsdp import fully_shard
+
+    names = ("replicate", "shard") if mesh_shape and len(mesh_shape) == 2 else None  # 2-D: HSDP
+    mesh = init_device_mesh("cpu", mesh_shape or (world,), mesh_dim_names=names)
+    for layer in model.model.layers:
+        fully_shard(layer, mesh=mesh)
+    if root:
+        fully_shard(model, mesh=mesh)
+    return model
+
+
+def fsdp_trainer(rank: int, world: int, cls_name: str, cfg: dict, address: str, group: str):
+    from refit.integrations import fsdp as refit_fsdp
+
+    model = shard(make_hf_model(cls_name, **cfg), world)
+    agent = refit_fsdp.attach(model, address, group=group)
+
+    def handle(cmd: str, arg):
+        if cmd == "full":  # collective: every rank takes part, rank 0 answers
+            full = {n: p.full_tensor().detach() for n, p in model.named_parameters()}
+            return full if rank == 0 else None
+        if cmd == "views":  # every served tensor a view of FSDP's own local shard storage
+            local = {p.to_local().untyped_storage().data_ptr() for p in model.parameters()}
+            return {t.untyped_storage().data_ptr() for t in agent.tensors.values()} == local
+        if cmd == "shapes":
+            return {n: tuple(t.shape) for n, t in agent.tensors.items()}
+        if cmd == "step":
+            train_step(model, seed=arg)
+            return None
+        if cmd == "refusals":
+            return refusals(world, address)
+        raise ValueError(cmd)
+
+    return agent, handle
+
+
+def refusals(world: int, address: str) -> list[str]:
+    """What attach says to models it must refuse (each built and sharded on this world)."""
+    from refit.errors import RefitError
+    from refit.integrations import fsdp as refit_fsdp
+
+    messages = []
+    for cls_name, cfg, mesh_shape, root in (("Qwen3MoeForCausalLM", QWEN3_MOE, None, True),
+                                            ("LlamaForCausalLM", LLAMA, (1, world), True),
+                                            ("LlamaForCausalLM", LLAMA, None, False)):
+        model = shard(make_hf_model(cls_name, **cfg), world, mesh_shape, root)
+        try:
+            refit_fsdp.attach(model, address, group="refused")
+            messages.append("attached")
+        except RefitError as e:
+            messages.append(str(e))
+    return messages
+
+
+@pytest.fixture(scope="module")
+def server():
+    s = ThreadedServer(default_timeout=30.0)
+    client = Client(s.address)
+    yield s, client
+    client.close()
+    s.stop()
+
+
+@pytest.mark.parametrize("dp,cls_name,cfg", [(2, "LlamaForCausalLM", LLAMA), (3, "Qwen2ForCausalLM", QWEN2_TIED)],
+                         ids=["dp2-llama", "dp3-qwen2-tied"])
+def test_fsdp_attach_refit_bit_exact_live(server, tmp_path, dp, cls_name, cfg) -> None:
+    srv, client = server
+    group = f"fsdp{dp}"
+    trainers = Trainers(dp, fsdp_trainer, cls_name, cfg, srv.address, group)
+    engines = None
+    try:
+        answers = trainers.ready()
+        assert all(a[0] == "ready" for a in answers), answers
+        spec = answers[0][1]
+        assert trainers.ask("views") == [True] * dp
+        rows = {w["worker_id"]: w for w in client.list_workers(group=group)}
+        assert sorted(rows) == [f"{group}/{r}" for r in range(dp)]
+        assert {w["info"]["layout"] for w in rows.values()} == {f"fsdp:dp{dp}"}
+        # Uneven shards: the vocab rows split as torch.chunk does.
+        V = cfg["vocab_size"]
+        chunk = -(-V // dp)
+        got = [s["model.embed_tokens.weight"][0] for s in trainers.ask("shapes")]
+        assert got == [max(0, min(V, (r + 1) * chunk) - r * chunk) for r in range(dp)] and len(set(got)) > 1
+        engines = Engines(srv.address, spec, "vllm:tp2", group=f"{group}-engine")
+        plan = client.create_plan(group, f"{group}-engine")["plan_id"]
+        for version in (1, 2):
+            if version == 2:
+                trainers.ask("step", version)
+            assert client.refit(plan, version=version, timeout=180).ok
+            write_hf(str(tmp_path / f"v{version}"), trainers.ask("full")[0])
+            bad = engines.mismatches(expected_engine_tensors(spec, "vllm:tp2", str(tmp_path / f"v{version}")))
+            assert not bad, bad[:5]
+        if dp == 2:  # the refusals, in the same processes (a spawn costs seconds)
+            check_refusals(client, trainers.ask("refusals")[0])
+    finally:
+        trainers.close()
+        if engines is not None:
+            engines.close()
+
+
+def check_refusals(client, messages: list[str]) -> None:
+    fused, two_d, unsharded = messages
+    assert "'model.layers.0.mlp.experts.gate_up_proj': fused experts sharded by FSDP2" in fused
+    assert "lies on a 2-D mesh" in two_d and "not supported" in two_d
+    assert "is not a DTensor: fully_shard every module" in unsharded
+    assert client.list_workers(group="refused") == []

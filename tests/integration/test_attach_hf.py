@@ -1,0 +1,165 @@
+"""`refit_hf.attach` with real transformers 5 models: attach, refit into engine agents in vLLM
+layouts over the CPU gloo data plane, compare bit for bit with what refit's offline reshard makes
+of the model's own ``save_pretrained`` checkpoint; then a real optimizer step and again (the agent
+serves the live parameters).  The trainer is this process (one rank, no torch.distributed)."""
+
+from __future__ import annotations
+
+import warnings
+
+import pytest
+import torch
+
+from refit.control.client import Client
+from refit.control.server import ThreadedServer
+from refit.errors import RefitError
+from refit.integrations import hf as refit_hf
+from refit.layouts import HFLayout
+from refit.hf_checkpoint import load_spec
+from tests.harness.attach_cluster import Engines, expected_engine_tensors, make_hf_model as make, train_step
+
+transformers = pytest.importorskip("transformers")
+warnings.filterwarnings("ignore", module="transformers")
+
+QWEN3_MOE = dict(hidden_size=64, num_hidden_layers=3, num_attention_heads=4, num_key_value_heads=2, head_dim=16,
+                 intermediate_size=96, moe_intermediate_size=32, num_experts=4, num_experts_per_tok=2, vocab_size=300,
+                 tie_word_embeddings=False, mlp_only_layers=[1], dtype="bfloat16")
+QWEN2_TIED = dict(hidden_size=64, num_hidden_layers=2, num_attention_heads=4, num_key_value_heads=2,
+                  intermediate_size=96, vocab_size=250, tie_word_embeddings=True, dtype="bfloat16")
+LLAMA = dict(hidden_size=64, num_hidden_layers=2, num_attention_heads=4, num_key_value_heads=4,
+             intermediate_size=96, vocab_size=129, tie_word_embeddings=False, dtype="bfloat16")
+
+
+@pytest.fixture(scope="module")
+def server():
+    s = ThreadedServer(default_timeout=30.0)
+    client = Client(s.address)
+    yield s, client
+    client.close()
+    s.stop()
+
+
+def refit_and_check(client, model, agent, engines_by_layout, plans, version, tmp_path) -> None:
+    for plan in plans:
+        result = client.refit(plan, version=version, timeout=180)
+        assert result.ok, result
+    ckpt = tmp_path / f"v{version}"
+    model.save_pretrained(ckpt)  # transformers' own (fused -> per-expert) checkpoint
+    assert load_spec(str(ckpt)).digest() == agent.spec.digest()  # readable as `refit reshard --src hf` input
+    for layout, engines in engines_by_layout.items():
+        bad = engines.mismatches(expected_engine_tensors(agent.spec, layout, str(ckpt)))
+        assert not bad, bad[:5]
+
+
+@pytest.mark.parametrize("cls_name,cfg,layouts", [
+    ("Qwen3MoeForCausalLM", QWEN3_MOE, ("vllm:tp2", "vllm:tp2ep2")),
+    ("Qwen2ForCausalLM", QWEN2_TIED, ("vllm:tp2",)),
+], ids=["qwen3-moe-fused", "qwen2-tied"])
+def test_attach_refit_bit_exact_live(server, tmp_path, cls_name, cfg, layouts) -> None:
+    srv, client = server
+    model = make(cls_name, **cfg)
+    group = f"trainer-{cls_name}"
+    agent = refit_hf.attach(model, srv.address, group=group)
+    engines = {}
+    try:
+        assert agent.connected and agent.rank == 0 and agent.layout.describe() == "hf"
+        # Served tensors are views of the parameters' own storage: nothing copied aside.
+        storages = {p.untyped_storage().data_ptr() for p in model.parameters()}
+        assert {t.untyped_storage().data_ptr() for t in agent.tensors.values()} == storages
+        plans = []
+        for i, layout in enumerate(layouts):
+            engines[layout] = Engines(srv.address, agent.spec, layout, group=f"{group}-engine{i}")
+            plans.append(client.create_plan(group, f"{group}-engine{i}")["plan_id"])
+        refit_and_check(client, model, agent, engines, plans, 1, tmp_path)
+        before = {n: p.detach().clone() for n, p in model.named_parameters()}
+        train_step(model, seed=1)
+        assert any(not torch.equal(before[n], p) for n, p in model.named_parameters())
+        refit_and_check(client, model, agent, engines, plans, 2, tmp_path)
+    finally:
+        agent.stop()
+        for e in engines.values():
+            e.close()
+
+
+def test_fused_experts_are_views() -> None:
+    """transformers 5's gate_up_proj [E, 2I, H] is [gate; up] per expert, down_proj [E, H, I]."""
+    model = make("Qwen3MoeForCausalLM", **QWEN3_MOE)
+    named = list(model.named_parameters(remove_duplicate=False))
+    agent_spec = load_spec_of(model)
+    served = refit_hf.serve_hf_parameters(named, agent_spec, HFLayout(), 0, local=lambda p: p.detach())
+    experts = model.model.layers[0].mlp.experts
+    I = QWEN3_MOE["moe_intermediate_size"]
+    for e in range(QWEN3_MOE["num_experts"]):
+        gate = served[f"model.layers.0.mlp.experts.{e}.gate_proj.weight"].view
+        up = served[f"model.layers.0.mlp.experts.{e}.up_proj.weight"].view
+        down = served[f"model.layers.0.mlp.experts.{e}.down_proj.weight"].view
+        assert gate.data_ptr() == experts.gate_up_proj[e].data_ptr()
+        assert up.data_ptr() == experts.gate_up_proj[e, I].data_ptr()
+        assert down.data_ptr() == experts.down_proj[e].data_ptr()
+        # The forward's own split: linear(x, gate_up_proj[e]).chunk(2) gives gate, up.
+        x = torch.randn(3, QWEN3_MOE["hidden_size"]).to(torch.bfloat16)
+        g, u = torch.nn.functional.linear(x, experts.gate_up_proj[e]).chunk(2, dim=-1)
+        assert torch.equal(g, torch.nn.functional.linear(x, gate)) and torch.equal(u, torch.nn.functional.linear(x, up))
+
+
+def test_per_expert_form_served_as_is() -> None:
+    """The per-expert form (transformers 4: experts as a ModuleList of MLPs) needs no mapping."""
+    from transformers.models.qwen3_moe.modeling_qwen3_moe import Qwen3MoeMLP
+
+    model = make("Qwen3MoeForCausalLM", **QWEN3_MOE)
+    for layer in model.model.layers:
+        if hasattr(layer.mlp, "experts"):
+            layer.mlp.experts = torch.nn.ModuleList(
+                Qwen3MoeMLP(model.config, intermediate_size=QWEN3_MOE["moe_intermediate_size"]).to(torch.bfloat16)
+                for _ in range(QWEN3_MOE["num_experts"]))
+    named = list(model.named_parameters(remove_duplicate=False))
+    served = refit_hf.serve_hf_parameters(named, load_spec_of(model), HFLayout(), 0, local=lambda p: p.detach())
+    params = dict(named)
+    assert set(served) == set(params)
+    assert all(s.view.data_ptr() == params[n].data_ptr() for n, s in served.items())
+
+
+def load_spec_of(model):
+    from refit.integrations._common import spec_of_hf_config
+
+    return spec_of_hf_config(model.config, dict(model.named_parameters()))
+
+
+@pytest.mark.parametrize("cls_name,cfg,change,message", [
+    ("LlamaForCausalLM", dict(LLAMA, mlp_bias=True), None,
+     "'model.layers.0.mlp.gate_proj.bias' (and 5 more"),
+    ("LlamaForCausalLM", dict(LLAMA, attention_bias=True), None, "'model.layers.0.self_attn.o_proj.bias' (and 1 more"),
+    ("LlamaForCausalLM", LLAMA, "untie", "lm_head.weight is a parameter of its own"),
+    ("LlamaForCausalLM", LLAMA, "float32", "is float32, the model's config says bfloat16"),
+], ids=["mlp_bias", "o_proj_bias", "lm_head-untied-but-config-tied", "fp32-params"])
+def test_attach_refuses_before_registering(server, cls_name, cfg, change, message) -> None:
+    srv, client = server
+    model = make(cls_name, **cfg)
+    if change == "untie":
+        model.config.tie_word_embeddings = True
+    elif change == "float32":
+        model.float()
+    with pytest.raises(RefitError, match=__import__("re").escape(message)):
+        refit_hf.attach(model, srv.address, group="refused")
+    assert client.list_workers(group="refused") == []
+
+
+def test_refit_refused_when_parameters_moved(server) -> None:
+    """A parameter re-pointed after attach (``p.data = ...``, as ``model.to()`` or a wrapper that
+    moves parameters into its buffers does) would leave the agent serving stale memory: the next
+    refit fails, naming it, and the engines are told it failed."""
+    from refit.control.client import RefitFailed
+
+    srv, client = server
+    model = make("LlamaForCausalLM", **LLAMA)
+    agent = refit_hf.attach(model, srv.address, group="moved")
+    engines = Engines(srv.address, agent.spec, "vllm:tp1", group="moved-engine")
+    try:
+        plan = client.create_plan("moved", "moved-engine")["plan_id"]
+        assert client.refit(plan, version=1, timeout=60).ok
+        model.model.norm.weight.data = model.model.norm.weight.data.clone()
+        with pytest.raises(RefitFailed, match="'model.norm.weight' .* no longer lies where it did at attach"):
+            client.refit(plan, version=2, timeout=60)
+    finally:
+        agent.stop()
+        engines.close()

@@ -1,0 +1,419 @@
+"""The gRPC control plane end to end, on loopback: a coordinator, trainer and engine agents in real
+processes (spawn) moving a tiny Qwen3-MoE megatron:tp2ep2 -> vllm:tp2 over the CPU gloo transport,
+bit-exact, with every failure the control plane must survive.
+
+The tests of the shared cluster run in file order (versions only go up)."""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+import threading
+import time
+
+import grpc
+import pytest
+
+from refit.control.agent import EngineAgent, TrainerAgent
+from refit.control.client import Client, RefitFailed
+from refit.control.dataplane import NoopDataPlane
+from refit.control.server import ThreadedServer
+from refit.control.v1 import refit_pb2 as pb
+from refit.control.v1 import refit_pb2_grpc as pb_grpc
+from tests.harness.control_cluster import DST, MODEL, SRC, Worker
+from tests.harness.tiny import tiny_spec
+
+ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+
+
+class Cluster:
+    def __init__(self) -> None:
+        self.server = ThreadedServer(default_timeout=20.0)
+        self.address = self.server.address
+        self.workers = {w.worker_id: w for w in
+                        [Worker(self.address, "trainer", "trainer", r, SRC) for r in range(2)]
+                        + [Worker(self.address, "engine", "engine", r, DST) for r in range(2)]}
+        for w in self.workers.values():
+            w.ready()
+        self.client = Client(self.address)
+        self.plan_id = self.client.create_plan("trainer", "engine", bucket_bytes=4096)["plan_id"]
+        self.version = 0  # last version committed
+
+    def trainers(self) -> list[Worker]:
+        return [w for w in self.workers.values() if w.role == "trainer"]
+
+    def engines(self) -> list[Worker]:
+        return [w for w in self.workers.values() if w.role == "engine"]
+
+    def fill(self, version: int) -> None:
+        for w in self.trainers():
+            w.ask("fill", version)
+
+    def check_engines(self, version: int) -> None:
+        for w in self.engines():
+            assert w.ask("check", version) == [], f"{w.worker_id} does not hold version {version} bit-exactly"
+            assert w.ask("state") == (version, False, True)
+        rows = {r["worker_id"]: r for r in self.client.list_workers(role="engine") if r["info"]["group"] == "engine"}
+        assert {k: (r["version"], r["stale"]) for k, r in rows.items()} == {w: (version, False) for w in rows}
+
+    def refit_ok(self, version: int, timeout: float = 20.0) -> None:
+        self.fill(version)
+        result = self.client.refit(self.plan_id, version=version, timeout=timeout)
+        assert result.ok and result.total_bytes == 150400, result
+        self.version = version
+        self.check_engines(version)
+
+    def engines_stale(self) -> None:
+        rows = [r for r in self.client.list_workers(group="engine")]
+        assert all(r["stale"] for r in rows), rows
+        for w in self.engines():
+            version, stale, _ = w.ask("state")
+            assert stale and version == self.version
+
+    def close(self) -> None:
+        for w in self.workers.values():
+            w.close()
+        self.client.close()
+        self.server.stop()
+
+
+@pytest.fixture(scope="module")
+def cluster():
+    c = Cluster()
+    yield c
+    c.close()
+
+
+def code_of(fn, *args, **kwargs) -> grpc.StatusCode:
+    with pytest.raises(grpc.RpcError) as e:
+        fn(*args, **kwargs)
+    return e.value.code()
+
+
+def noop_agent(cls, address: str, group: str, rank: int, layout: str, model: str = MODEL, **kw):
+    return cls(address, group=group, rank=rank, spec=tiny_spec(model), layout=layout, data_plane=NoopDataPlane(), **kw)
+
+
+# ------------------------------------------------------------------------------------------------
+
+
+def test_repeated_refits_bit_exact_with_events(cluster: Cluster) -> None:
+    again = cluster.client.create_plan("trainer", "engine", bucket_bytes=4096)
+    assert again["plan_id"] == cluster.plan_id and again["cached"] and again["num_buckets"] > 1
+    full = cluster.client.get_plan(cluster.plan_id, include_plan=True)
+    assert full["plan"].plan_id == full["plan_hash"] and full["src_layout"] == "megatron:tp2ep2etp1dp1"
+    events: list[dict] = []
+    stream = cluster.client.watch(cluster.plan_id)
+
+    def watch() -> None:
+        for e in stream:
+            events.append(e)
+            if e["kind"] == "KIND_FINISHED" and e["version"] == 3:
+                return
+
+    t = threading.Thread(target=watch, daemon=True)
+    t.start()
+    time.sleep(0.2)  # the watch is registered
+    for v in (1, 2, 3):
+        cluster.refit_ok(v)
+    t.join(10)
+    kinds = [e["kind"] for e in events if e["version"] == 3]
+    assert kinds == ["KIND_STARTED"] + ["KIND_WORKER_DONE"] * 4 + ["KIND_FINISHED"]
+    assert events[-1]["result"]["status"] == "REFIT_STATUS_OK"
+    assert cluster.client.get_plan(cluster.plan_id)["version"] == 3
+
+
+def test_broadcast_plan_bit_exact(cluster: Cluster) -> None:
+    """The baseline planner runs under the control plane too (its stage 0 gathers full tensors on
+    a trainer root, stage 1 sends them on): same bits in the engines."""
+    plan = cluster.client.create_plan("trainer", "engine", planner="broadcast", bucket_bytes=8192)
+    assert plan["plan_id"] != cluster.plan_id
+    version = cluster.version + 1
+    cluster.fill(version)
+    result = cluster.client.refit(plan["plan_id"], version=version, timeout=20.0)
+    assert result.ok, result
+    cluster.version = version
+    cluster.check_engines(version)
+    cluster.refit_ok(version + 1)  # and back to the p2p plan
+
+
+def test_version_must_increase(cluster: Cluster) -> None:
+    """Lower versions are refused; the version committed last (still held) is answered again, as is."""
+    assert code_of(cluster.client.refit, cluster.plan_id, version=cluster.version - 1) == \
+        grpc.StatusCode.FAILED_PRECONDITION
+    again = cluster.client.refit(cluster.plan_id, version=cluster.version)
+    assert again.ok and again.version == cluster.version and again.total_bytes == 150400
+    assert cluster.client.refit(cluster.plan_id, version=cluster.version).refit_id == again.refit_id
+    # The broadcast plan committed version - 1, which its engines no longer hold: refused.
+    other = cluster.client.create_plan("trainer", "engine", planner="broadcast", bucket_bytes=8192)["plan_id"]
+    assert code_of(cluster.client.refit, other, version=cluster.version - 1) == grpc.StatusCode.FAILED_PRECONDITION
+    for v in (2**53, 2**64 - 1):  # beyond what a version can mean: INVALID_ARGUMENT, nothing bricked
+        assert code_of(cluster.client.refit, cluster.plan_id, version=v) == grpc.StatusCode.INVALID_ARGUMENT
+    assert code_of(cluster.client.refit, cluster.plan_id, version=cluster.version + 2**32 + 1) == \
+        grpc.StatusCode.INVALID_ARGUMENT
+    cluster.check_engines(cluster.version)
+
+
+def test_unknown_plan(cluster: Cluster) -> None:
+    c = cluster.client
+    assert code_of(c.refit, "0123456789abcdef", version=99) == grpc.StatusCode.NOT_FOUND
+    assert code_of(c.get_plan, "0123456789abcdef") == grpc.StatusCode.NOT_FOUND
+    assert code_of(lambda: next(c.watch("0123456789abcdef"))) == grpc.StatusCode.NOT_FOUND
+
+
+def test_deadline_overrun_fails_in_time_then_recovers(cluster: Cluster) -> None:
+    v = cluster.version + 1
+    slow = cluster.workers["engine/1"]
+    slow.ask("delay", (v, 2.5))
+    cluster.fill(v)
+    t0 = time.monotonic()
+    result = cluster.client.refit(cluster.plan_id, version=v, timeout=1.0, check=False)
+    elapsed = time.monotonic() - t0
+    assert not result.ok and elapsed < 1.5, (elapsed, result)
+    assert result.workers["engine/1"].outcome == "timed_out"
+    assert result.error.split(": ", 1)[1].startswith("engine/1 timed out"), result.error
+    cluster.engines_stale()
+    # engine/1 is still asleep in its share: the next refit waits for it, then succeeds.
+    cluster.refit_ok(v + 1)
+
+
+def test_worker_killed_mid_refit(cluster: Cluster) -> None:
+    v = cluster.version + 1
+    victim = cluster.workers["trainer/1"]
+    victim.ask("delay", (v, 10.0))
+    cluster.fill(v)
+    out: dict = {}
+    t = threading.Thread(target=lambda: out.update(r=cluster.client.refit(cluster.plan_id, version=v, timeout=8.0,
+                                                                          check=False)))
+    t0 = time.monotonic()
+    t.start()
+    assert victim.entered.wait(10)
+    victim.kill()
+    t.join(10)
+    result = out["r"]
+    assert not result.ok and time.monotonic() - t0 < 8.0
+    assert result.workers["trainer/1"].outcome == "disconnected"
+    assert result.error.split(": ", 1)[1].startswith("trainer/1 disconnected"), result.error
+    cluster.engines_stale()
+    # Without trainer/1 a refit fails at once, naming it.
+    with pytest.raises(RefitFailed, match="trainer/1 not connected"):
+        cluster.client.refit(cluster.plan_id, version=v, timeout=5.0)
+    # The restarted worker re-registers under the same group/rank and the plan works again.
+    old = {r["worker_id"]: r["session"] for r in cluster.client.list_workers(group="trainer")}
+    cluster.workers["trainer/1"] = Worker(cluster.address, "trainer", "trainer", 1, SRC, version=0)
+    cluster.workers["trainer/1"].ready()
+    new = {r["worker_id"]: r for r in cluster.client.list_workers(group="trainer")}
+    assert len(new) == 2 and new["trainer/1"]["connected"] and new["trainer/1"]["session"] != old["trainer/1"]
+    cluster.refit_ok(v)  # a failed version may be retried
+
+
+def test_disconnect_mid_refit_then_reconnect(cluster: Cluster) -> None:
+    v = cluster.version + 1
+    leaver = cluster.workers["trainer/0"]
+    leaver.ask("delay", (v, 2.0))
+    cluster.fill(v)
+    out: dict = {}
+    t = threading.Thread(target=lambda: out.update(r=cluster.client.refit(cluster.plan_id, version=v, timeout=8.0,
+                                                                          check=False)))
+    t.start()
+    assert leaver.entered.wait(10)
+    leaver.ask("disconnect")
+    t.join(10)
+    assert not out["r"].ok and out["r"].workers["trainer/0"].outcome == "disconnected", out["r"]
+    cluster.engines_stale()
+    leaver.ask("reconnect")
+    cluster.refit_ok(v + 1)
+
+
+def test_plan_refusals(cluster: Cluster) -> None:
+    a = cluster.address
+    agents = [noop_agent(EngineAgent, a, "qwen2", 0, "vllm:tp1", model="tiny-qwen2").start(),
+              noop_agent(EngineAgent, a, "half", 0, "vllm:tp2").start()]
+    c = cluster.client
+
+    def refused(match: str, *args, **kwargs) -> None:
+        with pytest.raises(grpc.RpcError) as e:
+            c.create_plan(*args, **kwargs)
+        assert e.value.code() == grpc.StatusCode.INVALID_ARGUMENT and match in e.value.details(), e.value.details()
+
+    try:
+        refused("different models", "trainer", "qwen2")
+        refused("rank 1 of vllm:tp2 is not registered", "trainer", "half")
+        refused("no worker is registered in group 'nope'", "trainer", "nope")
+        refused("a plan's source must be a trainer group", "engine", "trainer")
+        refused("unknown planner", "trainer", "engine", planner="magic")
+        refused("bucket size", "trainer", "engine", bucket_bytes=100)
+        refused("unknown placement", "trainer", "engine", placement="sideways")
+    finally:
+        for ag in agents:
+            ag.stop()
+
+
+def test_malformed_requests_get_invalid_argument(cluster: Cluster) -> None:
+    c = cluster.client
+    ch = grpc.insecure_channel(cluster.address)
+    stub = pb_grpc.CoordinatorStub(ch)
+    bad = grpc.StatusCode.INVALID_ARGUMENT
+    # Garbage bytes, for every method.
+    for method in ("CreatePlan", "GetPlan", "ListWorkers", "Refit"):
+        assert code_of(ch.unary_unary(f"/refit.v1.Coordinator/{method}"), b"\xff\xff\xff", timeout=5) == bad, method
+    assert code_of(lambda: next(ch.unary_stream("/refit.v1.Coordinator/WatchRefits")(b"\xff\xff", timeout=5))) == bad
+    assert code_of(lambda: list(ch.stream_stream("/refit.v1.Coordinator/Connect")(iter([b"\xff\xff"]), timeout=5))) == bad
+    # Well-formed bytes, meaningless fields.
+    assert code_of(stub.CreatePlan, pb.CreatePlanRequest(), timeout=5) == bad
+    assert code_of(stub.GetPlan, pb.GetPlanRequest(), timeout=5) == bad
+    assert code_of(stub.ListWorkers, pb.ListWorkersRequest(role=7), timeout=5) == bad
+    assert code_of(stub.Refit, pb.RefitRequest(), timeout=5) == bad
+    assert code_of(stub.Refit, pb.RefitRequest(plan_id=cluster.plan_id), timeout=5) == bad  # version 0
+    assert code_of(stub.Refit, pb.RefitRequest(plan_id=cluster.plan_id, version=10**6, timeout_seconds=-1),
+                   timeout=5) == bad
+    assert code_of(stub.Refit, pb.RefitRequest(plan_id=cluster.plan_id, version=10**6, timeout_seconds=float("nan")),
+                   timeout=5) == bad
+
+    def connect(*msgs: pb.WorkerMessage) -> grpc.StatusCode:
+        return code_of(lambda: list(stub.Connect(iter(msgs), timeout=5)))
+
+    spec = tiny_spec(MODEL)
+    good = noop_agent(EngineAgent, cluster.address, "x", 0, "vllm:tp2")._info()
+    reg = lambda **kw: pb.WorkerMessage(register=pb.Register(info=pb.WorkerInfo(**{**_fields(good), **kw})))  # noqa
+    assert connect(pb.WorkerMessage(result=pb.RunResult(refit_id="r"))) == bad  # no register first
+    assert connect(reg(role=0)) == bad
+    assert connect(reg(group="")) == bad
+    assert connect(reg(rank=2)) == bad
+    assert connect(reg(layout="vllm:tp3")) == bad
+    assert connect(reg(model_digest="beef")) == bad
+    assert connect(reg(model_config_json="{nope")) == bad
+    assert connect(reg(role=pb.ROLE_TRAINER, layout="megatron:tp2ep2", group="engine")) == bad  # an engine group
+    assert connect(reg(), pb.WorkerMessage(register=pb.Register())) == bad  # a second register
+    assert spec.digest() == good.model_digest
+    # Adversarial registrations: refused at once, with short messages, and nothing is built.
+    cfg = json.loads(good.model_config_json)
+    for kw in (dict(group="g" * 2**20), dict(layout="megatron:tp1dp4294967295"),
+               dict(model_config_json=json.dumps({**cfg, "num_layers": 30_000_000})), dict(version=2**64 - 1)):
+        t0 = time.monotonic()
+        with pytest.raises(grpc.RpcError) as e:
+            list(stub.Connect(iter([reg(**kw)]), timeout=5))
+        assert e.value.code() == bad and len(e.value.details()) < 300 and time.monotonic() - t0 < 2, kw
+    huge = reg(model_config_json="x" * (5 * 2**20))  # above the server's message cap: not read in full
+    assert connect(huge) == grpc.StatusCode.RESOURCE_EXHAUSTED
+    # A live worker's slot is not taken over by another process: engine/0 keeps its stream.
+    assert connect(reg(group="engine", rank=0)) == grpc.StatusCode.ALREADY_EXISTS
+    assert all(r["connected"] for r in c.list_workers(group="engine"))
+    ch.close()
+    # Nothing of that broke the coordinator.
+    cluster.refit_ok(cluster.version + 1)
+
+
+def _fields(info: pb.WorkerInfo) -> dict:
+    return {f.name: v for f, v in info.ListFields()}
+
+
+def test_reregistration_replaces_old_stream(cluster: Cluster) -> None:
+    a, c = cluster.address, cluster.client
+    first = noop_agent(TrainerAgent, a, "rr", 0, "megatron:tp1").start()
+    second = noop_agent(TrainerAgent, a, "rr", 0, "megatron:tp1").start()
+    assert first.wait_closed(5) and "ABORTED" in str(first.error)
+    rows = c.list_workers(group="rr")
+    assert [(r["worker_id"], r["session"], r["connected"]) for r in rows] == [("rr/0", second.session, True)]
+    engine = noop_agent(EngineAgent, a, "rr-engine", 0, "vllm:tp1").start()
+    plan = c.create_plan("rr", "rr-engine")["plan_id"]
+    assert c.refit(plan, version=1).ok
+    assert _settle(lambda: (engine.version, engine.stale) == (1, False))
+    # An engine back with another layout no longer fits the plan made for the old one.
+    other = noop_agent(EngineAgent, a, "rr-engine", 0, "vllm:tp2").start()
+    assert code_of(c.refit, plan, version=2) == grpc.StatusCode.FAILED_PRECONDITION
+    for ag in (second, engine, other):
+        ag.stop()
+
+
+def _settle(cond, timeout: float = 5.0) -> bool:
+    """The engine hears the commit just after the refit returns."""
+    end = time.monotonic() + timeout
+    while not cond():
+        if time.monotonic() > end:
+            return False
+        time.sleep(0.01)
+    return True
+
+
+def test_token_required_everywhere() -> None:
+    srv = ThreadedServer(token="s3cret")
+    try:
+        for token in (None, "wrong"):
+            c = Client(srv.address, token=token)
+            assert code_of(c.list_workers) == grpc.StatusCode.UNAUTHENTICATED
+            assert code_of(c.health) == grpc.StatusCode.UNAUTHENTICATED
+            assert code_of(lambda: next(c.watch())) == grpc.StatusCode.UNAUTHENTICATED
+            with pytest.raises(ConnectionError, match="UNAUTHENTICATED"):
+                noop_agent(TrainerAgent, srv.address, "t", 0, "megatron:tp1", token=token).start(timeout=5)
+            c.close()
+        c = Client(srv.address, token="s3cret")
+        agent = noop_agent(TrainerAgent, srv.address, "t", 0, "megatron:tp1", token="s3cret").start()
+        assert c.health() == "SERVING" and [r["worker_id"] for r in c.list_workers()] == ["t/0"]
+        agent.stop()
+        c.close()
+    finally:
+        srv.stop()
+
+
+def test_serve_main_binds_loopback() -> None:
+    code = "import sys; from refit.control.server import serve_main; sys.exit(serve_main(['--port', '0']))"
+    proc = subprocess.Popen([sys.executable, "-c", code], cwd=ROOT, stderr=subprocess.PIPE, text=True,
+                            env={**os.environ, "PYTHONPATH": ROOT})
+    try:
+        line = proc.stderr.readline()
+        assert "listening on 127.0.0.1:" in line, line
+        with Client(line.strip().rsplit(" ", 1)[1]) as c:
+            assert c.health() == "SERVING" and c.health("refit.v1.Coordinator") == "SERVING"
+    finally:
+        proc.terminate()
+        proc.wait(10)
+
+
+def test_serve_main_refuses_a_taken_port_and_reads_the_token_file(tmp_path) -> None:
+    srv = ThreadedServer(token="from-file")
+    try:
+        port = srv.address.rsplit(":", 1)[1]
+        code = f"import sys; from refit.control.server import serve_main; sys.exit(serve_main(['--port', '{port}']))"
+        proc = subprocess.run([sys.executable, "-c", code], cwd=ROOT, capture_output=True, text=True, timeout=60,
+                              env={**os.environ, "PYTHONPATH": ROOT})
+        assert proc.returncode == 2 and "address in use" in proc.stderr and "Traceback" not in proc.stderr, proc.stderr
+        from refit.control.server import build_parser, read_token
+
+        f = tmp_path / "token"
+        f.write_text("from-file\n")
+        assert read_token(build_parser().parse_args(["--token-file", str(f)])) == "from-file"
+        with Client(srv.address, token="from-file") as c:
+            assert c.health() == "SERVING"
+    finally:
+        srv.stop()
+
+
+def test_client_raises_refit_exceptions() -> None:
+    from refit.control.client import ControlError, Unavailable
+
+    with Client("127.0.0.1:1", timeout=2.0) as c:
+        with pytest.raises(Unavailable) as e:
+            c.list_workers()
+    assert isinstance(e.value, ControlError) and e.value.code() == grpc.StatusCode.UNAVAILABLE
+
+
+def test_generated_stubs_are_fresh(tmp_path) -> None:
+    pytest.importorskip("grpc_tools")
+    sys.path.insert(0, os.path.join(ROOT, "proto"))
+    try:
+        import generate
+    finally:
+        sys.path.pop(0)
+    if generate.tools_version() != generate.TOOLS_VERSION:  # other tools: compare what the .proto says
+        generate.generate(str(tmp_path), any_tools=True)
+        fresh = generate.descriptor_blob(os.path.join(tmp_path, "refit_pb2.py"))
+        assert fresh == generate.descriptor_blob(os.path.join(generate.PACKAGE_DIR, "refit_pb2.py")), \
+            "refit/control/v1 is stale: run proto/generate.py under grpcio-tools " + generate.TOOLS_VERSION
+        return
+    for path in generate.generate(str(tmp_path)):
+        name = os.path.basename(path)
+        with open(path, "rb") as f, open(os.path.join(generate.PACKAGE_DIR, name), "rb") as g:
+            assert f.read() == g.read(), f"refit/control/v1/{name} is stale: run python proto/generate.py"

@@ -1,0 +1,161 @@
+"""The agents' data plane (`refit.control.dataplane_executor`) under deadlines, cancellation and a
+hung peer: four real member processes (spawn), gloo on CPU, a real ``TCPStore`` rendezvous in
+the test process, tiny Qwen3-MoE megatron:tp2ep2 -> vllm:tp2 — no coordinator, the test plays it.
+
+Reproduces issue 11 item 5: the data communicator was built with the first refit's timeout (60 s
+here), and a later 5 s refit whose trainer hangs mid-transfer (SIGSTOP) left its peers waiting
+~60 s; now every wait is bounded by the refit's own deadline and the error names the hung peer.
+"""
+
+from __future__ import annotations
+
+import multiprocessing as mp
+import os
+import signal
+import threading
+import time
+from typing import Any
+
+import pytest
+import torch.distributed as dist
+
+from planners import make_plan
+from tests.harness.control_cluster import DST, MODEL, SRC
+from tests.harness.tiny import tiny_spec
+
+CTX = mp.get_context("spawn")
+NAMES = ("trainer/0", "trainer/1", "engine/0", "engine/1")
+
+
+def _member_main(conn: Any, port: int, index: int, plan_dict: dict) -> None:
+    """One member: its tensors, an `ExecutorDataPlane`, refits run on a thread as an agent would."""
+    import torch
+
+    from refit.control.dataplane import Rendezvous, RunContext
+    from refit.control.dataplane_executor import ExecutorDataPlane
+    from refit.layouts import resolve_layout
+    from refit.plan import Plan
+    from tests.harness.control_cluster import fill
+
+    torch.set_num_threads(1)
+    spec = tiny_spec(MODEL)
+    role, rank = ("trainer", index) if index < 2 else ("engine", index - 2)
+    layout = resolve_layout(SRC if role == "trainer" else DST, spec, "src" if role == "trainer" else "dst")
+    tensors = fill(spec, layout, rank, 1 if role == "trainer" else 0)
+    plan = Plan.from_dict(plan_dict)
+    dp = ExecutorDataPlane("comm")
+    ctx: RunContext | None = None
+
+    def run(prefix: str, timeout: float, version: int) -> None:
+        t0 = time.monotonic()
+        try:
+            dp(plan, role, rank, tensors, version, ctx)
+            conn.send(("done", True, "", time.monotonic() - t0))
+        except Exception as e:
+            conn.send(("done", False, f"{type(e).__name__}: {e}", time.monotonic() - t0))
+
+    conn.send(("ready", os.getpid()))
+    while True:
+        cmd, *args = conn.recv()
+        if cmd == "refit":
+            prefix, timeout, version, hang = args
+            dp.refit_hook = (lambda: os.kill(os.getpid(), signal.SIGSTOP)) if hang else None
+            ctx = RunContext(plan.plan_id, f"r{version}", spec, layout,
+                             Rendezvous("127.0.0.1", port, prefix, 4, index, NAMES), time.monotonic() + timeout)
+            threading.Thread(target=run, args=(prefix, timeout, version), daemon=True).start()
+        elif cmd == "cancel":
+            ctx.cancelled.set()
+        elif cmd == "fill":
+            fill(spec, layout, rank, args[0], tensors)
+            conn.send(("ok", None))
+        elif cmd == "check":
+            want = fill(spec, layout, rank, args[0])
+            conn.send(("ok", [n for n in want if not torch.equal(want[n].view(torch.int16), tensors[n].view(torch.int16))]))
+        else:
+            os._exit(0)
+
+
+class Members:
+    def __init__(self) -> None:
+        spec = tiny_spec(MODEL)
+        self.plan = make_plan(spec, SRC, DST, "colocated", "p2p", 4096).plan
+        self.store = dist.TCPStore("127.0.0.1", 0, is_master=True, wait_for_workers=False)
+        self.conns, self.procs = [], []
+        for i in range(4):
+            parent, child = CTX.Pipe()
+            p = CTX.Process(target=_member_main, args=(child, self.store.port, i, self.plan.to_dict()), daemon=True)
+            p.start()
+            self.conns.append(parent)
+            self.procs.append(p)
+        for c in self.conns:
+            assert c.poll(120) and c.recv()[0] == "ready"
+
+    def refit(self, which: list[int], prefix: str, timeout: float, version: int, hang: int | None = None) -> None:
+        for i in which:
+            self.conns[i].send(("refit", prefix, timeout, version, i == hang))
+
+    def results(self, which: list[int], wait: float) -> dict[int, tuple[bool, str, float]]:
+        out = {}
+        for i in which:
+            assert self.conns[i].poll(wait), f"{NAMES[i]} did not return within {wait} s"
+            _, ok, err, seconds = self.conns[i].recv()
+            out[i] = (ok, err, seconds)
+        return out
+
+    def ask(self, i: int, *cmd: Any) -> Any:
+        self.conns[i].send(cmd)
+        assert self.conns[i].poll(30)
+        return self.conns[i].recv()[1]
+
+    def close(self) -> None:
+        for p in self.procs:
+            if p.is_alive():
+                p.kill()
+            p.join(5)
+
+
+@pytest.fixture(scope="module")
+def members():
+    m = Members()
+    yield m
+    m.close()
+
+
+def _ok_refit(m: Members, prefix: str, version: int) -> None:
+    for i in (0, 1):
+        m.ask(i, "fill", version)
+    m.refit([0, 1, 2, 3], prefix, 60.0, version)
+    res = m.results([0, 1, 2, 3], 60)
+    assert all(ok for ok, _, _ in res.values()), res
+    assert m.ask(2, "check", version) == [] and m.ask(3, "check", version) == []
+
+
+def test_cancelled_refit_leaves_the_barrier_at_once(members: Members) -> None:
+    _ok_refit(members, "p/1/", 1)
+    # trainer/1 never comes; the others wait at the start barrier of a 30 s refit until the
+    # coordinator abandons it (ctx.cancelled): they must leave within a fraction of a second.
+    members.refit([0, 2, 3], "p/1/", 30.0, 2)
+    time.sleep(1.0)
+    t0 = time.monotonic()
+    for i in (0, 2, 3):
+        members.conns[i].send(("cancel",))
+    res = members.results([0, 2, 3], 5)
+    assert time.monotonic() - t0 < 1.0, res
+    assert all(not ok and err.startswith("Cancelled") for ok, err, _ in res.values()), res
+
+
+def test_deadline_bounds_waits_and_names_the_hung_peer(members: Members) -> None:
+    # A new generation (as the coordinator makes after a failure), built during a 60 s refit.
+    _ok_refit(members, "p/2/", 3)
+    for i in (0, 1):
+        members.ask(i, "fill", 4)
+    # Then a 5 s refit in which trainer/1 stops itself (SIGSTOP) right after posting its first send.
+    members.refit([0, 1, 2, 3], "p/2/", 5.0, 4, hang=1)
+    res = members.results([0, 2, 3], 20)
+    assert all(not ok for ok, _, _ in res.values()), res
+    assert all(seconds < 6.5 for _, _, seconds in res.values()), res  # was ~60 s: the group's timeout
+    # Each names the peer it was waiting on: an engine waits on trainer/1 (the hung one), others
+    # may wait on that engine in turn (trainer/0 sending to it) or list who never reached a barrier.
+    assert any("with trainer/1 failed: Timed out" in res[i][1] for i in (2, 3)), res
+    assert all(any(f"{n} " in err for n in NAMES if n != NAMES[i]) for i, (_, err, _) in res.items()), res
+    os.kill(members.procs[1].pid, signal.SIGKILL)

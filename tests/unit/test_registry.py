@@ -1,0 +1,108 @@
+"""The coordinator's records and checks (refit.control.registry): bounds on registrations before
+anything is built, slots, versions, groups."""
+
+from __future__ import annotations
+
+import json
+import time
+from types import SimpleNamespace
+
+import pytest
+
+from refit.control.common import Conflict, Exhausted, Precondition, config_json
+from refit.control.registry import (MAX_VERSION, MAX_VERSION_STEP, PlanEntry, Worker, build_registration,
+                                    check_info, check_slot, check_version, group_members, holds_version)
+from refit.control.v1 import refit_pb2 as pb
+from refit.errors import RefitError
+from tests.harness.tiny import tiny_spec
+
+
+def info(**kw) -> pb.WorkerInfo:
+    spec = tiny_spec("tiny-qwen3-moe")
+    base = dict(role=pb.ROLE_ENGINE, group="e", rank=0, host="h", layout="vllm:tp2", model_name=spec.name,
+                model_digest=spec.digest(), model_config_json=config_json(spec.config), pid=7)
+    return pb.WorkerInfo(**{**base, **kw})
+
+
+def worker(i: pb.WorkerInfo) -> Worker:
+    spec, layout = build_registration(i, {})
+    return Worker(i, "s", spec, layout, send=None, task=None, version=i.version)  # type: ignore[arg-type]
+
+
+def test_a_good_registration_builds_once_per_config() -> None:
+    specs: dict = {}
+    i = info()
+    check_info(i)
+    spec, layout = build_registration(i, specs)
+    assert layout.describe().startswith("vllm:tp2") and len(specs) == 1
+    assert build_registration(info(rank=1), specs)[0] is spec
+
+
+@pytest.mark.parametrize("kw,match", [
+    (dict(group="g" * 200), "group has 200 characters"),
+    (dict(group="a/b"), "without '/'"),
+    (dict(layout="x" * 10_000), "layout has 10000 characters"),
+    (dict(model_config_json="{" * 70_000), "model_config_json has 70000 characters"),
+    (dict(model_config_json="[1]"), "not a JSON object"),
+    (dict(model_config_json="{nope"), "not JSON"),
+    (dict(version=2**64 - 1), "is above"),
+    (dict(rank=2**31), "beyond"),
+    (dict(role=0), "role"),
+])
+def test_bad_fields_are_refused_before_building(kw, match) -> None:
+    with pytest.raises(RefitError, match=match) as e:
+        check_info(info(**kw))
+    assert len(str(e.value)) < 200
+
+
+@pytest.mark.parametrize("field,value", [("num_layers", 30_000_000), ("num_experts", 10**6), ("vocab_size", -1),
+                                         ("hidden_size", "32"), ("num_layers", True)])
+def test_model_config_is_bounded_before_a_spec_is_built(field, value) -> None:
+    cfg = json.loads(info().model_config_json)
+    cfg[field] = value
+    t0 = time.monotonic()
+    with pytest.raises(RefitError, match=field):
+        check_info(info(model_config_json=json.dumps(cfg)))
+    assert time.monotonic() - t0 < 0.1
+
+
+def test_world_size_is_bounded() -> None:
+    with pytest.raises(RefitError, match="at most 65536"):
+        build_registration(info(role=pb.ROLE_TRAINER, layout="megatron:tp1dp4294967295"), {})
+
+
+def test_a_live_slot_is_kept_from_other_processes() -> None:
+    w = worker(info())
+    workers = {w.worker_id: w}
+    check_slot(workers, info(), 10)  # the same process (host, pid) may register again
+    with pytest.raises(Conflict, match="held by a live worker"):
+        check_slot(workers, info(pid=8), 10)
+    w.connected = False
+    check_slot(workers, info(pid=8), 10)  # once it left, anyone may
+    with pytest.raises(Exhausted):
+        check_slot(workers, info(group="other"), 1)
+
+
+def test_versions_increase_within_bounds() -> None:
+    e0, e1 = worker(info(version=3)), worker(info(rank=1, version=3))
+    workers = {e0.worker_id: e0, e1.worker_id: e1}
+    plan = SimpleNamespace(placement=SimpleNamespace(src_gpus=()))  # only what num_src reads: no trainers
+    entry = PlanEntry("p", plan=plan, summary={}, src_group="t", dst_group="e", plan_json=b"",  # type: ignore[arg-type]
+                      members=("e/0", "e/1"))
+    with pytest.raises(Precondition, match="not above 3"):
+        check_version(workers, entry, 3)
+    check_version(workers, entry, 4)
+    with pytest.raises(RefitError, match="jumps more than"):
+        check_version(workers, entry, 3 + MAX_VERSION_STEP + 1)
+    assert holds_version(workers, entry, 3) and not holds_version(workers, entry, 4)
+    e1.stale = True
+    assert not holds_version(workers, entry, 3)
+    assert MAX_VERSION < 2**64 - 1
+
+
+def test_group_members_names_the_missing_rank() -> None:
+    w = worker(info())
+    with pytest.raises(RefitError, match="rank 1 of vllm:tp2.* is not registered"):
+        group_members({w.worker_id: w}, "e", pb.ROLE_ENGINE)
+    with pytest.raises(RefitError, match="no worker is registered in group 'x'"):
+        group_members({w.worker_id: w}, "x", pb.ROLE_ENGINE)
