@@ -14,21 +14,15 @@ each engine answers several checks.  REFIT_VLLM_FULL=1 adds the TP=2 cases beyon
 
 from __future__ import annotations
 
-import importlib.util
 import os
 import threading
 import time
-from importlib.metadata import entry_points
 
 import pytest
 
-pytestmark = [
-    pytest.mark.vllm,
-    pytest.mark.slow,
-    pytest.mark.skipif(importlib.util.find_spec("vllm") is None, reason="vllm not installed"),
-    pytest.mark.skipif(not any(e.name == "refit" for e in entry_points(group="vllm.general_plugins")),
-                       reason="refit's vllm.general_plugins entry point is not installed (pip install -e .)"),
-]
+from tests.harness.vllm_rl import vllm_marks
+
+pytestmark = vllm_marks()
 
 FULL = os.environ.get("REFIT_VLLM_FULL") == "1"
 # (model, trainer layout, engine tp, engine expert parallel, in the default run)

@@ -11,7 +11,6 @@ logprobs), and /weight_info shows the last refit's version.
 
 from __future__ import annotations
 
-import importlib.util
 import json
 import os
 import signal
@@ -21,19 +20,12 @@ import sys
 import threading
 import time
 import urllib.request
-from importlib.metadata import entry_points
 
 import pytest
 
-from tests.harness.vllm_rl import MAX_TOKENS, PROMPTS, cpu_env
+from tests.harness.vllm_rl import MAX_TOKENS, PROMPTS, cpu_env, vllm_marks
 
-pytestmark = [
-    pytest.mark.vllm,
-    pytest.mark.slow,
-    pytest.mark.skipif(importlib.util.find_spec("vllm") is None, reason="vllm not installed"),
-    pytest.mark.skipif(not any(e.name == "refit" for e in entry_points(group="vllm.general_plugins")),
-                       reason="refit's vllm.general_plugins entry point is not installed (pip install -e .)"),
-]
+pytestmark = vllm_marks()
 ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
 
