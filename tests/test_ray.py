@@ -1,0 +1,230 @@
+"""refit inside a Ray job, on a real multi-node Ray cluster on this machine (a head and two worker
+nodes, each its own raylet; CPU only, gloo): the coordinator as a named actor on the head, trainer
+and engine ranks as actors placed by `rl_placement`, unchanged agents inside them, bit-exact
+repeated refits, and the faults a Ray job sees (an actor killed, a node removed).
+
+The tests of the shared cluster run in file order (versions only go up).  The live vLLM engine as
+a Ray actor is not here: it needs the vLLM backend (another issue)."""
+
+from __future__ import annotations
+
+import threading
+import time
+from typing import Any, Callable
+
+import pytest
+
+ray = pytest.importorskip("ray")
+
+from refit.control.client import Client, RefitResult  # noqa: E402
+from refit.errors import RefitError  # noqa: E402
+from refit.integrations import ray as refit_ray  # noqa: E402
+from tests.control_cluster import DST, SRC  # noqa: E402
+
+BYTES_PER_REFIT = 150400  # the tiny Qwen3-MoE, megatron:tp2ep2 -> vllm:tp2
+
+
+def wait_for(cond: Callable[[], Any], timeout: float, what: str) -> Any:
+    end = time.monotonic() + timeout
+    while True:
+        value = cond()
+        if value:
+            return value
+        if time.monotonic() > end:
+            raise AssertionError(f"timed out after {timeout:g} s waiting for {what}")
+        time.sleep(0.2)
+
+
+# ------------------------------------------------------------------ no cluster needed
+
+
+def test_host_for_gives_each_node_of_one_machine_its_own_loopback_address() -> None:
+    a, b = "a" * 56, "b" * 56
+    assert refit_ray.host_for(a, "10.1.2.3", one_machine=False) == "10.1.2.3"
+    ha, hb = refit_ray.host_for(a, "10.1.2.3", True), refit_ray.host_for(b, "10.1.2.3", True)
+    assert ha != hb and ha == refit_ray.host_for(a, "192.0.2.9", True)
+    for h in (ha, hb):
+        octets = [int(x) for x in h.split(".")]
+        assert octets[0] == 127 and 1 <= octets[3] <= 254 and all(0 <= x <= 255 for x in octets)
+
+
+def test_bad_placement_requests_are_refused() -> None:
+    with pytest.raises(RefitError, match="at least one trainer and one engine rank, got 0 and 2"):
+        refit_ray.rl_placement(0, 2)
+    with pytest.raises(RefitError, match="gpus_per_rank=0 cpus_per_rank=0"):
+        refit_ray.rl_placement(2, 2, gpus_per_rank=0, cpus_per_rank=0)
+    with pytest.raises(RefitError, match="unknown placement group strategy 'TIGHT'"):
+        refit_ray.rl_placement(2, 2, strategy="TIGHT")
+
+
+def test_needs_ray_init() -> None:
+    if ray.is_initialized():
+        pytest.skip("Ray already initialized in this process")
+    with pytest.raises(RefitError, match="ray.init"):
+        refit_ray.start_coordinator()
+
+
+# ------------------------------------------------------------------ one cluster for the rest
+
+
+class RayJob:
+    """Trainer and engine rank actors of one placement, and the plan between their groups."""
+
+    def __init__(self, client: Client, pl: refit_ray.RLPlacement, tgroup: str, egroup: str) -> None:
+        from tests.ray_cluster import RankActorRemote
+
+        self.client, self.pl, self.tgroup, self.egroup = client, pl, tgroup, egroup
+        self.trainers = [RankActorRemote.options(**pl.trainer_options(r)).remote("trainer", tgroup, r, SRC)
+                         for r in range(2)]
+        self.engines = [RankActorRemote.options(**pl.engine_options(r)).remote("engine", egroup, r, DST)
+                        for r in range(2)]
+        ray.get([a.state.remote() for a in self.trainers + self.engines], timeout=300)  # all registered
+        self.plan_id = pl.create_plan(client, tgroup, egroup, bucket_bytes=4096)["plan_id"]
+        self.version = 0  # last version committed
+
+    def endpoints(self, actors: list[Any]) -> list[refit_ray.RayEndpoint]:
+        return ray.get([a.endpoint.remote() for a in actors], timeout=60)
+
+    def fill(self, version: int) -> None:
+        ray.get([a.fill.remote(version) for a in self.trainers], timeout=60)
+
+    def check_engines(self, version: int) -> None:
+        assert ray.get([a.check.remote(version) for a in self.engines], timeout=60) == [[], []]
+        assert ray.get([a.state.remote() for a in self.engines], timeout=60) == [(version, False, True)] * 2
+        rows = self.client.list_workers(group=self.egroup)
+        assert [(r["version"], r["stale"]) for r in rows] == [(version, False)] * 2
+
+    def refit_ok(self, version: int) -> None:
+        self.fill(version)
+        result = self.client.refit(self.plan_id, version=version, timeout=60.0)
+        assert result.ok and result.total_bytes == BYTES_PER_REFIT, result
+        self.version = version
+        self.check_engines(version)
+
+    def engines_stale(self) -> None:
+        assert all(r["stale"] for r in self.client.list_workers(group=self.egroup))
+        for version, stale, connected in ray.get([a.state.remote() for a in self.engines], timeout=60):
+            assert stale and connected and version == self.version
+
+    def sessions(self, group: str) -> dict[str, str]:
+        return {r["worker_id"]: r["session"] for r in self.client.list_workers(group=group) if r["connected"]}
+
+    def refit_in_background(self, version: int, timeout: float) -> tuple[threading.Thread, dict[str, RefitResult]]:
+        out: dict[str, RefitResult] = {}
+        t = threading.Thread(target=lambda: out.update(r=self.client.refit(self.plan_id, version=version,
+                                                                            timeout=timeout, check=False)))
+        t.start()
+        return t, out
+
+
+@pytest.fixture(scope="module")
+def ray_job():
+    from tests.ray_cluster import start_cluster, stop_cluster
+
+    cluster, nodes = start_cluster(2)
+    client = None
+    try:
+        address = refit_ray.start_coordinator()
+        client = Client(address)
+        # Trainers fill one worker node, engines the other (each group needs a whole 2-CPU node).
+        pl = refit_ray.rl_placement(2, 2, colocated=False, gpus_per_rank=0, cpus_per_rank=1, strategy="STRICT_PACK")
+        job = RayJob(client, pl, "trainer", "engine")
+        job.cluster, job.address = cluster, address
+        yield job
+    finally:
+        if client is not None:
+            client.close()
+        stop_cluster(cluster)
+
+
+@pytest.mark.slow
+def test_coordinator_is_one_named_actor(ray_job: RayJob) -> None:
+    assert refit_ray.start_coordinator() == ray_job.address  # idempotent
+    assert ray.get(ray_job.engines[0].coordinator_address.remote(), timeout=60) == ray_job.address
+    with pytest.raises(RefitError, match="already runs at .* with no token"):
+        refit_ray.start_coordinator(token="s3cret")
+    head = ray_job.cluster.head_node.node_ip_address
+    assert ray_job.address.rsplit(":", 1)[0] == head
+
+
+@pytest.mark.slow
+def test_disaggregated_across_nodes_bit_exact(ray_job: RayJob) -> None:
+    trainers, engines = ray_job.endpoints(ray_job.trainers), ray_job.endpoints(ray_job.engines)
+    assert len({e.node_id for e in trainers}) == 1 and len({e.node_id for e in engines}) == 1
+    assert trainers[0].node_id != engines[0].node_id and trainers[0].host != engines[0].host
+    assert all(e.gpu == -1 for e in trainers + engines)
+    rows = {r["worker_id"]: r["info"] for r in ray_job.client.list_workers()}
+    assert [rows[f"trainer/{r}"]["host"] for r in range(2)] == [trainers[0].host] * 2
+    assert [rows[f"engine/{r}"]["host"] for r in range(2)] == [engines[0].host] * 2
+    assert ray_job.client.get_plan(ray_job.plan_id)["placement"] == "disaggregated"
+    # These groups are not colocated: the placement check says where they are.
+    with pytest.raises(RefitError, match=f"colocated placement, but trainer/0 is on host {trainers[0].host}"):
+        refit_ray.check_placement(ray_job.client, "trainer", "engine", "colocated")
+    for v in (1, 2, 3):
+        ray_job.refit_ok(v)
+
+
+@pytest.mark.slow
+def test_actor_killed_mid_refit(ray_job: RayJob) -> None:
+    v = ray_job.version + 1
+    victim = ray_job.trainers[1]
+    before = ray_job.sessions("trainer")
+    ray.get(victim.delay.remote(v, 60.0), timeout=60)
+    ray_job.fill(v)
+    t0 = time.monotonic()
+    t, out = ray_job.refit_in_background(v, timeout=30.0)
+    wait_for(lambda: ray.get(victim.entered.remote(), timeout=30), 30, "trainer/1 to enter its share")
+    ray.kill(victim, no_restart=False)
+    t.join(45)
+    result = out["r"]
+    assert not result.ok and time.monotonic() - t0 < 30.0, result
+    assert result.workers["trainer/1"].outcome == "disconnected", result
+    assert result.error.split(": ", 1)[1].startswith("trainer/1 disconnected"), result.error
+    ray_job.engines_stale()
+    # Ray restarts the actor; its __init__ registers again and the plan works again.
+    wait_for(lambda: ray_job.sessions("trainer").get("trainer/1", before["trainer/1"]) != before["trainer/1"],
+             180, "the restarted trainer/1 to re-register")
+    ray_job.refit_ok(v)
+
+
+@pytest.mark.slow
+def test_node_removed_mid_refit(ray_job: RayJob) -> None:
+    v = ray_job.version + 1
+    node_id = ray_job.endpoints(ray_job.trainers)[0].node_id
+    node = next(n for n in ray_job.cluster.worker_nodes if n.node_id == node_id)
+    before = ray_job.sessions("trainer")
+    ray.get(ray_job.trainers[0].delay.remote(v, 60.0), timeout=60)
+    ray_job.fill(v)
+    t0 = time.monotonic()
+    t, out = ray_job.refit_in_background(v, timeout=30.0)
+    wait_for(lambda: ray.get(ray_job.trainers[0].entered.remote(), timeout=30), 30, "trainer/0 to enter its share")
+    ray_job.cluster.remove_node(node)  # the trainers' node: both trainer actors die with it
+    t.join(45)
+    result = out["r"]
+    assert not result.ok and time.monotonic() - t0 < 30.0, result
+    assert result.error.split(": ", 1)[1].startswith("trainer/"), result.error
+    assert {w: r.outcome for w, r in result.workers.items() if r.role == "trainer"} == \
+        {"trainer/0": "disconnected", "trainer/1": "disconnected"}, result
+    ray_job.engines_stale()
+    # A new node takes the trainers' placement-group bundles; Ray restarts the actors there.
+    new = ray_job.cluster.add_node(num_cpus=2)
+    wait_for(lambda: all(ray_job.sessions("trainer").get(w, s) != s for w, s in before.items()),
+             240, "both trainers to re-register on the new node")
+    assert {e.node_id for e in ray_job.endpoints(ray_job.trainers)} == {new.node_id}
+    ray_job.refit_ok(v)
+
+
+@pytest.mark.slow
+def test_colocated_bit_exact(ray_job: RayJob) -> None:
+    # Small CPU shares: both bundles fit next to the running disaggregated job.
+    pl = refit_ray.rl_placement(2, 2, colocated=True, gpus_per_rank=0, cpus_per_rank=0.25)
+    try:
+        job = RayJob(ray_job.client, pl, "co-trainer", "co-engine")
+        trainers, engines = job.endpoints(job.trainers), job.endpoints(job.engines)
+        assert [e.node_id for e in trainers] == [e.node_id for e in engines]
+        assert job.client.get_plan(job.plan_id)["placement"] == "colocated"
+        for v in (1, 2):
+            job.refit_ok(v)
+        ray_job.refit_ok(ray_job.version + 1)  # the other job's plan is untouched
+    finally:
+        pl.remove()
