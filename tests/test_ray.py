@@ -12,6 +12,7 @@ import threading
 import time
 from typing import Any, Callable
 
+import grpc
 import pytest
 
 ray = pytest.importorskip("ray")
@@ -46,6 +47,15 @@ def test_host_for_gives_each_node_of_one_machine_its_own_loopback_address() -> N
     for h in (ha, hb):
         octets = [int(x) for x in h.split(".")]
         assert octets[0] == 127 and 1 <= octets[3] <= 254 and all(0 <= x <= 255 for x in octets)
+
+
+def test_cuda_index_follows_cuda_visible_devices(monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.setenv("CUDA_VISIBLE_DEVICES", "3,1")  # as Ray sets it for an actor given GPUs 3 and 1
+    assert (refit_ray.cuda_index(3), refit_ray.cuda_index(1), refit_ray.cuda_index(-1)) == (0, 1, -1)
+    with pytest.raises(RefitError, match="GPU 2 is not in CUDA_VISIBLE_DEVICES=3,1"):
+        refit_ray.cuda_index(2)
+    monkeypatch.delenv("CUDA_VISIBLE_DEVICES")  # RAY_EXPERIMENTAL_NOSET_CUDA_VISIBLE_DEVICES: all visible
+    assert refit_ray.cuda_index(2) == 2
 
 
 def test_bad_placement_requests_are_refused() -> None:
@@ -145,6 +155,21 @@ def test_coordinator_is_one_named_actor(ray_job: RayJob) -> None:
         refit_ray.start_coordinator(token="s3cret")
     head = ray_job.cluster.head_node.node_ip_address
     assert ray_job.address.rsplit(":", 1)[0] == head
+    # A second coordinator, with a token: agents inside actors get it along with the address.
+    address = refit_ray.start_coordinator(token="s3cret", name="refit-token")
+    try:
+        kwargs = ray.get(ray.remote(num_cpus=0)(lambda: refit_ray.agent_kwargs(name="refit-token")).remote(),
+                         timeout=120)
+        assert kwargs["address"] == address != ray_job.address and kwargs["token"] == "s3cret"
+        with Client(address, token="s3cret") as c:
+            assert c.health() == "SERVING"
+        with Client(address) as c, pytest.raises(grpc.RpcError) as e:
+            c.health()
+        assert e.value.code() == grpc.StatusCode.UNAUTHENTICATED
+    finally:
+        refit_ray.stop_coordinator(name="refit-token")
+    with pytest.raises(RefitError, match="no refit coordinator actor 'refit-token'"):
+        refit_ray.coordinator_address(name="refit-token")
 
 
 @pytest.mark.slow

@@ -26,8 +26,8 @@ nodes on one machine are two hosts), a *GPU* is the accelerator id Ray assigned 
 from __future__ import annotations
 
 from refit.integrations.ray.coordinator import (COORDINATOR_NAME, RayEndpoint, agent_kwargs, coordinator_address,
-                                                endpoint, host_for, start_coordinator, stop_coordinator)
+                                                cuda_index, endpoint, host_for, start_coordinator, stop_coordinator)
 from refit.integrations.ray.placement import RLPlacement, check_placement, rl_placement
 
 __all__ = ["COORDINATOR_NAME", "RayEndpoint", "RLPlacement", "agent_kwargs", "check_placement", "coordinator_address",
-           "endpoint", "host_for", "rl_placement", "start_coordinator", "stop_coordinator"]
+           "cuda_index", "endpoint", "host_for", "rl_placement", "start_coordinator", "stop_coordinator"]

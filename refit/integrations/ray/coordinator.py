@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import hashlib
 import logging
+import os
 from dataclasses import dataclass
 from typing import Any
 
@@ -141,6 +142,21 @@ class RayEndpoint:
     host: str     # what refit's agents take as ``host=`` (`host_for`)
     gpu: int      # the GPU id Ray assigned (an index among the node's GPUs), -1 without one
     gpus: tuple[int, ...]  # every GPU id Ray assigned
+    cuda_index: int  # the torch device index of ``gpu`` in this process (-1 without one)
+
+
+def cuda_index(gpu: int) -> int:
+    """The torch device index of Ray's GPU id ``gpu`` in this process: its position in
+    CUDA_VISIBLE_DEVICES where Ray set that (its default: an actor sees only its own GPUs, from
+    cuda:0), else the id itself (RAY_EXPERIMENTAL_NOSET_CUDA_VISIBLE_DEVICES=1: every GPU visible)."""
+    if gpu < 0:
+        return -1
+    visible = [v.strip() for v in os.environ.get("CUDA_VISIBLE_DEVICES", "").split(",") if v.strip()]
+    if not visible:
+        return gpu
+    if str(gpu) not in visible:
+        raise RefitError(f"GPU {gpu} is not in CUDA_VISIBLE_DEVICES={','.join(visible)}")
+    return visible.index(str(gpu))
 
 
 def endpoint(gpu: int | None = None) -> RayEndpoint:
@@ -149,14 +165,17 @@ def endpoint(gpu: int | None = None) -> RayEndpoint:
     _require_ray()
     ctx = ray.get_runtime_context()
     node_id, node_ip = ctx.get_node_id(), ray.util.get_node_ip_address()
-    gpus = tuple(int(g) for g in ctx.get_accelerator_ids().get("GPU", ()))
+    ids = ctx.get_accelerator_ids().get("GPU", [])
+    if not all(str(g).isdigit() for g in ids):
+        raise RefitError(f"Ray assigned GPUs {ids}: refit needs numeric GPU ids (not UUIDs in CUDA_VISIBLE_DEVICES)")
+    gpus = tuple(int(g) for g in ids)
     if gpu is None:
         if len(gpus) > 1:
             raise RefitError(f"this actor holds {len(gpus)} GPUs {list(gpus)}: say which one the rank uses (gpu=)")
         gpu = gpus[0] if gpus else -1
     elif gpu not in gpus:
         raise RefitError(f"gpu={gpu} is not one of the GPUs Ray assigned this actor: {list(gpus)}")
-    return RayEndpoint(node_id, node_ip, host_for(node_id, node_ip, _one_machine()), gpu, gpus)
+    return RayEndpoint(node_id, node_ip, host_for(node_id, node_ip, _one_machine()), gpu, gpus, cuda_index(gpu))
 
 
 def agent_kwargs(*, name: str = COORDINATOR_NAME, gpu: int | None = None, timeout: float = 60.0) -> dict[str, Any]:
