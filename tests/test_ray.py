@@ -8,6 +8,7 @@ a Ray actor is not here: it needs the vLLM backend (another issue)."""
 
 from __future__ import annotations
 
+import dataclasses
 import threading
 import time
 from typing import Any, Callable
@@ -248,6 +249,14 @@ def test_colocated_bit_exact(ray_job: RayJob) -> None:
         trainers, engines = job.endpoints(job.trainers), job.endpoints(job.engines)
         assert [e.node_id for e in trainers] == [e.node_id for e in engines]
         assert job.client.get_plan(job.plan_id)["placement"] == "colocated"
+        opts = pl.engine_options(1)
+        assert (opts["num_cpus"], opts["num_gpus"], opts["scheduling_strategy"].placement_group_bundle_index) == \
+            (0.25, 0, 1) and "runtime_env" not in opts
+        gpu = dataclasses.replace(pl, gpus_per_rank=1, all_gpus_visible=True).trainer_options(0)
+        assert gpu["num_gpus"] == 0.5 and gpu["runtime_env"] == \
+            {"env_vars": {"RAY_EXPERIMENTAL_NOSET_CUDA_VISIBLE_DEVICES": "1"}}
+        with pytest.raises(RefitError, match="engine rank 2 is outside 0..1"):
+            pl.engine_options(2)
         for v in (1, 2):
             job.refit_ok(v)
         ray_job.refit_ok(ray_job.version + 1)  # the other job's plan is untouched

@@ -23,6 +23,8 @@ if TYPE_CHECKING:
     from refit.control.client import Client
 
 STRATEGIES = ("PACK", "SPREAD", "STRICT_PACK", "STRICT_SPREAD")
+# Ray leaves CUDA_VISIBLE_DEVICES alone in actors started with this set.
+NOSET_CUDA_VISIBLE_DEVICES = "RAY_EXPERIMENTAL_NOSET_CUDA_VISIBLE_DEVICES"
 
 
 @dataclass
@@ -37,6 +39,7 @@ class RLPlacement:
     cpus_per_rank: float
     trainer_group: PlacementGroup
     engine_group: PlacementGroup  # the same group when colocated
+    all_gpus_visible: bool = False  # GPU ranks see every GPU of their node (see `rl_placement`)
 
     def _options(self, group: PlacementGroup, rank: int, count: int, what: str) -> dict[str, Any]:
         if not 0 <= rank < count:
@@ -45,6 +48,8 @@ class RLPlacement:
         opts: dict[str, Any] = {"num_cpus": self.cpus_per_rank, "num_gpus": self.gpus_per_rank * share,
                                 "scheduling_strategy": PlacementGroupSchedulingStrategy(
                                     group, placement_group_bundle_index=rank)}
+        if self.all_gpus_visible and self.gpus_per_rank:
+            opts["runtime_env"] = {"env_vars": {NOSET_CUDA_VISIBLE_DEVICES: "1"}}
         return opts
 
     def trainer_options(self, rank: int) -> dict[str, Any]:
@@ -80,11 +85,17 @@ def _ready(group: PlacementGroup, bundles: list[dict[str, float]], timeout: floa
 
 
 def rl_placement(num_trainers: int, num_engines: int, *, colocated: bool = True, gpus_per_rank: float = 1,
-                 cpus_per_rank: float = 1, strategy: str = "PACK", timeout: float = 120.0) -> RLPlacement:
+                 cpus_per_rank: float = 1, strategy: str = "PACK", all_gpus_visible: bool = False,
+                 timeout: float = 120.0) -> RLPlacement:
     """Build (and wait for) the placement groups for ``num_trainers`` trainer and ``num_engines``
     engine ranks, one GPU each (``gpus_per_rank=0`` on CPU-only clusters).  Colocated: bundle i holds
     trainer i and engine i (a rank beyond the other side's count has its bundle alone).
-    ``strategy``: Ray's bundle strategy within a group (PACK fills nodes first)."""
+    ``strategy``: Ray's bundle strategy within a group (PACK fills nodes first).
+
+    ``all_gpus_visible``: start GPU ranks with every GPU of their node visible (Ray's
+    RAY_EXPERIMENTAL_NOSET_CUDA_VISIBLE_DEVICES), so that torch's index of a GPU is the node's and
+    refit's data plane, which tells GPUs of one host apart by that index, sees distinct GPUs as
+    distinct; each rank must then ``torch.cuda.set_device(refit_ray.endpoint().cuda_index)``."""
     if num_trainers < 1 or num_engines < 1:
         raise RefitError(f"need at least one trainer and one engine rank, got {num_trainers} and {num_engines}")
     if gpus_per_rank < 0 or cpus_per_rank < 0 or gpus_per_rank + cpus_per_rank == 0:
@@ -97,7 +108,8 @@ def rl_placement(num_trainers: int, num_engines: int, *, colocated: bool = True,
                    for i in range(max(num_trainers, num_engines))]
         group = placement_group(bundles, strategy=strategy)
         _ready(group, bundles, timeout)
-        return RLPlacement("colocated", num_trainers, num_engines, gpus_per_rank, cpus_per_rank, group, group)
+        return RLPlacement("colocated", num_trainers, num_engines, gpus_per_rank, cpus_per_rank, group, group,
+                           all_gpus_visible)
     groups = []
     for count in (num_trainers, num_engines):
         bundles = [_bundle(gpus_per_rank, cpus_per_rank)] * count
@@ -109,7 +121,8 @@ def rl_placement(num_trainers: int, num_engines: int, *, colocated: bool = True,
                 remove_placement_group(g)
             raise
         groups.append(group)
-    return RLPlacement("disaggregated", num_trainers, num_engines, gpus_per_rank, cpus_per_rank, *groups)
+    return RLPlacement("disaggregated", num_trainers, num_engines, gpus_per_rank, cpus_per_rank, *groups,
+                       all_gpus_visible)
 
 
 def check_placement(client: "Client", trainer_group: str, engine_group: str, placement: str) -> None:
