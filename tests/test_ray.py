@@ -68,6 +68,40 @@ def test_bad_placement_requests_are_refused() -> None:
         refit_ray.rl_placement(2, 2, strategy="TIGHT")
 
 
+def test_check_placement_against_registered_workers() -> None:
+    """Against a real coordinator with (data-plane-less) agents registered where we say they are."""
+    from refit.control.agent import EngineAgent, TrainerAgent
+    from refit.control.dataplane import NoopDataPlane
+    from refit.control.server import ThreadedServer
+    from tests.tiny import tiny_spec
+
+    srv = ThreadedServer()
+    agents = []
+
+    def register(cls: type, group: str, rank: int, layout: str, host: str, gpu: int) -> None:
+        agents.append(cls(srv.address, group=group, rank=rank, spec=tiny_spec("tiny-qwen3-moe"), layout=layout,
+                          data_plane=NoopDataPlane(), host=host, gpu=gpu).start())
+
+    try:
+        for r in range(2):
+            register(TrainerAgent, "t", r, "megatron:tp2", "10.0.0.1", r)
+            register(EngineAgent, "e", r, "vllm:tp2", "10.0.0.1", r)  # colocated: same host and GPU
+            register(EngineAgent, "d", r, "vllm:tp2", "10.0.0.2", r)  # another host
+        with Client(srv.address) as c:
+            refit_ray.check_placement(c, "t", "e", "colocated")
+            refit_ray.check_placement(c, "t", "d", "disaggregated")
+            with pytest.raises(RefitError, match="t/0 and e/0 share GPU 0 on host 10.0.0.1"):
+                refit_ray.check_placement(c, "t", "e", "disaggregated")
+            with pytest.raises(RefitError, match="t/0 is on host 10.0.0.1 GPU 0 and d/0 on host 10.0.0.2 GPU 0"):
+                refit_ray.check_placement(c, "t", "d", "colocated")
+            with pytest.raises(RefitError, match="unknown placement 'sideways'"):
+                refit_ray.check_placement(c, "t", "d", "sideways")
+    finally:
+        for a in agents:
+            a.stop()
+        srv.stop()
+
+
 def test_needs_ray_init() -> None:
     if ray.is_initialized():
         pytest.skip("Ray already initialized in this process")
@@ -154,10 +188,11 @@ def test_coordinator_is_one_named_actor(ray_job: RayJob) -> None:
     assert ray.get(ray_job.engines[0].coordinator_address.remote(), timeout=60) == ray_job.address
     with pytest.raises(RefitError, match="already runs at .* with no token"):
         refit_ray.start_coordinator(token="s3cret")
-    head = ray_job.cluster.head_node.node_ip_address
-    assert ray_job.address.rsplit(":", 1)[0] == head
-    # A second coordinator, with a token: agents inside actors get it along with the address.
-    address = refit_ray.start_coordinator(token="s3cret", name="refit-token")
+    head = ray_job.cluster.head_node
+    assert ray_job.address.rsplit(":", 1)[0] == head.node_ip_address
+    assert ray.get(ray.get_actor(refit_ray.COORDINATOR_NAME).node_id.remote(), timeout=60) == head.node_id
+    # A second coordinator, detached, with a token: agents inside actors get it with the address.
+    address = refit_ray.start_coordinator(token="s3cret", name="refit-token", detached=True)
     try:
         kwargs = ray.get(ray.remote(num_cpus=0)(lambda: refit_ray.agent_kwargs(name="refit-token")).remote(),
                          timeout=120)
@@ -257,6 +292,8 @@ def test_colocated_bit_exact(ray_job: RayJob) -> None:
             {"env_vars": {"RAY_EXPERIMENTAL_NOSET_CUDA_VISIBLE_DEVICES": "1"}}
         with pytest.raises(RefitError, match="engine rank 2 is outside 0..1"):
             pl.engine_options(2)
+        with pytest.raises(RefitError, match=r"1 bundles \{'GPU': 1, 'CPU': 1\} was not placed within 2 s"):
+            refit_ray.rl_placement(1, 1, colocated=False, timeout=2)  # a CPU-only cluster
         for v in (1, 2):
             job.refit_ok(v)
         ray_job.refit_ok(ray_job.version + 1)  # the other job's plan is untouched

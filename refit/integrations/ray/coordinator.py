@@ -44,6 +44,9 @@ class _Coordinator:
     def token(self) -> str | None:
         return self._token
 
+    def node_id(self) -> str:
+        return ray.get_runtime_context().get_node_id()
+
     def stop(self) -> None:
         self._server.stop()
 
@@ -88,7 +91,8 @@ def _actor(name: str) -> Any:
     try:
         return ray.get_actor(name)
     except ValueError:
-        raise RefitError(f"no refit coordinator actor {name!r} in Ray namespace {ray.get_runtime_context().namespace!r}: "
+        namespace = ray.get_runtime_context().namespace
+        raise RefitError(f"no refit coordinator actor {name!r} in Ray namespace {namespace!r}: "
                          f"call refit.integrations.ray.start_coordinator() in the driver first") from None
 
 

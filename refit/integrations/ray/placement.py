@@ -80,8 +80,8 @@ def _ready(group: PlacementGroup, bundles: list[dict[str, float]], timeout: floa
         ray.get(group.ready(), timeout=timeout)
     except ray.exceptions.GetTimeoutError:
         remove_placement_group(group)
-        raise RefitError(f"a placement group of {len(bundles)} bundles {bundles[0]} was not placed within {timeout:g} s; "
-                         f"the cluster has {ray.available_resources()} available") from None
+        raise RefitError(f"a placement group of {len(bundles)} bundles {bundles[0]} was not placed within "
+                         f"{timeout:g} s; the cluster has {ray.available_resources()} available") from None
 
 
 def rl_placement(num_trainers: int, num_engines: int, *, colocated: bool = True, gpus_per_rank: float = 1,
@@ -99,7 +99,8 @@ def rl_placement(num_trainers: int, num_engines: int, *, colocated: bool = True,
     if num_trainers < 1 or num_engines < 1:
         raise RefitError(f"need at least one trainer and one engine rank, got {num_trainers} and {num_engines}")
     if gpus_per_rank < 0 or cpus_per_rank < 0 or gpus_per_rank + cpus_per_rank == 0:
-        raise RefitError(f"a rank needs some resources, got gpus_per_rank={gpus_per_rank} cpus_per_rank={cpus_per_rank}")
+        raise RefitError(f"a rank needs some resources, got gpus_per_rank={gpus_per_rank} "
+                         f"cpus_per_rank={cpus_per_rank}")
     if strategy not in STRATEGIES:
         raise RefitError(f"unknown placement group strategy {strategy!r}: one of {', '.join(STRATEGIES)}")
     if colocated:
