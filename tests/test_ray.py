@@ -96,6 +96,14 @@ def test_check_placement_against_registered_workers() -> None:
                 refit_ray.check_placement(c, "t", "d", "colocated")
             with pytest.raises(RefitError, match="unknown placement 'sideways'"):
                 refit_ray.check_placement(c, "t", "d", "sideways")
+            # Traffic by host: the broadcast planner's stage 0 stays among the trainers' host.
+            plan = c.create_plan("t", "d", placement="disaggregated", planner="broadcast")
+            buckets = c.get_plan(plan["plan_id"], include_plan=True)["plan"].buckets
+            stage0, stage1 = (sum(b.nbytes for b in buckets if b.stage == s) for s in (0, 1))
+            assert stage0 > 0 and refit_ray.plan_traffic(c, plan["plan_id"]) == \
+                refit_ray.Traffic({"10.0.0.1": stage0}, stage1)
+            plan = c.create_plan("t", "e", placement="colocated")
+            assert refit_ray.plan_traffic(c, plan["plan_id"]) == refit_ray.Traffic({"10.0.0.1": plan["total_bytes"]}, 0)
     finally:
         for a in agents:
             a.stop()
@@ -221,6 +229,7 @@ def test_disaggregated_across_nodes_bit_exact(ray_job: RayJob) -> None:
     # These groups are not colocated: the placement check says where they are.
     with pytest.raises(RefitError, match=f"colocated placement, but trainer/0 is on host {trainers[0].host}"):
         refit_ray.check_placement(ray_job.client, "trainer", "engine", "colocated")
+    assert refit_ray.plan_traffic(ray_job.client, ray_job.plan_id) == refit_ray.Traffic({}, BYTES_PER_REFIT)
     for v in (1, 2, 3):
         ray_job.refit_ok(v)
 
@@ -284,6 +293,8 @@ def test_colocated_bit_exact(ray_job: RayJob) -> None:
         trainers, engines = job.endpoints(job.trainers), job.endpoints(job.engines)
         assert [e.node_id for e in trainers] == [e.node_id for e in engines]
         assert job.client.get_plan(job.plan_id)["placement"] == "colocated"
+        assert refit_ray.plan_traffic(job.client, job.plan_id) == \
+            refit_ray.Traffic({trainers[0].host: BYTES_PER_REFIT}, 0)
         opts = pl.engine_options(1)
         assert (opts["num_cpus"], opts["num_gpus"], opts["scheduling_strategy"].placement_group_bundle_index) == \
             (0.25, 0, 1) and "runtime_env" not in opts

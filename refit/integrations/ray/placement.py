@@ -151,3 +151,36 @@ def check_placement(client: "Client", trainer_group: str, engine_group: str, pla
         if w in engine_gpus:
             raise RefitError(f"disaggregated placement, but {trainer_group}/{r} and {engine_group}/{engine_gpus[w]} "
                              f"share GPU {w[1]} on host {w[0]}")
+
+
+@dataclass(frozen=True)
+class Traffic:
+    """The bytes a plan moves per refit, by where its ends sit."""
+
+    within: dict[str, int]  # host -> bytes whose sender and receiver are both on that host
+    across: int             # bytes between two hosts
+
+    @property
+    def total(self) -> int:
+        return sum(self.within.values()) + self.across
+
+
+def plan_traffic(client: "Client", plan_id: str) -> Traffic:
+    """Where a plan's bytes go, by the hosts its workers registered (a Ray node each, see
+    `refit.integrations.ray.endpoint`): per host, and across hosts.  Every bucket counts, the
+    broadcast planner's stage 0 (trainer to trainer) too."""
+    summary = client.get_plan(plan_id, include_plan=True)
+    hosts: dict[str, dict[int, str]] = {}
+    for side in ("src_group", "dst_group"):
+        group = summary[side]
+        hosts[side] = {row["info"]["rank"]: row["info"]["host"] for row in client.list_workers(group=group)}
+    within: dict[str, int] = {}
+    across = 0
+    for b in summary["plan"].buckets:
+        sender = hosts["src_group"][b.src]
+        receiver = hosts["src_group" if b.stage == 0 else "dst_group"][b.dst]
+        if sender == receiver:
+            within[sender] = within.get(sender, 0) + b.nbytes
+        else:
+            across += b.nbytes
+    return Traffic(within, across)
