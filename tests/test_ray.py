@@ -68,6 +68,8 @@ def test_bad_placement_requests_are_refused() -> None:
         refit_ray.rl_placement(0, 2)
     with pytest.raises(RefitError, match="gpus_per_rank=0 cpus_per_rank=0"):
         refit_ray.rl_placement(2, 2, gpus_per_rank=0, cpus_per_rank=0)
+    with pytest.raises(RefitError, match="gpus_per_rank must be at most 1, got 2"):
+        refit_ray.rl_placement(2, 2, colocated=True, gpus_per_rank=2)
     with pytest.raises(RefitError, match="unknown placement group strategy 'TIGHT'"):
         refit_ray.rl_placement(2, 2, strategy="TIGHT")
 

@@ -62,7 +62,8 @@ def _require_ray() -> None:
 def start_coordinator(token: str | None = None, *, name: str = COORDINATOR_NAME, detached: bool = False,
                       default_timeout: float = 60.0, timeout: float = 120.0) -> str:
     """Start `refit serve` as the named actor ``name`` on the head node, or find the running one;
-    its "host:port".  ``detached``: outlive the driver (default: ends with this Ray job).
+    its "host:port".  ``detached``: outlive the caller (default: the actor ends with the process
+    that started it, normally the job's driver; call this there).
     ``token``: require it on every call; agents get it from `agent_kwargs` (Ray itself is the
     trust boundary: whoever can call actors of this job can read it).  ``timeout``: seconds to
     wait for the actor to come up."""

@@ -101,6 +101,9 @@ def rl_placement(num_trainers: int, num_engines: int, *, colocated: bool = True,
     if gpus_per_rank < 0 or cpus_per_rank < 0 or gpus_per_rank + cpus_per_rank == 0:
         raise RefitError(f"a rank needs some resources, got gpus_per_rank={gpus_per_rank} "
                          f"cpus_per_rank={cpus_per_rank}")
+    if colocated and gpus_per_rank > 1:
+        raise RefitError(f"colocated ranks share one GPU per bundle: gpus_per_rank must be at most 1, "
+                         f"got {gpus_per_rank}")
     if strategy not in STRATEGIES:
         raise RefitError(f"unknown placement group strategy {strategy!r}: one of {', '.join(STRATEGIES)}")
     if colocated:
