@@ -2,6 +2,8 @@
 
 * `refit.integrations.vllm` — the vLLM weight-transfer backend named ``refit`` (registered through
   the ``vllm.general_plugins`` entry point);
+* `refit.integrations.ray` — the coordinator as a named Ray actor, agents' host and GPU from Ray,
+  placement groups for colocated and disaggregated RL jobs;
 * trainers: attach a live model to the refit control plane in one call::
 
     from refit.integrations import hf as refit_hf, fsdp as refit_fsdp, megatron as refit_megatron
