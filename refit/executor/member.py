@@ -146,7 +146,7 @@ class Member:
         if member in topology.drivers and len(topology.drivers) > 1:
             self.comm = make_comm("cuda" if self.cuda else "cpu", dist.PrefixStore("data", self.store),
                                   topology.comm_rank(member), len(topology.drivers), self.device, remaining(),
-                                  [self.names[m] for m in topology.drivers])
+                                  [self.names[m] for m in topology.drivers], host)
         self.program: Program | None = None
         self.bound: Bound | None = None
         self.gathers: list[Shards] = []

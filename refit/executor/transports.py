@@ -125,8 +125,9 @@ def gloo_group(store: dist.Store, rank: int, size: int, timeout_s: float,
 class GlooComm:
     """CPU transport: async gloo send/recv on a process group of our own."""
 
-    def __init__(self, store: dist.Store, rank: int, size: int, timeout_s: float, names: list[str]) -> None:
-        self.pg = gloo_group(store, rank, size, timeout_s)
+    def __init__(self, store: dist.Store, rank: int, size: int, timeout_s: float, names: list[str],
+                 host: str = "127.0.0.1") -> None:
+        self.pg = gloo_group(store, rank, size, timeout_s, host)
         self.names = names
 
     def _op(self, fn: Callable[[], Any], verb: str, peer: int, tag: int) -> Any:
@@ -263,9 +264,11 @@ class TorchNcclComm(_NcclBase):
 
 
 def make_comm(kind: str, store: dist.Store, rank: int, size: int, device: Any, timeout_s: float,
-              names: list[str]) -> Comm:
+              names: list[str], host: str = "127.0.0.1") -> Comm:
+    """The data communicator among the device drivers; ``host``: the address this member's gloo
+    sockets bind to (its own host's, so that CPU data can cross machines)."""
     if kind == "cpu":
-        return GlooComm(store, rank, size, timeout_s, names)
+        return GlooComm(store, rank, size, timeout_s, names, host)
     if os.environ.get("REFIT_NCCL", "cupy") == "torch":
         return TorchNcclComm(store, rank, size, device, names, timeout_s)
     return CupyNcclComm(store, rank, size, device, names)
