@@ -77,7 +77,7 @@ def fill_from(spec: Any, layout: Any, rank: int, canon: dict[str, torch.Tensor],
 def _trainer_main(conn: Any, entered: Any, address: str, group: str, rank: int, layout: str, model_dir: str) -> None:
     from refit.control.agent import TrainerAgent
     from refit.layouts import resolve_layout
-    from refit.spec import load_spec
+    from refit.hf_checkpoint import load_spec
 
     spec = load_spec(model_dir)
     lay = resolve_layout(layout, spec, "src")
@@ -109,7 +109,7 @@ class Trainers:
 
     def __init__(self, address: str, layout: str, model_dir: str, group: str = "trainer") -> None:
         from refit.layouts import resolve_layout
-        from refit.spec import load_spec
+        from refit.hf_checkpoint import load_spec
 
         self.address, self.layout, self.model_dir, self.group = address, layout, model_dir, group
         n = resolve_layout(layout, load_spec(model_dir), "src").world_size
