@@ -12,7 +12,7 @@ import sys
 import pytest
 
 ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
-CHECK = os.path.join(ROOT, "tests", "grpc_compat_check.py")
+CHECK = os.path.join(ROOT, "tests", "harness", "grpc_compat_check.py")
 
 
 def run_check(python: str, extra_path: str = "") -> str:
