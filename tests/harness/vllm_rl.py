@@ -229,10 +229,14 @@ def _shutdown(llm: Any) -> None:
 def _references_main(conn: Any, model_dirs: list[str], tp: int, ep: bool) -> None:
     _setup_process(tp)
     out = []
-    for d in model_dirs:
-        llm = make_llm(d, tp, ep, False)
-        out.append(generate(llm))
-        _shutdown(llm)
+    try:
+        for d in model_dirs:
+            llm = make_llm(d, tp, ep, False)
+            out.append(generate(llm))
+            _shutdown(llm)
+    except Exception as e:  # noqa: BLE001 - the test reads it (rather than waiting out its timeout)
+        conn.send(("error", f"{type(e).__name__}: {e}\n{traceback.format_exc()[-2000:]}"))
+        return
     conn.send(("ok", out))
 
 
@@ -279,7 +283,10 @@ def fresh_outputs(model_dirs: list[str], tp: int = 1, ep: bool = False) -> list[
     proc = CTX.Process(target=_references_main, args=(child, model_dirs, tp, ep))
     proc.start()
     try:
-        assert conn.poll(900), "reference engines did not answer"
+        deadline = time.monotonic() + 900
+        while not conn.poll(5):  # a process that died sends nothing: say so at once
+            assert proc.is_alive(), f"the reference engines' process died (exit code {proc.exitcode})"
+            assert time.monotonic() < deadline, "reference engines did not answer"
         status, value = conn.recv()
         assert status == "ok", value
         return value
