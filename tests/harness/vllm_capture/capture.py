@@ -47,7 +47,7 @@ import time
 
 ENV_OUT_DIR = "REFIT_VLLM_CAPTURE_DIR"
 WORKER_EXTENSION = "tests.harness.vllm_capture.capture.CaptureWorkerExtension"
-_REPO_ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+_REPO_ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__)))))  # tests/harness/vllm_capture/ -> repo
 
 
 # --------------------------------------------------------------------------
