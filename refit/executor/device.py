@@ -81,7 +81,7 @@ class CudaDevice:
         self.comm_stream = torch.cuda.Stream(self.torch)
         self.pull_streams: dict[int, tuple[torch.cuda.Stream, torch.cuda.Stream]] = {}  # peer -> (here, there)
         # How pulls from several peers share this device's inbound link.  "rounds" (default): one
-        # stream for all of them, issued in round order (`refit.executor.program.bind` sorts them
+        # stream for all of them, issued in round order (`refit.executor.bound.bind` sorts them
         # by ring distance), so at any time each GPU reads one peer and is read by one.  "all":
         # a stream per peer, all at once.  Measured on 4x H200 (a2a_probe): pulling from all
         # peers at once halves the per-GPU inbound bandwidth (197 vs 383 GB/s in rounds).
