@@ -34,7 +34,7 @@ from typing import NamedTuple
 
 import torch
 
-from refit.executor import table_copy
+from refit.executor import batch_memcpy, table_copy
 
 Pair = tuple[torch.Tensor, torch.Tensor]  # (destination view, source view)
 
@@ -171,6 +171,24 @@ def dma_enabled() -> bool:
     return os.environ.get("REFIT_COPY", "dma") != "torch"
 
 
+BULK_MIN_BYTES = 256 << 10  # 1-D pulls from this size on go to the copy engines in one batch call
+
+
+def _split_bulk(memcpys: list[Memcpy], src_device: int, dst_device: int) -> tuple[list[Memcpy], "batch_memcpy.BatchMemcpy | None"]:
+    """Of a peer pull too fragmented for one call per copy (`table_copy.enabled`), the plain 1-D
+    copies of at least `BULK_MIN_BYTES` become one ``cudaMemcpyBatchAsync`` (copy engines); the
+    rest (pitched rows, small pieces) stays for the table kernel, which runs beside it."""
+    if not table_copy.enabled(memcpys) or not batch_memcpy.available():
+        return memcpys, None
+    flat = [m for m in memcpys if (m.height == 1 or m.dpitch == m.spitch == m.width)
+            and m.width * m.height >= BULK_MIN_BYTES]
+    if not flat:
+        return memcpys, None
+    chosen = set(map(id, flat))
+    bulk = batch_memcpy.BatchMemcpy([(m.dst, m.src, m.width * m.height) for m in flat], src_device, dst_device)
+    return [m for m in memcpys if id(m) not in chosen], bulk
+
+
 class CopyBatch:
     """A fixed set of copies between fixed views; `run` issues them on the current stream.
 
@@ -189,11 +207,14 @@ class CopyBatch:
         self.copies = len(pairs)
         self.nbytes = sum(d.numel() * d.element_size() for d, _ in pairs)
         self.memcpys: list[Memcpy] = []
+        self.bulk: "batch_memcpy.BatchMemcpy | None" = None
         if dma and pairs and pairs[0][0].is_cuda:
             def wanted(p: Pair) -> bool:  # every pull; local copies only when big
                 return peer is not None or p[0].numel() * p[0].element_size() >= DMA_MIN_BYTES
             self.memcpys, rest = _memcpy_pairs([p for p in pairs if wanted(p)])
             pairs = rest + [p for p in pairs if not wanted(p)]
+            if peer is not None and self.device_index is not None:
+                self.memcpys, self.bulk = _split_bulk(self.memcpys, peer.index, self.device_index)
         dense = [p for p in pairs if p[0].is_contiguous() and p[1].is_contiguous()]
         strided = [p for p in pairs if not (p[0].is_contiguous() and p[1].is_contiguous())]
         self._lists = [([d for d, _ in ps], [s for _, s in ps]) for ps in (dense, strided) if ps]
@@ -223,6 +244,11 @@ class CopyBatch:
             self._use_table = bool(self.memcpys) and table_copy.enabled(self.memcpys)
         return self._use_table
 
+    def run_bulk(self, stream: int) -> None:
+        """Issue the batched 1-D copies (`_split_bulk`) on ``stream`` of our own device."""
+        if self.bulk is not None:
+            self.bulk.launch(stream)
+
     def run_memcpys(self, stream: int, device_index: int | None = None) -> None:
         """Issue the copy-engine part on the CUDA stream handle ``stream`` (of device
         ``device_index``, default the destination's; a table kernel runs on that device)."""
@@ -251,6 +277,6 @@ class CopyBatch:
             torch._foreach_copy_(dsts, srcs)
 
     def __repr__(self) -> str:
-        how = f"{len(self.memcpys)} memcpys" + (f" as one table kernel of {self._table.n} pieces on cuda:{self._table.index}" if self._table else "")
+        how = (f"{self.bulk.n} batched memcpys + " if self.bulk else "") + f"{len(self.memcpys)} memcpys" + (f" as one table kernel of {self._table.n} pieces on cuda:{self._table.index}" if self._table else "")
         return (f"CopyBatch({self.blocks} blocks -> {self.copies} copies, {how}, "
                 f"{self.nbytes} bytes)")

@@ -80,6 +80,7 @@ class CudaDevice:
         self.copy_stream = torch.cuda.Stream(self.torch)
         self.comm_stream = torch.cuda.Stream(self.torch)
         self.pull_streams: dict[int, tuple[torch.cuda.Stream, torch.cuda.Stream]] = {}  # peer -> (here, there)
+        self._bulk_streams: dict[int, torch.cuda.Stream] = {}  # id(pull stream) -> its batched-memcpy twin
         # How pulls from several peers share this device's inbound link.  "rounds" (default): one
         # stream for all of them, issued in round order (`refit.executor.bound.bind` sorts them
         # by ring distance), so at any time each GPU reads one peer and is read by one.  "all":
@@ -145,12 +146,19 @@ class CudaDevice:
         # (`ipc_alias`); else it runs on the peer, which reads its own memory and writes ours: SM
         # loads through torch's mapping fault here (measured on 4x H200: cudaErrorIllegalAddress;
         # that mapping lives in the peer device's context).
+        bulk = None
+        if batch.bulk is not None:  # the batched 1-D copies run on the copy engines beside the table kernel
+            bulk = self._bulk_streams.setdefault(id(here), torch.cuda.Stream(self.torch))
+            bulk.wait_event(_record(here))
         if self.pull_on == "src" or (batch.table and not batch.table_pulls_here()):  # the peer pushes
             there.wait_event(_record(here))
             batch.run_memcpys(there.cuda_stream, batch.peer.index)
             here.wait_event(_record(there))
         else:
             batch.run_memcpys(here.cuda_stream)  # pulled by our device's copy engines, in our context
+        if bulk is not None:
+            batch.run_bulk(bulk.cuda_stream)
+            here.wait_event(_record(bulk))  # after the table launch above: both run, `here` ends after both
         if batch.torch_pairs:
             try:
                 with torch.cuda.stream(here), torch.cuda.stream(there):

@@ -1,0 +1,72 @@
+"""`refit.executor.batch_memcpy` and the bulk split of peer pulls (`copies._split_bulk`).
+
+No GPU here: the CUDA call is replaced by a stand-in that performs each copy with ``memmove``
+on host memory, so the arrays handed to the driver (addresses, sizes, count, attributes) are
+checked by moving real bytes.  The real call runs on GPUs in `bench/check_batch_memcpy.py`."""
+
+from __future__ import annotations
+
+import ctypes
+
+import torch
+
+from refit.executor import batch_memcpy, copies
+from refit.executor.copies import Memcpy
+
+
+def _fake_driver(calls: list[dict]):
+    def fn(dsts, srcs, sizes, n, attrs, idx, num_attrs, stream):
+        a = attrs._obj
+        calls.append({"n": n, "stream": stream.value, "order": a.srcAccessOrder, "src": a.srcLocHint.id,
+                      "dst": a.dstLocHint.id, "num_attrs": num_attrs, "first": idx[0]})
+        for i in range(n):
+            ctypes.memmove(dsts[i], srcs[i], sizes[i])
+        return 0
+    return fn
+
+
+def test_batch_moves_every_byte(monkeypatch) -> None:
+    calls: list[dict] = []
+    monkeypatch.setattr(batch_memcpy, "_FN", _fake_driver(calls))
+    src = torch.randint(0, 256, (1 << 16,), dtype=torch.uint8)
+    dst = torch.zeros_like(src)
+    pieces = [(0, 4096, 1000), (5000, 20000, 3000), (30000, 0, 4096)]  # (dst offset, src offset, bytes)
+    b = batch_memcpy.BatchMemcpy([(dst.data_ptr() + d, src.data_ptr() + s, n) for d, s, n in pieces], 1, 0)
+    b.launch(1234)
+    for d, s, n in pieces:
+        assert torch.equal(dst[d:d + n], src[s:s + n])
+    assert calls == [{"n": 3, "stream": 1234, "order": 1, "src": 1, "dst": 0, "num_attrs": 1, "first": 0}]
+    assert b.nbytes == 8096
+
+
+def test_error_is_raised(monkeypatch) -> None:
+    monkeypatch.setattr(batch_memcpy, "_FN", lambda *a: 1)
+    b = batch_memcpy.BatchMemcpy([(16, 32, 8)], 0, 1)
+    try:
+        b.launch(0)
+    except RuntimeError as e:
+        assert "cudaMemcpyBatchAsync of 1 copies (8 bytes) failed: CUDA error 1" in str(e)
+    else:
+        raise AssertionError("no error")
+
+
+def test_not_available_without_cuda_13(monkeypatch) -> None:
+    if not torch.cuda.is_available():
+        assert not batch_memcpy.available()
+    monkeypatch.setenv("REFIT_BATCH_MEMCPY", "off")
+    assert not batch_memcpy.available()
+
+
+def test_split_bulk_takes_big_flat_copies(monkeypatch) -> None:
+    monkeypatch.setattr(batch_memcpy, "_FN", _fake_driver([]))
+    monkeypatch.setattr(batch_memcpy, "available", lambda: True)
+    big = [Memcpy(1 << 30 | i << 20, 0, 2 << 30 | i << 20, 0, 512 << 10, 1) for i in range(70)]
+    pitched = [Memcpy(3 << 30 | i << 20, 1536, 4 << 30 | i << 20, 768, 768, 2048) for i in range(70)]
+    flat_2d = [Memcpy(5 << 30, 768, 6 << 30, 768, 768, 1024)]  # equal pitches: one run of bytes
+    small = [Memcpy(7 << 30, 0, 8 << 30, 0, 4096, 1)]
+    rest, bulk = copies._split_bulk(big + pitched + flat_2d + small, 1, 0)
+    assert bulk is not None and bulk.n == 71 and bulk.nbytes == 70 * (512 << 10) + 768 * 1024
+    assert rest == pitched + small
+    # Few, big copies (merged arena blocks) stay one call each: no table, no batch.
+    few, none = copies._split_bulk(big[:3], 1, 0)
+    assert few == big[:3] and none is None
