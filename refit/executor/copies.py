@@ -180,13 +180,20 @@ def _split_bulk(memcpys: list[Memcpy], src_device: int, dst_device: int) -> tupl
     rest (pitched rows, small pieces) stays for the table kernel, which runs beside it."""
     if not table_copy.enabled(memcpys) or not batch_memcpy.available():
         return memcpys, None
-    flat = [m for m in memcpys if (m.height == 1 or m.dpitch == m.spitch == m.width)
-            and m.width * m.height >= BULK_MIN_BYTES]
+    rest: list[Memcpy] = []
+    flat: list[tuple[int, int, int]] = []  # (dst, src, bytes)
+    for m in memcpys:
+        if m.height == 1 or m.dpitch == m.spitch == m.width:  # one run of bytes
+            if m.width * m.height >= BULK_MIN_BYTES:
+                flat.append((m.dst, m.src, m.width * m.height))
+                continue
+        elif m.width >= BULK_MIN_BYTES:  # big rows (an expert's block per row): a copy per row
+            flat.extend((m.dst + r * m.dpitch, m.src + r * m.spitch, m.width) for r in range(m.height))
+            continue
+        rest.append(m)
     if not flat:
         return memcpys, None
-    chosen = set(map(id, flat))
-    bulk = batch_memcpy.BatchMemcpy([(m.dst, m.src, m.width * m.height) for m in flat], src_device, dst_device)
-    return [m for m in memcpys if id(m) not in chosen], bulk
+    return rest, batch_memcpy.BatchMemcpy(flat, src_device, dst_device)
 
 
 class CopyBatch:

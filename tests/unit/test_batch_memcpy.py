@@ -64,8 +64,12 @@ def test_split_bulk_takes_big_flat_copies(monkeypatch) -> None:
     pitched = [Memcpy(3 << 30 | i << 20, 1536, 4 << 30 | i << 20, 768, 768, 2048) for i in range(70)]
     flat_2d = [Memcpy(5 << 30, 768, 6 << 30, 768, 768, 1024)]  # equal pitches: one run of bytes
     small = [Memcpy(7 << 30, 0, 8 << 30, 0, 4096, 1)]
-    rest, bulk = copies._split_bulk(big + pitched + flat_2d + small, 1, 0)
-    assert bulk is not None and bulk.n == 71 and bulk.nbytes == 70 * (512 << 10) + 768 * 1024
+    big_rows = [Memcpy(9 << 30, 3 << 20, 10 << 30, 1 << 20, 1 << 20, 3)]  # 3 experts' blocks: 3 copies
+    rest, bulk = copies._split_bulk(big + pitched + flat_2d + small + big_rows, 1, 0)
+    assert bulk is not None and bulk.n == 74
+    assert bulk.nbytes == 70 * (512 << 10) + 768 * 1024 + 3 * (1 << 20)
+    assert [bulk._dsts[i] for i in (71, 72, 73)] == [(9 << 30) + r * (3 << 20) for r in range(3)]
+    assert [bulk._srcs[i] for i in (71, 72, 73)] == [(10 << 30) + r * (1 << 20) for r in range(3)]
     assert rest == pitched + small
     # Few, big copies (merged arena blocks) stay one call each: no table, no batch.
     few, none = copies._split_bulk(big[:3], 1, 0)
