@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import argparse
 import logging
+import math
 import statistics
 import sys
 from typing import Any
@@ -13,7 +14,6 @@ from typing import Any
 from refit.bench.launch import run_job
 from refit.bench.worker import Job, Phase, Refit
 from refit.executor.topology import Topology
-from refit.dtypes import DTYPE_BYTES
 from refit.spec import ModelSpec
 from refit.units import MiB, fmt_bytes
 
@@ -78,7 +78,9 @@ def report(spec: ModelSpec, plans: list[Any], timed: list[list[bool]], results: 
     best = max(a2a["gbps"].values()) if a2a else None
     floor_gbps = best or link_gbps
     first = plans[0]
-    itemsize = DTYPE_BYTES[spec.config.dtype]
+    # every element every destination rank holds (padding aside; models mix dtypes, so count elements)
+    dst_elements = sum(math.prod(p.size) for r in range(len(first.plan.placement.dst_gpus))
+                       for lt in first.dst.local_tensors(spec, r) for p in lt.pieces)
     out: dict[str, Any] = {
         "model": spec.name, "src": first.src.describe(), "dst": first.dst.describe(),
         "placement": first.plan.placement.kind, "device": device, "gpus_used": first.plan.placement.num_gpus,
@@ -117,7 +119,7 @@ def report(spec: ModelSpec, plans: list[Any], timed: list[list[bool]], results: 
             "memcpys": sum(p.memcpys for p in phase),
             # every destination rank checked, every element of every piece, nothing wrong
             "verified": (all(v.ok for v in verdicts) and len(dst_eps) == len(first.plan.placement.dst_gpus)
-                         and sum(v.checked for v in verdicts) * itemsize == s["total_bytes"]),
+                         and sum(v.checked for v in verdicts) == dst_elements),
             "checked_elements": sum(v.checked for v in verdicts),
             "mismatches": sum(v.mismatches for v in verdicts), "stray": sum(v.stray for v in verdicts),
             "first_mismatch": next((v.first for v in verdicts if v.first), None),

@@ -262,6 +262,17 @@ def test_bench_cpu_json(capsys: pytest.CaptureFixture[str]) -> None:
     assert out["transport"] == "gloo" and p2p["staging_bytes"] > 0  # auto on CPU: gloo
 
 
+def test_bench_verifies_mixed_dtype_models(capsys: pytest.CaptureFixture[str]) -> None:
+    """Moonlight keeps its router bias in float32: the bench counts elements, not bytes over one
+    item size (which reported "verified: NO" with no mismatch on 2x H200)."""
+    from refit.bench import main
+
+    code = main(["--model", "moonlight-16b", "--src", "megatron:tp2ep2", "--dst", "vllm:tp2", "--iters", "1",
+                 "--warmup", "0", "--json", "--cpu"])
+    out = json.loads(capsys.readouterr().out)
+    assert code == 0 and out["verified"] is True and out["runs"][0]["mismatches"] == 0
+
+
 def test_bench_cpu_ipc_json(capsys: pytest.CaptureFixture[str]) -> None:
     from refit.bench import main
 
