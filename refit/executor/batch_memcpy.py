@@ -1,11 +1,13 @@
-"""Many plain copies in one driver call: ``cudaMemcpyBatchAsync`` (CUDA 12.8+; the CUDA 13 form).
+"""Many copies in one driver call: ``cudaMemcpyBatchAsync`` (1-D) and ``cudaMemcpy3DBatchAsync``
+(pitched 2-D), CUDA 13 forms.
 
 Frameworks allocate a tensor per parameter (vLLM) or per expert (Megatron's SequentialMLP, TE's
 grouped linear), so a pull from a peer GPU is thousands of separate contiguous blocks.  One
 ``cudaMemcpyAsync`` each costs more host time than the wire takes (`refit.executor.table_copy`
 says how much); an SM kernel over a table issues them all at once but its loads from a single
-peer reach ~300 GB/s where copy engines reach ~375 (measured on 2x H200).  The batch API hands
-the driver all 1-D copies of a batch in one call and lets it run them on the copy engines.
+peer reach ~300 GB/s where copy engines reach ~375 (measured on 2x H200).  The batch APIs hand
+the driver all copies of a batch in one call each (plain runs of bytes, and pitched blocks such as
+an expert's column slice) and let it run them on the copy engines.
 
 The arrays (destinations, sources, sizes, one attribute record) are built once per plan, so a
 refit pays one call per batch.  Bound with ctypes against the CUDA runtime torch already loaded:
@@ -36,31 +38,73 @@ class _MemcpyAttributes(ctypes.Structure):
                 ("flags", ctypes.c_uint)]
 
 
+class _PtrOperand(ctypes.Structure):  # cudaMemcpy3DOperand with type cudaMemcpyOperandTypePointer
+    _fields_ = [("type", ctypes.c_int), ("ptr", ctypes.c_void_p), ("rowLength", ctypes.c_size_t),
+                ("layerHeight", ctypes.c_size_t), ("locHint", _MemLocation)]
+
+
+class _Extent(ctypes.Structure):
+    _fields_ = [("width", ctypes.c_size_t), ("height", ctypes.c_size_t), ("depth", ctypes.c_size_t)]
+
+
+class _BatchOp3D(ctypes.Structure):
+    _fields_ = [("src", _PtrOperand), ("dst", _PtrOperand), ("extent", _Extent), ("srcAccessOrder", ctypes.c_int),
+                ("flags", ctypes.c_uint)]
+
+
+_OPERAND_POINTER = 1  # cudaMemcpyOperandTypePointer
 _FN: "ctypes._CFuncPtr | None | bool" = None  # None: not looked up yet; False: not there
+_FN3D: "ctypes._CFuncPtr | None | bool" = None
+
+
+def _runtime() -> "ctypes.CDLL | None":
+    for name in ("libcudart.so.13", "libcudart.so"):  # the one torch loaded answers to its soname
+        try:
+            return ctypes.CDLL(name)
+        except OSError:
+            continue
+    return None
 
 
 def _function() -> "ctypes._CFuncPtr | None":
     global _FN
     if _FN is None:
         _FN = False
-        for name in ("libcudart.so.13", "libcudart.so"):
-            try:
-                fn = ctypes.CDLL(name).cudaMemcpyBatchAsync
-            except (OSError, AttributeError):
-                continue
+        fn = getattr(_runtime(), "cudaMemcpyBatchAsync", None)
+        if fn is not None:
             fn.restype = ctypes.c_int
             fn.argtypes = [ctypes.POINTER(ctypes.c_void_p), ctypes.POINTER(ctypes.c_void_p),
                            ctypes.POINTER(ctypes.c_size_t), ctypes.c_size_t, ctypes.POINTER(_MemcpyAttributes),
                            ctypes.POINTER(ctypes.c_size_t), ctypes.c_size_t, ctypes.c_void_p]
             _FN = fn
-            break
     return _FN or None
 
 
-def available() -> bool:
-    """``REFIT_BATCH_MEMCPY=off`` turns it off (for comparison); else whether CUDA 13's
-    ``cudaMemcpyBatchAsync`` can be called here."""
-    if os.environ.get("REFIT_BATCH_MEMCPY", "auto") == "off":
+def _function_3d() -> "ctypes._CFuncPtr | None":
+    global _FN3D
+    if _FN3D is None:
+        _FN3D = False
+        fn = getattr(_runtime(), "cudaMemcpy3DBatchAsync", None)
+        if fn is not None:
+            fn.restype = ctypes.c_int
+            fn.argtypes = [ctypes.c_size_t, ctypes.POINTER(_BatchOp3D), ctypes.c_ulonglong, ctypes.c_void_p]
+            _FN3D = fn
+    return _FN3D or None
+
+
+def mode() -> str:
+    """``REFIT_BATCH_MEMCPY``: ``auto`` (default: 1-D and pitched copies batched), ``flat`` (1-D
+    only; pitched ones stay for the table kernel) or ``off`` (the table kernel alone), for comparison."""
+    value = os.environ.get("REFIT_BATCH_MEMCPY", "auto")
+    if value not in ("auto", "flat", "off"):
+        raise ValueError(f"REFIT_BATCH_MEMCPY must be auto, flat or off, not {value!r}")
+    return value
+
+
+def available(pitched: bool = False) -> bool:
+    """Whether CUDA 13's ``cudaMemcpyBatchAsync`` (``pitched``: ``cudaMemcpy3DBatchAsync``) can
+    be called here and `mode` allows it."""
+    if mode() == "off" or (pitched and mode() == "flat"):
         return False
     try:
         import torch
@@ -69,7 +113,7 @@ def available() -> bool:
             return False  # CUDA 12.8's form takes an extra argument: not bound here
     except ImportError:
         return False
-    return _function() is not None
+    return (_function_3d() if pitched else _function()) is not None
 
 
 class BatchMemcpy:
@@ -96,3 +140,50 @@ class BatchMemcpy:
                        ctypes.c_void_p(stream))
         if err:
             raise RuntimeError(f"cudaMemcpyBatchAsync of {self.n} copies ({self.nbytes} bytes) failed: CUDA error {err}")
+
+
+class BatchMemcpy2D:
+    """Fixed pitched copies ``(dst, dpitch, src, spitch, width, height)`` (bytes) from device
+    ``src_device`` into ``dst_device``: one ``cudaMemcpy3DBatchAsync`` op each, depth 1."""
+
+    def __init__(self, copies: Sequence[tuple[int, int, int, int, int, int]], src_device: int, dst_device: int) -> None:
+        fn = _function_3d()
+        if fn is None:
+            raise RuntimeError("cudaMemcpy3DBatchAsync is not available in this CUDA runtime")
+        self._fn = fn
+        self.n = len(copies)
+        self.nbytes = sum(c[4] * c[5] for c in copies)
+        self._ops = (_BatchOp3D * self.n)()
+        for op, (dst, dpitch, src, spitch, width, height) in zip(self._ops, copies):
+            # Pointer operands count rows and layers in bytes; layerHeight is the rows per layer.
+            op.src = _PtrOperand(_OPERAND_POINTER, src, spitch, height, _MemLocation(_LOCATION_DEVICE, src_device))
+            op.dst = _PtrOperand(_OPERAND_POINTER, dst, dpitch, height, _MemLocation(_LOCATION_DEVICE, dst_device))
+            op.extent = _Extent(width, height, 1)
+            op.srcAccessOrder = _SRC_ACCESS_ORDER_STREAM
+            op.flags = _PREFER_OVERLAP_WITH_COMPUTE
+
+    def launch(self, stream: int) -> None:
+        if not self.n:
+            return
+        err = self._fn(self.n, self._ops, 0, ctypes.c_void_p(stream))
+        if err:
+            raise RuntimeError(f"cudaMemcpy3DBatchAsync of {self.n} copies ({self.nbytes} bytes) failed: "
+                               f"CUDA error {err}")
+
+
+class CopyEngineBatch:
+    """The batched part of a peer pull: its 1-D copies and, where allowed, its pitched ones."""
+
+    def __init__(self, flat: Sequence[tuple[int, int, int]], pitched: Sequence[tuple[int, int, int, int, int, int]],
+                 src_device: int, dst_device: int) -> None:
+        self.parts: list[BatchMemcpy | BatchMemcpy2D] = []
+        if flat:
+            self.parts.append(BatchMemcpy(flat, src_device, dst_device))
+        if pitched:
+            self.parts.append(BatchMemcpy2D(pitched, src_device, dst_device))
+        self.n = sum(p.n for p in self.parts)
+        self.nbytes = sum(p.nbytes for p in self.parts)
+
+    def launch(self, stream: int) -> None:
+        for p in self.parts:
+            p.launch(stream)

@@ -174,14 +174,18 @@ def dma_enabled() -> bool:
 BULK_MIN_BYTES = 256 << 10  # 1-D pulls from this size on go to the copy engines in one batch call
 
 
-def _split_bulk(memcpys: list[Memcpy], src_device: int, dst_device: int) -> tuple[list[Memcpy], "batch_memcpy.BatchMemcpy | None"]:
-    """Of a peer pull too fragmented for one call per copy (`table_copy.enabled`), the plain 1-D
-    copies of at least `BULK_MIN_BYTES` become one ``cudaMemcpyBatchAsync`` (copy engines); the
-    rest (pitched rows, small pieces) stays for the table kernel, which runs beside it."""
+def _split_bulk(memcpys: list[Memcpy], src_device: int, dst_device: int) -> tuple[list[Memcpy], "batch_memcpy.CopyEngineBatch | None"]:
+    """Of a peer pull too fragmented for one call per copy (`table_copy.enabled`), the copies the
+    batch APIs take go to the copy engines in one call each (`batch_memcpy`): 1-D runs of at least
+    `BULK_MIN_BYTES` (big rows of a pitched copy, one expert's block each, count as runs) and,
+    with ``cudaMemcpy3DBatchAsync``, pitched blocks.  The rest stays for the table kernel, which
+    runs beside them."""
     if not table_copy.enabled(memcpys) or not batch_memcpy.available():
         return memcpys, None
+    pitched_ok = batch_memcpy.available(pitched=True)
     rest: list[Memcpy] = []
     flat: list[tuple[int, int, int]] = []  # (dst, src, bytes)
+    pitched: list[Memcpy] = []
     for m in memcpys:
         if m.height == 1 or m.dpitch == m.spitch == m.width:  # one run of bytes
             if m.width * m.height >= BULK_MIN_BYTES:
@@ -190,10 +194,13 @@ def _split_bulk(memcpys: list[Memcpy], src_device: int, dst_device: int) -> tupl
         elif m.width >= BULK_MIN_BYTES:  # big rows (an expert's block per row): a copy per row
             flat.extend((m.dst + r * m.dpitch, m.src + r * m.spitch, m.width) for r in range(m.height))
             continue
+        elif pitched_ok and m.width * m.height >= BULK_MIN_BYTES:
+            pitched.append(m)
+            continue
         rest.append(m)
-    if not flat:
+    if not flat and not pitched:
         return memcpys, None
-    return rest, batch_memcpy.BatchMemcpy(flat, src_device, dst_device)
+    return rest, batch_memcpy.CopyEngineBatch(flat, [tuple(m) for m in pitched], src_device, dst_device)
 
 
 class CopyBatch:
@@ -214,7 +221,7 @@ class CopyBatch:
         self.copies = len(pairs)
         self.nbytes = sum(d.numel() * d.element_size() for d, _ in pairs)
         self.memcpys: list[Memcpy] = []
-        self.bulk: "batch_memcpy.BatchMemcpy | None" = None
+        self.bulk: "batch_memcpy.CopyEngineBatch | None" = None
         if dma and pairs and pairs[0][0].is_cuda:
             def wanted(p: Pair) -> bool:  # every pull; local copies only when big
                 return peer is not None or p[0].numel() * p[0].element_size() >= DMA_MIN_BYTES
