@@ -17,7 +17,7 @@ run() {  # name, time limit, then refit-bench arguments
 Q30="--model qwen3-30b-moe --src megatron:tp2ep2 --dst vllm:tp2"
 for what in "$@"; do case "$what" in
   bulk) run q30-2-framework-bulk 200 $Q30 --iters 10
-        REFIT_BATCH_MEMCPY=flat run q30-2-framework-flat 200 $Q30 --iters 10
+        REFIT_BATCH_MEMCPY=all run q30-2-framework-all 200 $Q30 --iters 10
         REFIT_BATCH_MEMCPY=off run q30-2-framework-table 200 $Q30 --iters 10
         run q30-2-arena 200 $Q30 --iters 10 --alloc arena ;;
   trace) REFIT_TRACE=1 run q30-2-framework-bulk-trace 200 $Q30 --iters 2 ;;
