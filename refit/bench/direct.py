@@ -114,7 +114,8 @@ def report(spec: ModelSpec, plans: list[Any], timed: list[list[bool]], results: 
             "floor_bytes": floor_bytes, "floor_seconds": floor, "x_floor": median / floor if floor else None,
             "peak_extra_bytes": max(peaks) if peaks else staging,
             "peak_extra_what": "CUDA allocator peak minus own shards" if peaks else "staging + gather buffers allocated",
-            "staging_bytes": max(p.staging_bytes for p in phase), "gather_bytes": max(p.gather_bytes for p in phase),
+            "staging_bytes": max(p.staging_bytes for p in phase),
+            "direct_wire_bytes": sum(p.direct_bytes for p in phase), "gather_bytes": max(p.gather_bytes for p in phase),
             "copies": sum(p.copies for p in phase), "blocks": sum(p.blocks for p in phase),
             "memcpys": sum(p.memcpys for p in phase),
             # every destination rank checked, every element of every piece, nothing wrong
@@ -174,7 +175,9 @@ def table(r: dict[str, Any]) -> str:
                      f"local {_size(run['local_bytes'])}) for {_size(run['dst_bytes'])} of destination weights; "
                      f"largest per-device remote volume {_size(run['floor_bytes'])}; "
                      f"{run['blocks']} blocks -> {run['copies']} copies per refit"
-                     + (f" ({run['memcpys']} copy-engine memcpys)" if run.get("memcpys") else ""))
+                     + (f" ({run['memcpys']} copy-engine memcpys)" if run.get("memcpys") else "")
+                     + (f"; {fmt_bytes(run['direct_wire_bytes'])} of wire ends sent from / received into tensors "
+                        f"directly (no staging)" if run.get("direct_wire_bytes") else ""))
     lines.append("GB/s = plan bytes moved (remote + local, each byte once) / median seconds; floor = largest "
                  f"per-device remote bytes (send or receive) / {r.get('floor_what', 'link')} measured in this run; "
                  "extra mem = " + r["runs"][0]["peak_extra_what"] + ", largest process"

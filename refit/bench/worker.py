@@ -77,6 +77,7 @@ class PhaseResult:
     seconds: list[float] = field(default_factory=list)  # every refit of the phase, in order
     verdicts: dict[str, list[Verdict]] = field(default_factory=dict)  # endpoint -> one per verified refit
     staging_bytes: int = 0
+    direct_bytes: int = 0  # wire bytes sent from / received into shards directly (no staging)
     gather_bytes: int = 0
     peak_extra_bytes: int | None = None  # CUDA: allocator peak during refits minus own shards
     copies: int = 0
@@ -162,6 +163,7 @@ class Session:
         program, bound = self.m.program, self.m.bound
         batches = bound.batches() if bound else []
         res = PhaseResult(staging_bytes=bound.staging_bytes if bound else 0,
+                          direct_bytes=bound.direct_bytes if bound else 0,
                           gather_bytes=program.gather_bytes if program else 0,
                           steps=program.num_steps if program else 0, copies=sum(b.copies for b in batches),
                           blocks=sum(b.blocks for b in batches), memcpys=sum(len(b.memcpys) for b in batches))

@@ -54,6 +54,8 @@ class Bound:
     program: Program
     stages: list[BoundStage]
     buffers: list[torch.Tensor] = field(repr=False)
+    direct_bytes: int = 0  # wire bytes sent from / received into tensors directly (no staging)
+    direct_wires: int = 0
 
     @property
     def staging_bytes(self) -> int:
@@ -104,14 +106,54 @@ def _ring_distance(me: torch.device, peer: torch.device) -> tuple[int, str]:
     return ((peer.index - me.index) % n, str(peer))
 
 
+def _direct_region(pairs: list[Pair], buf: torch.Tensor, nbytes: int) -> torch.Tensor | None:
+    """The bytes of one local tensor that *are* this wire, or None.  ``pairs``: (region of
+    ``buf``, local block) for every block of the wire.  A wire is direct when its blocks, in wire
+    order, are contiguous pieces of one tensor that follow each other in memory exactly as they
+    follow each other on the wire: then the bucket is sent from (or received into) the tensor
+    itself, with no pack or unpack copy."""
+    if not pairs:
+        return None
+    storage = pairs[0][1].untyped_storage()
+    delta = pairs[0][1].data_ptr() - pairs[0][0].data_ptr()
+    covered = 0
+    for on_wire, local in pairs:
+        if not (on_wire.is_contiguous() and local.is_contiguous()) \
+                or local.untyped_storage().data_ptr() != storage.data_ptr() \
+                or local.data_ptr() - on_wire.data_ptr() != delta:
+            return None
+        covered += on_wire.numel() * on_wire.element_size()
+    start = buf.data_ptr() + delta - storage.data_ptr()
+    if covered != nbytes or start < 0 or start + nbytes > storage.nbytes():  # e.g. a receiver keeping part of a box
+        return None
+    return torch.empty(0, dtype=torch.uint8, device=buf.device).set_(storage, start, (nbytes,))
+
+
 def bind(program: Program, tensors: dict[Endpoint, dict[str, torch.Tensor]], device: torch.device) -> Bound:
     """Make the views and staging buffers once; ``tensors`` holds, for every endpoint on the
     devices this member drives, its local tensors (own or mapped from a peer) and its gather
-    tensors."""
+    tensors.  Wires that are one contiguous region of a tensor (`_direct_region`) use that
+    region as their buffer: no staging, no pack/unpack copy; only the rest is staged."""
     views = _Views(tensors)
     dma = device.type == "cuda" and dma_enabled()
-    sets = [[torch.empty(n, dtype=torch.uint8, device=device) for n in program.send_slots] for _ in range(2)]
-    rsets = [[torch.empty(n, dtype=torch.uint8, device=device) for n in program.recv_slots] for _ in range(2)]
+    # Which wires are direct, found against one scratch buffer; then only the rest get staging.
+    scratch = torch.empty(max(program.send_slots + program.recv_slots, default=0), dtype=torch.uint8, device=device)
+    staged_s = [0] * len(program.send_slots)
+    staged_r = [0] * len(program.recv_slots)
+    direct: dict[tuple[int, bool], torch.Tensor] = {}  # (bucket, sending) -> the tensor region
+    for st in program.stages:
+        for step in st.steps:
+            for wires, sizes, sending in ((step.sends, staged_s, True), (step.recvs, staged_r, False)):
+                for j, w in enumerate(wires):
+                    pairs = _buffer_pairs(w, scratch, views, into_buffer=True)  # (on wire, local)
+                    region = _direct_region(pairs, scratch, w.nbytes)
+                    if region is not None:
+                        direct[(w.bucket, sending)] = region
+                    else:
+                        sizes[j] = max(sizes[j], w.nbytes)
+    del scratch
+    sets = [[torch.empty(n, dtype=torch.uint8, device=device) for n in staged_s] for _ in range(2)]
+    rsets = [[torch.empty(n, dtype=torch.uint8, device=device) for n in staged_r] for _ in range(2)]
     stages, j = [], 0
     for st in program.stages:
         move_pairs = [(views.block(m.dst_ep, m.dst), views.block(m.src_ep, m.src)) for m in st.moves]
@@ -122,11 +164,15 @@ def bind(program: Program, tensors: dict[Endpoint, dict[str, torch.Tensor]], dev
             unpack: list[Pair] = []
             sends, recvs = [], []
             for w, buf in zip(step.sends, sbufs):
-                pack += _buffer_pairs(w, buf, views, into_buffer=True)
-                sends.append((w.peer, w.bucket, buf[:w.nbytes]))
+                region = direct.get((w.bucket, True))
+                if region is None:
+                    pack += _buffer_pairs(w, buf, views, into_buffer=True)
+                sends.append((w.peer, w.bucket, region if region is not None else buf[:w.nbytes]))
             for w, buf in zip(step.recvs, rbufs):
-                unpack += _buffer_pairs(w, buf, views, into_buffer=False)
-                recvs.append((w.peer, w.bucket, buf[:w.nbytes]))
+                region = direct.get((w.bucket, False))
+                if region is None:
+                    unpack += _buffer_pairs(w, buf, views, into_buffer=False)
+                recvs.append((w.peer, w.bucket, region if region is not None else buf[:w.nbytes]))
             steps.append(BoundStep(step.key, CopyBatch(pack, dma=dma), CopyBatch(unpack, dma=dma), sends, recvs))
             j += 1
         by_device: dict[torch.device, list[Pair]] = defaultdict(list)
@@ -136,7 +182,9 @@ def bind(program: Program, tensors: dict[Endpoint, dict[str, torch.Tensor]], dev
         pulls = [CopyBatch(pairs, peer=dev if dev.type == "cuda" and dev != device else None, dma=dma)
                  for dev, pairs in sorted(by_device.items(), key=lambda x: _ring_distance(device, x[0]))]
         stages.append(BoundStage(st.stage, CopyBatch(move_pairs, dma=dma), steps, pulls))
-    return Bound(program, stages, [b for s in sets + rsets for b in s])
+    direct_bytes = sum(r.numel() for r in direct.values())
+    return Bound(program, stages, [b for s in sets + rsets for b in s], direct_bytes=direct_bytes,
+                 direct_wires=len(direct))
 
 
 # ---------------------------------------------------------------------------------------------

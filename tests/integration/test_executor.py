@@ -260,6 +260,7 @@ def test_bench_cpu_json(capsys: pytest.CaptureFixture[str]) -> None:
     assert p2p["checked_elements"] > 0 and p2p["seconds"]["median"] > 0
     assert out["link"]["gbps"] > 0 and p2p["floor_seconds"] > 0 and p2p["x_floor"] > 0
     assert out["transport"] == "gloo" and p2p["staging_bytes"] > 0  # auto on CPU: gloo
+    assert p2p["direct_wire_bytes"] > 0  # buckets that are one region of a tensor skip staging (and verify)
 
 
 def test_bench_verifies_mixed_dtype_models(capsys: pytest.CaptureFixture[str]) -> None:
