@@ -1,6 +1,9 @@
 #!/usr/bin/env bash
-# The 4x H200 measurements of bench/RESULTS.md (third session), in one go; 2- and 1-GPU cases restrict
-# CUDA_VISIBLE_DEVICES.  Writes each run's JSON and log under ${OUT:-bench/out}.
+# The H200 measurements of bench/RESULTS.md since the third session, in one go; 2- and 1-GPU cases
+# restrict CUDA_VISIBLE_DEVICES (on a 2-GPU machine run only those).  Writes each run's JSON and log
+# under ${OUT:-bench/out}.  Cases: four, two, one (third session); bulk, trace, moon, nccl (fourth:
+# batched copy-engine pulls against the table kernel alone and the arena, moonlight-16b, the NCCL
+# transport with direct wires).
 set -u
 export NCCL_NVLS_ENABLE=0 TORCH_SYMM_MEM_DISABLE_MULTICAST=1 NVSHMEM_DISABLE_NVLS=1 PYTHONUNBUFFERED=1
 export PYTHONPATH="$(cd "$(dirname "$0")/.." && pwd)${PYTHONPATH:+:$PYTHONPATH}"
@@ -20,5 +23,13 @@ for what in "$@"; do case "$what" in
   two)  CUDA_VISIBLE_DEVICES=0,1 run q30-tp2ep2-tp2 200 $Q30 --src megatron:tp2ep2 --dst vllm:tp2 --iters 10
         CUDA_VISIBLE_DEVICES=0,1 run q30-tp2ep2-tp2-nccl 200 $Q30 --src megatron:tp2ep2 --dst vllm:tp2 --iters 10 --transport nccl ;;
   one)  CUDA_VISIBLE_DEVICES=0 run q30-tp1-tp1-1gpu 200 $Q30 --src tp1 --dst tp1 --iters 5 ;;
-  *) echo "usage: $0 four|two|one"; exit 2 ;;
+  bulk) Q2="$Q30 --src megatron:tp2ep2 --dst vllm:tp2 --iters 10"; export CUDA_VISIBLE_DEVICES=0,1
+        run q30-2-framework-bulk 200 $Q2
+        REFIT_BATCH_MEMCPY=all run q30-2-framework-all 200 $Q2
+        REFIT_BATCH_MEMCPY=off run q30-2-framework-table 200 $Q2
+        run q30-2-arena 200 $Q2 --alloc arena; unset CUDA_VISIBLE_DEVICES ;;
+  trace) CUDA_VISIBLE_DEVICES=0,1 REFIT_TRACE=1 run q30-2-framework-bulk-trace 200 $Q30 --src megatron:tp2ep2 --dst vllm:tp2 --iters 2 ;;
+  moon) CUDA_VISIBLE_DEVICES=0,1 run moonlight-2 300 --model moonlight-16b --src megatron:tp2ep2 --dst vllm:tp2 --vs broadcast --iters 10 ;;
+  nccl) CUDA_VISIBLE_DEVICES=0,1 run q30-2-nccl 200 $Q30 --src megatron:tp2ep2 --dst vllm:tp2 --iters 10 --transport nccl ;;
+  *) echo "usage: $0 four|two|one|bulk|trace|moon|nccl ..."; exit 2 ;;
 esac; done

@@ -53,8 +53,8 @@ class _BatchOp3D(ctypes.Structure):
 
 
 _OPERAND_POINTER = 1  # cudaMemcpyOperandTypePointer
-_FN: "ctypes._CFuncPtr | None | bool" = None  # None: not looked up yet; False: not there
-_FN3D: "ctypes._CFuncPtr | None | bool" = None
+_FN: "ctypes._CFuncPtr | None" = None  # stand-ins a test may set (no GPU here)
+_FN3D: "ctypes._CFuncPtr | None" = None
 
 
 def _runtime() -> "ctypes.CDLL | None":
@@ -66,30 +66,34 @@ def _runtime() -> "ctypes.CDLL | None":
     return None
 
 
-def _function() -> "ctypes._CFuncPtr | None":
-    global _FN
-    if _FN is None:
-        _FN = False
-        fn = getattr(_runtime(), "cudaMemcpyBatchAsync", None)
+_BOUND: dict[str, "ctypes._CFuncPtr | None"] = {}
+
+
+def _bind(name: str, argtypes: list) -> "ctypes._CFuncPtr | None":
+    """The runtime's function ``name`` with its CUDA 13 signature, or None where it is missing."""
+    if name not in _BOUND:
+        fn = getattr(_runtime(), name, None)
         if fn is not None:
             fn.restype = ctypes.c_int
-            fn.argtypes = [ctypes.POINTER(ctypes.c_void_p), ctypes.POINTER(ctypes.c_void_p),
-                           ctypes.POINTER(ctypes.c_size_t), ctypes.c_size_t, ctypes.POINTER(_MemcpyAttributes),
-                           ctypes.POINTER(ctypes.c_size_t), ctypes.c_size_t, ctypes.c_void_p]
-            _FN = fn
-    return _FN or None
+            fn.argtypes = argtypes
+        _BOUND[name] = fn
+    return _BOUND[name]
+
+
+def _function() -> "ctypes._CFuncPtr | None":
+    if _FN is not None:  # set by tests to a stand-in
+        return _FN or None
+    return _bind("cudaMemcpyBatchAsync", [
+        ctypes.POINTER(ctypes.c_void_p), ctypes.POINTER(ctypes.c_void_p), ctypes.POINTER(ctypes.c_size_t),
+        ctypes.c_size_t, ctypes.POINTER(_MemcpyAttributes), ctypes.POINTER(ctypes.c_size_t), ctypes.c_size_t,
+        ctypes.c_void_p])
 
 
 def _function_3d() -> "ctypes._CFuncPtr | None":
-    global _FN3D
-    if _FN3D is None:
-        _FN3D = False
-        fn = getattr(_runtime(), "cudaMemcpy3DBatchAsync", None)
-        if fn is not None:
-            fn.restype = ctypes.c_int
-            fn.argtypes = [ctypes.c_size_t, ctypes.POINTER(_BatchOp3D), ctypes.c_ulonglong, ctypes.c_void_p]
-            _FN3D = fn
-    return _FN3D or None
+    if _FN3D is not None:
+        return _FN3D or None
+    return _bind("cudaMemcpy3DBatchAsync",
+                 [ctypes.c_size_t, ctypes.POINTER(_BatchOp3D), ctypes.c_ulonglong, ctypes.c_void_p])
 
 
 def mode() -> str:
