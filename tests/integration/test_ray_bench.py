@@ -1,0 +1,88 @@
+"""`refit-bench --ray` on a real multi-node Ray cluster on this machine (a head and two worker
+nodes of 2 CPUs each, `tests.harness.ray_cluster`): every rank a Ray actor running the direct
+bench's worker, over gloo, at reduced width; every destination element verified; bytes within
+each node and across nodes reported."""
+
+from __future__ import annotations
+
+import json
+import os
+import re
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+ray = pytest.importorskip("ray")
+
+ROOT = Path(__file__).resolve().parents[2]
+BENCH = ["--model", "qwen3-30b-moe", "--src", "tp2ep2", "--dst", "tp2", "--iters", "2", "--bucket-mb", "0.25"]
+
+
+@pytest.fixture(scope="module")
+def cluster():
+    from tests.harness.ray_cluster import start_cluster, stop_cluster
+
+    c, _ = start_cluster(2)
+    try:
+        yield c
+    finally:
+        stop_cluster(c)
+
+
+def test_disaggregated_json_trainers_and_engines_on_two_nodes(cluster, capsys: pytest.CaptureFixture[str]) -> None:
+    """``--ray auto`` inside a process already in the cluster; STRICT_PACK puts the trainers on one
+    worker node and the engines on the other, so p2p moves everything across nodes and the
+    broadcast planner's stage 0 (trainer to trainer) stays within the trainers' node."""
+    from refit.bench import main
+
+    code = main(BENCH + ["--placement", "disaggregated", "--vs", "broadcast", "--ray", "auto",
+                         "--ray-strategy", "STRICT_PACK", "--json"])
+    out = json.loads(capsys.readouterr().out)
+    assert code == 0 and out["verified"] is True and out["transport"] == "gloo" and out["device"] == "cpu"
+    assert ray.is_initialized()  # the bench leaves the caller's connection alone
+    nodes = out["ray"]["nodes"]
+    assert len(nodes) == 2 and sorted(sorted(n["ranks"]) for n in nodes.values()) == \
+        [["dst rank 0", "dst rank 1"], ["src rank 0", "src rank 1"]]
+    trainers = next(k for k, n in nodes.items() if "src rank 0" in n["ranks"])
+    p2p, bcast = out["ray"]["runs"]
+    for run, r in zip(out["ray"]["runs"], out["runs"]):
+        assert r["verified"] and r["checked_elements"] > 0 and r["mismatches"] == 0
+        assert run["total"] == r["moved_bytes"] >= r["dst_bytes"] > 0
+    assert p2p["within_node"] == {} and p2p["across_nodes"] == out["runs"][0]["dst_bytes"]
+    assert set(bcast["within_node"]) == {trainers} and bcast["within_node"][trainers] > 0
+    assert bcast["across_nodes"] >= out["runs"][1]["dst_bytes"]  # stage 1: the trainers' node to the engines'
+
+
+def test_cli_colocated_spread_over_nodes(cluster) -> None:
+    """The command line, joining the cluster by its address: colocated pairs spread over the two
+    worker nodes (each pair within its node, shared memory), the rest across."""
+    env = {**os.environ, "PYTHONPATH": str(ROOT)}
+    env.pop("RAY_ADDRESS", None)
+    out = subprocess.run([sys.executable, "-m", "refit.bench", *BENCH, "--ray", cluster.address],
+                         cwd=ROOT, env=env, capture_output=True, text=True, timeout=600)
+    assert out.returncode == 0, out.stderr[-3000:]
+    text = out.stdout
+    assert "transport gloo" in text and "REDUCED WIDTH" in text
+    row = next(line for line in text.splitlines() if line.startswith("p2p "))
+    assert row.endswith("yes"), row
+    assert f"Ray ({cluster.address}, placement strategy SPREAD): every rank an actor on 2 node(s)" in text
+    assert "src rank 0; dst rank 0" in text and "src rank 1; dst rank 1" in text
+    moves = next(line for line in text.splitlines() if "per refit within nodes" in line)
+    assert re.search(r"within nodes node \w+ [\d.]+ \w+, node \w+ [\d.]+ \w+; across nodes [1-9]", moves), moves
+
+
+def test_refused_before_anything_starts(cluster, capsys: pytest.CaptureFixture[str]) -> None:
+    from refit.bench import main
+
+    # 4 + 4 rank actors of one CPU each; the cluster has 5 CPUs.
+    code = main(["--model", "qwen3-30b-moe", "--src", "tp4", "--dst", "tp4", "--ray", "auto"])
+    err = capsys.readouterr().err
+    assert code == 2 and "puts 8 rank actors of one CPU each on the Ray cluster, which has 5 CPUs" in err
+    code = main(BENCH + ["--ray", "auto", "--transport", "ipc"])
+    assert code == 2 and "Ray nodes share no memory" in capsys.readouterr().err
+    assert ray.util.placement_group_table() == {} or all(
+        g["state"] == "REMOVED" for g in ray.util.placement_group_table().values())
+    with pytest.raises(SystemExit):
+        main(BENCH + ["--ray", "auto", "--via", "grpc"])
