@@ -102,8 +102,8 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
                         "(colocated: source rank i and destination rank i in one bundle, one GPU; disaggregated: "
                         "a placement group per side), each running the same worker as the direct bench, verified "
                         "the same way; the report adds the bytes moved within each node and across nodes.  "
-                        "ADDRESS: a Ray address (ray://..., host:port), or auto: the cluster this process or "
-                        "$RAY_ADDRESS names, else one `ray start` runs on this machine, else a new local one.  "
+                        "ADDRESS: a Ray address (host:port of a running cluster, ray://...), or auto: the cluster "
+                        "$RAY_ADDRESS names (or this process already joined), else a new local one.  "
                         "GPU or CPU follows the cluster (--cpu: CPU anyway).  Transports: gloo on CPU; on GPUs, "
                         "with every rank on one node, CUDA IPC peer pulls as direct (--transport nccl: Ray's "
                         "per-actor GPU isolation and NCCL), across nodes NCCL")

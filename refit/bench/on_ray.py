@@ -91,8 +91,8 @@ _BenchRankActor = ray.remote(max_restarts=0)(BenchRank)
 
 def connect(address: str, ranks: int) -> bool:
     """Join the cluster ``address`` names; True when this call connected (so it disconnects).
-    ``auto``: the cluster this process already joined, else $RAY_ADDRESS, else one started with
-    `ray start` on this machine, else a new local one (with a CPU per rank at least)."""
+    ``auto``: the cluster this process already joined, else $RAY_ADDRESS, else a new local one
+    (with a CPU per rank at least; never a cluster found by guessing)."""
     if ray.is_initialized():
         return False
     kw: dict[str, Any] = dict(include_dashboard=False, logging_level="warning", log_to_driver=False)
@@ -101,10 +101,7 @@ def connect(address: str, ranks: int) -> bool:
     elif os.environ.get("RAY_ADDRESS"):
         ray.init(address=os.environ["RAY_ADDRESS"], **kw)
     else:
-        try:
-            ray.init(address="auto", **kw)
-        except ConnectionError:
-            ray.init(num_cpus=max(os.cpu_count() or 1, ranks), **kw)
+        ray.init(address="local", num_cpus=max(os.cpu_count() or 1, ranks), **kw)
     return True
 
 
