@@ -17,12 +17,14 @@
 # GPU_RAY_CPU=1 runs the same steps on CPU (reduced width, gloo): a test of the plumbing, not a measurement.
 set -u
 export NCCL_NVLS_ENABLE=0 TORCH_SYMM_MEM_DISABLE_MULTICAST=1 NVSHMEM_DISABLE_NVLS=1 PYTHONUNBUFFERED=1
-export RAY_USAGE_STATS_ENABLED=0 RAY_DEDUP_LOGS=0
+# Token auth off: a closed machine, and `ray start` and drivers would otherwise disagree on it.
+export RAY_USAGE_STATS_ENABLED=0 RAY_DEDUP_LOGS=0 RAY_AUTH_MODE=disabled
 ROOT=$(cd "$(dirname "$0")/.." && pwd)
 export PYTHONPATH="$ROOT${PYTHONPATH:+:$PYTHONPATH}"
 OUT=${OUT:-$ROOT/bench/out}; mkdir -p "$OUT"
 PY=${PYTHON:-python3}
 CPU=${GPU_RAY_CPU:-0}
+STEPS=${GPU_RAY_STEPS:-ab}  # which of (a) and (b) to run
 unset RAY_ADDRESS
 if [ "$CPU" = 1 ]; then DEV=(--cpu); NODE_RES=(--num-cpus 1); PAIR=(--backend gloo); else DEV=(); NODE_RES=(--num-gpus 1 --num-cpus 4); PAIR=(--backend nccl); fi
 
@@ -38,23 +40,31 @@ bench() {  # name, time limit (s), then refit-bench arguments
 
 # (a) one node, direct vs --ray
 A=(--model qwen3-30b-moe --src megatron:tp2ep2 --dst vllm:tp2 --iters 10 "${DEV[@]}")
-bench a-direct 130 "${A[@]}"
-bench a-ray 170 "${A[@]}" --ray auto
+if [[ $STEPS == *a* ]]; then
+  bench a-direct 130 "${A[@]}"
+  bench a-ray 170 "${A[@]}" --ray auto
+fi
+[[ $STEPS == *b* ]] || { $PY "$ROOT/bench/ray_summary.py" "$OUT" | tee "$OUT/summary.txt"; exit 0; }
 
 # (b) two Ray nodes on this host, one GPU each; started with --block in process groups of their
 # own, so that only they are stopped at the end (never `ray stop`, which stops every Ray on the host).
 PORT=$($PY -c "import socket; s = socket.socket(); s.bind(('127.0.0.1', 0)); print(s.getsockname()[1])")
-RAYCLI=($PY -m ray.scripts.scripts start --block --node-ip-address 127.0.0.1 --include-dashboard false "${NODE_RES[@]}")
-stop_nodes() { for pid in ${NODES:-}; do kill -TERM -- "-$pid" 2>/dev/null; done; sleep 3
-               for pid in ${NODES:-}; do kill -KILL -- "-$pid" 2>/dev/null; done; NODES=; }
+RAYCLI=($PY -m ray.scripts.scripts start --block "${NODE_RES[@]}")
+stop_nodes() {  # SIGTERM (Ray drains), then whatever of their process groups is left
+  for pid in ${NODES:-}; do kill -TERM -- "-$pid" 2>/dev/null; done
+  for _ in $(seq 15); do alive=0; for pid in ${NODES:-}; do kill -0 "$pid" 2>/dev/null && alive=1; done
+                         [ $alive = 0 ] && break; sleep 1; done
+  for pid in ${NODES:-}; do kill -KILL -- "-$pid" 2>/dev/null; done; NODES=; }
 trap stop_nodes EXIT
-CUDA_VISIBLE_DEVICES=0 setsid "${RAYCLI[@]}" --head --port "$PORT" >"$OUT/b-head.log" 2>&1 &
+CUDA_VISIBLE_DEVICES=0 setsid "${RAYCLI[@]}" --head --port "$PORT" --include-dashboard false >"$OUT/b-head.log" 2>&1 &
 NODES="$!"
-for _ in $(seq 60); do grep -q "Ray runtime started" "$OUT/b-head.log" && break; sleep 1; done
-CUDA_VISIBLE_DEVICES=1 setsid "${RAYCLI[@]}" --address "127.0.0.1:$PORT" >"$OUT/b-node.log" 2>&1 &
+for _ in $(seq 60); do grep -q "ray start --address=" "$OUT/b-head.log" && break; sleep 1; done
+ADDR=$(grep -o "ray start --address='[^']*'" "$OUT/b-head.log" | head -1 | cut -d"'" -f2)
+echo "=== Ray head at ${ADDR:-?}"
+CUDA_VISIBLE_DEVICES=1 setsid "${RAYCLI[@]}" --address "$ADDR" >"$OUT/b-node.log" 2>&1 &
 NODES="$NODES $!"
-export RAY_ADDRESS="127.0.0.1:$PORT"
-timeout 60 $PY - <<'EOF' 2>&1 | tee "$OUT/b-cluster.txt"
+export RAY_ADDRESS="$ADDR"
+timeout 90 $PY - <<'EOF' 2>&1 | tee "$OUT/b-cluster.txt"
 import time, ray
 ray.init(include_dashboard=False, logging_level="warning")
 for _ in range(60):
