@@ -86,3 +86,35 @@ def test_refused_before_anything_starts(cluster, capsys: pytest.CaptureFixture[s
         g["state"] == "REMOVED" for g in ray.util.placement_group_table().values())
     with pytest.raises(SystemExit):
         main(BENCH + ["--ray", "auto", "--via", "grpc"])
+
+
+# ------------------------------------------------------------------ no cluster: GPU decisions on fake answers
+
+
+def test_gpu_refusal_and_seats_on_fake_gpus(monkeypatch: pytest.MonkeyPatch) -> None:
+    """What the driver decides on a GPU cluster, from (faked) cluster resources and the actors'
+    answers about where they landed: Ray's isolation (every actor sees its GPU as cuda:0) gives
+    each process its own torch index of its GPU and none of the others' (NCCL), and a colocated
+    pair that Ray put on two GPUs is refused."""
+    from refit.bench import on_ray
+    from refit.errors import RefitError
+    from refit.executor.topology import Topology
+    from refit.plan import Placement
+
+    monkeypatch.setattr(on_ray.ray, "cluster_resources", lambda: {"GPU": 2.0, "CPU": 64.0})
+    with pytest.raises(RefitError, match="this plan needs 4 GPUs and the Ray cluster has 2"):
+        on_ray._refuse_early(4, 8, True, "auto")
+    on_ray._refuse_early(2, 4, True, "auto")
+
+    topo = Topology.one_per_rank(Placement.make("colocated", 2, 2))  # src0, src1, dst0, dst1 on 0, 1, 0, 1
+    isolated = [{"host": "h", "uuid": u, "visible": [u], "gpu": g} for u, g in
+                (("GPU-b", 1), ("GPU-a", 0), ("GPU-b", 1), ("GPU-a", 0))]  # Ray put bundle 0 on GPU 1
+    topos, transport = on_ray._seat(topo, isolated, True, "auto", [], 10.0)
+    assert transport == "nccl"
+    assert [t.local for t in topos] == [((0, 0), (1, None)), ((0, None), (1, 0))] * 2
+    with pytest.raises(RefitError, match="--transport ipc needs every rank on one Ray node"):
+        on_ray._seat(topo, isolated, True, "ipc", [], 10.0)
+    split = [dict(w) for w in isolated]
+    split[2]["uuid"] = "GPU-c"  # dst rank 0 not on its colocated source's GPU
+    with pytest.raises(RefitError, match="do not match the plan's placement"):
+        on_ray._seat(topo, split, True, "auto", [], 10.0)
