@@ -102,7 +102,8 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
                         "(colocated: source rank i and destination rank i in one bundle, one GPU; disaggregated: "
                         "a placement group per side), each running the same worker as the direct bench, verified "
                         "the same way; the report adds the bytes moved within each node and across nodes.  "
-                        "ADDRESS: a Ray address (host:port of a running cluster, ray://...), or auto: the cluster "
+                        "ADDRESS: host:port of a running Ray cluster (this process joins it as a driver: the "
+                        "actors reach a store it serves), or auto: the cluster "
                         "$RAY_ADDRESS names (or this process already joined), else a new local one.  "
                         "GPU or CPU follows the cluster (--cpu: CPU anyway).  Transports: gloo on CPU; on GPUs, "
                         "with every rank on one node, CUDA IPC peer pulls as direct (--transport nccl: Ray's "
@@ -228,7 +229,7 @@ def _run_ray_connected(args: argparse.Namespace, spec: ModelSpec) -> dict[str, A
     bucket = int((args.bucket_mb if args.bucket_mb is not None else (256 if cuda else 1)) * MiB)
     planners = [args.planner] + ([args.vs] if args.vs and args.vs != args.planner else [])
     plans = [make_plan(spec, args.src, args.dst, args.placement, p, bucket) for p in planners]
-    return run_on_ray(args, spec, plans, cuda, reduced, bucket)
+    return run_on_ray(args, spec, plans, cuda, reduced)
 
 
 def main(argv: list[str] | None = None) -> int:

@@ -123,7 +123,8 @@ def _node_gpus() -> int:
 
 
 def run_on_ray(args: argparse.Namespace, spec: ModelSpec, plans: list[Any], cuda: bool,
-               reduced: dict[str, list[int]] | None, bucket: int) -> dict[str, Any]:
+               reduced: dict[str, list[int]] | None) -> dict[str, Any]:
+    """Place, run and report (the caller has joined the cluster: `connect`)."""
     first = plans[0]
     placement = first.plan.placement
     ns, nd = len(placement.src_gpus), len(placement.dst_gpus)
@@ -133,6 +134,9 @@ def run_on_ray(args: argparse.Namespace, spec: ModelSpec, plans: list[Any], cuda
     try:
         _refuse_early(placement.num_gpus, ns + nd, cuda, args.transport)
         one_node = cuda and _node_gpus() >= placement.num_gpus
+        if cuda and args.transport == "ipc" and not one_node:
+            raise RefitError(f"--transport ipc needs every rank on one Ray node, and no node has "
+                             f"{placement.num_gpus} GPUs; use nccl")
         strategy = args.ray_strategy or ("STRICT_PACK" if one_node else "PACK" if cuda else "SPREAD")
         visible = one_node and args.transport in ("auto", "ipc")  # ipc needs every GPU visible
         pl = rl_placement(ns, nd, colocated=placement.kind == "colocated", gpus_per_rank=1 if cuda else 0,
