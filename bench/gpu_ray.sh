@@ -1,5 +1,6 @@
 #!/usr/bin/env bash
-# refit on Ray, on a 2-GPU machine (issue 13, item 6).  Everything lands under $OUT; about 6 minutes.
+# refit on Ray, on a 2-GPU machine (issue 13, item 6).  Everything lands under $OUT; at most ~7.5
+# minutes (each step has its own time limit: 120 + 150 + 30 + 40 + 90 + 15 + 45 s).
 #
 #  (a) one node: `refit-bench --model qwen3-30b-moe --src megatron:tp2ep2 --dst vllm:tp2 --iters 10`
 #      direct, then the same with `--ray auto` (a local Ray cluster; every rank an actor, all GPUs
@@ -35,14 +36,18 @@ bench() {  # name, time limit (s), then refit-bench arguments
   local name=$1 limit=$2; shift 2
   echo "=== $name: refit-bench $*"
   timeout "$limit" $PY -m refit.bench "$@" --json >"$OUT/$name.json" 2>"$OUT/$name.log"
-  echo "$name rc=$?"; grep -v "step/s" "$OUT/$name.log" | tail -4
+  local rc=$?
+  echo "$name rc=$rc"; grep -v "step/s" "$OUT/$name.log" | tail -4
+  if [ $rc != 0 ] && [[ " $* " == *" --ray "* ]]; then  # the actors' side of a failure: Ray's logs
+    tail -n 40 /tmp/ray/session_latest/logs/*.err >"$OUT/$name-raylogs.txt" 2>&1
+  fi
 }
 
 # (a) one node, direct vs --ray
 A=(--model qwen3-30b-moe --src megatron:tp2ep2 --dst vllm:tp2 --iters 10 "${DEV[@]}")
 if [[ $STEPS == *a* ]]; then
-  bench a-direct 130 "${A[@]}"
-  bench a-ray 170 "${A[@]}" --ray auto
+  bench a-direct 120 "${A[@]}"
+  bench a-ray 150 "${A[@]}" --ray auto
 fi
 [[ $STEPS == *b* ]] || { $PY "$ROOT/bench/ray_summary.py" "$OUT" | tee "$OUT/summary.txt"; exit 0; }
 
@@ -58,13 +63,13 @@ stop_nodes() {  # SIGTERM (Ray drains), then whatever of their process groups is
 trap stop_nodes EXIT
 CUDA_VISIBLE_DEVICES=0 setsid "${RAYCLI[@]}" --head --port "$PORT" --include-dashboard false >"$OUT/b-head.log" 2>&1 &
 NODES="$!"
-for _ in $(seq 60); do grep -q "ray start --address=" "$OUT/b-head.log" && break; sleep 1; done
+for _ in $(seq 30); do grep -q "ray start --address=" "$OUT/b-head.log" && break; sleep 1; done
 ADDR=$(grep -o "ray start --address='[^']*'" "$OUT/b-head.log" | head -1 | cut -d"'" -f2)
 echo "=== Ray head at ${ADDR:-?}"
 CUDA_VISIBLE_DEVICES=1 setsid "${RAYCLI[@]}" --address "$ADDR" >"$OUT/b-node.log" 2>&1 &
 NODES="$NODES $!"
 export RAY_ADDRESS="$ADDR"
-timeout 90 $PY - <<'EOF' 2>&1 | tee "$OUT/b-cluster.txt"
+timeout 40 $PY - <<'EOF' 2>&1 | tee "$OUT/b-cluster.txt"
 import time, ray
 ray.init(include_dashboard=False, logging_level="warning")
 for _ in range(60):
@@ -74,7 +79,7 @@ for _ in range(60):
     time.sleep(1)
 print("nodes:", [(n["NodeID"][:8], n["NodeManagerAddress"], n["Resources"].get("GPU", 0)) for n in alive])
 EOF
-bench b-ray 120 --model qwen3-8b --src tp1 --dst tp1 --placement disaggregated --transport nccl --iters 10 "${DEV[@]}" --ray auto
+bench b-ray 90 --model qwen3-8b --src tp1 --dst tp1 --placement disaggregated --transport nccl --iters 10 "${DEV[@]}" --ray auto
 unset RAY_ADDRESS
 stop_nodes
 
@@ -85,7 +90,7 @@ r = json.load(open(sys.argv[1]))
 print(r['ray']['runs'][0]['across_nodes'], r['runs'][0]['bucket_bytes'] / 2**20)" "$OUT/b-ray.json" 2>/dev/null || echo "0 0")
 if [ "${BYTES:-0}" -gt 0 ]; then
   echo "=== b-nccl: $BYTES bytes in ${CHUNK_MB} MiB messages"
-  timeout 60 $PY "$ROOT/bench/nccl_pair.py" "${PAIR[@]}" --gpus 0,1 --bytes "$BYTES" --chunk-mb "$CHUNK_MB" \
+  timeout 45 $PY "$ROOT/bench/nccl_pair.py" "${PAIR[@]}" --gpus 0,1 --bytes "$BYTES" --chunk-mb "$CHUNK_MB" \
     --iters 10 --json >"$OUT/b-nccl.json" 2>"$OUT/b-nccl.log"
   echo "b-nccl rc=$?"; tail -3 "$OUT/b-nccl.log"
 else

@@ -143,9 +143,8 @@ def run_on_ray(args: argparse.Namespace, spec: ModelSpec, plans: list[Any], cuda
                           cpus_per_rank=1, strategy=strategy, all_gpus_visible=visible, timeout=args.timeout)
         topo = Topology.one_per_rank(placement)
         for ep in (e for eps in topo.members for e in eps):
+            # (NCCL_NVLS_ENABLE=0 is set by the actor itself: no runtime_env beyond what placement needs)
             opts = pl.trainer_options(ep[1]) if ep[0] == "src" else pl.engine_options(ep[1])
-            env = opts.get("runtime_env", {}).get("env_vars", {}) | {"NCCL_NVLS_ENABLE": "0"}
-            opts["runtime_env"] = {"env_vars": env}
             actors.append(_BenchRankActor.options(**opts).remote(args.verbose))
         where = ray.get([a.where.remote(cuda) for a in actors], timeout=args.timeout)
         topos, transport = _seat(topo, where, cuda, args.transport, actors, args.timeout)
