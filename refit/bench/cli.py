@@ -229,7 +229,7 @@ def _run_ray_connected(args: argparse.Namespace, spec: ModelSpec) -> dict[str, A
     bucket = int((args.bucket_mb if args.bucket_mb is not None else (256 if cuda else 1)) * MiB)
     planners = [args.planner] + ([args.vs] if args.vs and args.vs != args.planner else [])
     plans = [make_plan(spec, args.src, args.dst, args.placement, p, bucket) for p in planners]
-    return run_on_ray(args, spec, plans, cuda, reduced)
+    return run_on_ray(args, spec, plans, cuda, reduced, _kill_hook())
 
 
 def main(argv: list[str] | None = None) -> int:

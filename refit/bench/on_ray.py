@@ -123,8 +123,10 @@ def _node_gpus() -> int:
 
 
 def run_on_ray(args: argparse.Namespace, spec: ModelSpec, plans: list[Any], cuda: bool,
-               reduced: dict[str, list[int]] | None) -> dict[str, Any]:
-    """Place, run and report (the caller has joined the cluster: `connect`)."""
+               reduced: dict[str, list[int]] | None, kill: tuple[tuple[str, int, int] | None, bool] = (None, False),
+               ) -> dict[str, Any]:
+    """Place, run and report (the caller has joined the cluster: `connect`).  ``kill``: the
+    test hook of `refit.bench.cli._kill_hook` (a rank actor dies or stops mid-refit)."""
     first = plans[0]
     placement = first.plan.placement
     ns, nd = len(placement.src_gpus), len(placement.dst_gpus)
@@ -149,7 +151,7 @@ def run_on_ray(args: argparse.Namespace, spec: ModelSpec, plans: list[Any], cuda
         where = ray.get([a.where.remote(cuda) for a in actors], timeout=args.timeout)
         topos, transport = _seat(topo, where, cuda, args.transport, actors, args.timeout)
         store = dist.TCPStore("0.0.0.0", 0, is_master=True, wait_for_workers=False)
-        job = _job(args, spec, plans, topo, cuda, session, store.port)
+        job = dataclasses.replace(_job(args, spec, plans, topo, cuda, session, store.port), kill=kill[0], hang=kill[1])
         results = _run(actors, [dataclasses.replace(job, topology=t, transport="ipc" if transport == "ipc" else "comm")
                                 for t in topos], where, topo, args.timeout)
         del store

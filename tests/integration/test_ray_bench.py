@@ -73,6 +73,19 @@ def test_cli_colocated_spread_over_nodes(cluster) -> None:
     assert re.search(r"within nodes node \w+ [\d.]+ \w+, node \w+ [\d.]+ \w+; across nodes [1-9]", moves), moves
 
 
+def test_rank_actor_dying_mid_refit_is_named(cluster, capsys: pytest.CaptureFixture[str],
+                                             monkeypatch: pytest.MonkeyPatch) -> None:
+    """The bench's test hook: destination rank 1's actor exits during refit 1; the run fails at
+    once (exit status 3) naming that rank and its node, and no actor or placement group is left."""
+    from refit.bench import main
+
+    monkeypatch.setenv("REFIT_TEST_KILL", "dst1@1")
+    code = main(BENCH + ["--ray", "auto", "--timeout", "30"])
+    err = capsys.readouterr().err
+    assert code == 3 and re.search(r"refit run on Ray failed: dst rank 1 \(node \w{8} [\d.]+\) died", err), err
+    assert all(g["state"] == "REMOVED" for g in ray.util.placement_group_table().values())
+
+
 def test_refused_before_anything_starts(cluster, capsys: pytest.CaptureFixture[str]) -> None:
     from refit.bench import main
 
