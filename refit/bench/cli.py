@@ -97,6 +97,20 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
                    help="direct (default): the bench starts the workers and times the data plane; grpc: "
                         "each rank embeds a refit agent, a loopback coordinator runs the refits as an RL "
                         "loop would (refit.Client), and the control plane's share of each refit is reported")
+    p.add_argument("--ray", metavar="ADDRESS", default=None,
+                   help="run every rank (source and destination) as a Ray actor placed across the cluster's nodes "
+                        "(colocated: source rank i and destination rank i in one bundle, one GPU; disaggregated: "
+                        "a placement group per side), each running the same worker as the direct bench, verified "
+                        "the same way; the report adds the bytes moved within each node and across nodes.  "
+                        "ADDRESS: host:port of a running Ray cluster (this process joins it as a driver: the "
+                        "actors reach a store it serves), or auto: the cluster "
+                        "$RAY_ADDRESS names (or this process already joined), else a new local one.  "
+                        "GPU or CPU follows the cluster (--cpu: CPU anyway).  Transports: gloo on CPU; on GPUs, "
+                        "with every rank on one node, CUDA IPC peer pulls as direct (--transport nccl: Ray's "
+                        "per-actor GPU isolation and NCCL), across nodes NCCL")
+    p.add_argument("--ray-strategy", default=None, choices=["PACK", "SPREAD", "STRICT_PACK", "STRICT_SPREAD"],
+                   help="Ray placement group strategy (default: STRICT_PACK on GPUs when one node has them all, "
+                        "PACK on GPUs otherwise, SPREAD on CPU so that ranks sit on several nodes)")
     p.add_argument("--cpu", action="store_true", help="run on CPU (gloo, reduced width) even if GPUs exist")
     p.add_argument("--link-mb", type=float, default=None, help="link measurement message (default 1024 GPU, 16 CPU)")
     p.add_argument("--timeout", type=float, default=120.0, help="seconds any single wait may take (default 120)")
@@ -106,6 +120,11 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
         p.error("--iters must be at least 1 and --warmup at least 0")
     if a.via == "grpc" and a.vs:
         p.error("--vs compares planners on the direct bench; with --via grpc run each planner on its own")
+    if a.ray is not None and a.via == "grpc":
+        p.error("--ray runs the direct bench on Ray actors; --via grpc on Ray is not supported (use "
+                "refit.integrations.ray in your own actors for the agents' path)")
+    if a.ray_strategy and a.ray is None:
+        p.error("--ray-strategy needs --ray")
     return a
 
 
@@ -158,6 +177,8 @@ def _kill_hook() -> tuple[tuple[str, int, int] | None, bool]:
 
 def run(args: argparse.Namespace) -> dict[str, Any]:
     spec = load_spec(args.model)
+    if args.ray is not None:
+        return _run_ray(args, spec)
     gpus = _gpu_count(args.cpu)
     device = "cuda" if gpus else "cpu"
     reduced: dict[str, list[int]] | None = None
@@ -181,6 +202,36 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
     return run_direct(args, spec, plans, device, reduced, transport, *_kill_hook())
 
 
+def _run_ray(args: argparse.Namespace, spec: ModelSpec) -> dict[str, Any]:
+    """``--ray``: the device follows the cluster (its GPUs), not this machine."""
+    from refit.bench.on_ray import connect
+
+    ranks = resolve_layout(args.src, spec, "src").world_size + resolve_layout(args.dst, spec, "dst").world_size
+    import ray
+
+    started = connect(args.ray, ranks)
+    try:
+        return _run_ray_connected(args, spec)
+    finally:
+        if started:
+            ray.shutdown()
+
+
+def _run_ray_connected(args: argparse.Namespace, spec: ModelSpec) -> dict[str, Any]:
+    import ray
+
+    from refit.bench.on_ray import run_on_ray
+
+    cuda = not args.cpu and ray.cluster_resources().get("GPU", 0) > 0
+    reduced = None
+    if not cuda:
+        spec, reduced = reduce_spec(spec, args.src, args.dst)
+    bucket = int((args.bucket_mb if args.bucket_mb is not None else (256 if cuda else 1)) * MiB)
+    planners = [args.planner] + ([args.vs] if args.vs and args.vs != args.planner else [])
+    plans = [make_plan(spec, args.src, args.dst, args.placement, p, bucket) for p in planners]
+    return run_on_ray(args, spec, plans, cuda, reduced, _kill_hook())
+
+
 def main(argv: list[str] | None = None) -> int:
     args = parse_args(argv)
     setup_logging(args.verbose)
@@ -202,7 +253,12 @@ def _main(args: argparse.Namespace) -> int:
     else:
         from refit.bench.direct import table
 
-        print(json.dumps(result) if args.json else table(result))
+        text = table(result)
+        if "ray" in result:
+            from refit.bench.on_ray import table_ray
+
+            text += "\n" + table_ray(result)
+        print(json.dumps(result) if args.json else text)
     return 0 if result["verified"] else 1
 
 if __name__ == "__main__":

@@ -65,6 +65,7 @@ class Job:
     kill: tuple[str, int, int] | None = None  # test hook: (side, rank, refit number) dies mid-refit
     hang: bool = False  # test hook: the `kill` victim stops itself (SIGSTOP) instead of dying
     store_port: int = 0
+    store_host: str = "127.0.0.1"  # where the parent's rendezvous store listens (Ray: the driver's node)
     log_level: int = logging.WARNING
     # "framework": shards laid out as frameworks leave parameters (reverse order, irregular gaps:
     # blocks of neighbouring tensors do not merge); "arena": packed in layout order (they do).
@@ -100,8 +101,9 @@ class WorkerResult:
 class Session:
     """A worker's state across phases and refits."""
 
-    def __init__(self, job: Job, member: int, report: Callable[[str], None]) -> None:
-        self.job, self.member, self.report = job, member, report
+    def __init__(self, job: Job, member: int, report: Callable[[str], None], host: str = "127.0.0.1") -> None:
+        """``host``: the address this worker's gloo groups listen on (Ray: its node's)."""
+        self.job, self.member, self.report, self.host = job, member, report, host
         self.topo: Topology = job.topology
         self.mine: tuple[Endpoint, ...] = self.topo.members[member]
         self.name = self.topo.describe_member(member)
@@ -123,17 +125,18 @@ class Session:
         if job.transport not in ("comm", "ipc"):
             raise RefitError(f"unknown transport {job.transport!r} (comm or ipc)")
         ipc = job.transport == "ipc"
-        device = f"cuda:{devices[0]}" if job.device == "cuda" else "cpu"
+        index = topo.torch_index(devices[0])  # Ray: the topology's id of a GPU need not be its index here
+        device = f"cuda:{index}" if job.device == "cuda" else "cpu"
         if job.device == "cuda":
-            torch.cuda.set_device(devices[0])  # this process's context on its own GPU first
+            torch.cuda.set_device(index)  # this process's context on its own GPU first
         self.shards: dict[Endpoint, Shards] = {}
         for ep in self.mine:  # a CPU shard another process reads lives in /dev/shm
             shm = self.shm_path(ep) if job.device == "cpu" and shares(topo, self.member, ep, ipc) else None
             self.shards[ep] = allocate(self.locals_of(ep), torch.device(device), shm, job.alloc == "framework")
         names = [topo.describe_member(m) for m in range(len(topo.members))]
-        store = connect("127.0.0.1", job.store_port, job.session, job.timeout_s)
+        store = connect(job.store_host, job.store_port, job.session, job.timeout_s)
         self.m = Member(store, topo, self.member, device, self.shards, job.spec, job.src, job.dst, names,
-                        Budget(job.timeout_s, "set-up"), ipc=ipc, scattered=job.alloc == "framework")
+                        Budget(job.timeout_s, "set-up"), ipc=ipc, host=self.host, scattered=job.alloc == "framework")
         self.device = self.m.device
         self.report("setup")
 

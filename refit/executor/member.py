@@ -23,6 +23,7 @@ peer (`refit.executor.transports.PeerError`).
 from __future__ import annotations
 
 import datetime
+import json
 import logging
 import threading
 import time
@@ -36,7 +37,7 @@ from refit.executor.bound import Bound, Remaining, bind, run_refit
 from refit.executor.device import Device, enable_peer_access, make_device
 from refit.executor.schedule import Program, compile_program
 from refit.executor.shards import Shards, allocate, remove_file, views
-from refit.executor.topology import Endpoint, Topology
+from refit.executor.topology import Endpoint, GpuSeat, Topology, all_visible, local_indices, number_gpus
 from refit.executor.transports import (Comm, PeerError, export_arena, export_tensors, first_line, gloo_group,
                                        import_share, make_comm)
 from refit.layouts import Layout
@@ -69,26 +70,41 @@ def connect(host: str, port: int, prefix: str, timeout_s: float) -> dist.Store:
     return dist.PrefixStore(prefix, store)
 
 
+def visible_gpus() -> tuple[str, ...]:
+    """The UUIDs of the GPUs this process sees, in torch index order."""
+    return tuple(str(torch.cuda.get_device_properties(i).uuid) for i in range(torch.cuda.device_count()))
+
+
 def locate(store: dist.Store, member: int, endpoints: Sequence[Endpoint], device: str, host: str,
            names: Sequence[str]) -> tuple[Topology, bool, bool]:
-    """Agents: publish where this member sits (``cuda:<i>@host`` or ``cpu@host``), read everyone's,
-    and return the topology (one member per endpoint), whether all are on GPUs, whether on one
-    host.  GPUs of one host keep their CUDA index as device id; on several hosts ids are arbitrary
-    (the communicator is used); on CPU every member is its own device."""
-    store.set(f"device/{member}", f"{device}@{host}")
-    where = [store.get(f"device/{m}").decode() for m in range(len(endpoints))]
-    cuda = all(w.startswith("cuda:") for w in where)
-    if not cuda and any(w.startswith("cuda:") for w in where):
-        raise RefitError(f"members mix CPU and GPU tensors: {dict(zip(names, where))}")
-    one_host = len({w.split("@", 1)[1] for w in where}) == 1
-    if cuda:
-        ids: dict[str, int] = {}
-        for w in where:
-            ids.setdefault(w, int(w.split(":")[1].split("@")[0]) if one_host else len(ids))
-        devices = tuple((ep, ids[w]) for ep, w in zip(endpoints, where))
+    """Agents: publish where this member sits (``cpu@host``, or for a GPU its host, UUID and the
+    GPUs this process sees), read everyone's, and return the topology (one member per endpoint,
+    with this process's torch index of every GPU: `Topology.local`), whether all are on GPUs, and
+    whether the ipc transport is possible (one host, every member's GPU visible to every member:
+    not so under CUDA_VISIBLE_DEVICES isolation, e.g. Ray's default).  GPUs are told apart by
+    UUID, not torch index (`refit.executor.topology.number_gpus`); on CPU every member is its own
+    device."""
+    if device.startswith("cuda"):
+        index = torch.device(device).index or 0
+        visible = visible_gpus()
+        mine = {"host": host, "uuid": visible[index], "visible": list(visible)}
     else:
+        mine = {"host": host, "cpu": True}
+    store.set(f"device/{member}", json.dumps(mine))
+    where = [json.loads(store.get(f"device/{m}")) for m in range(len(endpoints))]
+    cuda = all("uuid" in w for w in where)
+    if not cuda and any("uuid" in w for w in where):
+        raise RefitError(f"members mix CPU and GPU tensors: "
+                         f"{ {n: 'cuda' if 'uuid' in w else 'cpu' for n, w in zip(names, where)} }")
+    one_host = len({w["host"] for w in where}) == 1
+    if not cuda:
         devices = tuple((ep, i) for i, ep in enumerate(endpoints))
-    return Topology(tuple((ep,) for ep in endpoints), devices), cuda, one_host
+        return Topology(tuple((ep,) for ep in endpoints), devices), False, one_host
+    seats = [GpuSeat(w["host"], w["uuid"], tuple(w["visible"])) for w in where]
+    ids = number_gpus(seats)
+    topo = Topology(tuple((ep,) for ep in endpoints), tuple(zip(endpoints, ids)),
+                    local_indices(seats, ids, seats[member]))
+    return topo, True, all_visible(seats)
 
 
 def shares(topo: Topology, member: int, ep: Endpoint, ipc: bool) -> bool:
@@ -129,8 +145,13 @@ class Member:
             if self.cuda:  # both ways, before the handles are opened (else copies go through the host)
                 here = self.device.torch.index
                 for dev in sorted({d for ep, d in topology.devices if ep[0] == "src"} - driven):
-                    enable_peer_access(here, dev)
-                    enable_peer_access(dev, here)
+                    there = topology.torch_index(dev)
+                    if there is None:
+                        raise RefitError(f"{self.name}: ipc needs every GPU visible in every member, and GPU "
+                                         f"{dev} is not visible here (CUDA_VISIBLE_DEVICES isolation?): use the "
+                                         "communicator")
+                    enable_peer_access(here, there)
+                    enable_peer_access(there, here)
         for ep in wanted:
             self.tensors[ep] = self._import(ep)
 

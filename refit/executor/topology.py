@@ -17,7 +17,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 from functools import cached_property
-from typing import Literal
+from typing import Literal, Sequence
 
 from refit.plan import Placement
 
@@ -36,6 +36,9 @@ class Topology:
 
     members: tuple[tuple[Endpoint, ...], ...]
     devices: tuple[tuple[Endpoint, int], ...]
+    # This process's view (the rest is the same in every member): device id -> its torch index
+    # here, None where that GPU is not visible in this process.  Empty: ids are torch indices.
+    local: tuple[tuple[int, int | None], ...] = ()
 
     @classmethod
     def one_per_rank(cls, placement: Placement) -> "Topology":
@@ -89,5 +92,54 @@ class Topology:
     def member_devices(self, member: int) -> list[int]:
         return sorted({self.device_of[ep] for ep in self.members[member]})
 
+    def torch_index(self, device: int) -> int | None:
+        """The torch index of ``device`` in this process (None: not visible here)."""
+        return dict(self.local).get(device) if self.local else device
+
     def describe_member(self, member: int) -> str:
         return ", ".join(endpoint_name(ep) for ep in self.members[member])
+
+
+# ---------------------------------------------------------------------------------------------
+# GPU identity.  A torch index names a GPU only within one process: under CUDA_VISIBLE_DEVICES
+# isolation (Ray's default) every process sees its own GPU as cuda:0.  Members therefore publish
+# their GPU's UUID and the UUIDs their process sees (in torch order), and each process maps every
+# device to its own index.
+
+
+@dataclass(frozen=True)
+class GpuSeat:
+    """Where one member's GPU is: its host, its UUID, and every GPU its process sees (UUIDs in
+    torch index order)."""
+
+    host: str
+    uuid: str
+    visible: tuple[str, ...]
+
+
+def number_gpus(seats: Sequence[GpuSeat]) -> list[int]:
+    """A device id per member; members on one GPU (same host and UUID) share it.  Where every
+    member sits on one host and sees the same GPUs in the same order (one machine, nothing
+    isolated) the id is the GPU's torch index, as everywhere else in refit; otherwise GPUs are
+    numbered in order of first appearance."""
+    if len({s.host for s in seats}) == 1 and len({s.visible for s in seats}) == 1 and \
+            all(s.uuid in s.visible for s in seats):
+        return [s.visible.index(s.uuid) for s in seats]
+    ids: dict[tuple[str, str], int] = {}
+    return [ids.setdefault((s.host, s.uuid), len(ids)) for s in seats]
+
+
+def local_indices(seats: Sequence[GpuSeat], ids: Sequence[int], me: GpuSeat) -> tuple[tuple[int, int | None], ...]:
+    """For the process at ``me``: every device id and its torch index there, None where that GPU
+    is on another host or not visible (then neither peer access nor CUDA IPC reach it: bytes to
+    and from it go over the communicator)."""
+    out: dict[int, int | None] = {}
+    for s, d in zip(seats, ids):
+        out[d] = me.visible.index(s.uuid) if s.host == me.host and s.uuid in me.visible else None
+    return tuple(sorted(out.items()))
+
+
+def all_visible(seats: Sequence[GpuSeat]) -> bool:
+    """Whether every member sits on one host and sees every member's GPU: the condition for the
+    ipc transport (peer pulls between GPUs, CUDA IPC between any two members)."""
+    return len({s.host for s in seats}) == 1 and all(o.uuid in s.visible for s in seats for o in seats)

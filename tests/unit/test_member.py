@@ -95,7 +95,9 @@ def test_colocated_pair_refits_bit_exact_and_names_the_absent() -> None:
         m.close()
 
 
-def test_locate_and_budget() -> None:
+def test_locate_and_budget(monkeypatch: pytest.MonkeyPatch) -> None:
+    # A fake machine of 4 GPUs, all visible (no CUDA here): locate knows GPUs by UUID.
+    monkeypatch.setattr("refit.executor.member.visible_gpus", lambda: ("u0", "u1", "u2", "u3"))
     master = dist.TCPStore("127.0.0.1", 0, is_master=True, wait_for_workers=False)
     eps = [("src", 0), ("dst", 0)]
     names = ["trainer/0", "engine/0"]
@@ -110,8 +112,10 @@ def test_locate_and_budget() -> None:
     # Colocated on GPU 3 of one host: one device, the engine drives it; on two hosts, ids are arbitrary.
     topo, cuda, one_host = _together([at("c/", 0, "cuda:3"), at("c/", 1, "cuda:3")])[0]
     assert cuda and one_host and topo.device_of == {("src", 0): 3, ("dst", 0): 3} and topo.drivers == (1,)
+    assert topo.torch_index(3) == 3
     topo, cuda, one_host = _together([at("d/", 0, "cuda:3", "h1"), at("d/", 1, "cuda:3", "h2")])[0]
     assert cuda and not one_host and topo.device_of == {("src", 0): 0, ("dst", 0): 1}
+    assert topo.local == ((0, 3), (1, None))  # member 0's view: the other host's GPU is not local
     with pytest.raises(TimeoutError, match="within 0.01 s"):
         b = Budget(0.01, "refit")
         time.sleep(0.02)

@@ -31,3 +31,55 @@ def test_disaggregated_and_single() -> None:
 def test_lowest_source_drives_a_device_without_destination() -> None:
     topo = Topology(((("src", 1),), (("src", 0),)), ((("src", 1), 0), (("src", 0), 0)))
     assert topo.driver_of == {0: 1} and topo.drivers == (1,)
+
+
+# ------------------------------------------------------------------ GPU identity (fake visible lists)
+
+from refit.executor.topology import GpuSeat, all_visible, local_indices, number_gpus  # noqa: E402
+
+ALL = ("uuid-a", "uuid-b", "uuid-c", "uuid-d")
+
+
+def test_one_machine_everything_visible_keeps_torch_indices() -> None:
+    """The usual single machine: ids are torch indices, and every process maps them to themselves."""
+    seats = [GpuSeat("h", ALL[g], ALL) for g in (2, 0, 2, 0)]  # src0 on 2, src1 on 0, dst0 on 2, dst1 on 0
+    ids = number_gpus(seats)
+    assert ids == [2, 0, 2, 0] and all_visible(seats)
+    assert local_indices(seats, ids, seats[0]) == ((0, 0), (2, 2))
+
+
+def test_ray_isolation_each_process_sees_its_gpu_as_cuda0() -> None:
+    """Ray's default: each actor sees only its GPU, as index 0.  Two GPUs of one host stay two
+    devices; a colocated pair (one GPU) stays one; a peer's GPU is not visible (no ipc)."""
+    seats = [GpuSeat("h", "uuid-a", ("uuid-a",)), GpuSeat("h", "uuid-b", ("uuid-b",)),
+             GpuSeat("h", "uuid-a", ("uuid-a",)), GpuSeat("h", "uuid-b", ("uuid-b",))]
+    ids = number_gpus(seats)
+    assert ids == [0, 1, 0, 1] and not all_visible(seats)
+    assert local_indices(seats, ids, seats[0]) == ((0, 0), (1, None))
+    assert local_indices(seats, ids, seats[3]) == ((0, None), (1, 0))
+
+
+def test_all_gpus_visible_in_another_order() -> None:
+    """Every process sees every GPU but in its own order (CUDA_VISIBLE_DEVICES permuted): one
+    device per UUID, each process maps it to its own index."""
+    seats = [GpuSeat("h", "uuid-a", ("uuid-a", "uuid-b")), GpuSeat("h", "uuid-b", ("uuid-b", "uuid-a"))]
+    ids = number_gpus(seats)
+    assert ids == [0, 1] and all_visible(seats)
+    assert local_indices(seats, ids, seats[0]) == ((0, 0), (1, 1))
+    assert local_indices(seats, ids, seats[1]) == ((0, 1), (1, 0))
+
+
+def test_two_hosts_same_uuid_text_are_two_devices() -> None:
+    """Two Ray nodes on one machine are two hosts: a GPU of the other host is never local, even
+    where (fake) UUIDs collide, and host b's own GPUs map to its indices."""
+    seats = [GpuSeat("a", "uuid-a", ALL[:2]), GpuSeat("b", "uuid-a", ALL[:2]), GpuSeat("b", "uuid-b", ALL[:2])]
+    ids = number_gpus(seats)
+    assert ids == [0, 1, 2] and not all_visible(seats)
+    assert local_indices(seats, ids, seats[1]) == ((0, None), (1, 0), (2, 1))
+
+
+def test_topology_torch_index() -> None:
+    topo = Topology.one_per_rank(Placement.make("colocated", 2, 2))
+    assert topo.torch_index(1) == 1  # no local view: ids are torch indices
+    local = Topology(topo.members, topo.devices, ((0, 0), (1, None)))
+    assert (local.torch_index(0), local.torch_index(1), local.torch_index(5)) == (0, None, None)

@@ -27,8 +27,8 @@ from __future__ import annotations
 
 from refit.integrations.ray.coordinator import (COORDINATOR_NAME, RayEndpoint, agent_kwargs, coordinator_address,
                                                 cuda_index, endpoint, host_for, start_coordinator, stop_coordinator)
-from refit.integrations.ray.placement import RLPlacement, Traffic, check_placement, plan_traffic, rl_placement
+from refit.integrations.ray.placement import RLPlacement, Traffic, check_placement, plan_traffic, rl_placement, traffic
 
 __all__ = ["COORDINATOR_NAME", "RayEndpoint", "RLPlacement", "agent_kwargs", "check_placement", "coordinator_address",
            "cuda_index", "endpoint", "host_for", "plan_traffic", "rl_placement", "start_coordinator",
-           "stop_coordinator", "Traffic"]
+           "stop_coordinator", "Traffic", "traffic"]

@@ -11,7 +11,7 @@ registered workers sit where it says (`check_placement`).
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING, Any, Mapping
 
 import ray
 from ray.util.placement_group import PlacementGroup, placement_group, remove_placement_group
@@ -21,6 +21,7 @@ from refit.errors import RefitError
 
 if TYPE_CHECKING:
     from refit.control.client import Client
+    from refit.plan import Plan
 
 STRATEGIES = ("PACK", "SPREAD", "STRICT_PACK", "STRICT_SPREAD")
 # Ray leaves CUDA_VISIBLE_DEVICES alone in actors started with this set.
@@ -177,11 +178,17 @@ def plan_traffic(client: "Client", plan_id: str) -> Traffic:
     for side in ("src_group", "dst_group"):
         group = summary[side]
         hosts[side] = {row["info"]["rank"]: row["info"]["host"] for row in client.list_workers(group=group)}
+    return traffic(summary["plan"], hosts["src_group"], hosts["dst_group"])
+
+
+def traffic(plan: "Plan", src_host: Mapping[int, str], dst_host: Mapping[int, str]) -> Traffic:
+    """`Traffic` of ``plan`` with source rank r on host ``src_host[r]`` and destination rank r on
+    ``dst_host[r]`` (pure)."""
     within: dict[str, int] = {}
     across = 0
-    for b in summary["plan"].buckets:
-        sender = hosts["src_group"][b.src]
-        receiver = hosts["src_group" if b.stage == 0 else "dst_group"][b.dst]
+    for b in plan.buckets:
+        sender = src_host[b.src]
+        receiver = (src_host if b.stage == 0 else dst_host)[b.dst]
         if sender == receiver:
             within[sender] = within.get(sender, 0) + b.nbytes
         else:
