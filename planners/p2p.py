@@ -4,16 +4,18 @@
 2. Among replicas (dp, cp, TP-replicated norms…) pick the source on the destination's own GPU;
    otherwise balance: largest parts first, each to the replica whose GPU has sent least so far
    (the LPT rule, which keeps the largest per-GPU send volume close to its minimum).
-3. Split and pack into buckets (`refit.plan.pack_buckets`).
+3. Split and pack into buckets (`refit.plan.pack_pairs`).
 """
 
 from __future__ import annotations
+
+from collections import defaultdict
 
 from planners.base import source_index, sources_for
 from refit.boxes import Box, volume
 from refit.dtypes import DTYPE_BYTES
 from refit.layouts import Layout, all_holdings
-from refit.plan import Placement, Plan, Transfer, pack_buckets
+from refit.plan import Pairs, Placement, Plan, Transfer, pack_pairs
 from refit.spec import ModelSpec
 
 
@@ -24,36 +26,40 @@ class P2PPlanner:
         index = source_index(spec, src)
         sgpu, dgpu = placement.src_gpus, placement.dst_gpus
         send = [0] * placement.num_gpus
-        chosen: list[tuple[int, int, str, Box]] = []  # (src, dst, tensor, box)
+        # Transfers by (stage, src, dst) pair, in the order they are chosen (what `pack_pairs` takes).
+        pairs: Pairs = defaultdict(list)
         open_items: list[tuple[int, int, str, Box, list[int]]] = []  # (bytes, dst, tensor, box, candidates)
-        parts_cache: dict[tuple[str, Box], list[tuple[Box, list[int]]]] = {}
+        # (tensor, box) -> its parts, each with its holders and bytes: dp replicas ask for the same boxes
+        parts_cache: dict[tuple[str, Box], list[tuple[Box, list[int], int]]] = {}
         for d, held in enumerate(all_holdings(spec, dst)):
+            dg = dgpu[d]
             for tensor, boxes in held.items():
                 itemsize = DTYPE_BYTES[spec[tensor].dtype]
                 for box in boxes:
-                    key = (tensor, box)
-                    if key not in parts_cache:
-                        parts_cache[key] = sources_for(index, tensor, box, f"destination rank {d}")
-                    for part, ranks in parts_cache[key]:
+                    parts = parts_cache.get((tensor, box))
+                    if parts is None:
+                        parts = parts_cache[tensor, box] = [
+                            (part, ranks, volume(part[1]) * itemsize)
+                            for part, ranks in sources_for(index, tensor, box, f"destination rank {d}")]
+                    for part, ranks, nbytes in parts:
                         if len(ranks) == 1:  # the common case at scale (experts): no choice to make
                             s = ranks[0]
                         else:
-                            local = [r for r in ranks if sgpu[r] == dgpu[d]]
+                            local = [r for r in ranks if sgpu[r] == dg]
                             if not local:
-                                open_items.append((volume(part[1]) * itemsize, d, tensor, part, ranks))
+                                open_items.append((nbytes, d, tensor, part, ranks))
                                 continue
                             s = local[0]
-                        chosen.append((s, d, tensor, part))
-                        if sgpu[s] != dgpu[d]:
-                            send[sgpu[s]] += volume(part[1]) * itemsize
+                        pairs[1, s, d].append((Transfer(1, s, d, tensor, part[0], part[1]), nbytes))
+                        if sgpu[s] != dg:
+                            send[sgpu[s]] += nbytes
         # Balance the free choices, largest first (stable order on ties keeps plans reproducible).
         for i in sorted(range(len(open_items)), key=lambda i: -open_items[i][0]):
             nbytes, d, tensor, part, ranks = open_items[i]
             s = min(ranks, key=lambda r: (send[sgpu[r]], r))
             send[sgpu[s]] += nbytes
-            chosen.append((s, d, tensor, part))
-        transfers = [Transfer(1, s, d, tensor, box[0], box[1]) for s, d, tensor, box in chosen]
+            pairs[1, s, d].append((Transfer(1, s, d, tensor, part[0], part[1]), nbytes))
         tensors = {t.name: (t.dtype, t.shape) for t in spec.tensors}
-        transfers, buckets = pack_buckets(transfers, tensors, bucket_bytes, sgpu, dgpu)
+        transfers, buckets = pack_pairs(pairs, tensors, bucket_bytes, sgpu, dgpu)
         return Plan(spec.name, spec.digest(), src.describe(), dst.describe(), placement, self.name, bucket_bytes,
                     tensors, tuple(transfers), tuple(buckets))

@@ -13,10 +13,11 @@ from __future__ import annotations
 
 import hashlib
 import json
+from collections import defaultdict
 from dataclasses import dataclass, field
 from typing import Any, Literal, NamedTuple
 
-from refit.boxes import Index, volume
+from refit.boxes import Index, split_box, volume
 from refit.dtypes import DTYPE_BYTES
 from refit.errors import RefitError
 from refit.spec import ModelSpec
@@ -151,25 +152,29 @@ class Plan:
         return hashlib.sha256(blob.encode()).hexdigest()[:16]
 
 
+# Transfers grouped by (stage, src, dst), each with its byte count, in plan order.
+Pairs = dict[tuple[int, int, int], list[tuple[Transfer, int]]]
+
+
 def pack_buckets(transfers: list[Transfer], plan_tensors: dict[str, tuple[str, Index]], bucket_bytes: int,
                  src_gpus: tuple[int, ...], dst_gpus: tuple[int, ...]) -> tuple[list[Transfer], list[Bucket]]:
     """Split transfers to fit ``bucket_bytes`` and pack them, per (stage, src, dst) pair and widest
     dtype first, into buckets.  Order: stage, then local copies, then remote pairs in rounds of the GPU distance
     ``(dst_gpu - src_gpu) mod G`` so that in each round every GPU sends to one peer and receives
     from one peer."""
-    from refit.boxes import split_box
-
-    num_gpus = max(src_gpus + dst_gpus) + 1
-    pairs: dict[tuple[int, int, int], list[Transfer]] = {}
     itemsizes = {n: DTYPE_BYTES[dt] for n, (dt, _) in plan_tensors.items()}
+    pairs: Pairs = defaultdict(list)
     for t in transfers:
-        itemsize = itemsizes[t.tensor]
-        group = pairs.setdefault((t.stage, t.src, t.dst), [])
-        if volume(t.size) * itemsize <= bucket_bytes:  # the common case: nothing to split
-            group.append(t)
-            continue
-        for start, size in split_box((t.start, t.size), max(1, bucket_bytes // itemsize)):
-            group.append(Transfer(t.stage, t.src, t.dst, t.tensor, start, size))
+        pairs[t.stage, t.src, t.dst].append((t, volume(t.size) * itemsizes[t.tensor]))
+    return pack_pairs(pairs, plan_tensors, bucket_bytes, src_gpus, dst_gpus)
+
+
+def pack_pairs(pairs: Pairs, plan_tensors: dict[str, tuple[str, Index]], bucket_bytes: int,
+               src_gpus: tuple[int, ...], dst_gpus: tuple[int, ...]) -> tuple[list[Transfer], list[Bucket]]:
+    """`pack_buckets` of transfers a planner has already grouped (and sized) by pair."""
+    num_gpus = max(src_gpus + dst_gpus) + 1
+    itemsizes = {n: DTYPE_BYTES[dt] for n, (dt, _) in plan_tensors.items()}
+    one_itemsize = len(set(itemsizes.values())) == 1
 
     def order(key: tuple[int, int, int]) -> tuple[int, int, int, int]:
         stage, s, d = key
@@ -179,24 +184,34 @@ def pack_buckets(transfers: list[Transfer], plan_tensors: dict[str, tuple[str, I
 
     out_t: list[Transfer] = []
     out_b: list[Bucket] = []
+    append = out_t.append
     for key in sorted(pairs, key=order):
         stage, s, d = key
         first, nbytes = len(out_t), 0
         group = pairs[key]
-        if len({itemsizes[t.tensor] for t in group}) > 1:
+        if not one_itemsize and len({itemsizes[t.tensor] for t, _ in group}) > 1:
             # Widest dtype first (stable): every transfer in a bucket buffer then starts at a
             # multiple of its own item size (a float32 router bias after a bfloat16 box of odd
             # size would not).  Single-dtype models keep their order, and their plan ids.
-            group = sorted(group, key=lambda t: -itemsizes[t.tensor])
-        for t in group:
-            b = volume(t.size) * itemsizes[t.tensor]
-            if nbytes and nbytes + b > bucket_bytes:
-                out_b.append(Bucket(stage, s, d, first, len(out_t) - first, nbytes))
-                first, nbytes = len(out_t), 0
-            out_t.append(t)
-            nbytes += b
+            group = sorted(group, key=lambda e: -itemsizes[e[0].tensor])
+        for t, b in group:
+            if b > bucket_bytes:  # rare: cut into pieces that fit, in row-major order
+                pieces = _split(t, itemsizes[t.tensor], bucket_bytes)
+            else:
+                pieces = ((t, b),)
+            for t, b in pieces:
+                if nbytes and nbytes + b > bucket_bytes:
+                    out_b.append(Bucket(stage, s, d, first, len(out_t) - first, nbytes))
+                    first, nbytes = len(out_t), 0
+                append(t)
+                nbytes += b
         out_b.append(Bucket(stage, s, d, first, len(out_t) - first, nbytes))
     return out_t, out_b
+
+
+def _split(t: Transfer, itemsize: int, bucket_bytes: int) -> list[tuple[Transfer, int]]:
+    return [(Transfer(t.stage, t.src, t.dst, t.tensor, start, size), volume(size) * itemsize)
+            for start, size in split_box((t.start, t.size), max(1, bucket_bytes // itemsize))]
 
 
 def summarize(plan: Plan, spec: ModelSpec, dst_total_bytes: int, seconds: float | None = None) -> dict[str, Any]:
