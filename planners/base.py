@@ -72,9 +72,10 @@ class Grid(NamedTuple):
         return cls(tuple([s for s, _ in iv] for iv in per_dim), tuple([n for _, n in iv] for iv in per_dim),
                    {b[0]: ranks for b, ranks in items})
 
-    def parts(self, box: Box, outer: int) -> list[tuple[Box, list[int]]]:
+    def parts(self, box: Box, outer: int) -> tuple[list[tuple[Box, list[int]]], int]:
         """``box`` cut by the grid, with the ranks holding each part, ordered by their source box's
-        start on dimension ``outer`` first, then by that start (the order of `SortedBoxes`)."""
+        start on dimension ``outer`` first, then by that start (the order of `SortedBoxes`); and
+        how many of the box's elements the parts cover."""
         starts, sizes, src_starts = [], [], []  # per dimension: the overlaps and their intervals
         for lo, n, iv_starts, iv_sizes in zip(box[0], box[1], self.starts, self.sizes):
             hi = lo + n
@@ -92,13 +93,16 @@ class Grid(NamedTuple):
             sizes.append(sz)
             src_starts.append(ss)
         ranks = self.ranks
+        covered = math.prod(sum(sz) for sz in sizes)
         if outer == 0:  # product order is already start order
-            return [((st, sz), ranks[ss]) for st, sz, ss in zip(product(*starts), product(*sizes), product(*src_starts))]
+            cut = zip(product(*starts), product(*sizes), product(*src_starts))
+            return [((st, sz), ranks[ss]) for st, sz, ss in cut], covered
         out = []
         for i in range(len(starts[outer])):  # one slab per overlap on the outer dimension
-            slab = [lists[:outer] + [lists[outer][i:i + 1]] + lists[outer + 1:] for lists in (starts, sizes, src_starts)]
+            slab = [lists[:outer] + [lists[outer][i:i + 1]] + lists[outer + 1:]
+                    for lists in (starts, sizes, src_starts)]
             out.extend(((st, sz), ranks[ss]) for st, sz, ss in zip(*(product(*lists) for lists in slab)))
-        return out
+        return out, covered
 
 
 class TensorSources(NamedTuple):
@@ -156,8 +160,7 @@ def sources_for(index: SourceIndex, tensor: str, box: Box, where: str) -> list[t
         counts = [(sb.count(box, d), d) for d, sb in enumerate(src.by_dim)]
         outer = min(counts)[1]
         if src.grid is not None:
-            found = src.grid.parts(box, outer)
-            covered = sum(volume(part[1]) for part, _ in found)
+            found, covered = src.grid.parts(box, outer)
         else:
             for sbox, ranks in src.by_dim[outer].candidates(box, outer):
                 inter = intersect(box, sbox)

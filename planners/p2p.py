@@ -10,6 +10,7 @@
 from __future__ import annotations
 
 from collections import defaultdict
+from operator import itemgetter
 
 from planners.base import source_index, sources_for
 from refit.boxes import Box, volume
@@ -26,15 +27,18 @@ class P2PPlanner:
         index = source_index(spec, src)
         sgpu, dgpu = placement.src_gpus, placement.dst_gpus
         send = [0] * placement.num_gpus
-        # Transfers by (stage, src, dst) pair, in the order they are chosen (what `pack_pairs` takes).
-        pairs: Pairs = defaultdict(list)
-        open_items: list[tuple[int, int, str, Box, list[int]]] = []  # (bytes, dst, tensor, box, candidates)
+        # Transfers by item size and (stage, src, dst) pair, in the order they are chosen (what
+        # `pack_pairs` takes).
+        by_itemsize: dict[int, Pairs] = {}
+        # (bytes, dst, tensor, box, candidate sources, item size)
+        open_items: list[tuple[int, int, str, Box, list[int], int]] = []
         # (tensor, box) -> its parts, each with its holders and bytes: dp replicas ask for the same boxes
         parts_cache: dict[tuple[str, Box], list[tuple[Box, list[int], int]]] = {}
         for d, held in enumerate(all_holdings(spec, dst)):
             dg = dgpu[d]
             for tensor, boxes in held.items():
                 itemsize = DTYPE_BYTES[spec[tensor].dtype]
+                pairs = by_itemsize.setdefault(itemsize, defaultdict(list))
                 for box in boxes:
                     parts = parts_cache.get((tensor, box))
                     if parts is None:
@@ -47,19 +51,22 @@ class P2PPlanner:
                         else:
                             local = [r for r in ranks if sgpu[r] == dg]
                             if not local:
-                                open_items.append((nbytes, d, tensor, part, ranks))
+                                open_items.append((nbytes, d, tensor, part, ranks, itemsize))
                                 continue
                             s = local[0]
                         pairs[1, s, d].append((Transfer(1, s, d, tensor, part[0], part[1]), nbytes))
                         if sgpu[s] != dg:
                             send[sgpu[s]] += nbytes
-        # Balance the free choices, largest first (stable order on ties keeps plans reproducible).
-        for i in sorted(range(len(open_items)), key=lambda i: -open_items[i][0]):
-            nbytes, d, tensor, part, ranks = open_items[i]
-            s = min(ranks, key=lambda r: (send[sgpu[r]], r))
+        # Balance the free choices, largest first (stable order on ties keeps plans reproducible):
+        # each to the candidate whose GPU has sent least, the lowest rank on ties (ranks are sorted).
+        for nbytes, d, tensor, part, ranks, itemsize in sorted(open_items, key=itemgetter(0), reverse=True):
+            s, low = ranks[0], send[sgpu[ranks[0]]]
+            for r in ranks:
+                if send[sgpu[r]] < low:
+                    s, low = r, send[sgpu[r]]
             send[sgpu[s]] += nbytes
-            pairs[1, s, d].append((Transfer(1, s, d, tensor, part[0], part[1]), nbytes))
+            by_itemsize[itemsize][1, s, d].append((Transfer(1, s, d, tensor, part[0], part[1]), nbytes))
         tensors = {t.name: (t.dtype, t.shape) for t in spec.tensors}
-        transfers, buckets = pack_pairs(pairs, tensors, bucket_bytes, sgpu, dgpu)
+        transfers, buckets = pack_pairs(by_itemsize, bucket_bytes, sgpu, dgpu)
         return Plan(spec.name, spec.digest(), src.describe(), dst.describe(), placement, self.name, bucket_bytes,
                     tensors, tuple(transfers), tuple(buckets))

@@ -63,8 +63,7 @@ class Transfer(NamedTuple):
         return volume(self.size)
 
 
-@dataclass(frozen=True)
-class Bucket:
+class Bucket(NamedTuple):  # a NamedTuple: a 1T plan makes 6 * 10^4 of them
     stage: int
     src: int
     dst: int
@@ -152,7 +151,8 @@ class Plan:
         return hashlib.sha256(blob.encode()).hexdigest()[:16]
 
 
-# Transfers grouped by (stage, src, dst), each with its byte count, in plan order.
+# Transfers grouped by (stage, src, dst), each with its byte count, in plan order; one such dict
+# per item size, so that packing can put the widest dtype first without sorting every group.
 Pairs = dict[tuple[int, int, int], list[tuple[Transfer, int]]]
 
 
@@ -163,18 +163,21 @@ def pack_buckets(transfers: list[Transfer], plan_tensors: dict[str, tuple[str, I
     ``(dst_gpu - src_gpu) mod G`` so that in each round every GPU sends to one peer and receives
     from one peer."""
     itemsizes = {n: DTYPE_BYTES[dt] for n, (dt, _) in plan_tensors.items()}
-    pairs: Pairs = defaultdict(list)
+    by_itemsize: dict[int, Pairs] = {}
     for t in transfers:
-        pairs[t.stage, t.src, t.dst].append((t, volume(t.size) * itemsizes[t.tensor]))
-    return pack_pairs(pairs, plan_tensors, bucket_bytes, src_gpus, dst_gpus)
+        itemsize = itemsizes[t.tensor]
+        pairs = by_itemsize.setdefault(itemsize, defaultdict(list))
+        pairs[t.stage, t.src, t.dst].append((t, volume(t.size) * itemsize))
+    return pack_pairs(by_itemsize, bucket_bytes, src_gpus, dst_gpus)
 
 
-def pack_pairs(pairs: Pairs, plan_tensors: dict[str, tuple[str, Index]], bucket_bytes: int,
-               src_gpus: tuple[int, ...], dst_gpus: tuple[int, ...]) -> tuple[list[Transfer], list[Bucket]]:
-    """`pack_buckets` of transfers a planner has already grouped (and sized) by pair."""
+def pack_pairs(by_itemsize: dict[int, Pairs], bucket_bytes: int, src_gpus: tuple[int, ...],
+               dst_gpus: tuple[int, ...]) -> tuple[list[Transfer], list[Bucket]]:
+    """`pack_buckets` of transfers a planner has already grouped by item size and pair, and sized."""
     num_gpus = max(src_gpus + dst_gpus) + 1
-    itemsizes = {n: DTYPE_BYTES[dt] for n, (dt, _) in plan_tensors.items()}
-    one_itemsize = len(set(itemsizes.values())) == 1
+    # Widest dtype first (stable): every transfer in a bucket buffer then starts at a multiple of
+    # its own item size (a float32 router bias after a bfloat16 box of odd size would not).
+    widest_first = [(itemsize, by_itemsize[itemsize]) for itemsize in sorted(by_itemsize, reverse=True)]
 
     def order(key: tuple[int, int, int]) -> tuple[int, int, int, int]:
         stage, s, d = key
@@ -185,26 +188,22 @@ def pack_pairs(pairs: Pairs, plan_tensors: dict[str, tuple[str, Index]], bucket_
     out_t: list[Transfer] = []
     out_b: list[Bucket] = []
     append = out_t.append
-    for key in sorted(pairs, key=order):
+    keys = set().union(*by_itemsize.values()) if len(by_itemsize) > 1 else next(iter(by_itemsize.values()), {})
+    for key in sorted(keys, key=order):
         stage, s, d = key
         first, nbytes = len(out_t), 0
-        group = pairs[key]
-        if not one_itemsize and len({itemsizes[t.tensor] for t, _ in group}) > 1:
-            # Widest dtype first (stable): every transfer in a bucket buffer then starts at a
-            # multiple of its own item size (a float32 router bias after a bfloat16 box of odd
-            # size would not).  Single-dtype models keep their order, and their plan ids.
-            group = sorted(group, key=lambda e: -itemsizes[e[0].tensor])
-        for t, b in group:
-            if b > bucket_bytes:  # rare: cut into pieces that fit, in row-major order
-                pieces = _split(t, itemsizes[t.tensor], bucket_bytes)
-            else:
-                pieces = ((t, b),)
-            for t, b in pieces:
-                if nbytes and nbytes + b > bucket_bytes:
-                    out_b.append(Bucket(stage, s, d, first, len(out_t) - first, nbytes))
-                    first, nbytes = len(out_t), 0
-                append(t)
-                nbytes += b
+        for itemsize, pairs in widest_first:
+            for t, b in pairs.get(key, ()):
+                if b > bucket_bytes:  # rare: cut into pieces that fit, in row-major order
+                    pieces = _split(t, itemsize, bucket_bytes)
+                else:
+                    pieces = ((t, b),)
+                for t, b in pieces:
+                    if nbytes and nbytes + b > bucket_bytes:
+                        out_b.append(Bucket(stage, s, d, first, len(out_t) - first, nbytes))
+                        first, nbytes = len(out_t), 0
+                    append(t)
+                    nbytes += b
         out_b.append(Bucket(stage, s, d, first, len(out_t) - first, nbytes))
     return out_t, out_b
 
