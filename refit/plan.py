@@ -11,6 +11,7 @@ Transfers are grouped into buckets of at most ``bucket_bytes``, each bucket one 
 
 from __future__ import annotations
 
+import functools
 import hashlib
 import json
 from collections import defaultdict
@@ -123,9 +124,9 @@ class Plan:
             # [stage, src, dst, tensor index, start, size]
             # (start/size stay tuples: json writes them as the same arrays, and copying 10^5 of
             # them is a tenth of a 1T-model plan's time)
-            "transfers": [[t.stage, t.src, t.dst, index[t.tensor], t.start, t.size] for t in self.transfers],
+            "transfers": [(stage, s, d, index[name], start, size) for stage, s, d, name, start, size in self.transfers],
             # [stage, src, dst, first transfer, count, bytes]
-            "buckets": [[b.stage, b.src, b.dst, b.first, b.count, b.nbytes] for b in self.buckets],
+            "buckets": [list(b) for b in self.buckets],
         }
 
     @classmethod
@@ -144,7 +145,7 @@ class Plan:
             buckets=tuple(Bucket(*b) for b in d["buckets"]),
         )
 
-    @property
+    @functools.cached_property
     def plan_id(self) -> str:
         """Stable hash of everything the plan says: equal plans, equal ids, on any machine."""
         blob = json.dumps(self.to_dict(), separators=(",", ":"), sort_keys=True)
@@ -219,13 +220,15 @@ def summarize(plan: Plan, spec: ModelSpec, dst_total_bytes: int, seconds: float 
     send = [0] * num_gpus
     recv = [0] * num_gpus
     local = remote = 0
-    for b in plan.buckets:
-        if plan.is_local(b):
-            local += b.nbytes
+    src_gpus, dst_gpus = plan.placement.src_gpus, plan.placement.dst_gpus
+    for stage, s, d, _, _, nbytes in plan.buckets:  # (`Plan.is_local`, inlined: 10^5 buckets at 1T)
+        sg, dg = src_gpus[s], (src_gpus if stage == 0 else dst_gpus)[d]
+        if sg == dg:
+            local += nbytes
         else:
-            remote += b.nbytes
-            send[plan.src_gpu(b)] += b.nbytes
-            recv[plan.dst_gpu(b)] += b.nbytes
+            remote += nbytes
+            send[sg] += nbytes
+            recv[dg] += nbytes
     out: dict[str, Any] = {
         "plan_id": plan.plan_id,
         "model": plan.model,
