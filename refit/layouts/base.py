@@ -24,7 +24,7 @@ from __future__ import annotations
 import functools
 from collections import defaultdict
 import math
-from typing import ClassVar, NamedTuple, Protocol
+from typing import ClassVar, Hashable, Iterable, NamedTuple, Protocol
 
 from refit.boxes import Box, Index, join_runs, merge_boxes
 from refit.dtypes import DTYPE_BYTES
@@ -100,10 +100,15 @@ def vocab_pieces(tensor: str, vocab: int, hidden: int, padded: int, tp: int, tp_
 
 def holdings(spec: ModelSpec, layout: Layout, rank: int) -> dict[str, list[Box]]:
     """Canonical tensor -> the boxes a rank holds, coalesced."""
+    return holdings_of(layout.local_tensors(spec, rank))
+
+
+def holdings_of(tensors: Iterable[LocalTensor]) -> dict[str, list[Box]]:
+    """Canonical tensor -> the boxes some local tensors hold, coalesced, in order of first appearance."""
     # Hot loop for MoE models (a rank holds E/EP experts x layers pieces): group pieces that differ
     # only on dim 0 (their layer, mostly) right away, and join their runs before the general merge.
     along0: dict[tuple[str, Index, Index], list[tuple[int, int]]] = defaultdict(list)
-    for lt in layout.local_tensors(spec, rank):
+    for lt in tensors:
         for tensor, start, size, _ in lt.pieces:
             along0[(tensor, start[1:], size[1:])].append((start[0], size[0]))
     boxes: dict[str, list[Box]] = defaultdict(list)
@@ -114,14 +119,31 @@ def holdings(spec: ModelSpec, layout: Layout, rank: int) -> dict[str, list[Box]]
 
 @functools.lru_cache(maxsize=8)
 def all_holdings(spec: ModelSpec, layout: Layout) -> list[dict[str, list[Box]]]:
-    """Holdings of every rank (cached: planners and summaries ask for the same ones; do not mutate)."""
+    """Holdings of every rank (cached: planners and summaries ask for the same ones; do not mutate).
+
+    A layout may also say, with ``varying_tensors(spec, rank) -> (key, local tensors) | None``,
+    that ranks with equal keys hold the same local tensors but for the ones returned, which
+    alone hold their canonical tensors and sit at the same places in every such rank's list (a
+    vLLM MoE engine's dp ranks differ only in their routed experts).  Then only those are
+    coalesced again for each rank; the rest is taken from the first rank with that key."""
     by_key: dict[tuple[int, ...], dict[str, list[Box]]] = {}
+    # varying key -> (a full holdings, the names its varying tensors held, in order)
+    shared: dict[Hashable, tuple[dict[str, list[Box]], list[str]]] = {}
+    varying = getattr(layout, "varying_tensors", None)
     out = []
     for r in range(layout.world_size):
         key = layout.replica_key(r)
         if key not in by_key:
-            by_key[key] = holdings(spec, layout, r)
+            part = varying(spec, r) if varying is not None else None
+            if part is None:
+                by_key[key] = holdings(spec, layout, r)
+            else:
+                own = holdings_of(part[1])
+                if part[0] in shared and list(own) == shared[part[0]][1]:
+                    base = shared[part[0]][0]
+                    by_key[key] = {name: own.get(name, boxes) for name, boxes in base.items()}
+                else:
+                    by_key[key] = holdings(spec, layout, r)
+                    shared.setdefault(part[0], (by_key[key], list(own)))
         out.append(by_key[key])
     return out
-
-

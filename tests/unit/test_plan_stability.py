@@ -16,6 +16,7 @@ import pytest
 
 from planners import make_plan
 from refit.hf_checkpoint import load_spec
+from refit.layouts import all_holdings, holdings, resolve_layout
 
 # (model, src, dst, placement, planner, bucket bytes) -> (plan id, summary hash)
 PINNED = {
@@ -64,3 +65,16 @@ def test_plan_is_unchanged(case):
     assert result.plan.plan_id == plan_id
     assert result.summary["plan_id"] == plan_id
     assert summary_hash(result.summary) == summary
+
+
+@pytest.mark.parametrize("model,layout", [("qwen3-30b-moe", "vllm:tp2dp4"), ("moonlight-16b", "vllm:tp4dp2"),
+                                          ("qwen3-30b-moe", "vllm:tp2ep4"), ("qwen3-8b", "vllm:tp2dp2")])
+def test_all_holdings_reuses_shared_tensors_exactly(model, layout):
+    """`all_holdings` takes the dp-independent part of a vLLM MoE rank from its first dp rank:
+    every rank's holdings (values and order) must equal those coalesced from all its tensors."""
+    spec = load_spec(model)
+    resolved = resolve_layout(layout, spec, "dst")
+    all_holdings.cache_clear()
+    for rank, held in enumerate(all_holdings(spec, resolved)):
+        direct = holdings(spec, resolved, rank)
+        assert list(held.items()) == list(direct.items()), rank
