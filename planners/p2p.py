@@ -10,10 +10,11 @@
 from __future__ import annotations
 
 from collections import defaultdict
+from math import prod
 from operator import itemgetter
 
 from planners.base import source_index, sources_for
-from refit.boxes import Box, volume
+from refit.boxes import Box, Index
 from refit.dtypes import DTYPE_BYTES
 from refit.layouts import Layout, all_holdings
 from refit.plan import Pairs, Placement, Plan, Transfer, pack_pairs
@@ -32,8 +33,10 @@ class P2PPlanner:
         by_itemsize: dict[int, Pairs] = {}
         # (bytes, dst, tensor, box, candidate sources, item size)
         open_items: list[tuple[int, int, str, Box, list[int], int]] = []
-        # (tensor, box) -> its parts, each with its holders and bytes: dp replicas ask for the same boxes
-        parts_cache: dict[tuple[str, Box], list[tuple[Box, list[int], int]]] = {}
+        # (tensor, box) -> its parts: (start, size, bytes, the one source rank or -1, holders, the
+        # first holder on each source GPU); dp replicas ask for the same boxes.
+        parts_cache: dict[tuple[str, Box], list[tuple[Index, Index, int, int, list[int], dict[int, int]]]] = {}
+        new = tuple.__new__  # Transfer(...) without the Python-level __new__ of a NamedTuple: 10^5 of them
         for d, held in enumerate(all_holdings(spec, dst)):
             dg = dgpu[d]
             for tensor, boxes in held.items():
@@ -43,18 +46,16 @@ class P2PPlanner:
                     parts = parts_cache.get((tensor, box))
                     if parts is None:
                         parts = parts_cache[tensor, box] = [
-                            (part, ranks, volume(part[1]) * itemsize)
-                            for part, ranks in sources_for(index, tensor, box, f"destination rank {d}")]
-                    for part, ranks, nbytes in parts:
-                        if len(ranks) == 1:  # the common case at scale (experts): no choice to make
-                            s = ranks[0]
-                        else:
-                            local = [r for r in ranks if sgpu[r] == dg]
-                            if not local:
-                                open_items.append((nbytes, d, tensor, part, ranks, itemsize))
+                            (start, size, prod(size) * itemsize, ranks[0] if len(ranks) == 1 else -1, ranks,
+                             {} if len(ranks) == 1 else {sgpu[r]: r for r in reversed(ranks)})
+                            for (start, size), ranks in sources_for(index, tensor, box, f"destination rank {d}")]
+                    for start, size, nbytes, s, ranks, on_gpu in parts:
+                        if s < 0:  # replicas: the one on the destination's GPU, or balance later
+                            s = on_gpu.get(dg, -1)
+                            if s < 0:
+                                open_items.append((nbytes, d, tensor, (start, size), ranks, itemsize))
                                 continue
-                            s = local[0]
-                        pairs[1, s, d].append((Transfer(1, s, d, tensor, part[0], part[1]), nbytes))
+                        pairs[1, s, d].append((new(Transfer, (1, s, d, tensor, start, size)), nbytes))
                         if sgpu[s] != dg:
                             send[sgpu[s]] += nbytes
         # Balance the free choices, largest first (stable order on ties keeps plans reproducible):

@@ -180,32 +180,34 @@ def pack_pairs(by_itemsize: dict[int, Pairs], bucket_bytes: int, src_gpus: tuple
     # its own item size (a float32 router bias after a bfloat16 box of odd size would not).
     widest_first = [(itemsize, by_itemsize[itemsize]) for itemsize in sorted(by_itemsize, reverse=True)]
 
-    def order(key: tuple[int, int, int]) -> tuple[int, int, int, int]:
-        stage, s, d = key
-        sg = src_gpus[s]
-        dg = (src_gpus if stage == 0 else dst_gpus)[d]
-        return (stage, (dg - sg) % num_gpus, sg, dg)
-
     out_t: list[Transfer] = []
     out_b: list[Bucket] = []
     append = out_t.append
+    new = tuple.__new__  # Bucket(...) without the Python-level __new__ of a NamedTuple
     keys = set().union(*by_itemsize.values()) if len(by_itemsize) > 1 else next(iter(by_itemsize.values()), {})
-    for key in sorted(keys, key=order):
+    # stage, then rounds of GPU distance, then GPUs (one rank per GPU and side: no two pairs tie)
+    ordered = sorted(((stage, ((src_gpus if stage == 0 else dst_gpus)[d] - src_gpus[s]) % num_gpus, src_gpus[s],
+                       (src_gpus if stage == 0 else dst_gpus)[d]), (stage, s, d)) for stage, s, d in keys)
+    for _, key in ordered:
         stage, s, d = key
         first, nbytes = len(out_t), 0
         for itemsize, pairs in widest_first:
             for t, b in pairs.get(key, ()):
-                if b > bucket_bytes:  # rare: cut into pieces that fit, in row-major order
-                    pieces = _split(t, itemsize, bucket_bytes)
-                else:
-                    pieces = ((t, b),)
-                for t, b in pieces:
-                    if nbytes and nbytes + b > bucket_bytes:
-                        out_b.append(Bucket(stage, s, d, first, len(out_t) - first, nbytes))
+                if nbytes + b > bucket_bytes:
+                    if b > bucket_bytes:  # rare: cut into pieces that fit, in row-major order
+                        for t, b in _split(t, itemsize, bucket_bytes):
+                            if nbytes and nbytes + b > bucket_bytes:
+                                out_b.append(new(Bucket, (stage, s, d, first, len(out_t) - first, nbytes)))
+                                first, nbytes = len(out_t), 0
+                            append(t)
+                            nbytes += b
+                        continue
+                    if nbytes:
+                        out_b.append(new(Bucket, (stage, s, d, first, len(out_t) - first, nbytes)))
                         first, nbytes = len(out_t), 0
-                    append(t)
-                    nbytes += b
-        out_b.append(Bucket(stage, s, d, first, len(out_t) - first, nbytes))
+                append(t)
+                nbytes += b
+        out_b.append(new(Bucket, (stage, s, d, first, len(out_t) - first, nbytes)))
     return out_t, out_b
 
 
