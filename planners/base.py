@@ -72,7 +72,7 @@ class Grid(NamedTuple):
         return cls(tuple([s for s, _ in iv] for iv in per_dim), tuple([n for _, n in iv] for iv in per_dim),
                    {b[0]: ranks for b, ranks in items})
 
-    def parts(self, box: Box, outer: int) -> tuple[list[tuple[Box, list[int]]], int]:
+    def parts(self, box: Box, outer: int) -> tuple[list[tuple[Index, Index, list[int]]], int]:
         """``box`` cut by the grid, with the ranks holding each part, ordered by their source box's
         start on dimension ``outer`` first, then by that start (the order of `SortedBoxes`); and
         how many of the box's elements the parts cover."""
@@ -96,12 +96,12 @@ class Grid(NamedTuple):
         covered = math.prod(sum(sz) for sz in sizes)
         if outer == 0:  # product order is already start order
             cut = zip(product(*starts), product(*sizes), product(*src_starts))
-            return [((st, sz), ranks[ss]) for st, sz, ss in cut], covered
+            return [(st, sz, ranks[ss]) for st, sz, ss in cut], covered
         out = []
         for i in range(len(starts[outer])):  # one slab per overlap on the outer dimension
             slab = [lists[:outer] + [lists[outer][i:i + 1]] + lists[outer + 1:]
                     for lists in (starts, sizes, src_starts)]
-            out.extend(((st, sz), ranks[ss]) for st, sz, ss in zip(*(product(*lists) for lists in slab)))
+            out.extend((st, sz, ranks[ss]) for st, sz, ss in zip(*(product(*lists) for lists in slab)))
         return out, covered
 
 
@@ -154,6 +154,11 @@ def _check_disjoint(tensor: str, items: list[tuple[Box, list[int]]]) -> None:
 
 def sources_for(index: SourceIndex, tensor: str, box: Box, where: str) -> list[tuple[Box, list[int]]]:
     """The parts of ``box`` and the source ranks holding each; refuse if the sources miss any element."""
+    return [((start, size), ranks) for start, size, ranks in source_parts(index, tensor, box, where)]
+
+
+def source_parts(index: SourceIndex, tensor: str, box: Box, where: str) -> list[tuple[Index, Index, list[int]]]:
+    """`sources_for` as (start, size, ranks) triples."""
     found, covered = [], 0
     src = index.get(tensor)
     if src is not None:
@@ -165,7 +170,7 @@ def sources_for(index: SourceIndex, tensor: str, box: Box, where: str) -> list[t
             for sbox, ranks in src.by_dim[outer].candidates(box, outer):
                 inter = intersect(box, sbox)
                 if inter:
-                    found.append((inter, ranks))
+                    found.append((inter[0], inter[1], ranks))
                     covered += volume(inter[1])
     if covered != volume(box[1]):
         raise RefitError(f"source layout does not hold all of {tensor} {list(box[0])}+{list(box[1])} needed by {where}")

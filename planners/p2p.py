@@ -13,7 +13,7 @@ from collections import defaultdict
 from math import prod
 from operator import itemgetter
 
-from planners.base import source_index, sources_for
+from planners.base import source_index, source_parts
 from refit.boxes import Box, Index
 from refit.dtypes import DTYPE_BYTES
 from refit.layouts import Layout, all_holdings
@@ -33,31 +33,41 @@ class P2PPlanner:
         by_itemsize: dict[int, Pairs] = {}
         # (bytes, dst, tensor, box, candidate sources, item size)
         open_items: list[tuple[int, int, str, Box, list[int], int]] = []
-        # (tensor, box) -> its parts: (start, size, bytes, the one source rank or -1, holders, the
-        # first holder on each source GPU); dp replicas ask for the same boxes.
-        parts_cache: dict[tuple[str, Box], list[tuple[Index, Index, int, int, list[int], dict[int, int]]]] = {}
+        # (tensor, box) -> its parts (start, size, holders): dp replicas ask for the same boxes
+        parts_cache: dict[tuple[str, Box], list[tuple[Index, Index, list[int]]]] = {}
+        on_gpu: dict[int, dict[int, int]] = {}  # id(holders) -> source GPU -> first holder on it
         new = tuple.__new__  # Transfer(...) without the Python-level __new__ of a NamedTuple: 10^5 of them
         for d, held in enumerate(all_holdings(spec, dst)):
             dg = dgpu[d]
+            rows: dict[int, dict[int, list[tuple[Transfer, int]]]] = {}  # item size -> src -> transfers to d
             for tensor, boxes in held.items():
                 itemsize = DTYPE_BYTES[spec[tensor].dtype]
-                pairs = by_itemsize.setdefault(itemsize, defaultdict(list))
+                row = rows.get(itemsize)
+                if row is None:
+                    row = rows[itemsize] = defaultdict(list)
                 for box in boxes:
                     parts = parts_cache.get((tensor, box))
                     if parts is None:
-                        parts = parts_cache[tensor, box] = [
-                            (start, size, prod(size) * itemsize, ranks[0] if len(ranks) == 1 else -1, ranks,
-                             {} if len(ranks) == 1 else {sgpu[r]: r for r in reversed(ranks)})
-                            for (start, size), ranks in sources_for(index, tensor, box, f"destination rank {d}")]
-                    for start, size, nbytes, s, ranks, on_gpu in parts:
-                        if s < 0:  # replicas: the one on the destination's GPU, or balance later
-                            s = on_gpu.get(dg, -1)
+                        parts = parts_cache[tensor, box] = source_parts(index, tensor, box, f"destination rank {d}")
+                    for start, size, ranks in parts:
+                        if len(ranks) == 1:  # the common case at scale (experts): no choice to make
+                            s = ranks[0]
+                        else:  # replicas: the one on the destination's GPU, or balance later
+                            gpus = on_gpu.get(id(ranks))
+                            if gpus is None:
+                                gpus = on_gpu[id(ranks)] = {sgpu[r]: r for r in reversed(ranks)}
+                            s = gpus.get(dg, -1)
                             if s < 0:
-                                open_items.append((nbytes, d, tensor, (start, size), ranks, itemsize))
+                                open_items.append((prod(size) * itemsize, d, tensor, (start, size), ranks, itemsize))
                                 continue
-                        pairs[1, s, d].append((new(Transfer, (1, s, d, tensor, start, size)), nbytes))
+                        nbytes = prod(size) * itemsize
+                        row[s].append((new(Transfer, (1, s, d, tensor, start, size)), nbytes))
                         if sgpu[s] != dg:
                             send[sgpu[s]] += nbytes
+            for itemsize, row in rows.items():
+                pairs = by_itemsize.setdefault(itemsize, {})
+                for s, transfers in row.items():
+                    pairs[1, s, d] = transfers
         # Balance the free choices, largest first (stable order on ties keeps plans reproducible):
         # each to the candidate whose GPU has sent least, the lowest rank on ties (ranks are sorted).
         for nbytes, d, tensor, part, ranks, itemsize in sorted(open_items, key=itemgetter(0), reverse=True):
@@ -66,7 +76,7 @@ class P2PPlanner:
                 if send[sgpu[r]] < low:
                     s, low = r, send[sgpu[r]]
             send[sgpu[s]] += nbytes
-            by_itemsize[itemsize][1, s, d].append((Transfer(1, s, d, tensor, part[0], part[1]), nbytes))
+            by_itemsize[itemsize].setdefault((1, s, d), []).append((Transfer(1, s, d, tensor, *part), nbytes))
         tensors = {t.name: (t.dtype, t.shape) for t in spec.tensors}
         transfers, buckets = pack_pairs(by_itemsize, bucket_bytes, sgpu, dgpu)
         return Plan(spec.name, spec.digest(), src.describe(), dst.describe(), placement, self.name, bucket_bytes,

@@ -16,6 +16,7 @@ import hashlib
 import json
 from collections import defaultdict
 from dataclasses import dataclass, field
+from operator import itemgetter
 from typing import Any, Literal, NamedTuple
 
 from refit.boxes import Index, split_box, volume
@@ -148,7 +149,8 @@ class Plan:
     @functools.cached_property
     def plan_id(self) -> str:
         """Stable hash of everything the plan says: equal plans, equal ids, on any machine."""
-        blob = json.dumps(self.to_dict(), separators=(",", ":"), sort_keys=True)
+        # (check_circular off: to_dict builds a tree, and marking 10^6 arrays costs 10-20% of the dump)
+        blob = json.dumps(self.to_dict(), separators=(",", ":"), sort_keys=True, check_circular=False)
         return hashlib.sha256(blob.encode()).hexdigest()[:16]
 
 
@@ -192,7 +194,13 @@ def pack_pairs(by_itemsize: dict[int, Pairs], bucket_bytes: int, src_gpus: tuple
         stage, s, d = key
         first, nbytes = len(out_t), 0
         for itemsize, pairs in widest_first:
-            for t, b in pairs.get(key, ()):
+            group = pairs.get(key, ())
+            total = sum(map(itemgetter(1), group))
+            if nbytes + total <= bucket_bytes:  # the common case: the whole group fits the bucket
+                out_t.extend(map(itemgetter(0), group))
+                nbytes += total
+                continue
+            for t, b in group:
                 if nbytes + b > bucket_bytes:
                     if b > bucket_bytes:  # rare: cut into pieces that fit, in row-major order
                         for t, b in _split(t, itemsize, bucket_bytes):
