@@ -21,6 +21,10 @@ from refit.plan import Pairs, Placement, Plan, Transfer, pack_pairs
 from refit.spec import ModelSpec
 
 
+def _group() -> tuple[list[Transfer], list[int]]:
+    return [], []
+
+
 class P2PPlanner:
     name = "p2p"
 
@@ -39,12 +43,12 @@ class P2PPlanner:
         new = tuple.__new__  # Transfer(...) without the Python-level __new__ of a NamedTuple: 10^5 of them
         for d, held in enumerate(all_holdings(spec, dst)):
             dg = dgpu[d]
-            rows: dict[int, dict[int, list[tuple[Transfer, int]]]] = {}  # item size -> src -> transfers to d
+            rows: dict[int, dict[int, tuple[list[Transfer], list[int]]]] = {}  # item size -> src -> to d
             for tensor, boxes in held.items():
                 itemsize = DTYPE_BYTES[spec[tensor].dtype]
                 row = rows.get(itemsize)
                 if row is None:
-                    row = rows[itemsize] = defaultdict(list)
+                    row = rows[itemsize] = defaultdict(_group)
                 for box in boxes:
                     parts = parts_cache.get((tensor, box))
                     if parts is None:
@@ -61,7 +65,9 @@ class P2PPlanner:
                                 open_items.append((prod(size) * itemsize, d, tensor, (start, size), ranks, itemsize))
                                 continue
                         nbytes = prod(size) * itemsize
-                        row[s].append((new(Transfer, (1, s, d, tensor, start, size)), nbytes))
+                        group = row[s]
+                        group[0].append(new(Transfer, (1, s, d, tensor, start, size)))
+                        group[1].append(nbytes)
                         if sgpu[s] != dg:
                             send[sgpu[s]] += nbytes
             for itemsize, row in rows.items():
@@ -76,7 +82,9 @@ class P2PPlanner:
                 if send[sgpu[r]] < low:
                     s, low = r, send[sgpu[r]]
             send[sgpu[s]] += nbytes
-            by_itemsize[itemsize].setdefault((1, s, d), []).append((Transfer(1, s, d, tensor, *part), nbytes))
+            group = by_itemsize[itemsize].setdefault((1, s, d), _group())
+            group[0].append(Transfer(1, s, d, tensor, *part))
+            group[1].append(nbytes)
         tensors = {t.name: (t.dtype, t.shape) for t in spec.tensors}
         transfers, buckets = pack_pairs(by_itemsize, bucket_bytes, sgpu, dgpu)
         return Plan(spec.name, spec.digest(), src.describe(), dst.describe(), placement, self.name, bucket_bytes,

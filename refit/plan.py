@@ -14,9 +14,7 @@ from __future__ import annotations
 import functools
 import hashlib
 import json
-from collections import defaultdict
 from dataclasses import dataclass, field
-from operator import itemgetter
 from typing import Any, Literal, NamedTuple
 
 from refit.boxes import Index, split_box, volume
@@ -154,9 +152,10 @@ class Plan:
         return hashlib.sha256(blob.encode()).hexdigest()[:16]
 
 
-# Transfers grouped by (stage, src, dst), each with its byte count, in plan order; one such dict
-# per item size, so that packing can put the widest dtype first without sorting every group.
-Pairs = dict[tuple[int, int, int], list[tuple[Transfer, int]]]
+# Transfers grouped by (stage, src, dst), in plan order, and their byte counts (two lists: packing
+# then sums and copies a group without a Python step per transfer); one such dict per item size,
+# so that packing can put the widest dtype first without sorting every group.
+Pairs = dict[tuple[int, int, int], tuple[list[Transfer], list[int]]]
 
 
 def pack_buckets(transfers: list[Transfer], plan_tensors: dict[str, tuple[str, Index]], bucket_bytes: int,
@@ -169,8 +168,12 @@ def pack_buckets(transfers: list[Transfer], plan_tensors: dict[str, tuple[str, I
     by_itemsize: dict[int, Pairs] = {}
     for t in transfers:
         itemsize = itemsizes[t.tensor]
-        pairs = by_itemsize.setdefault(itemsize, defaultdict(list))
-        pairs[t.stage, t.src, t.dst].append((t, volume(t.size) * itemsize))
+        pairs = by_itemsize.setdefault(itemsize, {})
+        group = pairs.get((t.stage, t.src, t.dst))
+        if group is None:
+            group = pairs[t.stage, t.src, t.dst] = ([], [])
+        group[0].append(t)
+        group[1].append(volume(t.size) * itemsize)
     return pack_pairs(by_itemsize, bucket_bytes, src_gpus, dst_gpus)
 
 
@@ -194,13 +197,15 @@ def pack_pairs(by_itemsize: dict[int, Pairs], bucket_bytes: int, src_gpus: tuple
         stage, s, d = key
         first, nbytes = len(out_t), 0
         for itemsize, pairs in widest_first:
-            group = pairs.get(key, ())
-            total = sum(map(itemgetter(1), group))
+            group = pairs.get(key)
+            if group is None:
+                continue
+            total = sum(group[1])
             if nbytes + total <= bucket_bytes:  # the common case: the whole group fits the bucket
-                out_t.extend(map(itemgetter(0), group))
+                out_t.extend(group[0])
                 nbytes += total
                 continue
-            for t, b in group:
+            for t, b in zip(*group):
                 if nbytes + b > bucket_bytes:
                     if b > bucket_bytes:  # rare: cut into pieces that fit, in row-major order
                         for t, b in _split(t, itemsize, bucket_bytes):
