@@ -114,7 +114,7 @@ def holdings_of(tensors: Iterable[LocalTensor]) -> dict[str, list[Box]]:
     boxes: dict[str, list[Box]] = defaultdict(list)
     for (tensor, rest_start, rest_size), intervals in along0.items():
         boxes[tensor].extend(((lo,) + rest_start, (n,) + rest_size) for lo, n in join_runs(intervals))
-    return {name: merge_boxes(bs) for name, bs in boxes.items()}
+    return {name: merge_boxes(bs, joined_along0=True) for name, bs in boxes.items()}
 
 
 @functools.lru_cache(maxsize=8)

@@ -15,6 +15,7 @@ import json
 import pytest
 
 from planners import make_plan
+from refit.boxes import join_runs, merge_boxes
 from refit.hf_checkpoint import load_spec
 from refit.layouts import all_holdings, holdings, resolve_layout
 
@@ -78,3 +79,13 @@ def test_all_holdings_reuses_shared_tensors_exactly(model, layout):
     for rank, held in enumerate(all_holdings(spec, resolved)):
         direct = holdings(spec, resolved, rank)
         assert list(held.items()) == list(direct.items()), rank
+
+
+def test_merge_boxes_skips_only_a_pass_that_changes_nothing():
+    """`holdings_of` joins runs along dimension 0 itself and tells `merge_boxes` so."""
+    pieces = [((layer, e, 0), (1, 1, 4)) for layer in (0, 1, 2, 5) for e in (0, 1, 3)] + [((3, 0, 0), (1, 2, 4))]
+    joined = []
+    for e, rest in {(b[0][1:], b[1][1:]) for b in pieces}:
+        runs = join_runs(sorted((b[0][0], b[1][0]) for b in pieces if (b[0][1:], b[1][1:]) == (e, rest)))
+        joined += [((lo,) + e, (n,) + rest) for lo, n in runs]
+    assert merge_boxes(joined, joined_along0=True) == merge_boxes(pieces)
