@@ -144,12 +144,21 @@ class Plan:
             buckets=tuple(Bucket(*b) for b in d["buckets"]),
         )
 
-    @functools.cached_property
+    @property
     def plan_id(self) -> str:
         """Stable hash of everything the plan says: equal plans, equal ids, on any machine."""
+        return self._id_and_size[0]
+
+    @property
+    def json_bytes(self) -> int:
+        """Size of the plan as compact JSON (what `refit plan --out` writes)."""
+        return self._id_and_size[1]
+
+    @functools.cached_property
+    def _id_and_size(self) -> tuple[str, int]:
         # (check_circular off: to_dict builds a tree, and marking 10^6 arrays costs 10-20% of the dump)
         blob = json.dumps(self.to_dict(), separators=(",", ":"), sort_keys=True, check_circular=False)
-        return hashlib.sha256(blob.encode()).hexdigest()[:16]
+        return hashlib.sha256(blob.encode()).hexdigest()[:16], len(blob)
 
 
 # Transfers grouped by (stage, src, dst), in plan order, and their byte counts (two lists: packing
@@ -259,6 +268,7 @@ def summarize(plan: Plan, spec: ModelSpec, dst_total_bytes: int, seconds: float 
         "max_recv_bytes": max(recv),
         "num_transfers": len(plan.transfers),
         "num_buckets": len(plan.buckets),
+        "plan_json_bytes": plan.json_bytes,
         "bucket_bytes": plan.bucket_bytes,
     }
     if seconds is not None:
