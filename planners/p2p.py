@@ -64,16 +64,18 @@ class P2PPlanner:
                             if s < 0:
                                 open_items.append((prod(size) * itemsize, d, tensor, (start, size), ranks, itemsize))
                                 continue
-                        nbytes = prod(size) * itemsize
                         group = row[s]
                         group[0].append(new(Transfer, (1, s, d, tensor, start, size)))
-                        group[1].append(nbytes)
-                        if sgpu[s] != dg:
-                            send[sgpu[s]] += nbytes
+                        group[1].append(prod(size) * itemsize)
             for itemsize, row in rows.items():
                 pairs = by_itemsize.setdefault(itemsize, {})
                 for s, transfers in row.items():
                     pairs[1, s, d] = transfers
+        if open_items:  # what each GPU sends so far, from the choices made (summed per pair)
+            for pairs in by_itemsize.values():
+                for (_, s, d), (_, sizes) in pairs.items():
+                    if sgpu[s] != dgpu[d]:
+                        send[sgpu[s]] += sum(sizes)
         # Balance the free choices, largest first (stable order on ties keeps plans reproducible):
         # each to the candidate whose GPU has sent least, the lowest rank on ties (ranks are sorted).
         for nbytes, d, tensor, part, ranks, itemsize in sorted(open_items, key=itemgetter(0), reverse=True):
