@@ -121,29 +121,37 @@ def holdings_of(tensors: Iterable[LocalTensor]) -> dict[str, list[Box]]:
 def all_holdings(spec: ModelSpec, layout: Layout) -> list[dict[str, list[Box]]]:
     """Holdings of every rank (cached: planners and summaries ask for the same ones; do not mutate).
 
-    A layout may also say, with ``varying_tensors(spec, rank) -> (key, local tensors) | None``,
-    that ranks with equal keys hold the same local tensors but for the ones returned, which
-    alone hold their canonical tensors and sit at the same places in every such rank's list (a
-    vLLM MoE engine's dp ranks differ only in their routed experts).  Then only those are
-    coalesced again for each rank; the rest is taken from the first rank with that key."""
+    A layout may also say, with ``varying_key(rank) -> key | None`` and ``varying_tensors(spec,
+    rank)``, that ranks with equal keys hold the same local tensors but for the varying ones,
+    which alone hold their canonical tensors and sit at the same places in every such rank's list
+    (a vLLM MoE engine's dp ranks differ only in their routed experts).  Then only those are
+    coalesced again for each further rank; the rest is taken from the first rank with that key."""
     by_key: dict[tuple[int, ...], dict[str, list[Box]]] = {}
-    # varying key -> (a full holdings, the names its varying tensors held, in order)
-    shared: dict[Hashable, tuple[dict[str, list[Box]], list[str]]] = {}
-    varying = getattr(layout, "varying_tensors", None)
+    # varying key -> [its first rank, that rank's holdings, the names its varying tensors hold]
+    shared: dict[Hashable, list] = {}
+    varying_key = getattr(layout, "varying_key", None)
     out = []
     for r in range(layout.world_size):
         key = layout.replica_key(r)
         if key not in by_key:
-            part = varying(spec, r) if varying is not None else None
-            if part is None:
-                by_key[key] = holdings(spec, layout, r)
-            else:
-                own = holdings_of(part[1])
-                if part[0] in shared and list(own) == shared[part[0]][1]:
-                    base = shared[part[0]][0]
-                    by_key[key] = {name: own.get(name, boxes) for name, boxes in base.items()}
-                else:
-                    by_key[key] = holdings(spec, layout, r)
-                    shared.setdefault(part[0], (by_key[key], list(own)))
+            vkey = varying_key(r) if varying_key is not None else None
+            first = shared.get(vkey) if vkey is not None else None
+            held = None
+            if first is not None:
+                if first[2] is None:
+                    first[2] = list(_names(layout.varying_tensors(spec, first[0])))
+                own = holdings_of(layout.varying_tensors(spec, r))
+                if list(own) == first[2]:
+                    held = {name: own.get(name, boxes) for name, boxes in first[1].items()}
+            if held is None:
+                held = holdings(spec, layout, r)
+                if vkey is not None and first is None:
+                    shared[vkey] = [r, held, None]
+            by_key[key] = held
         out.append(by_key[key])
     return out
+
+
+def _names(tensors: Iterable[LocalTensor]) -> dict[str, None]:
+    """The canonical tensors some local tensors hold, in order of first appearance."""
+    return dict.fromkeys(p.tensor for lt in tensors for p in lt.pieces)
