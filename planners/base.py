@@ -4,9 +4,8 @@ from __future__ import annotations
 
 import bisect
 import math
-from dataclasses import dataclass
 from itertools import product
-from typing import Any, NamedTuple, Protocol
+from typing import NamedTuple, Protocol
 
 from refit.boxes import Box, Index, intersect, volume
 from refit.dtypes import DTYPE_BYTES
