@@ -33,14 +33,17 @@ def shift(start: Index, by: Index, sign: int = 1) -> Index:
     return tuple(s + sign * b for s, b in zip(start, by))
 
 
-def merge_boxes(boxes: Iterable[Box]) -> list[Box]:
+def merge_boxes(boxes: Iterable[Box], joined_along0: bool = False) -> list[Box]:
     """Coalesce boxes that touch along one dimension and agree on all others (e.g. the 16 expert
-    pieces an EP rank holds of one layer become one box).  Identical boxes collapse to one."""
+    pieces an EP rank holds of one layer become one box).  Identical boxes collapse to one.
+    ``joined_along0``: the caller has already joined the runs along dimension 0 of boxes equal on
+    all other dimensions (as `_merge_layers` does), so that first pass is skipped."""
     current = set(boxes)
     if not current:
         return []
     ndim = len(next(iter(current))[0])
-    current = _merge_layers(current)  # most pieces differ only in their layer: one cheap pass first
+    if not joined_along0:
+        current = _merge_layers(current)  # most pieces differ only in their layer: one cheap pass first
     changed = True
     while changed:
         changed = False

@@ -24,7 +24,7 @@ from __future__ import annotations
 import functools
 from collections import defaultdict
 import math
-from typing import ClassVar, NamedTuple, Protocol
+from typing import ClassVar, Hashable, Iterable, NamedTuple, Protocol
 
 from refit.boxes import Box, Index, join_runs, merge_boxes
 from refit.dtypes import DTYPE_BYTES
@@ -100,28 +100,58 @@ def vocab_pieces(tensor: str, vocab: int, hidden: int, padded: int, tp: int, tp_
 
 def holdings(spec: ModelSpec, layout: Layout, rank: int) -> dict[str, list[Box]]:
     """Canonical tensor -> the boxes a rank holds, coalesced."""
+    return holdings_of(layout.local_tensors(spec, rank))
+
+
+def holdings_of(tensors: Iterable[LocalTensor]) -> dict[str, list[Box]]:
+    """Canonical tensor -> the boxes some local tensors hold, coalesced, in order of first appearance."""
     # Hot loop for MoE models (a rank holds E/EP experts x layers pieces): group pieces that differ
     # only on dim 0 (their layer, mostly) right away, and join their runs before the general merge.
     along0: dict[tuple[str, Index, Index], list[tuple[int, int]]] = defaultdict(list)
-    for lt in layout.local_tensors(spec, rank):
+    for lt in tensors:
         for tensor, start, size, _ in lt.pieces:
             along0[(tensor, start[1:], size[1:])].append((start[0], size[0]))
     boxes: dict[str, list[Box]] = defaultdict(list)
     for (tensor, rest_start, rest_size), intervals in along0.items():
         boxes[tensor].extend(((lo,) + rest_start, (n,) + rest_size) for lo, n in join_runs(intervals))
-    return {name: merge_boxes(bs) for name, bs in boxes.items()}
+    return {name: merge_boxes(bs, joined_along0=True) for name, bs in boxes.items()}
 
 
 @functools.lru_cache(maxsize=8)
 def all_holdings(spec: ModelSpec, layout: Layout) -> list[dict[str, list[Box]]]:
-    """Holdings of every rank (cached: planners and summaries ask for the same ones; do not mutate)."""
+    """Holdings of every rank (cached: planners and summaries ask for the same ones; do not mutate).
+
+    A layout may also say, with ``varying_key(rank) -> key | None`` and ``varying_tensors(spec,
+    rank)``, that ranks with equal keys hold the same local tensors but for the varying ones,
+    which alone hold their canonical tensors and sit at the same places in every such rank's list
+    (a vLLM MoE engine's dp ranks differ only in their routed experts).  Then only those are
+    coalesced again for each further rank; the rest is taken from the first rank with that key."""
     by_key: dict[tuple[int, ...], dict[str, list[Box]]] = {}
+    # varying key -> [its first rank, that rank's holdings, the names its varying tensors hold]
+    shared: dict[Hashable, list] = {}
+    varying_key = getattr(layout, "varying_key", None)
     out = []
     for r in range(layout.world_size):
         key = layout.replica_key(r)
         if key not in by_key:
-            by_key[key] = holdings(spec, layout, r)
+            vkey = varying_key(r) if varying_key is not None else None
+            first = shared.get(vkey) if vkey is not None else None
+            held = None
+            if first is not None:
+                if first[2] is None:
+                    first[2] = list(_names(layout.varying_tensors(spec, first[0])))
+                own = holdings_of(layout.varying_tensors(spec, r))
+                if list(own) == first[2]:
+                    held = {name: own.get(name, boxes) for name, boxes in first[1].items()}
+            if held is None:
+                held = holdings(spec, layout, r)
+                if vkey is not None and first is None:
+                    shared[vkey] = [r, held, None]
+            by_key[key] = held
         out.append(by_key[key])
     return out
 
 
+def _names(tensors: Iterable[LocalTensor]) -> dict[str, None]:
+    """The canonical tensors some local tensors hold, in order of first appearance."""
+    return dict.fromkeys(p.tensor for lt in tensors for p in lt.pieces)

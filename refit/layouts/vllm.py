@@ -133,6 +133,15 @@ class VllmLayout:
         # dp replicas share attention and dense weights, but MoE experts differ on every rank
         return (rank,) if self._moe_model else (rank % self.tp,)
 
+    def varying_key(self, rank: int) -> tuple[int, ...] | None:
+        """The dp ranks of one tp rank differ only in their routed experts (`varying_tensors`;
+        see `refit.layouts.base.all_holdings`)."""
+        return (rank % self.tp,) if self._moe_model else None
+
+    def varying_tensors(self, spec: ModelSpec, rank: int) -> list[LocalTensor]:
+        return [lt for layer in spec.config.moe_layers
+                for lt in self._routed_experts(spec, f"model.layers.{layer}.", layer, rank)]
+
     def local_tensors(self, spec: ModelSpec, rank: int) -> list[LocalTensor]:
         c = spec.config
         T = self.tp
