@@ -53,8 +53,9 @@ def tiny_spec(name: str) -> ModelSpec:
     return build_spec(name, ModelConfig.from_hf(TINY_CONFIGS[name]))
 
 
-def write_hf_checkpoint(directory: str, name: str, seed: int = 0, files: int = 2) -> ModelSpec:
-    """An HF checkpoint directory with random weights, split over ``files`` safetensors files."""
+def write_hf_checkpoint(directory: str, name: str, seed: int = 0, files: int = 2, scale: float = 1.0) -> ModelSpec:
+    """An HF checkpoint directory with random weights (standard normal times ``scale``), split
+    over ``files`` safetensors files."""
     spec = tiny_spec(name)
     os.makedirs(directory, exist_ok=True)
     with open(os.path.join(directory, "config.json"), "w") as f:
@@ -68,6 +69,6 @@ def write_hf_checkpoint(directory: str, name: str, seed: int = 0, files: int = 2
         dtypes = [spec[t.tensor].dtype for t in chunk]  # router biases are float32
         w = SafetensorsWriter(path, [(t.name, t.shape, d) for t, d in zip(chunk, dtypes)], {"format": "pt"})
         for t, d in zip(chunk, dtypes):
-            w.write(t.name, torch.randn(t.shape, generator=gen).to(getattr(torch, d)))
+            w.write(t.name, (torch.randn(t.shape, generator=gen) * scale).to(getattr(torch, d)))
         w.close()
     return spec
