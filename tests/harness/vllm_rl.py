@@ -172,6 +172,18 @@ def generate(llm: Any, prompts: list[list[int]] = PROMPTS) -> list[tuple[list[in
     return result
 
 
+def _named_tensors(suffixes: tuple[str, ...], model: torch.nn.Module) -> dict[str, torch.Tensor]:
+    return {n: t.detach().to("cpu", copy=True) for n, t in model.named_parameters() if n.endswith(suffixes)}
+
+
+def probe(llm: Any, suffixes: tuple[str, ...]) -> dict[str, torch.Tensor]:
+    """The live model's parameters whose names end with one of ``suffixes`` (worker 0's), as
+    they are now: after post-load processing, e.g. MLA's derived ``W_UK_T`` / ``W_UV``."""
+    import functools
+
+    return llm.apply_model(functools.partial(_named_tensors, tuple(suffixes)))[0]
+
+
 def make_llm(model_dir: str, tp: int, ep: bool, refit: bool) -> Any:
     from vllm import LLM
 
@@ -205,6 +217,8 @@ def _engine_main(conn: Any, model_dir: str, tp: int, ep: bool, coordinator: str 
                 llm.update_weights({"update_info": {"plan_id": plan_id, "version": version, "timeout": timeout}})
                 llm.finish_weight_update(weight_version=str(version))
                 conn.send(("ok", None))
+            elif cmd == "probe":
+                conn.send(("ok", probe(llm, arg)))
             elif cmd == "weight_version":
                 conn.send(("ok", llm.get_weight_version()))
             elif cmd == "stop":
@@ -226,13 +240,13 @@ def _shutdown(llm: Any) -> None:
     gc.collect()
 
 
-def _references_main(conn: Any, model_dirs: list[str], tp: int, ep: bool) -> None:
+def _references_main(conn: Any, model_dirs: list[str], tp: int, ep: bool, suffixes: tuple[str, ...]) -> None:
     _setup_process(tp)
-    out = []
+    out: list[Any] = []
     try:
         for d in model_dirs:
             llm = make_llm(d, tp, ep, False)
-            out.append(generate(llm))
+            out.append((generate(llm), probe(llm, suffixes)) if suffixes else generate(llm))
             _shutdown(llm)
     except Exception as e:  # noqa: BLE001 - the test reads it (rather than waiting out its timeout)
         conn.send(("error", f"{type(e).__name__}: {e}\n{traceback.format_exc()[-2000:]}"))
@@ -261,6 +275,11 @@ class Engine:
         assert status == "ok", value
         return value
 
+    def probe(self, suffixes: tuple[str, ...]) -> dict[str, torch.Tensor]:
+        status, value = self.ask("probe", tuple(suffixes))
+        assert status == "ok", value
+        return value
+
     def refit(self, plan_id: str, version: int, timeout: float = 60.0) -> tuple[str, Any]:
         return self.ask("refit", (plan_id, version, timeout))
 
@@ -276,11 +295,11 @@ class Engine:
                 self.proc.join(10)
 
 
-def fresh_outputs(model_dirs: list[str], tp: int = 1, ep: bool = False) -> list[Any]:
+def fresh_outputs(model_dirs: list[str], tp: int = 1, ep: bool = False, probe: tuple[str, ...] = ()) -> list[Any]:
     """What fresh engines started from each of ``model_dirs`` answer (one after the other, in
-    one spawned process)."""
+    one spawned process); with ``probe``, (answers, the probed tensors) per engine."""
     conn, child = CTX.Pipe()
-    proc = CTX.Process(target=_references_main, args=(child, model_dirs, tp, ep))
+    proc = CTX.Process(target=_references_main, args=(child, model_dirs, tp, ep, tuple(probe)))
     proc.start()
     try:
         deadline = time.monotonic() + 900

