@@ -173,15 +173,25 @@ def generate(llm: Any, prompts: list[list[int]] = PROMPTS) -> list[tuple[list[in
 
 
 def _named_tensors(suffixes: tuple[str, ...], model: torch.nn.Module) -> dict[str, torch.Tensor]:
-    return {n: t.detach().to("cpu", copy=True) for n, t in model.named_parameters() if n.endswith(suffixes)}
+    return {n: t.detach().cpu().contiguous().clone() for n, t in model.named_parameters() if n.endswith(suffixes)}
 
 
-def probe(llm: Any, suffixes: tuple[str, ...]) -> dict[str, torch.Tensor]:
+def probe(llm: Any, suffixes: tuple[str, ...]) -> bytes:
     """The live model's parameters whose names end with one of ``suffixes`` (worker 0's), as
-    they are now: after post-load processing, e.g. MLA's derived ``W_UK_T`` / ``W_UV``."""
+    they are now: after post-load processing, e.g. MLA's derived ``W_UK_T`` / ``W_UV``.  As
+    safetensors bytes (torch tensors sent through a pipe live in the sender's shared memory,
+    gone once it exits); `unprobe` reads them."""
     import functools
 
-    return llm.apply_model(functools.partial(_named_tensors, tuple(suffixes)))[0]
+    from safetensors.torch import save
+
+    return save(llm.apply_model(functools.partial(_named_tensors, tuple(suffixes)))[0])
+
+
+def unprobe(data: bytes) -> dict[str, torch.Tensor]:
+    from safetensors.torch import load
+
+    return load(data)
 
 
 def make_llm(model_dir: str, tp: int, ep: bool, refit: bool) -> Any:
@@ -278,7 +288,7 @@ class Engine:
     def probe(self, suffixes: tuple[str, ...]) -> dict[str, torch.Tensor]:
         status, value = self.ask("probe", tuple(suffixes))
         assert status == "ok", value
-        return value
+        return unprobe(value)
 
     def refit(self, plan_id: str, version: int, timeout: float = 60.0) -> tuple[str, Any]:
         return self.ask("refit", (plan_id, version, timeout))
@@ -308,7 +318,7 @@ def fresh_outputs(model_dirs: list[str], tp: int = 1, ep: bool = False, probe: t
             assert time.monotonic() < deadline, "reference engines did not answer"
         status, value = conn.recv()
         assert status == "ok", value
-        return value
+        return [(v[0], unprobe(v[1])) for v in value] if probe else value
     finally:
         proc.join(60)
         if proc.is_alive():
