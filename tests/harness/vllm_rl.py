@@ -226,6 +226,9 @@ def _setup_process(tp: int) -> None:
     os.environ.update(cpu_env(tp))
     # TP=1: engine core and worker in this process (saves two interpreter starts of vLLM)
     os.environ.setdefault("VLLM_ENABLE_V1_MULTIPROCESSING", "0" if tp == 1 else "1")
+    # `probe` / `unshare` send a function to the workers (apply_model), which the engine core's
+    # msgpack encoder refuses across processes without pickle
+    os.environ.setdefault("VLLM_ALLOW_INSECURE_SERIALIZATION", "1")
     logging.basicConfig(level=logging.INFO)
 
 

