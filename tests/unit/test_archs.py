@@ -64,9 +64,14 @@ def test_vllm_fuses_q_a_and_kv_a_and_splits_up_projections_by_heads():
     assert lts["model.layers.1.mlp.shared_experts.gate_up_proj.weight"].shape == (32, 32)
 
 
-def test_glm_into_vllm_is_refused_for_its_float32_router():
-    with pytest.raises(RefitError, match="glm4_moe holds mlp.gate.weight as float32"):
-        resolve_layout("vllm:tp2", tiny_spec("tiny-glm4-moe"), "dst")
+def test_glm_vllm_layout_declares_the_router_in_the_checkpoint_dtype():
+    # vLLM holds it in float32 (its loader upcasts); the layout describes what the loader is fed,
+    # and the vLLM backend's landing widens it (tests/integration/test_vllm_archs.py)
+    spec = tiny_spec("tiny-glm4-moe")
+    lts = {lt.name: lt for lt in resolve_layout("vllm:tp2", spec, "dst").local_tensors(spec, 1)}
+    assert lts["model.layers.1.mlp.gate.weight"].dtype == "bfloat16"
+    assert lts["model.layers.1.mlp.gate.e_score_correction_bias"].dtype == "float32"
+    assert lts["model.layers.1.self_attn.qkv_proj.bias"].shape == ((2 + 1 + 1) * 8,)
 
 
 def add_mtp_tensors(directory: str, spec) -> list[str]:
@@ -87,7 +92,8 @@ CHAINS = {
     "tiny-deepseek-v3": [["megatron:tp2pp2ep4", "vllm:tp2"], ["megatron:tp4ep2etp2dp2", "vllm:tp2ep4dp2"],
                          ["fsdp:dp3", "megatron:pp3first2ep8", "vllm:tp4dp2"]],
     "tiny-moonlight": [["megatron:tp2pp3ep2", "vllm:tp4"], ["vllm:tp2ep2", "megatron:tp4ep4"]],
-    "tiny-glm4-moe": [["megatron:tp2pp3ep2", "fsdp:dp2"], ["megatron:tp4ep4etp1", "megatron:tp2pp3ep2cp2"]],
+    "tiny-glm4-moe": [["megatron:tp2pp3ep2", "fsdp:dp2"], ["megatron:tp4ep4etp1", "megatron:tp2pp3ep2cp2"],
+                      ["megatron:tp2ep2", "vllm:tp2ep2", "vllm:tp2"]],
 }
 
 

@@ -152,6 +152,14 @@ def make_tiny_moonlight(dir: str, seed: int = 0) -> None:  # noqa: A002
     make_tiny_deepseek_v3(dir, seed, q_lora_rank=None)
 
 
+def make_tiny_glm4_moe(dir: str, seed: int = 0) -> None:  # noqa: A002
+    """GLM-4.5 (``vllm-glm4-moe`` of tests/harness/tiny.py, written by refit's own writer): qkv
+    bias, partial rotary, a dense first layer, a shared expert, a float32 router bias."""
+    from tests.harness.tiny import write_hf_checkpoint
+
+    write_hf_checkpoint(dir, "vllm-glm4-moe", seed=seed, scale=0.02)
+
+
 if __name__ == "__main__":
     import argparse
 
