@@ -7,9 +7,10 @@ Lifecycle (one instance per vLLM worker, created by vLLM after the model loaded)
   its own shard lands (`landing.Landing`: in place, or staged and re-processed; ``staging`` is
   ``bounded`` or ``atomic``) and registers an engine agent with the coordinator.
 * ``update_weights({"plan_id", "version", "timeout"?})``: every worker arms its agent for that
-  (plan, version); once all are armed, the worker of global rank 0 asks the coordinator to run the
-  plan (the trainer agents answer it on their own); its result is broadcast over the engine's own
-  process group, so every worker learns the outcome, success or the coordinator's error naming the
+  (plan, version); once all are armed, the worker of rank 0 of vLLM's world (`_leader`; one per
+  replica of a dense DP engine) asks the coordinator to run the plan (the trainer agents answer it
+  on their own); its result is broadcast over the engine's own process group, so every worker
+  learns the outcome, success or the coordinator's error naming the
   failed worker.  On success each worker checks its agent saw the commit, then re-processes the
   staged modules and returns.  On failure it raises, and the agent reports itself stale (with
   ``atomic`` staging the live weights were never touched).
@@ -19,6 +20,7 @@ Lifecycle (one instance per vLLM worker, created by vLLM after the model loaded)
 
 from __future__ import annotations
 
+import asyncio
 import logging
 import threading
 import time
@@ -64,8 +66,8 @@ class WatchingEngineAgent(EngineAgent):
     tensors (live parameters, with ``bounded`` staging) only while it runs a share, and a share
     starts only from a RunRefit command, which the coordinator sends only while some client's
     ``refit`` call runs.  `_on_run` refuses every command but the (plan, version) armed by
-    `arm`, which each worker does inside ``update_weights`` before rank 0 calls ``Client.refit``;
-    vLLM runs ``update_weights`` on the engine's own thread between engine steps, and the worker
+    `arm`, which each worker does inside ``update_weights`` before its world's rank 0 calls
+    ``Client.refit``; vLLM runs ``update_weights`` on the engine's own thread between engine steps, and the worker
     disarms only after its share ended (`wait_idle`).  So a refit started by anyone else (another
     client of the same coordinator) is answered with an error, never written."""
 
@@ -84,7 +86,16 @@ class WatchingEngineAgent(EngineAgent):
     def disarm(self) -> None:
         self._armed = None
 
+    ARM_GRACE = 10.0  # seconds a command may arrive before this worker entered update_weights
+
     async def _on_run(self, run: Any) -> None:
+        # The replicas of a dense DP engine enter update_weights independently (each its own
+        # world): another replica's leader may have started the refit a moment before this one
+        # armed.  Wait a little for it (the stream reader waits too: nothing else is due on it
+        # before this worker answers).
+        end = time.monotonic() + min(self.ARM_GRACE, run.timeout_seconds)
+        while self._armed != (run.plan_id, run.version) and time.monotonic() < end:
+            await asyncio.sleep(0.01)
         if self._armed != (run.plan_id, run.version):
             log.warning("%s: refusing refit %s (plan %s version %d): this engine is not inside update_weights "
                         "for it (armed: %s)", self.worker_id, run.refit_id, run.plan_id, run.version, self._armed)
@@ -162,7 +173,7 @@ class RefitWeightTransferEngine(WeightTransferEngine[RefitInitInfo, RefitUpdateI
         agent.arm(update_info.plan_id, version)
         try:
             self._barrier()  # every worker armed before the coordinator sends the command
-            if self.rank == 0:
+            if self._leader():
                 outcome = self._run_refit(info, update_info.plan_id, version, update_info.timeout)
             ok, refit_id, error = self._broadcast(outcome)
             if not ok:
@@ -216,6 +227,16 @@ class RefitWeightTransferEngine(WeightTransferEngine[RefitInitInfo, RefitUpdateI
             return False, "", f"{e.code().name}: {e.details()}"  # type: ignore[attr-defined]
         except Exception as e:  # noqa: BLE001 - reported to every worker, raised there
             return False, "", f"{type(e).__name__}: {e}"
+
+    @staticmethod
+    def _leader() -> bool:
+        """Whether this worker asks the coordinator to run the refit: rank 0 of its world.  That
+        is one worker per engine, or one per replica of a dense DP engine (vLLM runs those as
+        independent worlds): the coordinator runs one refit per (plan, version) and every
+        leader asking for it joins it."""
+        from vllm.distributed import parallel_state as ps
+
+        return ps.get_world_group().rank_in_group == 0
 
     @staticmethod
     def _barrier() -> None:
