@@ -50,22 +50,27 @@ INPLACE, REPROCESS = "inplace", "reprocess"
 STAGING_MODES = ("bounded", "atomic")
 
 
-def transforms_after_loading(module: torch.nn.Module) -> bool:
-    """Whether vLLM post-processes this module's weights after loading them."""
+def transforms_after_loading(module: torch.nn.Module, device: torch.device) -> bool:
+    """Whether vLLM post-processes this module's weights after loading them, on ``device``."""
     from vllm.model_executor.layers.attention import is_deferred_attention_layer
+    from vllm.model_executor.layers.linear import UnquantizedLinearMethod
     from vllm.model_executor.layers.quantization.base_config import QuantizeMethodBase
+    from vllm.model_executor.layers.vocab_parallel_embedding import UnquantizedEmbeddingMethod
 
     qm = getattr(module, "quant_method", None)
     if isinstance(qm, QuantizeMethodBase) and \
             type(qm).process_weights_after_loading is not QuantizeMethodBase.process_weights_after_loading:
-        return True
+        # vLLM 0.32's unquantized linear / embedding methods process only on CPU (GEMM
+        # prepacking) and, opt-in, on XPU: on CUDA (and ROCm) their weights stay as loaded
+        return not (device.type == "cuda" and type(qm) in (UnquantizedLinearMethod, UnquantizedEmbeddingMethod))
     return bool(is_deferred_attention_layer(module))
 
 
-def landing_path(module: torch.nn.Module, live: torch.Tensor, shape: tuple[int, ...], dtype: torch.dtype) -> str | None:
+def landing_path(module: torch.nn.Module, live: torch.Tensor, shape: tuple[int, ...], dtype: torch.dtype,
+                 device: torch.device) -> str | None:
     """How refit lands the loader-layout tensor (``shape``, ``dtype``) destined for ``live``, a
-    parameter of ``module``: INPLACE, REPROCESS, or None where neither can be right."""
-    if transforms_after_loading(module):
+    parameter of ``module`` on ``device``: INPLACE, REPROCESS, or None where neither can be right."""
+    if transforms_after_loading(module, device):
         return REPROCESS
     if tuple(live.shape) == tuple(shape) and live.dtype == dtype:
         return INPLACE
@@ -115,7 +120,7 @@ class Landing:
             if not isinstance(live, torch.Tensor):
                 raise RefitError(f"vllm: {module_name} has no tensor {attr!r} for refit tensor {lt.name!r}")
             dtype = getattr(torch, lt.dtype)
-            path = landing_path(module, live, lt.shape, dtype)
+            path = landing_path(module, live, lt.shape, dtype, device)
             if path is None:
                 raise RefitError(f"vllm: {lt.name} is {list(live.shape)} {live.dtype} in the live model, the loader "
                                  f"layout is {list(lt.shape)} {lt.dtype}, and {type(module).__name__} declares no "
@@ -135,7 +140,7 @@ class Landing:
         owned = {id(getattr(g.module, attr)): g.module_name for g in self.groups for _, attr in g.params}
         self.aliases: list[tuple[str, torch.nn.Module]] = []
         for name, module in model.named_modules():
-            if name in groups or not transforms_after_loading(module):
+            if name in groups or not transforms_after_loading(module, device):
                 continue
             if any(id(t) in owned for t in module.parameters(recurse=False)):
                 self.aliases.append((name, module))
