@@ -57,8 +57,8 @@ def http(base: str, path: str, body: dict | None = None, headers: dict | None = 
     import json
 
     data = None if body is None else json.dumps(body).encode()
-    req = urllib.request.Request(base + path, data=data, headers={"Content-Type": "application/json", **(headers or {})},
-                                 method="GET" if body is None else "POST")
+    req = urllib.request.Request(base + path, data=data, method="GET" if body is None else "POST",
+                                 headers={"Content-Type": "application/json", **(headers or {})})
     with urllib.request.urlopen(req, timeout=timeout) as r:
         return json.loads(r.read() or b"{}")
 
@@ -128,7 +128,8 @@ def test_refit_into_dp2_serve(served_dp2) -> None:
     try:
         http(base, "/init_weight_transfer_engine", {"init_info": {"coordinator": server.address, "group": "engine"}})
         rows = sorted(client.list_workers(group="engine"), key=lambda r: r["info"]["rank"])
-        assert [(r["info"]["rank"], r["info"]["layout"]) for r in rows] == [(0, "vllm:tp1dp2"), (1, "vllm:tp1dp2")], rows
+        assert [(r["info"]["rank"], r["info"]["layout"]) for r in rows] == [(0, "vllm:tp1dp2"),
+                                                                            (1, "vllm:tp1dp2")], rows
         plan_id = client.create_plan("trainer", "engine")["plan_id"]
         for version, w in ((1, 2), (2, 1)):
             trainers.load(dirs[w])

@@ -54,7 +54,7 @@ def dp_rank_and_size(pc: Any) -> tuple[int, int]:
     index = getattr(pc, "data_parallel_index", 0) or 0
     size = getattr(pc, "elastic_ep_max_dp_size", None) or 1
     if not 0 <= index < size:
-        raise RefitError(f"vllm: data-parallel replica {index} of {size}? (vLLM's parallel config disagrees with itself)")
+        raise RefitError(f"vllm: data-parallel replica {index} of {size}: vLLM's parallel config disagrees with itself")
     return index, size
 
 

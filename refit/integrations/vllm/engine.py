@@ -67,8 +67,9 @@ class WatchingEngineAgent(EngineAgent):
     starts only from a RunRefit command, which the coordinator sends only while some client's
     ``refit`` call runs.  `_on_run` refuses every command but the (plan, version) armed by
     `arm`, which each worker does inside ``update_weights`` before its world's rank 0 calls
-    ``Client.refit``; vLLM runs ``update_weights`` on the engine's own thread between engine steps, and the worker
-    disarms only after its share ended (`wait_idle`).  So a refit started by anyone else (another
+    ``Client.refit``; vLLM runs ``update_weights`` on the engine's own thread between engine
+    steps, and the worker disarms only after its share ended (`wait_idle`; a data plane returns
+    by the refit's deadline and writes nothing once the refit is cancelled).  So a refit started by anyone else (another
     client of the same coordinator) is answered with an error, never written."""
 
     KEEP = 64  # outcomes remembered
@@ -178,7 +179,7 @@ class RefitWeightTransferEngine(WeightTransferEngine[RefitInitInfo, RefitUpdateI
             ok, refit_id, error = self._broadcast(outcome)
             if not ok:
                 # the share is cancelled with the failure; no write may land after we return
-                if not agent.wait_idle(30.0):
+                if not agent.wait_idle(update_info.timeout + 5.0):
                     log.error("refit: %s still runs its share of the failed refit", agent.worker_id)
                 raise RuntimeError(f"refit {update_info.plan_id} version {version} failed: {error}")
             seen = agent.wait_outcome(refit_id, 10.0)  # the commit reaches every agent right after the client
