@@ -232,16 +232,27 @@ def _setup_process(tp: int) -> None:
     logging.basicConfig(level=logging.INFO)
 
 
-def _engine_main(conn: Any, model_dir: str, tp: int, ep: bool, coordinator: str | None, group: str) -> None:
+def _engine_main(conn: Any, model_dir: str, tp: int, ep: bool, coordinator: str | None, group: str,
+                 staging: str | None) -> None:
     _setup_process(tp)
     llm = make_llm(model_dir, tp, ep, bool(coordinator))
+
+    def init(staging: str | None) -> None:
+        info = {"coordinator": coordinator, "group": group}
+        if staging is not None:  # else the backend's default
+            info["staging"] = staging
+        llm.init_weight_transfer_engine({"init_info": info})
+
     if coordinator:
-        llm.init_weight_transfer_engine({"init_info": {"coordinator": coordinator, "group": group}})
+        init(staging)
     conn.send(("ready", os.getpid()))
     while True:
         cmd, arg = conn.recv()
         try:
-            if cmd == "generate":
+            if cmd == "init":  # register again, with another staging mode
+                init(arg)
+                conn.send(("ok", None))
+            elif cmd == "generate":
                 conn.send(("ok", generate(llm)))
             elif cmd == "refit":  # exactly the RL-loop contract
                 plan_id, version = arg[:2]
@@ -291,10 +302,10 @@ def _references_main(conn: Any, model_dirs: list[str], tp: int, ep: bool, suffix
 
 class Engine:
     def __init__(self, model_dir: str, tp: int = 1, ep: bool = False, coordinator: str | None = None,
-                 group: str = "engine") -> None:
+                 group: str = "engine", staging: str | None = None) -> None:
         self.group = group
         self.conn, child = CTX.Pipe()
-        self.proc = CTX.Process(target=_engine_main, args=(child, model_dir, tp, ep, coordinator, group))
+        self.proc = CTX.Process(target=_engine_main, args=(child, model_dir, tp, ep, coordinator, group, staging))
         self.proc.start()
         assert self.conn.poll(600), "engine did not start"
         status, value = self.conn.recv()

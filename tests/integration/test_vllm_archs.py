@@ -148,11 +148,11 @@ def test_landing_widens_exactly_and_refuses_narrowing() -> None:
     from refit.errors import RefitError
     from refit.integrations.vllm.landing import landing_dtype
 
-    module, attr = torch.nn.Module(), "e_score_correction_bias"
+    module, attr, CPU = torch.nn.Module(), "e_score_correction_bias", torch.device("cpu")
     f32, bf16, f16 = torch.float32, torch.bfloat16, torch.float16
-    assert landing_dtype("g", module, attr, torch.zeros(2, dtype=f32), bf16) == f32
-    assert landing_dtype("g", module, attr, torch.zeros(2, dtype=f32), f16) == f32
-    assert landing_dtype("g", module, attr, torch.zeros(2, dtype=bf16), bf16) == bf16
+    assert landing_dtype("g", module, attr, torch.zeros(2, dtype=f32), bf16, CPU) == f32
+    assert landing_dtype("g", module, attr, torch.zeros(2, dtype=f32), f16, CPU) == f32
+    assert landing_dtype("g", module, attr, torch.zeros(2, dtype=bf16), bf16, CPU) == bf16
     for live, staged in ((bf16, f32), (f16, bf16), (bf16, f16)):
         with pytest.raises(RefitError, match=f"is {live} in the live model but {staged}"):
-            landing_dtype("g", module, attr, torch.zeros(2, dtype=live), staged)
+            landing_dtype("g", module, attr, torch.zeros(2, dtype=live), staged, CPU)

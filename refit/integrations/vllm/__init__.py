@@ -11,6 +11,6 @@ Installing ``refit[vllm]`` registers it through vLLM's ``vllm.general_plugins`` 
     llm.finish_weight_update(weight_version=str(step))
 
 Modules: ``plugin`` (registration), ``config`` (rank, layout and spec from vLLM's configs),
-``landing`` (staging buffers, and putting them into the live model), ``engine`` (the worker-side
-`WeightTransferEngine` and its engine agent).
+``landing`` (which parameters are written in place, which staged and re-processed; the staging
+modes), ``engine`` (the worker-side `WeightTransferEngine` and its engine agent).
 """

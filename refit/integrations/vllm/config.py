@@ -4,6 +4,13 @@
   vLLM runs (``model_config.dtype``, which may differ from the checkpoint's);
 * layout: ``vllm:tpT[epE][dpD]`` from the parallel config (expert parallel spans tp*dp ranks);
 * rank: dp_rank * tp + tp_rank, the rank refit's vLLM layout numbers its tensors by.
+
+Data parallel.  vLLM 0.32 runs the DP replicas of a MoE model as one distributed world (its
+workers see ``data_parallel_size`` and ``data_parallel_rank``), but those of a dense model as
+independent DP=1 engines (`ParallelConfig.reconfigure_for_independent_dp_rank`): their workers
+see ``data_parallel_size == 1``; the replica's index survives in ``data_parallel_index`` and the
+replica count in ``elastic_ep_max_dp_size`` (set from the DP size before the reconfiguration, when
+elastic EP is off).  `dp_rank_and_size` reads both cases.
 """
 
 from __future__ import annotations
@@ -40,6 +47,17 @@ def layout_text(tp: int, dp: int, expert_parallel: bool) -> str:
     return text
 
 
+def dp_rank_and_size(pc: Any) -> tuple[int, int]:
+    """(this replica's DP rank, the number of DP replicas) from a vLLM ``ParallelConfig``."""
+    if pc.data_parallel_size > 1:  # one world across the replicas (MoE)
+        return pc.data_parallel_rank, pc.data_parallel_size
+    index = getattr(pc, "data_parallel_index", 0) or 0
+    size = getattr(pc, "elastic_ep_max_dp_size", None) or 1
+    if not 0 <= index < size:
+        raise RefitError(f"vllm: data-parallel replica {index} of {size}: vLLM's parallel config disagrees with itself")
+    return index, size
+
+
 def identify(vllm_config: Any) -> WorkerIdentity:
     """This worker's rank, layout and spec (call inside a vLLM worker, after the model loaded)."""
     from vllm.distributed import parallel_state as ps
@@ -49,9 +67,11 @@ def identify(vllm_config: Any) -> WorkerIdentity:
         raise RefitError(f"vllm: pipeline parallel (pp{pc.pipeline_parallel_size}) is not supported by refit yet")
     if getattr(pc, "decode_context_parallel_size", 1) > 1:
         raise RefitError("vllm: decode context parallel is not supported by refit yet")
-    tp, dp = pc.tensor_parallel_size, pc.data_parallel_size
+    if getattr(pc, "enable_elastic_ep", False):
+        raise RefitError("vllm: elastic expert parallel is not supported by refit yet")
+    tp = pc.tensor_parallel_size
+    dp_rank, dp = dp_rank_and_size(pc)
     tp_rank = ps.get_tensor_model_parallel_rank()
-    dp_rank = ps.get_dp_group().rank_in_group if dp > 1 else 0
     dtype = str(mc.dtype).removeprefix("torch.")
     name = os.path.basename(os.path.normpath(str(mc.model)))
     spec = spec_from_hf_config(name, mc.hf_config.to_dict(), dtype)

