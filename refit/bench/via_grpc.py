@@ -8,6 +8,13 @@ holds its shard (source values or the destination sentinel, as in the direct ben
 ``Refit(plan_id, version)`` and times the round trip.  Reported per refit: the client's round trip,
 the data time (slowest worker's executor time, from its own clock) and the difference — what the
 control plane and the start/end barriers add.  The last version is verified on every engine.
+
+With ``--alloc framework`` (the default) each engine rank allocates every parameter on its own,
+one ``torch.empty`` each in model order, as vLLM does, and its agent registers those very tensors:
+the data plane writes into them in place, which is the vLLM backend's ``bounded`` landing on GPUs
+(`refit.integrations.vllm.landing`) without vLLM around it.  Verification also checks that no
+engine parameter moved (CUDA graphs hold their addresses).  Trainers lay their shards out as
+frameworks do (`refit.executor.shards.arena_offsets`).
 """
 
 from __future__ import annotations
@@ -28,7 +35,7 @@ log = logging.getLogger(__name__)
 
 
 def _agent_main(conn: Any, address: str, spec: ModelSpec, role: str, rank: int, layout: str, gpu: int,
-                transport: str, log_level: int) -> None:
+                transport: str, log_level: int, alloc: str) -> None:
     """One rank: allocate, fill, embed an agent, then obey the bench (fill / verify / stop)."""
     os.environ["NCCL_NVLS_ENABLE"] = "0"
     logging.basicConfig(level=log_level, format=f"[{role} {rank}] %(levelname)s %(message)s")
@@ -36,7 +43,7 @@ def _agent_main(conn: Any, address: str, spec: ModelSpec, role: str, rank: int, 
 
     from refit.control import EngineAgent, TrainerAgent
     from refit.control.dataplane_executor import ExecutorDataPlane
-    from refit.executor.shards import allocate, fill_sentinel, fill_source, verify
+    from refit.executor.shards import allocate, allocate_each, fill_sentinel, fill_source, verify
     from refit.layouts import resolve_layout
 
     torch.set_num_threads(1)
@@ -46,8 +53,13 @@ def _agent_main(conn: Any, address: str, spec: ModelSpec, role: str, rank: int, 
         device = torch.device("cuda", gpu) if gpu >= 0 else torch.device("cpu")
         if gpu >= 0:
             torch.cuda.set_device(gpu)
-        shards = allocate(list(lay.local_tensors(spec, rank)), device)
+        locals_ = list(lay.local_tensors(spec, rank))
+        if role == "engine" and alloc == "framework":
+            shards = allocate_each(locals_, device)  # one allocation per parameter, as vLLM
+        else:
+            shards = allocate(locals_, device, scattered=alloc == "framework")
         fill_sentinel(shards)
+        addresses = {n: t.data_ptr() for n, t in shards.tensors.items()}
         cls = TrainerAgent if role == "trainer" else EngineAgent
         agent = cls(address, group=role, rank=rank, spec=spec, layout=lay, tensors=shards.tensors, gpu=gpu,
                     data_plane=ExecutorDataPlane(transport)).start()
@@ -60,7 +72,8 @@ def _agent_main(conn: Any, address: str, spec: ModelSpec, role: str, rank: int, 
                     torch.cuda.synchronize(device)
                 conn.send(("ok", None))
             elif cmd == "verify":
-                conn.send(("ok", verify(shards, spec, arg)))
+                moved = [n for n, t in shards.tensors.items() if t.data_ptr() != addresses[n]]
+                conn.send(("ok", (verify(shards, spec, arg), moved)))
             else:
                 agent.stop()
                 conn.send(("ok", None))
@@ -76,14 +89,15 @@ class _Ranks:
     """The rank processes and their command pipes."""
 
     def __init__(self, address: str, spec: ModelSpec, plan: Any, src: str, dst: str, cuda: bool,
-                 transport: str, log_level: int) -> None:
+                 transport: str, log_level: int, alloc: str) -> None:
         ctx = mp.get_context("spawn")
         self.procs, self.conns, self.names, self.roles = [], [], [], []
         for role, layout, gpus in (("trainer", src, plan.placement.src_gpus), ("engine", dst, plan.placement.dst_gpus)):
             for rank, g in enumerate(gpus):
                 parent, child = ctx.Pipe()
                 p = ctx.Process(target=_agent_main, daemon=True, name=f"{role}-{rank}",
-                                args=(child, address, spec, role, rank, layout, g if cuda else -1, transport, log_level))
+                                args=(child, address, spec, role, rank, layout, g if cuda else -1, transport, log_level,
+                                      alloc))
                 p.start()
                 self.procs.append(p)
                 self.conns.append(parent)
@@ -128,7 +142,7 @@ def run_grpc(args: argparse.Namespace, spec: ModelSpec, plan: Any, cuda: bool, t
     server = ThreadedServer(default_timeout=args.timeout)
     client = Client(server.address)
     ranks = _Ranks(server.address, spec, plan.plan, plan.src.describe(), plan.dst.describe(), cuda,
-                   transport if cuda else "comm", level)
+                   transport if cuda else "comm", level, args.alloc)
     try:
         ranks.ask(list(range(len(ranks.procs))), "ready")
         created = client.create_plan("trainer", "engine", placement=args.placement, planner=args.planner,
@@ -146,19 +160,23 @@ def run_grpc(args: argparse.Namespace, spec: ModelSpec, plan: Any, cuda: bool, t
                 data.append(slowest)
                 worst.append(trip - slowest)
             log.info("refit %d: %.1f ms round trip", version, trip * 1e3)
-        verdicts = ranks.ask(ranks.of("engine"), "verify", args.warmup + args.iters)
+        checks = ranks.ask(ranks.of("engine"), "verify", args.warmup + args.iters)
     finally:
         logging.getLogger("refit.control.coordinator").setLevel(logging.ERROR)  # agents leaving is expected now
         ranks.close()
         client.close()
         server.stop()
-    verified = all(v.ok for v in verdicts)
+    verdicts = [v for v, _ in checks]
+    moved = sum(len(m) for _, m in checks)
+    verified = all(v.ok for v in verdicts) and not moved
     return {
         "via": "grpc", "model": spec.name, "src": plan.src.describe(), "dst": plan.dst.describe(),
         "placement": args.placement, "planner": args.planner, "device": "cuda" if cuda else "cpu",
         "transport": transport if cuda else "gloo", "reduced": reduced, "processes": len(ranks.procs), "plan_id": created["plan_id"],
         "round_trip": _stats(trips), "data": _stats(data), "overhead": _stats(worst),
-        "engine_bytes": result.total_bytes, "verified": verified,
+        "engine_bytes": result.total_bytes, "verified": verified, "alloc": args.alloc,
+        "engine_allocation": ("one allocation per parameter (as vLLM), written in place" if args.alloc == "framework"
+                              else "one arena per rank"), "moved_parameters": moved,
         "checked_elements": sum(v.checked for v in verdicts), "mismatches": sum(v.mismatches for v in verdicts),
     }
 
@@ -178,6 +196,7 @@ def table_grpc(r: dict[str, Any]) -> str:
                       ("overhead", "control + barriers")):
         s = r[key]
         lines.append(f"{what:24s} {ms(s['median'])} {ms(s['min'])} {ms(s['max'])}")
-    lines += ["", f"engines received {fmt_bytes(r['engine_bytes'])} per refit; verified: "
-              f"{'yes' if r['verified'] else 'NO'} ({r['checked_elements']} elements, {r['mismatches']} wrong)"]
+    lines += ["", f"engines received {fmt_bytes(r['engine_bytes'])} per refit into {r['engine_allocation']}; "
+              f"verified: {'yes' if r['verified'] else 'NO'} ({r['checked_elements']} elements, {r['mismatches']} wrong, "
+              f"{r['moved_parameters']} parameters moved)"]
     return "\n".join(lines)

@@ -65,7 +65,13 @@ class Shards:
 
     @property
     def nbytes(self) -> int:
-        return self.arena.numel()
+        return self.arena.numel() or sum(t.numel() * t.element_size() for t in self.tensors.values())
+
+    def memory(self) -> list[torch.Tensor]:
+        """The byte buffers behind the tensors: the arena, or each tensor of `allocate_each`."""
+        if self.arena.numel():
+            return [self.arena]
+        return [t.view(-1).view(torch.uint8) for t in self.tensors.values() if t.numel()]
 
 
 def allocate(tensors: Sequence[LocalTensor], device: torch.device, shm_path: str | None = None,
@@ -83,9 +89,17 @@ def allocate(tensors: Sequence[LocalTensor], device: torch.device, shm_path: str
     return Shards(list(tensors), arena, views(arena, tensors, scattered), shm_path)
 
 
+def allocate_each(tensors: Sequence[LocalTensor], device: torch.device) -> Shards:
+    """One allocation per tensor, in layout (model) order, as vLLM's model init makes its
+    parameters; the `Shards` has no arena."""
+    each = {lt.name: torch.empty(lt.shape, dtype=TORCH_DTYPES[lt.dtype], device=device) for lt in tensors}
+    return Shards(list(tensors), torch.empty(0, dtype=torch.uint8, device=device), each)
+
+
 def fill_source(shards: Shards, spec: ModelSpec, seed: int) -> None:
     """Canonical values (of ``seed``) in every piece; zeros in padding."""
-    shards.arena.zero_()
+    for m in shards.memory():
+        m.zero_()
     for lt in shards.locals:
         local = shards.tensors[lt.name].view(lt.view_shape(_ndim(spec, lt)))
         for p in lt.pieces:
@@ -93,7 +107,8 @@ def fill_source(shards: Shards, spec: ModelSpec, seed: int) -> None:
 
 
 def fill_sentinel(shards: Shards) -> None:
-    shards.arena.fill_(SENTINEL)
+    for m in shards.memory():
+        m.fill_(SENTINEL)
 
 
 @dataclass(frozen=True)

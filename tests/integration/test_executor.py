@@ -297,6 +297,9 @@ def test_bench_via_grpc_cpu_json(capsys: pytest.CaptureFixture[str]) -> None:
     assert out["checked_elements"] > 0 and out["mismatches"] == 0 and out["engine_bytes"] > 0
     assert len(out["round_trip"]["all"]) == 3
     assert out["round_trip"]["median"] >= out["data"]["median"] > 0
+    # engines hold one allocation per parameter (as vLLM), written in place: none moved
+    assert out["alloc"] == "framework" and out["moved_parameters"] == 0
+    assert out["engine_allocation"].startswith("one allocation per parameter")
 
 
 def test_bench_runs_from_a_folder_holding_another_refit(tmp_path: Path) -> None:
