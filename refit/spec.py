@@ -22,7 +22,7 @@ import math
 from dataclasses import dataclass, field
 from typing import Any, Iterator, Mapping
 
-from refit.archs import FAMILY_ARCHS, family_fields, gqa_tensors, mla_tensors, moe_extra_tensors, mtp_layer_of, not_moved
+from refit.archs import FAMILY_ARCHS, family_fields, gqa_tensors, mla_tensors, moe_extra_tensors, not_moved
 from refit.dtypes import DTYPE_BYTES
 from refit.errors import RefitError
 

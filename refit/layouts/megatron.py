@@ -191,7 +191,7 @@ class MegatronLayout:
         c = spec.config
         co = self.coords(rank)
         t, T = co["tp"], self.tp
-        H, hd, dt = c.hidden_size, c.head_dim, c.dtype
+        H, dt = c.hidden_size, c.dtype
         padded = pad_to(c.vocab_size, VOCAB_DIVISIBLE_BY * T)
         stages = self.stage_layers(c.num_layers)
         out: list[LocalTensor] = []

@@ -11,20 +11,14 @@
 
 from __future__ import annotations
 
-import os
 import pickle
-import signal
-import subprocess
-import sys
-import time
-import urllib.request
 
 import pytest
 
-from tests.harness.vllm_rl import MAX_TOKENS, PROMPTS, cpu_env, vllm_marks
+from tests.harness.vllm_rl import MAX_TOKENS, PROMPTS, vllm_marks
+from tests.harness.vllm_serve import http, vllm_serve
 
 pytestmark = vllm_marks()
-ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
 
 def as_worker_sees(dp: int, rank: int, moe: bool) -> object:
@@ -53,16 +47,6 @@ def test_dp_rank_and_size_from_real_configs(moe: bool) -> None:
     assert layout_text(2, 3, True) == "vllm:tp2ep6dp3"
 
 
-def http(base: str, path: str, body: dict | None = None, headers: dict | None = None, timeout: float = 120.0):
-    import json
-
-    data = None if body is None else json.dumps(body).encode()
-    req = urllib.request.Request(base + path, data=data, method="GET" if body is None else "POST",
-                                 headers={"Content-Type": "application/json", **(headers or {})})
-    with urllib.request.urlopen(req, timeout=timeout) as r:
-        return json.loads(r.read() or b"{}")
-
-
 def replica_answers(base: str, model: str, replica: int) -> list[list[int]]:
     r = http(base, "/v1/completions", {"model": model, "prompt": PROMPTS, "max_tokens": MAX_TOKENS, "temperature": 0,
                                        "ignore_eos": True, "return_token_ids": True},
@@ -73,43 +57,14 @@ def replica_answers(base: str, model: str, replica: int) -> list[list[int]]:
 @pytest.fixture(scope="module")
 def served_dp2(tmp_path_factory):
     from tests.harness.vllm_capture.make_models import make_tiny_qwen3
-    from tests.integration.test_vllm_serve import free_port
 
     dirs = {}
     for seed in (1, 2):
         dirs[seed] = str(tmp_path_factory.mktemp(f"dp-w{seed}"))
         make_tiny_qwen3(dirs[seed], seed=seed)
-    port = free_port()
-    env = {**os.environ, **cpu_env(2), "VLLM_SERVER_DEV_MODE": "1",
-           "PYTHONPATH": ROOT + os.pathsep + os.environ.get("PYTHONPATH", "")}
-    log_path = str(tmp_path_factory.mktemp("dp-log") / "server.log")
-    cmd = [sys.executable, "-m", "vllm.entrypoints.openai.api_server", "--model", dirs[1], "--host", "127.0.0.1",
-           "--port", str(port), "--skip-tokenizer-init", "--dtype", "bfloat16", "--enforce-eager",
-           "--max-model-len", "128", "--max-num-seqs", "4", "--data-parallel-size", "2",
-           "--weight-transfer-config", '{"backend": "refit"}']
-    with open(log_path, "w") as log:
-        proc = subprocess.Popen(cmd, env=env, stdin=subprocess.DEVNULL, stdout=log, stderr=subprocess.STDOUT,
-                                start_new_session=True)
-    base = f"http://127.0.0.1:{port}"
-    try:
-        end = time.monotonic() + 900
-        while True:
-            try:
-                urllib.request.urlopen(base + "/health", timeout=2)
-                break
-            except OSError:
-                if proc.poll() is not None or time.monotonic() > end:
-                    with open(log_path) as f:
-                        raise RuntimeError(f"vllm serve --data-parallel-size 2 did not come up:\n{f.read()[-4000:]}")
-                time.sleep(1)
+    with vllm_serve(dirs[1], str(tmp_path_factory.mktemp("dp-log") / "server.log"), threads=2,
+                    extra=("--data-parallel-size", "2"), start_timeout=900) as base:
         yield base, dirs
-    finally:
-        os.killpg(proc.pid, signal.SIGTERM)
-        try:
-            proc.wait(30)
-        except subprocess.TimeoutExpired:
-            os.killpg(proc.pid, signal.SIGKILL)
-            proc.wait(10)
 
 
 def test_refit_into_dp2_serve(served_dp2) -> None:

