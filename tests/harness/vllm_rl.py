@@ -11,12 +11,13 @@ weights of an HF checkpoint in any source layout, and vLLM engines (offline `LLM
 
 from __future__ import annotations
 
+import contextlib
 import logging
 import multiprocessing as mp
 import os
 import time
 import traceback
-from typing import Any
+from typing import Any, Iterator
 
 import torch
 
@@ -359,3 +360,29 @@ def fresh_outputs(model_dirs: list[str], tp: int = 1, ep: bool = False, probe: t
         proc.join(60)
         if proc.is_alive():
             proc.kill()
+
+
+def differs(a: list, b: list) -> str:
+    """The first difference between two engines' answers ((tokens, logprobs) per prompt), or ""."""
+    for i, ((ta, la), (tb, lb)) in enumerate(zip(a, b)):
+        if ta != tb:
+            return f"prompt {i}: tokens {ta} != {tb}"
+        if la != lb:
+            return f"prompt {i}: logprobs {la} != {lb}"
+    return ""
+
+
+@contextlib.contextmanager
+def loopback_coordinator() -> Iterator[tuple[str, Any]]:
+    """A coordinator on loopback and a client of it: (address, client)."""
+    from refit.control.client import Client
+    from refit.control.server import ThreadedServer
+
+    server = ThreadedServer(default_timeout=60.0)
+    client = Client(server.address)
+    try:
+        yield server.address, client
+    finally:
+        client.close()
+        server.stop()
+

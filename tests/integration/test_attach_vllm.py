@@ -14,7 +14,7 @@ from __future__ import annotations
 
 from typing import Any
 
-from tests.harness.vllm_rl import vllm_marks
+from tests.harness.vllm_rl import differs, vllm_marks
 
 pytestmark = vllm_marks()
 
@@ -46,13 +46,6 @@ def _attached_trainer(rank: int, world: int, address: str) -> tuple[Any, Any]:
     return agent, handle
 
 
-def differs(a: list, b: list) -> str:
-    for i, ((ta, la), (tb, lb)) in enumerate(zip(a, b)):
-        if ta != tb:
-            return f"prompt {i}: tokens {ta} != {tb}"
-        if la != lb:
-            return f"prompt {i}: logprobs {la} != {lb}"
-    return ""
 
 
 def test_attached_trainer_refits_live_engine(tmp_path) -> None:

@@ -29,7 +29,7 @@ import os
 import pytest
 import torch
 
-from tests.harness.vllm_rl import vllm_marks
+from tests.harness.vllm_rl import differs, loopback_coordinator, vllm_marks
 
 pytestmark = vllm_marks()
 
@@ -81,23 +81,10 @@ def fresh_w2(ckpts):
 
 @pytest.fixture(scope="module")
 def coordinator():
-    from refit.control.client import Client
-    from refit.control.server import ThreadedServer
-
-    server = ThreadedServer(default_timeout=60.0)
-    client = Client(server.address)
-    yield server.address, client
-    client.close()
-    server.stop()
+    with loopback_coordinator() as both:
+        yield both
 
 
-def differs(a, b) -> str:
-    for i, ((ta, la), (tb, lb)) in enumerate(zip(a, b)):
-        if ta != tb:
-            return f"prompt {i}: tokens {ta} != {tb}"
-        if la != lb:
-            return f"prompt {i}: logprobs {la} != {lb}"
-    return ""
 
 
 def same_tensors(got: dict, want: dict) -> str:

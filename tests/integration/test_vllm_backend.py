@@ -22,7 +22,7 @@ import time
 
 import pytest
 
-from tests.harness.vllm_rl import vllm_marks
+from tests.harness.vllm_rl import differs, loopback_coordinator, vllm_marks
 
 pytestmark = vllm_marks()
 
@@ -53,14 +53,8 @@ def ckpts(tmp_path_factory):
 
 @pytest.fixture(scope="module")
 def coordinator():
-    from refit.control.client import Client
-    from refit.control.server import ThreadedServer
-
-    server = ThreadedServer(default_timeout=60.0)
-    client = Client(server.address)
-    yield server.address, client
-    client.close()
-    server.stop()
+    with loopback_coordinator() as both:
+        yield both
 
 
 class Setup:
@@ -110,13 +104,6 @@ def setups(coordinator, ckpts):
         s.close()
 
 
-def differs(a, b) -> str:
-    for i, ((ta, la), (tb, lb)) in enumerate(zip(a, b)):
-        if ta != tb:
-            return f"prompt {i}: tokens {ta} != {tb}"
-        if la != lb:
-            return f"prompt {i}: logprobs {la} != {lb}"
-    return ""
 
 
 @pytest.mark.parametrize("model,layout,tp,ep", [c[:4] for c in CASES if c[4] or FULL],
