@@ -53,8 +53,6 @@ class _BatchOp3D(ctypes.Structure):
 
 
 _OPERAND_POINTER = 1  # cudaMemcpyOperandTypePointer
-_FN: "ctypes._CFuncPtr | None" = None  # stand-ins a test may set (no GPU here)
-_FN3D: "ctypes._CFuncPtr | None" = None
 
 
 def _runtime() -> "ctypes.CDLL | None":
@@ -66,7 +64,7 @@ def _runtime() -> "ctypes.CDLL | None":
     return None
 
 
-_BOUND: dict[str, "ctypes._CFuncPtr | None"] = {}
+_BOUND: dict[str, "ctypes._CFuncPtr | None"] = {}  # runtime function name -> bound function (or None)
 
 
 def _bind(name: str, argtypes: list) -> "ctypes._CFuncPtr | None":
@@ -81,8 +79,6 @@ def _bind(name: str, argtypes: list) -> "ctypes._CFuncPtr | None":
 
 
 def _function() -> "ctypes._CFuncPtr | None":
-    if _FN is not None:  # set by tests to a stand-in
-        return _FN or None
     return _bind("cudaMemcpyBatchAsync", [
         ctypes.POINTER(ctypes.c_void_p), ctypes.POINTER(ctypes.c_void_p), ctypes.POINTER(ctypes.c_size_t),
         ctypes.c_size_t, ctypes.POINTER(_MemcpyAttributes), ctypes.POINTER(ctypes.c_size_t), ctypes.c_size_t,
@@ -90,8 +86,6 @@ def _function() -> "ctypes._CFuncPtr | None":
 
 
 def _function_3d() -> "ctypes._CFuncPtr | None":
-    if _FN3D is not None:
-        return _FN3D or None
     return _bind("cudaMemcpy3DBatchAsync",
                  [ctypes.c_size_t, ctypes.POINTER(_BatchOp3D), ctypes.c_ulonglong, ctypes.c_void_p])
 

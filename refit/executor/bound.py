@@ -55,7 +55,6 @@ class Bound:
     stages: list[BoundStage]
     buffers: list[torch.Tensor] = field(repr=False)
     direct_bytes: int = 0  # wire bytes sent from / received into tensors directly (no staging)
-    direct_wires: int = 0
 
     @property
     def staging_bytes(self) -> int:
@@ -182,9 +181,8 @@ def bind(program: Program, tensors: dict[Endpoint, dict[str, torch.Tensor]], dev
         pulls = [CopyBatch(pairs, peer=dev if dev.type == "cuda" and dev != device else None, dma=dma)
                  for dev, pairs in sorted(by_device.items(), key=lambda x: _ring_distance(device, x[0]))]
         stages.append(BoundStage(st.stage, CopyBatch(move_pairs, dma=dma), steps, pulls))
-    direct_bytes = sum(r.numel() for r in direct.values())
-    return Bound(program, stages, [b for s in sets + rsets for b in s], direct_bytes=direct_bytes,
-                 direct_wires=len(direct))
+    return Bound(program, stages, [b for s in sets + rsets for b in s],
+                 direct_bytes=sum(r.numel() for r in direct.values()))
 
 
 # ---------------------------------------------------------------------------------------------

@@ -259,7 +259,7 @@ class CopyBatch:
         return self._use_table
 
     def run_bulk(self, stream: int) -> None:
-        """Issue the batched 1-D copies (`_split_bulk`) on ``stream`` of our own device."""
+        """Issue the copy-engine batch (`_split_bulk`) on ``stream`` of our own device."""
         if self.bulk is not None:
             self.bulk.launch(stream)
 

@@ -92,9 +92,13 @@ class Topology:
     def member_devices(self, member: int) -> list[int]:
         return sorted({self.device_of[ep] for ep in self.members[member]})
 
+    @cached_property
+    def _local_index(self) -> dict[int, int | None]:
+        return dict(self.local)
+
     def torch_index(self, device: int) -> int | None:
         """The torch index of ``device`` in this process (None: not visible here)."""
-        return dict(self.local).get(device) if self.local else device
+        return self._local_index.get(device) if self.local else device
 
     def describe_member(self, member: int) -> str:
         return ", ".join(endpoint_name(ep) for ep in self.members[member])

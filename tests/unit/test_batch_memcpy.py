@@ -2,7 +2,7 @@
 
 No GPU here: the CUDA call is replaced by a stand-in that performs each copy with ``memmove``
 on host memory, so the arrays handed to the driver (addresses, sizes, count, attributes) are
-checked by moving real bytes.  The real call runs on GPUs in `bench/check_batch_memcpy.py`."""
+checked by moving real bytes.  The real calls ran on 2x H200 inside refit-bench (bench/RESULTS.md)."""
 
 from __future__ import annotations
 
@@ -27,7 +27,7 @@ def _fake_driver(calls: list[dict]):
 
 def test_batch_moves_every_byte(monkeypatch) -> None:
     calls: list[dict] = []
-    monkeypatch.setattr(batch_memcpy, "_FN", _fake_driver(calls))
+    monkeypatch.setitem(batch_memcpy._BOUND, "cudaMemcpyBatchAsync", _fake_driver(calls))
     src = torch.randint(0, 256, (1 << 16,), dtype=torch.uint8)
     dst = torch.zeros_like(src)
     pieces = [(0, 4096, 1000), (5000, 20000, 3000), (30000, 0, 4096)]  # (dst offset, src offset, bytes)
@@ -40,7 +40,7 @@ def test_batch_moves_every_byte(monkeypatch) -> None:
 
 
 def test_error_is_raised(monkeypatch) -> None:
-    monkeypatch.setattr(batch_memcpy, "_FN", lambda *a: 1)
+    monkeypatch.setitem(batch_memcpy._BOUND, "cudaMemcpyBatchAsync", lambda *a: 1)
     b = batch_memcpy.BatchMemcpy([(16, 32, 8)], 0, 1)
     try:
         b.launch(0)
@@ -58,7 +58,7 @@ def test_not_available_without_cuda_13(monkeypatch) -> None:
 
 
 def test_split_bulk_takes_big_flat_copies(monkeypatch) -> None:
-    monkeypatch.setattr(batch_memcpy, "_FN", _fake_driver([]))
+    monkeypatch.setitem(batch_memcpy._BOUND, "cudaMemcpyBatchAsync", _fake_driver([]))
     monkeypatch.setattr(batch_memcpy, "available", lambda pitched=False: not pitched)
     big = [Memcpy(1 << 30 | i << 20, 0, 2 << 30 | i << 20, 0, 512 << 10, 1) for i in range(70)]
     pitched = [Memcpy(3 << 30 | i << 20, 1536, 4 << 30 | i << 20, 768, 768, 2048) for i in range(70)]
@@ -92,8 +92,8 @@ def _fake_driver_3d(calls: list[int]):
 def test_pitched_batch_moves_every_byte(monkeypatch) -> None:
     """An expert's column slice (rows of 768 bytes, pitches differ) as one 3-D batch op."""
     calls: list[int] = []
-    monkeypatch.setattr(batch_memcpy, "_FN", _fake_driver([]))
-    monkeypatch.setattr(batch_memcpy, "_FN3D", _fake_driver_3d(calls))
+    monkeypatch.setitem(batch_memcpy._BOUND, "cudaMemcpyBatchAsync", _fake_driver([]))
+    monkeypatch.setitem(batch_memcpy._BOUND, "cudaMemcpy3DBatchAsync", _fake_driver_3d(calls))
     monkeypatch.setattr(batch_memcpy, "available", lambda pitched=False: True)
     src = torch.randint(-2**15, 2**15, (4, 512, 768), dtype=torch.int16)  # 4 experts [H, I]
     dst = torch.zeros(4, 512, 384, dtype=torch.int16)  # each keeps columns 384.. (its TP half)

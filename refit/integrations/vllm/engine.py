@@ -149,7 +149,6 @@ class RefitWeightTransferEngine(WeightTransferEngine[RefitInitInfo, RefitUpdateI
         if self.agent is not None:
             self.shutdown()
         who = identify(self.vllm_config)
-        self.rank = who.rank
         self.landing = Landing(self.model, who.spec, who.layout, who.rank, self.device, init_info.staging)
         self.agent = WatchingEngineAgent(init_info.coordinator, group=init_info.group, rank=who.rank, spec=who.spec,
                                          layout=who.layout, tensors=self.landing.tensors, host=init_info.host,
