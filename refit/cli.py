@@ -122,6 +122,7 @@ def cmd_plan(args: argparse.Namespace) -> int:
     for label, n in rows:
         print(f"  {label:<26}{fmt_bytes(n):>12}")
     print(f"  {'transfers / buckets':<26}{s['num_transfers']:>6} / {s['num_buckets']}")
+    print(f"  {'plan size (JSON)':<26}{fmt_bytes(s['plan_json_bytes']):>12}")
     for line in s.get("not_moved", ()):
         print(f"  not moved: {line}")
     if args.out:
