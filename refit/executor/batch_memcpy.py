@@ -91,11 +91,12 @@ def _function_3d() -> "ctypes._CFuncPtr | None":
 
 
 def mode() -> str:
-    """``REFIT_BATCH_MEMCPY``: ``flat`` (default: 1-D copies batched; pitched ones stay for the
-    table kernel), ``all`` (pitched ones batched too) or ``off`` (the table kernel alone).  Measured
-    on 2x H200, qwen3-30b-moe tp2ep2 -> tp2 with framework allocations: flat 48.8 ms, off 49.3 ms,
-    all 66.9 ms (copy engines move an expert's 768-byte rows slowly)."""
-    value = os.environ.get("REFIT_BATCH_MEMCPY", "flat")
+    """``REFIT_BATCH_MEMCPY``: ``off`` (default: the table kernel alone), ``flat`` (1-D copies
+    batched beside it) or ``all`` (pitched ones batched too).  Measured on H200s, qwen3-30b-moe with
+    framework allocations: 2 GPUs (tp2ep2 -> tp2) flat 48.2-48.8 ms, off 49.3-49.6, all 66.9; 4 GPUs
+    (tp4ep4 -> tp4, pulls in rounds) flat 50.2-51.7 ms, off 35.2: a small gain on 2 GPUs, a large
+    loss on 4, so batching is opt-in."""
+    value = os.environ.get("REFIT_BATCH_MEMCPY", "off")
     if value not in ("flat", "all", "off"):
         raise ValueError(f"REFIT_BATCH_MEMCPY must be flat, all or off, not {value!r}")
     return value
