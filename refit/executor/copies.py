@@ -246,7 +246,7 @@ class CopyBatch:
         if os.environ.get("REFIT_TABLE_PULL", "here") != "here":
             return False
         try:
-            self._table = table_copy.TableCopy(self.memcpys, self.device_index, alias_sources=True)
+            self._table = table_copy.TableCopy(self.memcpys, self.device_index, alias_sources=True, peer=True)
         except LookupError:
             return False
         return True
@@ -272,7 +272,8 @@ class CopyBatch:
             index = self.device_index if device_index is None else device_index
             if self._table is None or self._table.index != index:
                 pulled = self.peer is not None and self.peer.index != index
-                self._table = table_copy.TableCopy(self.memcpys, index, alias_sources=pulled)
+                self._table = table_copy.TableCopy(self.memcpys, index, alias_sources=pulled,
+                                                   peer=self.peer is not None)
             self._table.launch(stream)
             return
         from cupy.cuda import runtime

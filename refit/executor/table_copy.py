@@ -103,10 +103,23 @@ MAX_MEAN_BYTES = 8 << 20
 MIN_CALLS = 64
 
 
+def grid(peer: bool) -> int:
+    """Thread blocks of one table launch.  ``REFIT_TABLE_BLOCKS`` = ``PEER,LOCAL`` (default
+    ``528,132``): a peer pull and the same-GPU copies
+    run beside each other, and a smaller grid for one leaves SMs to the other."""
+    value = os.environ.get("REFIT_TABLE_BLOCKS", "528,132")
+    try:
+        peer_blocks, local_blocks = (int(v) for v in value.split(","))
+    except ValueError:
+        raise ValueError(f"REFIT_TABLE_BLOCKS must be PEER,LOCAL thread block counts, not {value!r}") from None
+    return peer_blocks if peer else local_blocks
+
+
 class TableCopy:
     """The table of one batch on device ``index``; `launch` copies all of it on a stream."""
 
-    def __init__(self, memcpys: Sequence["Memcpy"], index: int, alias_sources: bool = False) -> None:
+    def __init__(self, memcpys: Sequence["Memcpy"], index: int, alias_sources: bool = False,
+                 peer: bool = False) -> None:
         """``alias_sources``: read sources through this device's own mappings of peer IPC memory
         (`refit.executor.ipc_alias`); raises LookupError when one has none (the caller then
         runs the table on the peer instead)."""
@@ -132,7 +145,7 @@ class TableCopy:
             cupy.cuda.runtime.deviceSynchronize()
             if index not in _KERNELS:
                 _KERNELS[index] = cupy.RawKernel(_SOURCE, "copy_table")
-        self.blocks = max(1, min(self.n, 132 * 4))
+        self.blocks = max(1, min(self.n, grid(peer)))
 
     def launch(self, stream: int) -> None:
         import cupy

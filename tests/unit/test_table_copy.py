@@ -45,3 +45,19 @@ def test_pieces_copy_what_the_memcpys_copy(case: tuple[list[Memcpy], int], piece
     rows = table_rows(memcpys, piece)
     assert _apply(rows, src, size) == _apply(whole, src, size)
     assert all(w * h <= max(piece, w) and w <= piece for _, _, _, _, w, h in rows)
+
+
+def test_grid_gives_peer_pulls_the_gpu_and_same_gpu_copies_a_slice(monkeypatch) -> None:
+    """Measured on 2x H200 (bench/RESULTS.md, fifth session): a same-GPU table kernel on a full
+    grid beside a peer pull costs 5 ms per refit; the default keeps it to one block per SM."""
+    import pytest
+
+    from refit.executor.table_copy import grid
+
+    monkeypatch.delenv("REFIT_TABLE_BLOCKS", raising=False)
+    assert (grid(peer=True), grid(peer=False)) == (528, 132)
+    monkeypatch.setenv("REFIT_TABLE_BLOCKS", "264,66")
+    assert (grid(peer=True), grid(peer=False)) == (264, 66)
+    monkeypatch.setenv("REFIT_TABLE_BLOCKS", "lots")
+    with pytest.raises(ValueError, match="PEER,LOCAL"):
+        grid(peer=True)
