@@ -22,7 +22,7 @@ from typing import Any, Callable
 import torch
 
 from refit.errors import RefitError
-from refit.executor.member import Budget, Member, connect, shares
+from refit.executor.member import Budget, Member, connect, ipc_direction, shares
 from refit.executor.shards import Shards, Verdict, allocate, fill_sentinel, fill_source, verify
 from refit.executor.topology import Endpoint, Topology, endpoint_name
 from refit.executor.transports import PeerError
@@ -131,7 +131,8 @@ class Session:
             torch.cuda.set_device(index)  # this process's context on its own GPU first
         self.shards: dict[Endpoint, Shards] = {}
         for ep in self.mine:  # a CPU shard another process reads lives in /dev/shm
-            shm = self.shm_path(ep) if job.device == "cpu" and shares(topo, self.member, ep, ipc) else None
+            shm = self.shm_path(ep) if job.device == "cpu" and shares(topo, self.member, ep, ipc,
+                                                                        ipc_direction(cuda=False) == "push") else None
             self.shards[ep] = allocate(self.locals_of(ep), torch.device(device), shm, job.alloc == "framework")
         names = [topo.describe_member(m) for m in range(len(topo.members))]
         store = connect(job.store_host, job.store_port, job.session, job.timeout_s)

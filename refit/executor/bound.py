@@ -97,8 +97,9 @@ def _buffer_pairs(wire: Wire, buf: torch.Tensor, views: _Views, into_buffer: boo
 
 
 def _ring_distance(me: torch.device, peer: torch.device) -> tuple[int, str]:
-    """Round of a pull from ``peer``: round k reads the GPU k places ahead on the ring, so that
-    when every device issues its pulls in this order each GPU is read by one peer at a time."""
+    """Round of a pull from (or push into) ``peer``: round k reads (writes) the GPU k places ahead
+    on the ring, so that when every device issues its copies in this order each GPU is read
+    (written) by one peer at a time."""
     if me.type != "cuda" or peer.type != "cuda":
         return (0, str(peer))
     n = max(torch.cuda.device_count(), me.index + 1, peer.index + 1)
@@ -174,10 +175,10 @@ def bind(program: Program, tensors: dict[Endpoint, dict[str, torch.Tensor]], dev
                 recvs.append((w.peer, w.bucket, region if region is not None else buf[:w.nbytes]))
             steps.append(BoundStep(step.key, CopyBatch(pack, dma=dma), CopyBatch(unpack, dma=dma), sends, recvs))
             j += 1
-        by_device: dict[torch.device, list[Pair]] = defaultdict(list)
+        by_device: dict[torch.device, list[Pair]] = defaultdict(list)  # by the peer device (pull or push)
         for m in st.pulls:
-            s_view = views.block(m.src_ep, m.src)
-            by_device[s_view.device].append((views.block(m.dst_ep, m.dst), s_view))
+            s_view, d_view = views.block(m.src_ep, m.src), views.block(m.dst_ep, m.dst)
+            by_device[d_view.device if d_view.device != device else s_view.device].append((d_view, s_view))
         pulls = [CopyBatch(pairs, peer=dev if dev.type == "cuda" and dev != device else None, dma=dma)
                  for dev, pairs in sorted(by_device.items(), key=lambda x: _ring_distance(device, x[0]))]
         stages.append(BoundStage(st.stage, CopyBatch(move_pairs, dma=dma), steps, pulls))

@@ -214,7 +214,10 @@ class CopyBatch:
                  dma: bool = False) -> None:
         self.peer = peer
         self.blocks = len(pairs)
-        self.device_index = pairs[0][0].device.index if pairs and pairs[0][0].is_cuda else None
+        # A peer batch whose destinations are on the peer is a push: our device runs it.
+        self.pushes = peer is not None and bool(pairs) and pairs[0][0].device == peer
+        ours = pairs[0][1] if self.pushes else pairs[0][0] if pairs else None
+        self.device_index = ours.device.index if ours is not None and ours.is_cuda else None
         self._table: "table_copy.TableCopy | None" = None
         self._use_table: bool | None = None
         pairs = merge(pairs) if do_merge else list(pairs)
@@ -228,7 +231,8 @@ class CopyBatch:
             self.memcpys, rest = _memcpy_pairs([p for p in pairs if wanted(p)])
             pairs = rest + [p for p in pairs if not wanted(p)]
             if peer is not None and self.device_index is not None:
-                self.memcpys, self.bulk = _split_bulk(self.memcpys, peer.index, self.device_index)
+                ends = (self.device_index, peer.index) if self.pushes else (peer.index, self.device_index)
+                self.memcpys, self.bulk = _split_bulk(self.memcpys, *ends)
         dense = [p for p in pairs if p[0].is_contiguous() and p[1].is_contiguous()]
         strided = [p for p in pairs if not (p[0].is_contiguous() and p[1].is_contiguous())]
         self._lists = [([d for d, _ in ps], [s for _, s in ps]) for ps in (dense, strided) if ps]
@@ -239,23 +243,27 @@ class CopyBatch:
         return len(self._pairs)
 
     def table_pulls_here(self) -> bool:
-        """Whether this peer batch's table kernel can run on our own device, reading the peer
-        through our own mappings (`refit.executor.ipc_alias`); else it runs on the peer."""
+        """Whether this peer batch's table kernel can run on our own device, reading (pushing:
+        writing) the peer through our own mappings (`refit.executor.ipc_alias`); else it runs on
+        the peer."""
         if self._table is not None:
             return self._table.index == self.device_index
         if os.environ.get("REFIT_TABLE_PULL", "here") != "here":
             return False
         try:
-            self._table = table_copy.TableCopy(self.memcpys, self.device_index, alias_sources=True, peer=True)
+            self._table = table_copy.TableCopy(self.memcpys, self.device_index, alias_sources=not self.pushes,
+                                               alias_dests=self.pushes, peer=True)
         except LookupError:
             return False
         return True
 
     @property
     def table(self) -> bool:
-        """Whether the memcpys run as one table kernel (`refit.executor.table_copy`)."""
+        """Whether the memcpys run as one table kernel (`refit.executor.table_copy`).  A push
+        always does: copy engines writing a peer's memory measured 13x slower than SM stores
+        (2x H200, qwen3-30b-moe arena: 530 vs 41 ms; `bench/RESULTS.md`, fifth session)."""
         if self._use_table is None:
-            self._use_table = bool(self.memcpys) and table_copy.enabled(self.memcpys)
+            self._use_table = bool(self.memcpys) and (self.pushes or table_copy.enabled(self.memcpys))
         return self._use_table
 
     def run_bulk(self, stream: int) -> None:
@@ -271,9 +279,9 @@ class CopyBatch:
         if self.table:  # many small copies: one kernel over a table, not a call each
             index = self.device_index if device_index is None else device_index
             if self._table is None or self._table.index != index:
-                pulled = self.peer is not None and self.peer.index != index
-                self._table = table_copy.TableCopy(self.memcpys, index, alias_sources=pulled,
-                                                   peer=self.peer is not None)
+                alias = self.peer is not None and self.peer.index != index  # the peer's memory, from here
+                self._table = table_copy.TableCopy(self.memcpys, index, alias_sources=alias and not self.pushes,
+                                                   alias_dests=alias and self.pushes, peer=self.peer is not None)
             self._table.launch(stream)
             return
         from cupy.cuda import runtime

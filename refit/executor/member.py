@@ -25,6 +25,7 @@ from __future__ import annotations
 import datetime
 import json
 import logging
+import os
 import threading
 import time
 from typing import Callable, Mapping, Sequence, Union
@@ -107,10 +108,29 @@ def locate(store: dist.Store, member: int, endpoints: Sequence[Endpoint], device
     return topo, True, all_visible(seats)
 
 
-def shares(topo: Topology, member: int, ep: Endpoint, ipc: bool) -> bool:
-    """Whether endpoint ``ep`` of ``member`` is read by another process: it sits on a device this
-    member does not drive, or (ipc) it is a source every driver reads."""
-    return topo.device_of[ep] not in topo.driven_devices(member) or (ipc and ep[0] == "src")
+def ipc_direction(cuda: bool, packed: bool = False) -> str:
+    """``REFIT_IPC``: who copies a bucket between two devices with the ipc transport.  ``pull``:
+    the destination's driver reads the source's memory; ``push``: the source's driver writes
+    into the destination's with SM stores (posted over NVLink, where loads wait a round trip
+    each); ``auto`` (default): push on GPUs, except between arenas ``packed`` by the bench
+    (`--alloc arena`), whose blocks merge into a few big copies that the copy engines pull
+    faster; pull on CPU.  Measured on H200s, qwen3-30b-moe with framework allocations
+    (`bench/RESULTS.md`, fifth session): 2 GPUs push 40.8 ms / pull 43.9; 4 GPUs push 30.9 /
+    pull 34.2; arena on 2 GPUs pull 40.0 / push 52.6.  The value of member 0 holds for every
+    member of a run (`Member` agrees on it through the store)."""
+    value = os.environ.get("REFIT_IPC", "auto")
+    if value not in ("auto", "pull", "push"):
+        raise ValueError(f"REFIT_IPC must be auto, pull or push, not {value!r}")
+    if value == "auto":
+        return "push" if cuda and not packed else "pull"
+    return value
+
+
+def shares(topo: Topology, member: int, ep: Endpoint, ipc: bool, push: bool = False) -> bool:
+    """Whether endpoint ``ep`` of ``member`` is read or written by another process: it sits on a
+    device this member does not drive, or (ipc) it is a source every driver reads — and with
+    ``push`` a destination every driver writes (sources stay shared: a gathering plan pulls)."""
+    return topo.device_of[ep] not in topo.driven_devices(member) or (ipc and (ep[0] == "src" or push))
 
 
 class Member:
@@ -131,20 +151,26 @@ class Member:
         self.driver = bool(driven)
         self.rounds = 0  # barriers passed, in lockstep on every member
 
-        # Share what others read, then map what we read.
+        # With ipc, member 0's choice of direction holds for all (`ipc_direction`).
+        if ipc and member == 0:
+            packed = any(isinstance(t, Shards) for t in own.values()) and not scattered
+            self.store.set("ipc_direction", ipc_direction(self.cuda, packed))
+        self.push = ipc and self.store.get("ipc_direction").decode() == "push"
+        # Share what others read or write, then map what we read or write.
         for ep, tensors in own.items():
-            if shares(topology, member, ep, ipc):
+            if shares(topology, member, ep, ipc, self.push):
                 self.store.set(f"share/{ep[0]}{ep[1]}", self._export(ep, tensors))
         self.tensors: dict[Endpoint, dict[str, torch.Tensor]] = {
             ep: dict(t.tensors if isinstance(t, Shards) else t) for ep, t in own.items()}
         self.imported: list[torch.Tensor] = []  # peers' arenas, kept mapped for the member's life
         self.peer_devices: set[int] = set()  # CUDA devices whose memory this process reads (ipc)
         wanted = [ep for dev in sorted(driven) for ep in topology.endpoints_on(dev) if ep not in own]
-        if ipc and driven:  # a driver maps every source shard of the host, once
-            wanted += [ep for ep, _ in topology.devices if ep[0] == "src" and ep not in own and ep not in wanted]
+        if ipc and driven:  # a driver maps every source shard of the host, once (push: every shard)
+            sides = ("src", "dst") if self.push else ("src",)
+            wanted += [ep for ep, _ in topology.devices if ep[0] in sides and ep not in own and ep not in wanted]
             if self.cuda:  # both ways, before the handles are opened (else copies go through the host)
                 here = self.device.torch.index
-                for dev in sorted({d for ep, d in topology.devices if ep[0] == "src"} - driven):
+                for dev in sorted({d for ep, d in topology.devices if ep[0] in sides} - driven):
                     there = topology.torch_index(dev)
                     if there is None:
                         raise RefitError(f"{self.name}: ipc needs every GPU visible in every member, and GPU "
@@ -172,7 +198,7 @@ class Member:
         self.bound: Bound | None = None
         self.gathers: list[Shards] = []
         log.info("%s: member %d, device %s, %s, drives %s", self.name, member, device,
-                 "ipc" if ipc else "communicator", sorted(driven) or "nothing")
+                 ("ipc push" if self.push else "ipc") if ipc else "communicator", sorted(driven) or "nothing")
 
     # ------------------------------------------------------------------ sharing
     def _export(self, ep: Endpoint, tensors: Own) -> bytes:
@@ -203,7 +229,8 @@ class Member:
         self.gathers = []
         if not self.driver:
             return self
-        self.program = compile_program(plan, self.spec, self.src, self.dst, self.topo, self.member, ipc=self.ipc)
+        self.program = compile_program(plan, self.spec, self.src, self.dst, self.topo, self.member, ipc=self.ipc,
+                                       push=self.push)
         tensors = {ep: dict(t) for ep, t in self.tensors.items()}
         for ep, lts in self.program.gather.items():  # a gathering plan's root receives whole tensors
             g = allocate(lts, self.device.torch)

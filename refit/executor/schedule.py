@@ -123,9 +123,13 @@ def bucket_ends(b: Bucket) -> tuple[Endpoint, Endpoint]:
 
 
 def compile_program(plan: Plan, spec: ModelSpec, src: Layout, dst: Layout, topo: Topology, member: int,
-                    ipc: bool = False) -> Program:
+                    ipc: bool = False, push: bool = False) -> Program:
     """This member's share of ``plan`` (layouts resolved, as the plan was made from).  With
-    ``ipc`` the buckets that `pullable` accepts become pulls by the destination's driver."""
+    ``ipc`` the buckets that `pullable` accepts become pulls by the destination's driver, or with
+    ``push`` (every destination shard mapped by every driver; not for a gathering plan, whose
+    roots' gathered tensors no other driver sees) copies by the source's driver into the
+    destination's memory.  Both land in `Stage.pulls`: copies between this device and a peer's."""
+    push = push and ipc and not plan.gathers
     G = max(d for _, d in topo.devices) + 1  # devices are the topology's (the plan's placement in the bench)
     mine = set(topo.driven_devices(member))
     locals_: dict[Endpoint, list[LocalTensor]] = {}
@@ -133,10 +137,10 @@ def compile_program(plan: Plan, spec: ModelSpec, src: Layout, dst: Layout, topo:
         for ep in topo.endpoints_on(dev):
             layout = src if ep[0] == "src" else dst
             locals_[ep] = list(layout.local_tensors(spec, ep[1]))
-    if ipc:  # every source shard on the host is readable
+    if ipc:  # every source shard on the host is readable (push: every destination shard writable)
         for ep, _ in topo.devices:
-            if ep[0] == "src" and ep not in locals_:
-                locals_[ep] = list(src.local_tensors(spec, ep[1]))
+            if ep not in locals_ and (ep[0] == "src" or push):
+                locals_[ep] = list((src if ep[0] == "src" else dst).local_tensors(spec, ep[1]))
     gather = _gather_tensors(plan, spec, topo, mine)
     index = {ep: PieceIndex(lts + list(gather.get(ep, ()))) for ep, lts in locals_.items()}
 
@@ -156,7 +160,7 @@ def compile_program(plan: Plan, spec: ModelSpec, src: Layout, dst: Layout, topo:
             moves[b.stage].extend(_moves(plan, transfers, index[s_ep], index[d_ep], s_ep, d_ep))
             continue
         if ipc and pullable(plan, b):
-            if ddev in mine:  # the source's driver has nothing to do for this bucket
+            if (sdev if push else ddev) in mine:  # the other end's driver has nothing to do for it
                 pulls[b.stage].extend(_moves(plan, transfers, index[s_ep], index[d_ep], s_ep, d_ep))
             continue
         key = (b.stage, (ddev - sdev) % G, i)

@@ -119,24 +119,26 @@ class TableCopy:
     """The table of one batch on device ``index``; `launch` copies all of it on a stream."""
 
     def __init__(self, memcpys: Sequence["Memcpy"], index: int, alias_sources: bool = False,
-                 peer: bool = False) -> None:
-        """``alias_sources``: read sources through this device's own mappings of peer IPC memory
-        (`refit.executor.ipc_alias`); raises LookupError when one has none (the caller then
-        runs the table on the peer instead)."""
+                 peer: bool = False, alias_dests: bool = False) -> None:
+        """``alias_sources`` / ``alias_dests``: read sources (write destinations) through this
+        device's own mappings of peer IPC memory (`refit.executor.ipc_alias`); raises LookupError
+        when one has none (the caller then runs the table on the peer instead).  ``peer``: a
+        copy between this device and a peer (its grid: `grid`)."""
         import cupy
 
         self.index = index
         rows = table_rows(memcpys)
-        if alias_sources:
+        if alias_sources or alias_dests:
             from refit.executor import ipc_alias
 
-            aliased = []
-            for d, dp, s, sp, w, h in rows:
-                a = ipc_alias.alias(s, index)
+            def mapped(addr: int) -> int:
+                a = ipc_alias.alias(addr, index)
                 if a is None:
-                    raise LookupError(f"source 0x{s:x} has no mapping on cuda:{index}")
-                aliased.append((d, dp, a, sp, w, h))
-            rows = aliased
+                    raise LookupError(f"address 0x{addr:x} has no mapping on cuda:{index}")
+                return a
+
+            rows = [(mapped(d) if alias_dests else d, dp, mapped(s) if alias_sources else s, sp, w, h)
+                    for d, dp, s, sp, w, h in rows]
         self.n = len(rows)
         with cupy.cuda.Device(index):
             self.table = cupy.asarray([v for row in rows for v in row], dtype=cupy.uint64)

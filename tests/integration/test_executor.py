@@ -186,6 +186,48 @@ def test_refit_bit_exact_ipc(spec, src: str, dst: str, placement: str) -> None:
     assert sum(p.blocks for p in p2p) > 0
 
 
+PUSH_CASES = [CASES[0], CASES[3]]
+
+
+@pytest.mark.parametrize("spec,src,dst,placement", PUSH_CASES, ids=[f"{c[1]}-{c[2]}-{c[3]}" for c in PUSH_CASES])
+def test_refit_bit_exact_ipc_push(spec, src: str, dst: str, placement: str, monkeypatch: pytest.MonkeyPatch) -> None:
+    # REFIT_IPC=push: every driver maps every destination shard and writes its sources' boxes
+    # into them (the broadcast plan, which gathers, still pulls); two refits, verified after each.
+    monkeypatch.setenv("REFIT_IPC", "push")
+    job, plans = _job(spec, src, dst, placement, refits=2, transport="ipc")
+    results = run_job(job)
+    _check(results, plans, spec, refits=2)
+    p2p = [w.phases[0] for w in results]
+    assert all(p.steps == 0 and p.staging_bytes == 0 for p in p2p)
+
+
+def test_ipc_push_program_moves_what_the_pull_program_moves() -> None:
+    """Push gives each bucket between devices to the source's driver instead of the
+    destination's, and nothing else changes: the same moves, over all drivers."""
+    from refit.executor.schedule import compile_program
+
+    for src, dst, placement in (("tp2ep2", "tp2", "colocated"), ("fsdp:dp3", "vllm:tp2ep2", "disaggregated")):
+        r = make_plan(MOE, src, dst, placement, "p2p", BUCKET)
+        topo = Topology.one_per_rank(r.plan.placement)
+        moves = {}
+        for push in (False, True):
+            got = []
+            for m in topo.drivers:
+                prog = compile_program(r.plan, MOE, r.src, r.dst, topo, m, ipc=True, push=push)
+                mine = set(topo.driven_devices(m))
+                for st in prog.stages:
+                    for mv in st.pulls:
+                        assert topo.device_of[mv.src_ep if push else mv.dst_ep] in mine
+                        got.append(mv)
+                    got.extend(st.moves)
+            moves[push] = sorted(got, key=repr)
+        assert moves[True] == moves[False] and moves[True]
+        b = make_plan(MOE, src, dst, placement, "broadcast", BUCKET)  # gathers: always pulled
+        for m in topo.drivers:
+            assert compile_program(b.plan, MOE, b.src, b.dst, topo, m, ipc=True, push=True) == \
+                compile_program(b.plan, MOE, b.src, b.dst, topo, m, ipc=True)
+
+
 def test_ipc_program_pulls_instead_of_wires() -> None:
     from refit.executor.schedule import compile_program
 
