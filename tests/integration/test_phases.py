@@ -135,6 +135,7 @@ class RecordingHook:
     def __init__(self, rank: int, tensors: dict) -> None:
         self.rank, self.tensors = rank, tensors
         self.old, self.new, self.refuse = 0, 1, False
+        self.fail_at: int | None = None  # a phase key whose landing raises
         self.checked: list[str] = []
         self.calls: list[tuple[int, list[str]]] = []
 
@@ -146,6 +147,8 @@ class RecordingHook:
     def landed(self, plan: Plan, phase: int) -> None:
         want = rank_tensors(SPEC, LAYOUTS["dst"], self.rank, mixed_canonical(SPEC, self.old, self.new, plan, phase))
         self.calls.append((phase, differing(want, self.tensors)))
+        if phase == self.fail_at:
+            raise RuntimeError(f"applying phase {phase} failed")
 
 
 def test_phased_refit_through_the_control_plane() -> None:
@@ -177,7 +180,7 @@ def test_phased_refit_through_the_control_plane() -> None:
         for h in hooks:
             h.calls.clear()
         with pytest.raises(RefitFailed, match=r"engine/1.*cannot land plan") as e:
-            client.refit(summary["plan_id"], version=2, timeout=10.0)
+            client.refit(summary["plan_id"], version=2, timeout=5.0)
         assert "\n" not in str(e.value)
         for h in hooks:
             assert h.calls == [] and not differing(fill(SPEC, LAYOUTS["dst"], h.rank, 1), h.tensors)
@@ -189,9 +192,31 @@ def test_phased_refit_through_the_control_plane() -> None:
         assert client.refit(summary["plan_id"], version=3, timeout=30.0).ok  # and it recovers
         for h in hooks:
             assert h.calls == [(k, []) for k in keys] and not differing(fill(SPEC, LAYOUTS["dst"], h.rank, 3), h.tensors)
+
+        # A landing that raises fails the refit naming that engine; no later phase starts; the
+        # engines are stale until the next refit succeeds.
+        for version, fail_at in ((4, keys[2]), (5, None)):
+            for r in range(2):
+                fill(SPEC, LAYOUTS["src"], r, version, trainer_tensors[r])
+            for h in hooks:
+                h.calls.clear()
+                h.old, h.new = (3, 4) if version == 4 else (4, 5)
+            hooks[0].fail_at = fail_at
+            # (a short deadline: the abandoned barrier of the others is torn down when it expires)
+            result = client.refit(summary["plan_id"], version=version, timeout=5.0 if fail_at else 30.0, check=False)
+            if fail_at is None:
+                assert result.ok
+                continue
+            assert not result.ok and "engine/0 error: RuntimeError: applying phase 2 failed" in result.error, result.error
+            assert [k for k, _ in hooks[0].calls] == keys[:3] and [k for k, _ in hooks[1].calls] == keys[:3]
+            assert all(r["stale"] and r["version"] == 3 for r in client.list_workers(group="engine"))
+        for h in hooks:  # (phases 0-2 held version 4 before it, the rest 3: only the order is checked)
+            assert [k for k, _ in h.calls] == keys and not differing(fill(SPEC, LAYOUTS["dst"], h.rank, 5), h.tensors)
+        assert all(not r["stale"] and r["version"] == 5 for r in client.list_workers(group="engine"))
     finally:
         for a in agents:
             a.stop()
+            a.data_plane.close()
         client.close()
         server.stop()
 
