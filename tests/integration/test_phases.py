@@ -5,10 +5,11 @@
   of phases <= k and the old ones elsewhere; staging is shared across phases;
 * the same through the real gRPC control plane: engine agents declaring ``phase_layers=1`` with a
   `PhaseHook` hear every phase once, in order; a hook refusing the plan fails the refit naming its
-  worker with no engine tensor changed; a group declaring two different ``phase_layers`` is refused.
+  worker with no engine tensor changed, and so does a landing that raises; a group declaring two
+  different ``phase_layers`` is refused.
 
-Members and agents share this process (not one process each, as tests/integration/test_control_plane.py
-does): the hooks can then be checked directly, and no process start-up is paid.
+Most members and agents share this process (the hooks are then checked directly, and no process
+start-up is paid); one test runs each agent in a process of its own, as a real deployment does.
 """
 
 from __future__ import annotations
@@ -26,14 +27,13 @@ from refit.control.agent import EngineAgent, TrainerAgent
 from refit.control.client import Client, RefitFailed
 from refit.control.dataplane import NoopDataPlane
 from refit.control.server import ThreadedServer
-from refit.errors import RefitError
 from refit.executor.member import Budget, Member, connect
 from refit.executor.topology import Topology
 from refit.layouts import resolve_layout
 from refit.phases import WHOLE
 from refit.plan import Plan
 from tests.harness.control_cluster import DST, MODEL, SRC, fill
-from tests.harness.phases import differing, mixed_canonical, rank_tensors
+from tests.harness.phases import AgentProcess, RecordingHook, differing, mixed_canonical, rank_tensors
 from tests.harness.tiny import tiny_spec
 
 SPEC = tiny_spec(MODEL)
@@ -128,35 +128,12 @@ def test_member_refits_a_phased_plan_phase_by_phase_over_shared_staging() -> Non
 # ------------------------------------------------------------------ through the control plane
 
 
-class RecordingHook:
-    """A `refit.control.dataplane.PhaseHook` that checks, as each phase lands, that this engine
-    holds exactly the expected mix of versions ``old``/``new`` (set by the test before a refit)."""
-
-    def __init__(self, rank: int, tensors: dict) -> None:
-        self.rank, self.tensors = rank, tensors
-        self.old, self.new, self.refuse = 0, 1, False
-        self.fail_at: int | None = None  # a phase key whose landing raises
-        self.checked: list[str] = []
-        self.calls: list[tuple[int, list[str]]] = []
-
-    def check(self, plan: Plan) -> None:
-        self.checked.append(plan.plan_id)
-        if self.refuse:
-            raise RefitError(f"this engine cannot land plan {plan.plan_id} in phases of {plan.phase_layers} layers")
-
-    def landed(self, plan: Plan, phase: int) -> None:
-        want = rank_tensors(SPEC, LAYOUTS["dst"], self.rank, mixed_canonical(SPEC, self.old, self.new, plan, phase))
-        self.calls.append((phase, differing(want, self.tensors)))
-        if phase == self.fail_at:
-            raise RuntimeError(f"applying phase {phase} failed")
-
-
 def test_phased_refit_through_the_control_plane() -> None:
     server = ThreadedServer(default_timeout=30.0)
     client = Client(server.address)
     trainer_tensors = [fill(SPEC, LAYOUTS["src"], r, 1) for r in range(2)]
     engine_tensors = [fill(SPEC, LAYOUTS["dst"], r, 0) for r in range(2)]
-    hooks = [RecordingHook(r, engine_tensors[r]) for r in range(2)]
+    hooks = [RecordingHook(SPEC, LAYOUTS["dst"], r, engine_tensors[r]) for r in range(2)]
     agents = [TrainerAgent(server.address, group="trainer", rank=r, spec=SPEC, layout=SRC, tensors=trainer_tensors[r])
               for r in range(2)]
     agents += [EngineAgent(server.address, group="engine", rank=r, spec=SPEC, layout=DST, tensors=engine_tensors[r],
@@ -254,5 +231,32 @@ def test_phase_layers_must_agree_and_key_the_plan_cache() -> None:
     finally:
         for a in agents:
             a.stop()
+        client.close()
+        server.stop()
+
+
+def test_phased_refit_with_an_agent_per_process() -> None:
+    server = ThreadedServer(default_timeout=30.0)
+    client = Client(server.address)
+    procs = [AgentProcess(server.address, "trainer", r) for r in range(2)]
+    procs += [AgentProcess(server.address, "engine", r, phase_layers=2) for r in range(2)]
+    try:
+        for p in procs:
+            p.ask("ready")
+        summary = client.create_plan("trainer", "engine", bucket_bytes=4096)
+        plan = client.get_plan(summary["plan_id"], include_plan=True)["plan"]
+        keys = [k for k, _ in plan.phases]
+        assert plan.phase_layers == 2 and len(keys) == 3 + 2
+        for version in (1, 2):
+            for p in procs[:2]:
+                p.ask("fill", version)
+            for p in procs[2:]:
+                p.ask("versions", (version - 1, version))
+            assert client.refit(summary["plan_id"], version=version, timeout=30.0).ok
+            for p in procs[2:]:
+                assert p.ask("calls") == [(k, []) for k in keys] and p.ask("check", version) == []
+    finally:
+        for p in procs:
+            p.close()
         client.close()
         server.stop()
