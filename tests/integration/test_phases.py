@@ -119,6 +119,11 @@ def test_member_refits_a_phased_plan_phase_by_phase_over_shared_staging() -> Non
         out = _together([lambda m=m: members[m].refit(Budget(60.0), on_phase=hooks[m]) for m in range(len(eps))])
         assert all(isinstance(s, float) for s in out), out
         assert [seen[m] for m in range(2, 4)] == [[(WHOLE, [])]] * 2
+
+        # A phase barrier that times out says which phase, and who never came.
+        members[3].prepare(phased)
+        with pytest.raises(TimeoutError, match=r"phase 0 start barrier; waiting on trainer/0, trainer/1, engine/0"):
+            members[3].refit(Budget(0.5))
     finally:
         for m in members:
             if isinstance(m, Member):
