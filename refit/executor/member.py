@@ -236,12 +236,12 @@ class Member:
         ``on_phase(key)`` (an engine applies what landed; every member has finished writing the
         phase and none has started the next).  Returns the summed seconds of the shares alone.
         ``hook`` (tests) runs once the first transfer is posted; ``started`` after the first barrier."""
-        if self.cuda:
-            self.device.synchronize()  # a trainer's step, or an engine's last use, is finished
         phases = self.phases or [(WHOLE, None)]
         phased = any(key != WHOLE for key, _ in phases)
         seconds = 0.0
         for i, (key, bound) in enumerate(phases):
+            if self.cuda:  # a trainer's step, or an engine's last use (its previous on_phase), is finished
+                self.device.synchronize()
             where = f"phase {key} " if phased else "refit "
             self.barrier(where + "start", remaining)
             if started and i == 0:
@@ -255,6 +255,7 @@ class Member:
             seconds += time.perf_counter() - t0
             self.barrier(where + "end", remaining)
             if on_phase:
+                remaining()  # an abandoned refit applies nothing more
                 on_phase(key)
         return seconds
 
