@@ -16,6 +16,10 @@ for what in "$@"; do case "$what" in
   arena2) CUDA_VISIBLE_DEVICES=0,1 run pull2-arena $Q --src megatron:tp2ep2 --dst vllm:tp2 --iters 10 --alloc arena ;;
   tracepush2) CUDA_VISIBLE_DEVICES=0,1 REFIT_TRACE=1 REFIT_IPC=push run push2-trace $Q --src megatron:tp2ep2 --dst vllm:tp2 --iters 2 -v
          grep "trace cuda:0" /tmp/push2-trace.log | tail -2 ;;
+  tracelog2) CUDA_VISIBLE_DEVICES=0,1 REFIT_TRACE=1 run push2-trace $Q --src megatron:tp2ep2 --dst vllm:tp2 --iters 2 -v
+         grep "trace cuda:" /tmp/push2-trace.log > "$OUT/push2-trace.txt" ;;
+  tracelog4) REFIT_TRACE=1 run push4-trace $Q --src megatron:tp4ep4 --dst vllm:tp4 --iters 2 -v
+         grep "trace cuda:" /tmp/push4-trace.log > "$OUT/push4-trace.txt" ;;
   push4) REFIT_IPC=push run push4-fw $Q --src megatron:tp4ep4 --dst vllm:tp4 --iters 10 ;;
   pull4) run pull4-fw $Q --src megatron:tp4ep4 --dst vllm:tp4 --iters 10 --vs broadcast ;;
   arena4) run pull4-arena $Q --src megatron:tp4ep4 --dst vllm:tp4 --iters 10 --alloc arena ;;

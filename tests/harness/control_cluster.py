@@ -22,6 +22,7 @@ from refit.layouts import Layout, resolve_layout
 from refit.regions import slices
 from refit.spec import ModelSpec
 from tests.harness.tiny import tiny_spec
+from tests.harness.procs import PipedProcess
 
 CTX = mp.get_context("spawn")
 MODEL, SRC, DST = "tiny-qwen3-moe", "megatron:tp2ep2", "vllm:tp2"
@@ -105,7 +106,7 @@ def worker_main(conn: Any, entered: Any, address: str, role: str, group: str, ra
             return
 
 
-class Worker:
+class Worker(PipedProcess):
     """A spawned agent process and the pipe that drives it."""
 
     def __init__(self, address: str, role: str, group: str, rank: int, layout: str, version: int = 0) -> None:
@@ -135,12 +136,3 @@ class Worker:
         self.proc.kill()
         self.proc.join(10)
 
-    def close(self) -> None:
-        if self.proc.is_alive():
-            try:
-                self.ask("stop", timeout=10)
-            except (AssertionError, OSError, EOFError):
-                pass
-            self.proc.join(5)
-            if self.proc.is_alive():
-                self.proc.kill()

@@ -16,6 +16,7 @@ from refit.plan import Plan
 from refit.regions import slices
 from refit.spec import ModelSpec
 from tests.harness.control_cluster import CTX, DST, MODEL, SRC, canonical, fill
+from tests.harness.procs import PipedProcess
 from tests.harness.tiny import tiny_spec
 
 
@@ -108,7 +109,7 @@ def agent_main(conn: Any, address: str, role: str, rank: int, phase_layers: int)
             return
 
 
-class AgentProcess:
+class AgentProcess(PipedProcess):
     """A spawned `agent_main` and the pipe that drives it."""
 
     def __init__(self, address: str, role: str, rank: int, phase_layers: int = 0) -> None:
@@ -124,12 +125,3 @@ class AgentProcess:
         assert status in ("ok", "ready"), (status, value)
         return value
 
-    def close(self) -> None:
-        if self.proc.is_alive():
-            try:
-                self.ask("stop", timeout=10)
-            except (AssertionError, OSError, EOFError):
-                pass
-            self.proc.join(5)
-            if self.proc.is_alive():
-                self.proc.kill()

@@ -14,7 +14,6 @@ start-up is paid); one test runs each agent in a process of its own, as a real d
 
 from __future__ import annotations
 
-import threading
 import uuid
 from typing import Any, Callable
 
@@ -35,26 +34,14 @@ from refit.plan import Plan
 from tests.harness.control_cluster import DST, MODEL, SRC, fill
 from tests.harness.phases import AgentProcess, RecordingHook, differing, mixed_canonical, rank_tensors
 from tests.harness.tiny import tiny_spec
+from tests.harness.procs import together
 
 SPEC = tiny_spec(MODEL)
 LAYOUTS = {"src": resolve_layout(SRC, SPEC, "src"), "dst": resolve_layout(DST, SPEC, "dst")}
 
 
 def _together(fns: list[Callable[[], Any]], timeout: float = 120.0) -> list[Any]:
-    out: list[Any] = [None] * len(fns)
-
-    def run(i: int) -> None:
-        try:
-            out[i] = fns[i]()
-        except BaseException as e:  # handed back to the test
-            out[i] = e
-
-    threads = [threading.Thread(target=run, args=(i,), daemon=True) for i in range(len(fns))]
-    for t in threads:
-        t.start()
-    for t in threads:
-        t.join(timeout)
-    return out
+    return together(fns, timeout)
 
 
 def _landing_checker(plan: Plan, rank: int, tensors: dict, old: int, new: int, seen: list) -> Callable[[int], None]:

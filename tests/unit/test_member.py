@@ -19,6 +19,7 @@ from refit.executor.member import Budget, Member, connect, locate, shares
 from refit.executor.shards import allocate, fill_sentinel, fill_source, verify
 from refit.executor.topology import Topology
 from refit.spec import ModelConfig, build_spec
+from tests.harness.procs import together
 
 DENSE = build_spec("tiny-dense", ModelConfig(
     arch="qwen2", hidden_size=64, num_layers=2, num_heads=8, num_kv_heads=2, head_dim=8,
@@ -26,20 +27,7 @@ DENSE = build_spec("tiny-dense", ModelConfig(
 
 
 def _together(fns: list[Callable[[], Any]], timeout: float = 60.0) -> list[Any]:
-    out: list[Any] = [None] * len(fns)
-
-    def run(i: int) -> None:
-        try:
-            out[i] = fns[i]()
-        except BaseException as e:  # handed back to the test
-            out[i] = e
-
-    threads = [threading.Thread(target=run, args=(i,), daemon=True) for i in range(len(fns))]
-    for t in threads:
-        t.start()
-    for t in threads:
-        t.join(timeout)
-    return out
+    return together(fns, timeout)
 
 
 def test_colocated_pair_refits_bit_exact_and_names_the_absent() -> None:
