@@ -13,6 +13,7 @@ from planners.broadcast import BroadcastPlanner
 from planners.p2p import P2PPlanner
 from refit.errors import RefitError
 from refit.layouts import Layout, all_holdings, resolve_layout
+from refit.phases import phase_plan
 from refit.plan import DEFAULT_BUCKET_BYTES, Placement, Plan, summarize
 from refit.spec import ModelSpec
 
@@ -29,8 +30,9 @@ class PlanResult:
 
 
 def make_plan(spec: ModelSpec, src: str | Layout, dst: str | Layout, placement: str = "colocated",
-              planner: str = "p2p", bucket_bytes: int = DEFAULT_BUCKET_BYTES) -> PlanResult:
-    """Resolve both layouts, plan, and summarise — the whole of `refit plan`."""
+              planner: str = "p2p", bucket_bytes: int = DEFAULT_BUCKET_BYTES, phase_layers: int = 0) -> PlanResult:
+    """Resolve both layouts, plan, and summarise — the whole of `refit plan`.  ``phase_layers``
+    > 0: the plan cut into phases of that many layers (`refit.phases.phase_plan`)."""
     if planner not in PLANNERS:
         raise RefitError(f"unknown planner {planner!r}: {', '.join(PLANNERS)}")
     if bucket_bytes < MIN_BUCKET_BYTES:
@@ -40,7 +42,7 @@ def make_plan(spec: ModelSpec, src: str | Layout, dst: str | Layout, placement: 
         src_l = resolve_layout(src, spec, "src")
         dst_l = resolve_layout(dst, spec, "dst")
         place = Placement.make(placement, src_l.world_size, dst_l.world_size)
-        plan = PLANNERS[planner]().plan(spec, src_l, dst_l, place, bucket_bytes)
+        plan = phase_plan(PLANNERS[planner]().plan(spec, src_l, dst_l, place, bucket_bytes), spec, phase_layers)
         seconds = time.perf_counter() - t0
         dst_total = total_bytes(spec, all_holdings(spec, dst_l))
         summary = summarize(plan, spec, dst_total, seconds)

@@ -32,6 +32,7 @@ examples:
   refit models
   refit plan --model qwen3-30b-moe --src tp4ep8 --dst tp8
   refit plan --model qwen3-235b-moe --src megatron:tp4pp4ep16 --dst vllm:tp8dp8 --json
+  refit plan --model qwen3-30b-moe --src tp4ep8 --dst tp8 --phase-layers 4
   refit layout --model qwen3-30b-moe megatron:tp4ep8 --rank 3
   refit reshard --model ./Qwen3-30B-A3B --src hf --dst megatron:tp4ep8 --in ./Qwen3-30B-A3B --out ./mcore
   refit serve --port 50051 --token $TOKEN
@@ -101,7 +102,10 @@ def _degrees(d: dict[str, int]) -> str:
 
 def cmd_plan(args: argparse.Namespace) -> int:
     spec = load_spec(args.model)
-    result = make_plan(spec, args.src, args.dst, args.placement, args.planner, int(args.bucket_mb * MiB))
+    if args.phase_layers < 0:
+        raise RefitError(f"--phase-layers must be >= 0, got {args.phase_layers}")
+    result = make_plan(spec, args.src, args.dst, args.placement, args.planner, int(args.bucket_mb * MiB),
+                       args.phase_layers)
     s = result.summary
     if args.out:
         write_file_atomically(args.out, json.dumps(result.plan.to_dict(), separators=(",", ":")))
@@ -123,6 +127,9 @@ def cmd_plan(args: argparse.Namespace) -> int:
         print(f"  {label:<26}{fmt_bytes(n):>12}")
     print(f"  {'transfers / buckets':<26}{s['num_transfers']:>6} / {s['num_buckets']}")
     print(f"  {'plan size (JSON)':<26}{fmt_bytes(s['plan_json_bytes']):>12}")
+    if "num_phases" in s:
+        print(f"  {'phases':<26}{s['num_phases']:>6}  ({args.phase_layers} layers each; "
+              "non-layer tensors one each)")
     for line in s.get("not_moved", ()):
         print(f"  not moved: {line}")
     if args.out:
@@ -231,6 +238,10 @@ def build_parser() -> argparse.ArgumentParser:
                     help="p2p: shard-to-shard (default); broadcast: full-tensor baseline")
     pl.add_argument("--bucket-mb", type=float, default=DEFAULT_BUCKET_BYTES / MiB,
                     help=f"largest transfer bucket in MiB (default {DEFAULT_BUCKET_BYTES // MiB})")
+    pl.add_argument("--phase-layers", type=int, default=0, metavar="N",
+                    help="cut the plan into phases of N layers, run one after another so that an engine "
+                         "stages one window of layers at a time (each non-layer tensor is a phase of its "
+                         "own); 0: one phase (default).  Not with --planner broadcast")
     pl.add_argument("--json", action="store_true", help="print one JSON object (layouts and summary)")
     pl.add_argument("--out", help="write the full plan (JSON) to this file")
     pl.set_defaults(func=cmd_plan)

@@ -26,6 +26,7 @@ PLAN_FORMAT = 1
 # Largest transfer bucket when the caller names none (`refit plan`, `make_plan`, the coordinator).
 DEFAULT_BUCKET_BYTES = 256 * 2**20
 PlacementKind = Literal["colocated", "disaggregated"]
+WHOLE = -1  # the phase key of an unphased plan's one phase (`Plan.phase_ranges`, `refit.phases`)
 
 
 @dataclass(frozen=True)
@@ -84,6 +85,18 @@ class Plan:
     tensors: dict[str, tuple[str, Index]]  # canonical name -> (dtype, shape)
     transfers: tuple[Transfer, ...] = field(repr=False)
     buckets: tuple[Bucket, ...] = field(repr=False)
+    # A phased plan (`refit.phases`): layers per phase, and (phase key, first bucket) per phase in
+    # run order.  Written out only when phased, so that unphased plans keep their ids.
+    phase_layers: int = 0
+    phases: tuple[tuple[int, int], ...] = ()
+
+    def phase_ranges(self) -> list[tuple[int, int, int]]:
+        """(phase key, first bucket, end bucket) of every phase, in run order; an unphased plan is
+        one phase, keyed `WHOLE`."""
+        if not self.phase_layers:
+            return [(WHOLE, 0, len(self.buckets))]
+        ends = [first for _, first in self.phases[1:]] + [len(self.buckets)]
+        return [(key, first, end) for (key, first), end in zip(self.phases, ends)]
 
     def transfer_bytes(self, t: Transfer) -> int:
         return t.numel * DTYPE_BYTES[self.tensors[t.tensor][0]]
@@ -109,7 +122,7 @@ class Plan:
     def to_dict(self) -> dict[str, Any]:
         names = list(self.tensors)
         index = {n: i for i, n in enumerate(names)}
-        return {
+        out: dict[str, Any] = {
             "format": PLAN_FORMAT,
             "model": self.model,
             "model_digest": self.model_digest,
@@ -127,6 +140,10 @@ class Plan:
             # [stage, src, dst, first transfer, count, bytes]
             "buckets": [list(b) for b in self.buckets],
         }
+        if self.phase_layers > 0:
+            out["phase_layers"] = self.phase_layers
+            out["phases"] = [list(p) for p in self.phases]
+        return out
 
     @classmethod
     def from_dict(cls, d: dict[str, Any]) -> "Plan":
@@ -142,6 +159,8 @@ class Plan:
             tensors={n: (dt, tuple(shape)) for n, dt, shape in d["tensors"]},
             transfers=tuple(Transfer(s, a, b, names[i], tuple(st), tuple(sz)) for s, a, b, i, st, sz in d["transfers"]),
             buckets=tuple(Bucket(*b) for b in d["buckets"]),
+            phase_layers=int(d.get("phase_layers", 0)),
+            phases=tuple((int(k), int(f)) for k, f in d.get("phases", ())),
         )
 
     @property
@@ -271,6 +290,8 @@ def summarize(plan: Plan, spec: ModelSpec, dst_total_bytes: int, seconds: float 
         "plan_json_bytes": plan.json_bytes,
         "bucket_bytes": plan.bucket_bytes,
     }
+    if plan.phase_layers:
+        out["num_phases"] = len(plan.phases)
     if seconds is not None:
         out["plan_seconds"] = round(seconds, 6)
     return out

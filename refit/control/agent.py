@@ -36,7 +36,7 @@ import grpc
 
 from refit.control.common import (KEEPALIVE_MS, KEEPALIVE_TIMEOUT_MS, ROLES, auth_metadata, channel_options, config_json,
                                   new_event_loop, worker_id)
-from refit.control.dataplane import DataPlane, Rendezvous, RunContext
+from refit.control.dataplane import DataPlane, PhaseHook, Rendezvous, RunContext
 from refit.control.v1 import refit_pb2 as pb
 from refit.control.v1 import refit_pb2_grpc as pb_grpc
 from refit.errors import RefitError
@@ -86,12 +86,15 @@ class Agent:
                  tensors: Mapping[str, "torch.Tensor"] | None = None, data_plane: DataPlane | None = None,
                  host: str = "127.0.0.1", gpu: int = -1, token: str | None = None, version: int = 0,
                  reconnect: bool = True, backoff: tuple[float, float] = (0.1, 5.0),
-                 keepalive_ms: int = KEEPALIVE_MS, keepalive_timeout_ms: int = KEEPALIVE_TIMEOUT_MS) -> None:
+                 keepalive_ms: int = KEEPALIVE_MS, keepalive_timeout_ms: int = KEEPALIVE_TIMEOUT_MS,
+                 phase_layers: int = 0, phase_hook: PhaseHook | None = None) -> None:
         """``tensors=None`` registers the rank without local tensors: only for data planes that
         need none (tests, benches).  ``data_plane`` defaults to `refit.executor` (gloo on CPU, CUDA IPC / NCCL on GPUs).
         ``reconnect``: register again by itself when the stream drops, waiting between tries from
         ``backoff[0]`` doubling up to ``backoff[1]`` seconds.  ``keepalive_ms``: ping interval
-        (the coordinator's own must not be above it; tests shorten both)."""
+        (the coordinator's own must not be above it; tests shorten both).  ``phase_layers`` (engines):
+        plans into this group are cut into phases of that many layers (`refit.phases`; 0: not
+        phased); ``phase_hook`` checks each plan before it runs and hears each phase land."""
         self.address, self.group, self.rank, self.spec = address, group, rank, spec
         self.layout = resolve_layout(layout, spec, "src" if self.role == "trainer" else "dst") \
             if isinstance(layout, str) else layout.resolve(spec)
@@ -106,6 +109,9 @@ class Agent:
             data_plane = ExecutorDataPlane()
         self.data_plane = data_plane
         self.host, self.gpu, self.token = host, gpu, token
+        if phase_layers < 0:
+            raise RefitError(f"phase_layers must be >= 0, got {phase_layers}")
+        self.phase_layers, self.phase_hook = phase_layers, phase_hook
         self.reconnect, self.backoff = reconnect, backoff
         self._options = channel_options(keepalive_ms, keepalive_timeout_ms)
         self._version, self._stale = version, False
@@ -212,7 +218,7 @@ class Agent:
         return pb.WorkerInfo(role=ROLES[self.role], group=self.group, rank=self.rank, host=self.host, gpu=self.gpu,
                              layout=self.layout.describe(), model_name=self.spec.name, model_digest=self.spec.digest(),
                              model_config_json=config_json(self.spec.config), version=self._version,
-                             stale=self._stale, pid=os.getpid())
+                             stale=self._stale, pid=os.getpid(), phase_layers=self.phase_layers)
 
     async def _session(self) -> bool:
         """One stream: register, then run what the coordinator sends.  True: stop for good."""
@@ -300,7 +306,8 @@ class Agent:
         members = tuple(r.members) or self._members.get(r.prefix, ())  # names come once per prefix
         self._members = {r.prefix: members}
         ctx = RunContext(run.plan_id, run.refit_id, self.spec, self.layout,
-                         Rendezvous(r.host, r.port, r.prefix, r.world_size, r.rank, members), deadline, self.host)
+                         Rendezvous(r.host, r.port, r.prefix, r.world_size, r.rank, members), deadline, self.host,
+                         phase_hook=self.phase_hook)
         self._cancel = {run.refit_id: ctx.cancelled}
         if self._abandoned == run.refit_id:  # the coordinator gave it up before it could start
             ctx.cancelled.set()
@@ -324,6 +331,8 @@ class Agent:
     def _execute(self, plan: Plan, version: int, ctx: RunContext) -> pb.WorkerMessage:
         try:
             ctx.remaining()
+            if self.phase_hook is not None:  # a refusal: nothing moves (we never reach the start barrier)
+                self.phase_hook.check(plan)
             nbytes, seconds = self.data_plane(plan, self.role, self.rank, self.tensors, version, ctx)
         except Exception as e:
             log.warning("%s: refit %s failed: %s: %s", self.worker_id, ctx.refit_id, type(e).__name__, e)

@@ -152,14 +152,15 @@ class Coordinator:
         check_same_model(src[0], dst[0])
         spec, placement = src[0].spec, PLACEMENT_NAMES[opts.placement]
         bucket = opts.bucket_bytes or DEFAULT_BUCKET_BYTES
+        phase_layers = dst[0].info.phase_layers  # group_members checked that every engine rank agrees
         key = (src_group, dst_group, src[0].info.model_name, src[0].info.model_config_json,
-               src[0].layout_str, dst[0].layout_str, placement, planner, bucket)
+               src[0].layout_str, dst[0].layout_str, placement, planner, bucket, phase_layers)
         cached = key in self._plan_keys
         if not cached:
             if len(self._plan_keys) >= MAX_PLANS:
                 raise Exhausted(f"the coordinator holds {MAX_PLANS} plans, its limit")
             self._plan_keys[key] = asyncio.ensure_future(asyncio.to_thread(
-                make_plan, spec, src[0].layout, dst[0].layout, placement, planner, bucket))
+                make_plan, spec, src[0].layout, dst[0].layout, placement, planner, bucket, phase_layers))
         try:
             result = await asyncio.shield(self._plan_keys[key])
         except RefitError:

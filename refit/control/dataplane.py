@@ -15,7 +15,8 @@ A data plane must return by ``ctx.deadline`` (raise `TimeoutError` past it; boun
 than return on any failure (the agent reports the message, and the coordinator names the worker),
 and must not write into an engine's tensors once ``ctx.cancelled`` is set.  It may cache
 communicators per ``(plan_id, rendezvous.prefix)``: the prefix changes whenever they must be
-rebuilt.  A data plane whose call never blocks may set ``inline = True``: the agent then calls it
+rebuilt.  With ``ctx.phase_hook`` set, it calls ``ctx.phase_hook.landed(plan, key)`` as each
+phase of the plan has landed on every member (`PhaseHook`).  A data plane whose call never blocks may set ``inline = True``: the agent then calls it
 on its event loop instead of a thread (saves a thread hop; the no-op plane of the overhead bench).
 """
 
@@ -64,6 +65,7 @@ class RunContext:
     deadline: float  # time.monotonic() on this worker
     host: str = "127.0.0.1"
     cancelled: threading.Event = field(default_factory=threading.Event)
+    phase_hook: "PhaseHook | None" = None  # an engine's: told as each phase of the plan lands
 
     def remaining(self) -> float:
         """Seconds left; raises once the refit is cancelled or past its deadline, so that every
@@ -74,6 +76,19 @@ class RunContext:
         if left <= 0:
             raise TimeoutError(f"refit {self.refit_id} is past its deadline")
         return left
+
+
+class PhaseHook(Protocol):
+    """What an engine does around a refit of a phased plan (`refit.phases`).  A data plane calls
+    ``landed`` on every member holding a hook, after each phase's end barrier (for an unphased
+    plan once, with the key `refit.phases.WHOLE`); an exception from either method fails the
+    refit, naming this worker."""
+
+    def check(self, plan: "Plan") -> None:
+        """Raise (RefitError) to refuse a plan before any byte of it moves."""
+
+    def landed(self, plan: "Plan", phase: int) -> None:
+        """Every member finished writing phase ``phase`` (its key); the next phase has not started."""
 
 
 class DataPlane(Protocol):

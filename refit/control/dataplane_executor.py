@@ -65,7 +65,9 @@ class ExecutorDataPlane:
             member = self._setup(plan, role, rank, tensors, ctx)
             nbytes = sum(b.nbytes for b in plan.buckets if b.stage == 1 and (b.src if role == "trainer" else b.dst) == rank)
             held = self._members[ctx.plan_id] = (ctx.rendezvous.prefix, member, nbytes)
-        return held[2], held[1].refit(ctx.remaining, self.refit_hook)
+        hook = ctx.phase_hook
+        on_phase = (lambda key: hook.landed(plan, key)) if hook is not None else None
+        return held[2], held[1].refit(ctx.remaining, self.refit_hook, on_phase=on_phase)
 
     def _setup(self, plan: Plan, role: str, rank: int, tensors: Mapping[str, torch.Tensor], ctx: RunContext) -> Member:
         rdv = ctx.rendezvous

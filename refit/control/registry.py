@@ -84,7 +84,8 @@ class PlanEntry:
             placement=s["placement"], planner=s["planner"], num_gpus=s["num_gpus"], total_bytes=s["total_bytes"],
             local_bytes=s["local_bytes"], remote_bytes=s["remote_bytes"], max_send_bytes=s["max_send_bytes"],
             max_recv_bytes=s["max_recv_bytes"], num_transfers=s["num_transfers"], num_buckets=s["num_buckets"],
-            bucket_bytes=s["bucket_bytes"], plan_seconds=s.get("plan_seconds", 0.0), version=self.version)
+            bucket_bytes=s["bucket_bytes"], plan_seconds=s.get("plan_seconds", 0.0), version=self.version,
+            num_phases=s.get("num_phases", 0))
 
 
 # Bounds on what a registration may ask of the coordinator, checked before anything is built: a
@@ -185,6 +186,9 @@ def group_members(workers: dict[str, Worker], group: str, role: int) -> list[Wor
         diff = config_difference(ref.info.model_config_json, w.info.model_config_json)
         if diff:
             raise RefitError(f"group {group!r}: {ref.worker_id} and {w.worker_id} hold different model configs: {diff}")
+        if w.info.phase_layers != ref.info.phase_layers:  # phases are one plan's: every rank cuts alike
+            raise RefitError(f"group {group!r}: {w.worker_id} declares phase_layers {w.info.phase_layers}, "
+                             f"{ref.worker_id} {ref.info.phase_layers}")
     ranks = {w.info.rank for w in members}
     for r in range(ref.layout.world_size):
         if r not in ranks:
@@ -215,6 +219,9 @@ def check_plan_members(entry: PlanEntry, members: list[Worker]) -> None:
         if w.layout_str != want or w.info.model_digest != plan.model_digest:
             raise Precondition(f"plan {entry.plan_id} was made for {want} of model {plan.model_digest}; "
                                f"{w.worker_id} now holds {w.layout_str} of {w.info.model_digest}: create a new plan")
+        if i >= entry.num_src and w.info.phase_layers != plan.phase_layers:
+            raise Precondition(f"plan {entry.plan_id} was made for phase_layers {plan.phase_layers}; {w.worker_id} "
+                               f"now declares {w.info.phase_layers}: create a new plan")
 
 
 def absent_members(workers: dict[str, Worker], entry: PlanEntry) -> dict[str, pb.WorkerResult]:

@@ -133,13 +133,41 @@ def bind(program: Program, tensors: dict[Endpoint, dict[str, torch.Tensor]], dev
     devices this member drives, its local tensors (own or mapped from a peer) and its gather
     tensors.  Wires that are one contiguous region of a tensor (`_direct_region`) use that
     region as their buffer: no staging, no pack/unpack copy; only the rest is staged."""
+    return bind_all([program], tensors, device)[0]
+
+
+def bind_all(programs: list[Program], tensors: dict[Endpoint, dict[str, torch.Tensor]],
+             device: torch.device) -> list[Bound]:
+    """`bind` of several programs that run one after another (the phases of a phased plan,
+    `refit.phases`), over ONE set of staging buffers sized for the largest: staging does not grow
+    with the number of phases.  Each `Bound` lists the shared buffers."""
     views = _Views(tensors)
     dma = device.type == "cuda" and dma_enabled()
-    # Which wires are direct, found against one scratch buffer; then only the rest get staging.
-    scratch = torch.empty(max(program.send_slots + program.recv_slots, default=0), dtype=torch.uint8, device=device)
-    staged_s = [0] * len(program.send_slots)
-    staged_r = [0] * len(program.recv_slots)
+    width_s = max((len(p.send_slots) for p in programs), default=0)
+    width_r = max((len(p.recv_slots) for p in programs), default=0)
+    staged_s, staged_r = [0] * width_s, [0] * width_r
     direct: dict[tuple[int, bool], torch.Tensor] = {}  # (bucket, sending) -> the tensor region
+    # Which wires are direct, found against one scratch buffer; then only the rest get staging.
+    scratch = torch.empty(max((n for p in programs for n in p.send_slots + p.recv_slots), default=0),
+                          dtype=torch.uint8, device=device)
+    for program in programs:
+        _find_direct(program, views, scratch, direct, staged_s, staged_r)
+    del scratch
+    sets = [[torch.empty(n, dtype=torch.uint8, device=device) for n in staged_s] for _ in range(2)]
+    rsets = [[torch.empty(n, dtype=torch.uint8, device=device) for n in staged_r] for _ in range(2)]
+    buffers = [b for s in sets + rsets for b in s]
+    out = []
+    for program in programs:
+        stages = _bind_stages(program, views, direct, sets, rsets, device, dma)
+        wires = {(w.bucket, sending) for st in program.stages for step in st.steps
+                 for sending, ws in ((True, step.sends), (False, step.recvs)) for w in ws}
+        out.append(Bound(program, stages, buffers, direct_bytes=sum(direct[k].numel() for k in wires if k in direct)))
+    return out
+
+
+def _find_direct(program: Program, views: _Views, scratch: torch.Tensor, direct: dict[tuple[int, bool], torch.Tensor],
+                 staged_s: list[int], staged_r: list[int]) -> None:
+    """Record the direct wires of ``program`` in ``direct`` and grow the staged slot sizes for the rest."""
     for st in program.stages:
         for step in st.steps:
             for wires, sizes, sending in ((step.sends, staged_s, True), (step.recvs, staged_r, False)):
@@ -150,9 +178,11 @@ def bind(program: Program, tensors: dict[Endpoint, dict[str, torch.Tensor]], dev
                         direct[(w.bucket, sending)] = region
                     else:
                         sizes[j] = max(sizes[j], w.nbytes)
-    del scratch
-    sets = [[torch.empty(n, dtype=torch.uint8, device=device) for n in staged_s] for _ in range(2)]
-    rsets = [[torch.empty(n, dtype=torch.uint8, device=device) for n in staged_r] for _ in range(2)]
+
+
+def _bind_stages(program: Program, views: _Views, direct: dict[tuple[int, bool], torch.Tensor],
+                 sets: list[list[torch.Tensor]], rsets: list[list[torch.Tensor]], device: torch.device,
+                 dma: bool) -> list[BoundStage]:
     stages, j = [], 0
     for st in program.stages:
         move_pairs = [(views.block(m.dst_ep, m.dst), views.block(m.src_ep, m.src)) for m in st.moves]
@@ -181,8 +211,7 @@ def bind(program: Program, tensors: dict[Endpoint, dict[str, torch.Tensor]], dev
         pulls = [CopyBatch(pairs, peer=dev if dev.type == "cuda" and dev != device else None, dma=dma)
                  for dev, pairs in sorted(by_device.items(), key=lambda x: _ring_distance(device, x[0]))]
         stages.append(BoundStage(st.stage, CopyBatch(move_pairs, dma=dma), steps, pulls))
-    return Bound(program, stages, [b for s in sets + rsets for b in s],
-                 direct_bytes=sum(r.numel() for r in direct.values()))
+    return stages
 
 
 # ---------------------------------------------------------------------------------------------

@@ -11,8 +11,9 @@ whole sequence:
    (`refit.executor.handles`) — a passive member's shards, and with ipc every source shard — and
    each driver maps the peers' shards of its devices (and with ipc every source shard);
 5. the control group (barriers) over all members and the data communicator over the drivers;
-6. per plan (`prepare`): compile the schedule, allocate gather tensors, bind (drivers only);
-7. per refit (`refit`): barrier, replay, barrier.
+6. per plan (`prepare`): compile the schedule, allocate gather tensors, bind (drivers only) —
+   one program per phase of a phased plan (`refit.phases`), all over one set of staging buffers;
+7. per refit (`refit`): barrier, replay, barrier — per phase, then the phase's ``on_phase``.
 
 Every wait is bounded by the caller's ``remaining`` (seconds left in this refit; it raises once
 the refit is past its deadline or abandoned), so no wait outlives the refit that started it.  A
@@ -33,7 +34,7 @@ import torch
 import torch.distributed as dist
 
 from refit.errors import RefitError
-from refit.executor.bound import Bound, Remaining, bind, run_refit
+from refit.executor.bound import Bound, Remaining, bind_all, run_refit
 from refit.executor.device import Device, enable_peer_access, make_device
 from refit.executor.schedule import Program, compile_program
 from refit.executor.shards import Shards, allocate, remove_file, views
@@ -41,7 +42,7 @@ from refit.executor.topology import Endpoint, GpuSeat, Topology, all_visible, lo
 from refit.executor.transports import (Comm, PeerError, export_arena, export_tensors, first_line, gloo_group,
                                        import_share, make_comm)
 from refit.layouts import Layout
-from refit.plan import Plan
+from refit.plan import WHOLE, Plan
 from refit.spec import ModelSpec
 
 log = logging.getLogger("refit.executor")
@@ -170,6 +171,7 @@ class Member:
                                   [self.names[m] for m in topology.drivers], host)
         self.program: Program | None = None
         self.bound: Bound | None = None
+        self.phases: list[tuple[int, Bound | None]] = []  # (phase key, this member's share) in run order
         self.gathers: list[Shards] = []
         log.info("%s: member %d, device %s, %s, drives %s", self.name, member, device,
                  "ipc" if ipc else "communicator", sorted(driven) or "nothing")
@@ -198,37 +200,62 @@ class Member:
 
     # ------------------------------------------------------------------ per plan
     def prepare(self, plan: Plan) -> "Member":
-        """Compile and bind this member's share of ``plan`` (drivers; others have nothing to do)."""
+        """Compile and bind this member's share of ``plan`` (drivers; others have nothing to do
+        but the barriers): one program per phase (`Plan.phase_ranges`; an unphased plan is one),
+        bound over one shared set of staging buffers."""
         self.program = self.bound = None
         self.gathers = []
+        ranges = plan.phase_ranges()
+        self.phases = [(key, None) for key, _, _ in ranges]
         if not self.driver:
             return self
-        self.program = compile_program(plan, self.spec, self.src, self.dst, self.topo, self.member, ipc=self.ipc)
+        whole = len(ranges) == 1 and ranges[0][1:] == (0, len(plan.buckets))
+        programs = [compile_program(plan, self.spec, self.src, self.dst, self.topo, self.member, ipc=self.ipc,
+                                    buckets=None if whole else range(first, end)) for _, first, end in ranges]
         tensors = {ep: dict(t) for ep, t in self.tensors.items()}
-        for ep, lts in self.program.gather.items():  # a gathering plan's root receives whole tensors
-            g = allocate(lts, self.device.torch)
-            self.gathers.append(g)
-            tensors[ep].update(g.tensors)
-        self.bound = bind(self.program, tensors, self.device.torch)
+        for program in programs:
+            for ep, lts in program.gather.items():  # a gathering plan's root receives whole tensors
+                g = allocate(lts, self.device.torch)
+                self.gathers.append(g)
+                tensors[ep].update(g.tensors)
+        bounds = bind_all(programs, tensors, self.device.torch)
+        self.phases = [(key, b) for (key, _, _), b in zip(ranges, bounds)]
+        self.program, self.bound = programs[0], bounds[0]  # the whole plan's, when unphased
         return self
+
+    @property
+    def staging_bytes(self) -> int:
+        """Bytes of staging buffers this member holds (shared by all phases: counted once)."""
+        seen = {b.data_ptr(): b.numel() for _, bound in self.phases if bound for b in bound.buffers}
+        return sum(seen.values())
 
     # ------------------------------------------------------------------ per refit
     def refit(self, remaining: Remaining, hook: Callable[[], None] | None = None,
-              started: Callable[[], None] | None = None) -> float:
-        """One refit: start barrier, this member's share, end barrier.  Returns the seconds of
-        the share alone.  ``hook`` (tests) runs once the first transfer is posted."""
+              started: Callable[[], None] | None = None, on_phase: Callable[[int], None] | None = None) -> float:
+        """One refit: per phase, start barrier, this member's share, end barrier, then
+        ``on_phase(key)`` (an engine applies what landed; every member has finished writing the
+        phase and none has started the next).  Returns the summed seconds of the shares alone.
+        ``hook`` (tests) runs once the first transfer is posted; ``started`` after the first barrier."""
         if self.cuda:
             self.device.synchronize()  # a trainer's step, or an engine's last use, is finished
-        self.barrier("refit start", remaining)
-        if started:
-            started()
-        t0 = time.perf_counter()
-        if self.bound is not None:
-            run_refit(self.bound, self.comm, self.device, remaining, hook)
-        elif hook:
-            hook()
-        seconds = time.perf_counter() - t0
-        self.barrier("refit end", remaining)
+        phases = self.phases or [(WHOLE, None)]
+        phased = any(key != WHOLE for key, _ in phases)
+        seconds = 0.0
+        for i, (key, bound) in enumerate(phases):
+            where = f"phase {key} " if phased else "refit "
+            self.barrier(where + "start", remaining)
+            if started and i == 0:
+                started()
+            first_hook = hook if i == 0 else None
+            t0 = time.perf_counter()
+            if bound is not None:
+                run_refit(bound, self.comm, self.device, remaining, first_hook)
+            elif first_hook:
+                first_hook()
+            seconds += time.perf_counter() - t0
+            self.barrier(where + "end", remaining)
+            if on_phase:
+                on_phase(key)
         return seconds
 
     def barrier(self, what: str, remaining: Remaining) -> None:
@@ -276,6 +303,7 @@ class Member:
     def release(self) -> None:
         """Drop every view of peers' memory (then the mappings go), before anyone exits."""
         self.bound = self.program = None
+        self.phases = []
         self.gathers = []
         self.tensors.clear()
         self.imported.clear()

@@ -123,9 +123,12 @@ def bucket_ends(b: Bucket) -> tuple[Endpoint, Endpoint]:
 
 
 def compile_program(plan: Plan, spec: ModelSpec, src: Layout, dst: Layout, topo: Topology, member: int,
-                    ipc: bool = False) -> Program:
+                    ipc: bool = False, buckets: range | None = None) -> Program:
     """This member's share of ``plan`` (layouts resolved, as the plan was made from).  With
-    ``ipc`` the buckets that `pullable` accepts become pulls by the destination's driver."""
+    ``ipc`` the buckets that `pullable` accepts become pulls by the destination's driver.
+    ``buckets``: only those of the plan (one phase of a phased plan, `Plan.phase_ranges`).  Wires
+    keep their plan-wide bucket index (the message tag) and steps their plan-wide index within
+    the pair, so every member keys a subset's steps alike and tags never repeat across phases."""
     G = max(d for _, d in topo.devices) + 1  # devices are the topology's (the plan's placement in the bench)
     mine = set(topo.driven_devices(member))
     locals_: dict[Endpoint, list[LocalTensor]] = {}
@@ -147,6 +150,8 @@ def compile_program(plan: Plan, spec: ModelSpec, src: Layout, dst: Layout, topo:
     for bi, b in enumerate(plan.buckets):
         i = pair_count[(b.stage, b.src, b.dst)]
         pair_count[(b.stage, b.src, b.dst)] += 1
+        if buckets is not None and bi not in buckets:
+            continue
         s_ep, d_ep = bucket_ends(b)
         sdev, ddev = topo.device_of[s_ep], topo.device_of[d_ep]
         if sdev not in mine and ddev not in mine:

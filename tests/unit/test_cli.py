@@ -108,3 +108,21 @@ def test_entrypoint_maps_errors():
         raise KeyboardInterrupt
 
     assert run_main(bad) == 2 and run_main(interrupted) == 130 and run_main(lambda: 0) == 0
+
+
+def test_plan_in_phases(capsys, tmp_path):
+    # Qwen3-8B: 36 layers in windows of 4, plus embeddings, final norm and LM head: 12 phases.
+    out_file = tmp_path / "plan.json"
+    rc, out, _ = run(capsys, "plan", "--model", "qwen3-8b", "--src", "tp2", "--dst", "tp2", "--phase-layers", "4",
+                     "--json", "--out", str(out_file))
+    assert rc == 0 and json.loads(out)["summary"]["num_phases"] == 12
+    doc = json.loads(out_file.read_text())
+    assert doc["phase_layers"] == 4 and [k for k, _ in doc["phases"]] == list(range(12))
+    rc, out, _ = run(capsys, "plan", "--model", "qwen3-8b", "--src", "tp2", "--dst", "tp2", "--phase-layers", "4")
+    assert rc == 0 and "phases" in out and "12  (4 layers each" in out
+    rc, out, _ = run(capsys, "plan", "--model", "qwen3-8b", "--src", "tp2", "--dst", "tp2", "--json")
+    assert "num_phases" not in json.loads(out)["summary"]
+    for argv, msg in ((["--phase-layers", "-1"], "--phase-layers must be >= 0, got -1"),
+                      (["--phase-layers", "2", "--planner", "broadcast"], "cannot be cut into phases")):
+        rc, _, err = run(capsys, "plan", "--model", "qwen3-8b", "--src", "tp2", "--dst", "tp2", *argv)
+        assert rc == 2 and msg in err and "Traceback" not in err

@@ -51,7 +51,7 @@ WORKER_OUTCOME_NOT_CONNECTED: WorkerOutcome
 WORKER_OUTCOME_BUSY: WorkerOutcome
 
 class WorkerInfo(_message.Message):
-    __slots__ = ("role", "group", "rank", "host", "gpu", "layout", "model_name", "model_digest", "model_config_json", "version", "stale", "pid")
+    __slots__ = ("role", "group", "rank", "host", "gpu", "layout", "model_name", "model_digest", "model_config_json", "version", "stale", "pid", "phase_layers")
     ROLE_FIELD_NUMBER: _ClassVar[int]
     GROUP_FIELD_NUMBER: _ClassVar[int]
     RANK_FIELD_NUMBER: _ClassVar[int]
@@ -64,6 +64,7 @@ class WorkerInfo(_message.Message):
     VERSION_FIELD_NUMBER: _ClassVar[int]
     STALE_FIELD_NUMBER: _ClassVar[int]
     PID_FIELD_NUMBER: _ClassVar[int]
+    PHASE_LAYERS_FIELD_NUMBER: _ClassVar[int]
     role: Role
     group: str
     rank: int
@@ -76,7 +77,8 @@ class WorkerInfo(_message.Message):
     version: int
     stale: bool
     pid: int
-    def __init__(self, role: _Optional[_Union[Role, str]] = ..., group: _Optional[str] = ..., rank: _Optional[int] = ..., host: _Optional[str] = ..., gpu: _Optional[int] = ..., layout: _Optional[str] = ..., model_name: _Optional[str] = ..., model_digest: _Optional[str] = ..., model_config_json: _Optional[str] = ..., version: _Optional[int] = ..., stale: bool = ..., pid: _Optional[int] = ...) -> None: ...
+    phase_layers: int
+    def __init__(self, role: _Optional[_Union[Role, str]] = ..., group: _Optional[str] = ..., rank: _Optional[int] = ..., host: _Optional[str] = ..., gpu: _Optional[int] = ..., layout: _Optional[str] = ..., model_name: _Optional[str] = ..., model_digest: _Optional[str] = ..., model_config_json: _Optional[str] = ..., version: _Optional[int] = ..., stale: bool = ..., pid: _Optional[int] = ..., phase_layers: _Optional[int] = ...) -> None: ...
 
 class Register(_message.Message):
     __slots__ = ("info",)
@@ -223,7 +225,7 @@ class CreatePlanRequest(_message.Message):
     def __init__(self, src_group: _Optional[str] = ..., dst_group: _Optional[str] = ..., options: _Optional[_Union[PlanOptions, _Mapping]] = ...) -> None: ...
 
 class PlanSummary(_message.Message):
-    __slots__ = ("plan_id", "plan_hash", "model", "model_digest", "src_group", "dst_group", "src_layout", "dst_layout", "placement", "planner", "num_gpus", "total_bytes", "local_bytes", "remote_bytes", "max_send_bytes", "max_recv_bytes", "num_transfers", "num_buckets", "bucket_bytes", "plan_seconds", "version")
+    __slots__ = ("plan_id", "plan_hash", "model", "model_digest", "src_group", "dst_group", "src_layout", "dst_layout", "placement", "planner", "num_gpus", "total_bytes", "local_bytes", "remote_bytes", "max_send_bytes", "max_recv_bytes", "num_transfers", "num_buckets", "bucket_bytes", "plan_seconds", "version", "num_phases")
     PLAN_ID_FIELD_NUMBER: _ClassVar[int]
     PLAN_HASH_FIELD_NUMBER: _ClassVar[int]
     MODEL_FIELD_NUMBER: _ClassVar[int]
@@ -245,6 +247,7 @@ class PlanSummary(_message.Message):
     BUCKET_BYTES_FIELD_NUMBER: _ClassVar[int]
     PLAN_SECONDS_FIELD_NUMBER: _ClassVar[int]
     VERSION_FIELD_NUMBER: _ClassVar[int]
+    NUM_PHASES_FIELD_NUMBER: _ClassVar[int]
     plan_id: str
     plan_hash: str
     model: str
@@ -266,7 +269,8 @@ class PlanSummary(_message.Message):
     bucket_bytes: int
     plan_seconds: float
     version: int
-    def __init__(self, plan_id: _Optional[str] = ..., plan_hash: _Optional[str] = ..., model: _Optional[str] = ..., model_digest: _Optional[str] = ..., src_group: _Optional[str] = ..., dst_group: _Optional[str] = ..., src_layout: _Optional[str] = ..., dst_layout: _Optional[str] = ..., placement: _Optional[str] = ..., planner: _Optional[str] = ..., num_gpus: _Optional[int] = ..., total_bytes: _Optional[int] = ..., local_bytes: _Optional[int] = ..., remote_bytes: _Optional[int] = ..., max_send_bytes: _Optional[int] = ..., max_recv_bytes: _Optional[int] = ..., num_transfers: _Optional[int] = ..., num_buckets: _Optional[int] = ..., bucket_bytes: _Optional[int] = ..., plan_seconds: _Optional[float] = ..., version: _Optional[int] = ...) -> None: ...
+    num_phases: int
+    def __init__(self, plan_id: _Optional[str] = ..., plan_hash: _Optional[str] = ..., model: _Optional[str] = ..., model_digest: _Optional[str] = ..., src_group: _Optional[str] = ..., dst_group: _Optional[str] = ..., src_layout: _Optional[str] = ..., dst_layout: _Optional[str] = ..., placement: _Optional[str] = ..., planner: _Optional[str] = ..., num_gpus: _Optional[int] = ..., total_bytes: _Optional[int] = ..., local_bytes: _Optional[int] = ..., remote_bytes: _Optional[int] = ..., max_send_bytes: _Optional[int] = ..., max_recv_bytes: _Optional[int] = ..., num_transfers: _Optional[int] = ..., num_buckets: _Optional[int] = ..., bucket_bytes: _Optional[int] = ..., plan_seconds: _Optional[float] = ..., version: _Optional[int] = ..., num_phases: _Optional[int] = ...) -> None: ...
 
 class CreatePlanResponse(_message.Message):
     __slots__ = ("summary", "cached")
