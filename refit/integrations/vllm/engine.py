@@ -13,10 +13,11 @@ Lifecycle (one instance per vLLM worker, created by vLLM after the model loaded)
   (plan, version); once all are armed, the worker of rank 0 of vLLM's world (`_leader`; one per
   replica of a dense DP engine) asks the coordinator to run the plan (the trainer agents answer it
   on their own); its result is broadcast over the engine's own process group, so every worker
-  learns the outcome, success or the coordinator's error naming the
-  failed worker.  On success each worker checks its agent saw the commit, then re-processes what
-  is left (phased: the modules that read re-processed ones; else every staged module) and returns.  On failure it raises, and the agent reports itself stale (with
-  ``atomic`` staging the live weights were never touched).
+  learns the outcome, success or the coordinator's error naming the failed worker.  On success
+  each worker checks its agent saw the commit, then re-processes what is left (phased: the
+  modules that read re-processed ones; else every staged module) and returns.  On failure it
+  raises, and the agent reports itself stale (with ``atomic`` staging the live weights were never
+  touched).
 * ``start_weight_update`` / ``finish_weight_update``: nothing to do (the writes happen inside
   ``update_weights``, which vLLM runs between engine steps).
 """

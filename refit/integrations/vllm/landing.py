@@ -10,10 +10,10 @@ decided once per parameter when the engine is set up (`landing_path`) and logged
   (CUDA graphs hold them).
 * ``reprocess``: vLLM transformed the weight after loading (CPU GEMM prepacking, MoE kernel
   layouts, quantization): the shard lands in a staging tensor in the loader layout; after the
-  commit (phased: as soon as its phase landed) the module's parameters are restored from it and the module's own post-load processing
-  re-runs, module by module.  MoE methods that skip their expert repacking on a "weight update"
-  (vLLM 0.32's unquantized method with the CPU experts does, which makes vLLM's own reload of a
-  Qwen3-MoE wrong on CPU) are processed as on first load.
+  commit (phased: as soon as its phase landed) the module's parameters are restored from it and
+  the module's own post-load processing re-runs, module by module.  MoE methods that skip their
+  expert repacking on a "weight update" (vLLM 0.32's unquantized method with the CPU experts
+  does, which makes vLLM's own reload of a Qwen3-MoE wrong on CPU) are processed as on first load.
 
 Staging modes:
 
@@ -49,7 +49,7 @@ import logging
 import time
 from collections import Counter
 from dataclasses import dataclass
-from typing import TYPE_CHECKING, Any, Iterator
+from typing import TYPE_CHECKING, Any, Iterable, Iterator
 
 import torch
 
@@ -309,7 +309,8 @@ class Landing:
             self._process(module, model_config)
         return time.perf_counter() - t0
 
-    def _apply(self, copies: Any, groups: Any, model_config: Any) -> None:
+    def _apply(self, copies: Iterable[tuple[str, torch.nn.Module, str]], groups: Iterable[_Group],
+               model_config: Any) -> None:
         for name, module, attr in copies:
             getattr(module, attr).data.copy_(self.staging[name])
         for g in groups:
@@ -321,8 +322,8 @@ class Landing:
             if tuple(live.shape) == tuple(staged.shape) and live.dtype == self.dtypes[name]:
                 live.data.copy_(staged)  # e.g. an embedding, which keeps its weight next to a packed copy
             else:
-                # a fresh tensor: the processed module may keep it, and the staging buffer is
-                # rewritten by the next refit
+                # a fresh tensor: the processed module may keep it, and the staging is rewritten
+                # by the next refit (phased: by the next phase, which shares the window)
                 setattr(g.module, attr, torch.nn.Parameter(staged.to(self.dtypes[name], copy=True),
                                                            requires_grad=False))
         self._process(g.module, model_config)
