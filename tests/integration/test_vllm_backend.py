@@ -237,10 +237,16 @@ def test_staging_is_one_window(setups, ckpts, case) -> None:
     assert 2 * report["nbytes"] < unphased, (report["nbytes"], unphased)  # 2 layers: about a third here
 
 
+def listing(client, s: Setup) -> list[tuple[bool, int]]:
+    """(stale, version) of each engine rank of ``s``, as the coordinator lists them."""
+    return sorted((r["stale"], r["version"]) for r in client.list_workers(role="engine")
+                  if r["info"]["group"] == s.engine.group)
+
+
 def test_unphased_plan_is_refused_by_a_windowed_engine(setups, coordinator) -> None:
     """A plan made while the engine registered without windows, run after it registered with
-    them, is refused before any byte moves, and the weights are unchanged (the version too); the
-    next refit with a phased plan lands.  The coordinator refuses it first (the engine declares
+    them, is refused before any byte moves: the coordinator does not mark the engine stale, its
+    weights and version are unchanged; the next refit with a phased plan lands.  The coordinator refuses it first (the engine declares
     other phase_layers than the plan's); the engine's own refusal (`Landing.check`, for a
     coordinator that does not check) is tested in test_vllm_landing.py."""
     _, client = coordinator
@@ -252,9 +258,11 @@ def test_unphased_plan_is_refused_by_a_windowed_engine(setups, coordinator) -> N
     finally:
         assert s.engine.ask("init", {"window_layers": 1}) == ("ok", None)
     s.trainers.load(s.ckpts[s.model, 3 if s.holds != 3 else 2])
+    held = listing(client, s)
     status, error = s.engine.refit(summary["plan_id"], s.version + 1, timeout=20.0)
     assert status == "error" and "was made for phase_layers 0" in error and "create a new plan" in error, error
     assert s.engine.ask("weight_version") == ("ok", str(s.version))
+    assert listing(client, s) == held  # not marked stale (an earlier test may have left it so), same version
     assert s.engine.generate() == s.refs[s.holds]  # unchanged
     s.refit_to(3 if s.holds != 3 else 2)  # the phased plan still lands
     assert s.engine.generate() == s.refs[s.holds]

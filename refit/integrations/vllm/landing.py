@@ -292,6 +292,8 @@ class Landing:
         with _on(self.device):
             self._apply(copies, groups, self.model_config)
             self.window.zero_padded(self.window.next_key(phase))
+            if self.device.type == "cuda":  # the next phase's transfers (other streams) rewrite the window
+                torch.cuda.synchronize(self.device)
         self._landed.add(phase)
 
     @torch.no_grad()
