@@ -257,11 +257,15 @@ def test_unphased_plan_is_refused_by_a_windowed_engine(setups, coordinator) -> N
         assert not summary.get("num_phases"), summary
     finally:
         assert s.engine.ask("init", {"window_layers": 1}) == ("ok", None)
+    for bad in (-1, "2"):  # refused at init, before the registered agent is dropped
+        status, error = s.engine.ask("init", {"window_layers": bad})
+        assert status == "error" and f"window_layers must be an integer >= 0 (0: stage the whole shard), not " \
+            f"{bad!r}" in error, error
     s.trainers.load(s.ckpts[s.model, 3 if s.holds != 3 else 2])
-    held = listing(client, s)
+    held, served = listing(client, s), s.engine.ask("weight_version")
     status, error = s.engine.refit(summary["plan_id"], s.version + 1, timeout=20.0)
     assert status == "error" and "was made for phase_layers 0" in error and "create a new plan" in error, error
-    assert s.engine.ask("weight_version") == ("ok", str(s.version))
+    assert s.engine.ask("weight_version") == served
     assert listing(client, s) == held  # not marked stale (an earlier test may have left it so), same version
     assert s.engine.generate() == s.refs[s.holds]  # unchanged
     s.refit_to(3 if s.holds != 3 else 2)  # the phased plan still lands

@@ -41,7 +41,7 @@ from vllm.distributed.weight_transfer.base import (
 from refit.control.agent import EngineAgent
 from refit.errors import RefitError
 from refit.integrations.vllm.config import identify
-from refit.integrations.vllm.landing import Landing
+from refit.integrations.vllm.landing import Landing, check_options
 
 log = logging.getLogger(__name__)
 
@@ -150,6 +150,7 @@ class RefitWeightTransferEngine(WeightTransferEngine[RefitInitInfo, RefitUpdateI
 
     # ------------------------------------------------------------------ lifecycle
     def init_transfer_engine(self, init_info: RefitInitInfo) -> None:
+        check_options(init_info.staging, init_info.window_layers)  # before dropping a registered agent
         held = (self.agent.version, self.agent.stale) if self.agent is not None else (0, False)
         if self.agent is not None:
             self.shutdown()

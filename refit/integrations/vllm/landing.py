@@ -112,6 +112,15 @@ def landing_path(module: torch.nn.Module, live: torch.Tensor, shape: tuple[int, 
     return None
 
 
+def check_options(staging: Any, window_layers: Any) -> None:
+    """Refuse bad ``init_info`` staging options (RefitError, one line)."""
+    if staging not in STAGING_MODES:
+        raise RefitError(f"vllm: staging must be one of {', '.join(STAGING_MODES)}, not {staging!r}")
+    if isinstance(window_layers, bool) or not isinstance(window_layers, int) or window_layers < 0:
+        raise RefitError(f"vllm: window_layers must be an integer >= 0 (0: stage the whole shard), "
+                         f"not {window_layers!r}")
+
+
 def _method_name(module: torch.nn.Module) -> str:
     return type(getattr(module, "quant_method", module)).__name__
 
@@ -136,11 +145,7 @@ class Landing:
     def __init__(self, model: torch.nn.Module, spec: ModelSpec, layout: Layout, rank: int,
                  device: torch.device, staging: str = "bounded", window_layers: int = 0,
                  model_config: Any = None) -> None:
-        if staging not in STAGING_MODES:
-            raise RefitError(f"vllm: staging must be one of {', '.join(STAGING_MODES)}, not {staging!r}")
-        if isinstance(window_layers, bool) or not isinstance(window_layers, int) or window_layers < 0:
-            raise RefitError(f"vllm: window_layers must be an integer >= 0 (0: stage the whole shard), "
-                             f"not {window_layers!r}")
+        check_options(staging, window_layers)
         self.model, self.mode, self.device, self.model_config = model, staging, device, model_config
         self.local = layout.local_tensors(spec, rank)
         self.tensors: dict[str, torch.Tensor] = {}
