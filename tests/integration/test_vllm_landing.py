@@ -277,5 +277,9 @@ def test_a_tensor_across_two_windows_is_refused(spec_layout) -> None:
     lt = LocalTensor("stacked", (2,) + t.shape[1:], t.dtype, (Piece(t.name, zero, rows, zero),
                                                                Piece(t.name, (1,) + zero[1:], rows, (1,) + zero[1:])))
     assert local_phase(spec, lt, 2) == 3
+    both = LocalTensor("stacked", (2,) + t.shape[1:], t.dtype, (Piece(t.name, zero, (2,) + t.shape[1:], zero),))
+    assert local_phase(spec, both, 2) == 3
+    with pytest.raises(RefitError, match=r"stacked holds rows of 2 phases"):
+        local_phase(spec, both, 1)  # one piece of two rows
     with pytest.raises(RefitError, match=r"stacked holds rows of 2 phases \(\[3, 4\]\) with window_layers=1"):
         local_phase(spec, lt, 1)

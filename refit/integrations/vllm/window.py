@@ -31,11 +31,11 @@ def aligned(nbytes: int) -> int:
 
 def local_phase(spec: ModelSpec, lt: LocalTensor, window_layers: int) -> int:
     """The phase key of local tensor ``lt``: the one its pieces' canonical rows fall in (a stacked
-    tensor's row is its piece's ``start[0]``)."""
+    tensor's rows are dim 0 of its pieces' boxes)."""
     from refit.phases import phase_key
 
-    keys = {phase_key(spec, p.tensor, p.start[0] if spec[p.tensor].layers else 0, window_layers)
-            for p in lt.pieces}
+    keys = {phase_key(spec, p.tensor, row, window_layers) for p in lt.pieces
+            for row in (range(p.start[0], p.start[0] + p.size[0]) if spec[p.tensor].layers else (0,))}
     if len(keys) != 1:
         raise RefitError(f"vllm: {lt.name} holds rows of {len(keys)} phases ({sorted(keys)}) with window_layers="
                          f"{window_layers}: it cannot be staged one window at a time; use window_layers=0")
