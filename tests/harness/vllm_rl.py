@@ -238,9 +238,11 @@ def _engine_main(conn: Any, model_dir: str, tp: int, ep: bool, coordinator: str 
     _setup_process(tp)
     llm = make_llm(model_dir, tp, ep, bool(coordinator))
 
-    def init(staging: str | None) -> None:
-        info = {"coordinator": coordinator, "group": group}
-        if staging is not None:  # else the backend's default
+    def init(staging: str | dict[str, Any] | None) -> None:
+        info: dict[str, Any] = {"coordinator": coordinator, "group": group}
+        if isinstance(staging, dict):  # init_info entries, e.g. {"window_layers": 0}
+            info.update(staging)
+        elif staging is not None:  # else the backend's default
             info["staging"] = staging
         llm.init_weight_transfer_engine({"init_info": info})
 
@@ -250,7 +252,7 @@ def _engine_main(conn: Any, model_dir: str, tp: int, ep: bool, coordinator: str 
     while True:
         cmd, arg = conn.recv()
         try:
-            if cmd == "init":  # register again, with another staging mode
+            if cmd == "init":  # register again, with another staging mode (or init_info entries)
                 init(arg)
                 conn.send(("ok", None))
             elif cmd == "generate":
@@ -266,6 +268,8 @@ def _engine_main(conn: Any, model_dir: str, tp: int, ep: bool, coordinator: str 
                 conn.send(("ok", probe(llm, arg)))
             elif cmd == "unshare":
                 conn.send(("ok", unshare(llm, arg)))
+            elif cmd == "staging":  # each worker's `RefitWeightTransferEngine.staging_report`
+                conn.send(("ok", llm.collective_rpc(_staging_report)))
             elif cmd == "weight_version":
                 conn.send(("ok", llm.get_weight_version()))
             elif cmd == "stop":
@@ -274,6 +278,10 @@ def _engine_main(conn: Any, model_dir: str, tp: int, ep: bool, coordinator: str 
                 return
         except Exception as e:  # noqa: BLE001 - the test reads it
             conn.send(("error", f"{type(e).__name__}: {e}\n{traceback.format_exc()[-2000:]}"))
+
+
+def _staging_report(worker: Any) -> dict[str, Any]:
+    return worker.weight_transfer_engine.staging_report()
 
 
 def _shutdown(llm: Any) -> None:
@@ -303,7 +311,7 @@ def _references_main(conn: Any, model_dirs: list[str], tp: int, ep: bool, suffix
 
 class Engine:
     def __init__(self, model_dir: str, tp: int = 1, ep: bool = False, coordinator: str | None = None,
-                 group: str = "engine", staging: str | None = None) -> None:
+                 group: str = "engine", staging: str | dict[str, Any] | None = None) -> None:
         self.group = group
         self.conn, child = CTX.Pipe()
         self.proc = CTX.Process(target=_engine_main, args=(child, model_dir, tp, ep, coordinator, group, staging))

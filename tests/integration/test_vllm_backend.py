@@ -10,6 +10,11 @@ raise naming it and the engine report itself stale; with ``atomic`` staging it k
 its old weights, with ``bounded`` (the default) it may hold a mix; either way the next refit
 restores exact answers.  A refit not driven through ``update_weights`` is refused.
 
+Every engine here stages one window of layers (``window_layers`` defaults to 1: the engines
+register with ``phase_layers=1`` and their plans run in phases), so all the checks above hold with
+windows on; `test_staging_is_one_window` measures the staging against the unphased figure, and a
+plan made without phases is refused by a windowed engine before any byte moves.
+
 Engines are slow to start on this machine (~35 s for TP=1 in one process, minutes for TP=2), so
 each engine answers several checks.  REFIT_VLLM_FULL=1 adds the TP=2 cases beyond the default one.
 """
@@ -160,6 +165,7 @@ def test_trainer_killed_mid_refit_bounded(setups, coordinator) -> None:
     engine says it is stale, and the next refit restores exact answers."""
     _, client = coordinator
     s = setups(*CASES[0][:4])
+    assert all(r["phase_layers"] == 1 for r in staging(s)), "windows are on by default"
     _, target = kill_mid_refit(s, client)
     assert s.engine.generate() is not None  # still answers (with a mix: not compared)
     recover(s, client, target)
@@ -170,12 +176,15 @@ def test_trainer_killed_mid_refit_atomic(setups, coordinator) -> None:
     _, client = coordinator
     s = setups(*CASES[0][:4])
     assert s.engine.ask("init", "atomic") == ("ok", None)  # registers again, holding its version
+    phased = s.plan_id  # atomic staging is not phased: the engine needs a plan without phases
+    s.plan_id = client.create_plan(s.trainers.group, s.engine.group)["plan_id"]
     try:
         before, target = kill_mid_refit(s, client)
         assert s.engine.generate() == s.refs[before]  # still answers with its old weights, whole
         recover(s, client, target)
     finally:
         assert s.engine.ask("init", "bounded") == ("ok", None)
+        s.plan_id = phased
 
 
 def test_refits_only_inside_update_weights(setups, coordinator) -> None:
@@ -193,3 +202,71 @@ def test_refits_only_inside_update_weights(setups, coordinator) -> None:
     assert mine and all(r["version"] == s.version for r in mine), mine
     assert s.engine.ask("weight_version") == ("ok", str(s.version))
     assert s.engine.generate() == s.refs[s.holds]  # untouched
+
+
+def staging(s: Setup) -> list[dict]:
+    status, reports = s.engine.ask("staging")
+    assert status == "ok", reports
+    return reports
+
+
+@pytest.mark.parametrize("case", [0, 1], ids=[f"{c[0]}-{c[1]}-tp{c[2]}" for c in CASES[:2]])
+def test_staging_is_one_window(setups, ckpts, case) -> None:
+    """The engine stages one window of layers: its staging buffer is the largest phase's staged
+    bytes on the rank (each tensor 64-byte aligned), well below staging the whole shard."""
+    from refit.hf_checkpoint import load_spec
+    from refit.layouts import resolve_layout
+    from refit.phases import phase_key
+
+    model, layout, tp, ep = CASES[case][:4]
+    s = setups(model, layout, tp, ep)
+    [report] = staging(s)  # TP=1: one worker
+    spec = load_spec(ckpts[model, 1])
+    local = {lt.name: lt for lt in resolve_layout("vllm:tp1", spec, "dst").local_tensors(spec, 0)}
+    staged = report["phase_of"]
+    assert report["phase_layers"] == 1 and staged and set(staged) <= set(local)
+    per_phase: dict[int, int] = {}
+    for name in staged:
+        lt = local[name]
+        keys = {phase_key(spec, p.tensor, p.start[0] if spec[p.tensor].layers else 0, 1) for p in lt.pieces}
+        assert keys == {staged[name]}, name
+        per_phase[staged[name]] = per_phase.get(staged[name], 0) + -(-lt.nbytes // 64) * 64
+    unphased = sum(local[n].nbytes for n in staged)
+    assert report["unphased_nbytes"] == unphased
+    assert report["nbytes"] == max(per_phase.values()), (report["nbytes"], per_phase)
+    assert 2 * report["nbytes"] < unphased, (report["nbytes"], unphased)  # 2 layers: about a third here
+
+
+def listing(client, s: Setup) -> list[tuple[bool, int]]:
+    """(stale, version) of each engine rank of ``s``, as the coordinator lists them."""
+    return sorted((r["stale"], r["version"]) for r in client.list_workers(role="engine")
+                  if r["info"]["group"] == s.engine.group)
+
+
+def test_unphased_plan_is_refused_by_a_windowed_engine(setups, coordinator) -> None:
+    """A plan made while the engine registered without windows, run after it registered with
+    them, is refused before any byte moves: the coordinator does not mark the engine stale, its
+    weights and version are unchanged; the next refit with a phased plan lands.  The coordinator refuses it first (the engine declares
+    other phase_layers than the plan's); the engine's own refusal (`Landing.check`, for a
+    coordinator that does not check) is tested in test_vllm_landing.py."""
+    _, client = coordinator
+    s = setups(*CASES[0][:4])
+    assert s.engine.ask("init", {"window_layers": 0}) == ("ok", None)
+    try:
+        summary = client.create_plan(s.trainers.group, s.engine.group)
+        assert not summary.get("num_phases"), summary
+    finally:
+        assert s.engine.ask("init", {"window_layers": 1}) == ("ok", None)
+    for bad in (-1, "2"):  # refused at init, before the registered agent is dropped
+        status, error = s.engine.ask("init", {"window_layers": bad})
+        assert status == "error" and f"window_layers must be an integer >= 0 (0: stage the whole shard), not " \
+            f"{bad!r}" in error, error
+    s.trainers.load(s.ckpts[s.model, 3 if s.holds != 3 else 2])
+    held, served = listing(client, s), s.engine.ask("weight_version")
+    status, error = s.engine.refit(summary["plan_id"], s.version + 1, timeout=20.0)
+    assert status == "error" and "was made for phase_layers 0" in error and "create a new plan" in error, error
+    assert s.engine.ask("weight_version") == served
+    assert listing(client, s) == held  # not marked stale (an earlier test may have left it so), same version
+    assert s.engine.generate() == s.refs[s.holds]  # unchanged
+    s.refit_to(3 if s.holds != 3 else 2)  # the phased plan still lands
+    assert s.engine.generate() == s.refs[s.holds]

