@@ -3,7 +3,7 @@
 # pull, framework-style allocations and arena.  JSON under $OUT, logs in /tmp.  2-GPU cases pin
 # CUDA_VISIBLE_DEVICES=0,1.
 set -u
-export NCCL_NVLS_ENABLE=0 PYTHONUNBUFFERED=1 PYTHONPATH=$PWD
+export NCCL_NVLS_ENABLE=0 PYTHONUNBUFFERED=1 PYTHONPATH=$PWD:/tmp/site  # /tmp/site: carried wheels (grpc_health for --via grpc)
 OUT=${OUT:-bench/out}; mkdir -p "$OUT"
 run() { local name=$1; shift; echo "=== $name: $* (REFIT_IPC=${REFIT_IPC:-auto})"; timeout 300 python3 -m refit.bench "$@" --json >"$OUT/$name.json" 2>"/tmp/$name.log"; echo rc=$?
   grep -i "error" /tmp/$name.log | head -3

@@ -44,7 +44,7 @@ def timeline(logs: list[str], out: str, title: str) -> None:
     ax.set_xlabel("ms from the refit's start (CUDA events)")
     ax.set_title(title)
     ax.legend(handles=[plt.Rectangle((0, 0), 1, 1, color=c) for c in colors.values()],
-              labels=["local copies", "peer pulls"], loc="lower right")
+              labels=["local copies", "peer copies (pull or push)"], loc="lower right")
     fig.tight_layout()
     fig.savefig(out, dpi=120)
 
