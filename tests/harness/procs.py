@@ -29,6 +29,7 @@ class PipedProcess:
     """A spawned process (``self.proc``) that answers ``ask(cmd)`` over a pipe and stops on "stop"."""
 
     proc: Any
+    stop_timeout, join_timeout = 10.0, 5.0  # seconds for its answer to "stop", then for it to exit
 
     def ask(self, cmd: str, arg: Any = None, timeout: float = 30.0) -> Any:
         raise NotImplementedError
@@ -37,9 +38,10 @@ class PipedProcess:
         """Ask it to stop; kill it if it does not."""
         if self.proc.is_alive():
             try:
-                self.ask("stop", timeout=10)
+                self.ask("stop", timeout=self.stop_timeout)
             except (AssertionError, OSError, EOFError):
                 pass
-            self.proc.join(5)
+            self.proc.join(self.join_timeout)
             if self.proc.is_alive():
                 self.proc.kill()
+                self.proc.join(10)

@@ -21,6 +21,8 @@ from typing import Any, Iterator
 
 import torch
 
+from tests.harness.procs import PipedProcess
+
 CTX = mp.get_context("spawn")
 
 
@@ -309,7 +311,9 @@ def _references_main(conn: Any, model_dirs: list[str], tp: int, ep: bool, suffix
     conn.send(("ok", out))
 
 
-class Engine:
+class Engine(PipedProcess):
+    stop_timeout, join_timeout = 60.0, 30.0  # an engine shuts vLLM down first
+
     def __init__(self, model_dir: str, tp: int = 1, ep: bool = False, coordinator: str | None = None,
                  group: str = "engine", staging: str | dict[str, Any] | None = None) -> None:
         self.group = group
@@ -338,16 +342,7 @@ class Engine:
     def refit(self, plan_id: str, version: int, timeout: float = 60.0) -> tuple[str, Any]:
         return self.ask("refit", (plan_id, version, timeout))
 
-    def close(self) -> None:
-        if self.proc.is_alive():
-            try:
-                self.ask("stop", timeout=60)
-            except (AssertionError, OSError, EOFError):
-                pass
-            self.proc.join(30)
-            if self.proc.is_alive():
-                self.proc.kill()
-                self.proc.join(10)
+
 
 
 def fresh_outputs(model_dirs: list[str], tp: int = 1, ep: bool = False, probe: tuple[str, ...] = ()) -> list[Any]:
