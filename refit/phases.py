@@ -20,7 +20,7 @@ from collections import defaultdict
 
 from refit.errors import RefitError
 from refit.plan import WHOLE, Bucket, Plan, Transfer, pack_buckets
-from refit.spec import ModelSpec
+from refit.spec import ModelSpec, TensorSpec
 
 __all__ = ["WHOLE", "phase_key", "phase_plan"]
 
@@ -29,15 +29,20 @@ def _non_layer_index(spec: ModelSpec) -> dict[str, int]:
     return {t.name: i for i, t in enumerate(x for x in spec.tensors if not x.layers)}
 
 
+def _tensor_keys(t: TensorSpec, singles: dict[str, int], layers_per_phase: int) -> list[int] | int:
+    """The phase key of every row (dim 0) of ``t``, or its one key when it has no layers."""
+    if not t.layers:
+        return singles[t.name]
+    return [len(singles) + layer // layers_per_phase for layer in t.layers]
+
+
 def phase_key(spec: ModelSpec, tensor: str, pos: int, layers_per_phase: int) -> int:
     """The phase of row ``pos`` (index along dim 0) of canonical ``tensor``; ``pos`` is ignored
     for a tensor without layers."""
     if layers_per_phase <= 0:
         raise RefitError(f"layers_per_phase must be positive, got {layers_per_phase}")
-    singles = _non_layer_index(spec)
-    if tensor in singles:
-        return singles[tensor]
-    return len(singles) + spec[tensor].layers[pos] // layers_per_phase
+    keys = _tensor_keys(spec[tensor], _non_layer_index(spec), layers_per_phase)
+    return keys if isinstance(keys, int) else keys[pos]
 
 
 def _split_by_phase(t: Transfer, keys: list[int] | int) -> list[tuple[int, Transfer]]:
@@ -68,10 +73,7 @@ def phase_plan(plan: Plan, spec: ModelSpec, layers_per_phase: int) -> Plan:
     if plan.phase_layers:
         raise RefitError(f"plan {plan.plan_id} is already phased ({plan.phase_layers} layers per phase)")
     singles = _non_layer_index(spec)
-    row_keys: dict[str, list[int] | int] = {}
-    for t in spec.tensors:
-        row_keys[t.name] = singles[t.name] if not t.layers else \
-            [len(singles) + layer // layers_per_phase for layer in t.layers]
+    row_keys = {t.name: _tensor_keys(t, singles, layers_per_phase) for t in spec.tensors}
     by_phase: dict[int, list[Transfer]] = defaultdict(list)
     for t in plan.transfers:
         for key, piece in _split_by_phase(t, row_keys[t.tensor]):
