@@ -1,0 +1,61 @@
+#!/usr/bin/env bash
+# The GPU measurements of the fifth session (bench/RESULTS.md), one case per argument:
+#   bash bench/gpu_run5.sh CASE [CASE ...]      JSON (and trace lines) under ${OUT:-bench/out}, logs in /tmp
+# Probes: nccl-ops (NCCL message shapes, both ways), nccl-oneway, nccl-chunk (NCCL_P2P_NVL_CHUNKSIZE),
+#   push-pull (SM loads vs stores, copy engines, across two GPUs).
+# refit-bench, qwen3-30b-moe, framework allocations unless the name says arena; REFIT_IPC as named (auto:
+#   the default), 2-GPU cases pinned to CUDA_VISIBLE_DEVICES=0,1:
+#   pull2 push2 auto2 arena2 pusharena2 pushpeer2 (kernel run on the peer: REFIT_PULL_ON=src)
+#   gPEER,LOCAL (table grids, pulled: REFIT_TABLE_BLOCKS=PEER,LOCAL, e.g. g528,132) nccl256-2 nccl1g-2
+#   disagg-nccl (tp1 -> tp1 disaggregated over NCCL) grpc2 (--via grpc) trace2 trace4 (REFIT_TRACE=1 lines)
+#   pull4 push4 auto4 arena4; push8 pull8 q235 (8 GPUs, never lent so far)
+set -u
+# /tmp/site: carried wheels (grpc_health for --via grpc)
+export NCCL_NVLS_ENABLE=0 PYTHONUNBUFFERED=1 PYTHONPATH=$PWD:/tmp/site
+OUT=${OUT:-bench/out}; mkdir -p "$OUT"
+run() {  # name, then refit-bench arguments
+  local name=$1; shift
+  echo "=== $name: $* (REFIT_IPC=${REFIT_IPC:-auto}${REFIT_TABLE_BLOCKS:+, REFIT_TABLE_BLOCKS=$REFIT_TABLE_BLOCKS})"
+  timeout 300 python3 -m refit.bench "$@" --json >"$OUT/$name.json" 2>"/tmp/$name.log"; echo rc=$?
+  grep -i "error" "/tmp/$name.log" | head -3
+  python3 -c "import json,sys; d=json.load(open(sys.argv[1])); r=d['runs'][0]; print('median %.2f ms  x floor %.3f  verified %s' % (r['seconds']['median']*1e3, r['x_floor'], r['verified'])); [print('  vs %s: %.2f ms' % (x['planner'], x['seconds']['median']*1e3)) for x in d['runs'][1:]]" "$OUT/$name.json" 2>&1 | tail -3
+}
+traced() {  # name, then refit-bench arguments: two refits with REFIT_TRACE=1, the trace lines kept
+  local name=$1; shift
+  REFIT_TRACE=1 run "$name" "$@" --iters 2 -v
+  grep "trace cuda:" "/tmp/$name.log" > "$OUT/$name.txt"
+}
+Q="--model qwen3-30b-moe"
+T2="$Q --src megatron:tp2ep2 --dst vllm:tp2"
+T4="$Q --src megatron:tp4ep4 --dst vllm:tp4"
+two() { CUDA_VISIBLE_DEVICES=0,1 "$@"; }
+for what in "$@"; do case "$what" in
+  nccl-ops) timeout 150 python3 bench/probe_nccl_ops.py 2>&1 | tail -8 ;;
+  nccl-oneway) PROBE_ONE_WAY=1 PROBE_CASES=256:256,1024:1024,1024:256 timeout 100 python3 bench/probe_nccl_ops.py 2>&1 | tail -4 ;;
+  nccl-chunk) for chunk in 1048576 4194304 16777216; do
+                echo "NCCL_P2P_NVL_CHUNKSIZE=$chunk"
+                NCCL_P2P_NVL_CHUNKSIZE=$chunk PROBE_CASES=256:256,1024:1024 timeout 100 python3 bench/probe_nccl_ops.py 2>&1 | tail -2
+              done ;;
+  push-pull) timeout 200 python3 bench/probe_push_pull.py 2>&1 | tail -8 ;;
+  pull2) REFIT_IPC=pull two run pull2-fw $T2 --iters 10 ;;
+  push2) REFIT_IPC=push two run push2-fw $T2 --iters 10 ;;
+  auto2) two run auto2-fw $T2 --iters 10 ;;
+  arena2) two run auto2-arena $T2 --iters 10 --alloc arena ;;
+  pusharena2) REFIT_IPC=push two run push2-arena $T2 --iters 10 --alloc arena ;;
+  pushpeer2) REFIT_IPC=pull REFIT_PULL_ON=src two run pushpeer2-fw $T2 --iters 10 ;;
+  g[0-9]*,[0-9]*) REFIT_IPC=pull REFIT_TABLE_BLOCKS=${what#g} two run "grid2-${what#g}" $T2 --iters 10 ;;
+  nccl256-2) two run nccl2-256 $T2 --iters 10 --transport nccl ;;
+  nccl1g-2) two run nccl2-1g $T2 --iters 10 --transport nccl --bucket-mb 1024 ;;
+  disagg-nccl) two run disagg-nccl $Q --src megatron:tp1 --dst vllm:tp1 --placement disaggregated --transport nccl --iters 5 ;;
+  grpc2) two run grpc2 $T2 --iters 10 --via grpc ;;
+  trace2) two traced push2-trace $T2 ;;
+  trace4) traced push4-trace $T4 ;;
+  pull4) REFIT_IPC=pull run pull4-fw $T4 --iters 10 --vs broadcast ;;
+  push4) REFIT_IPC=push run push4-fw $T4 --iters 10 ;;
+  auto4) run auto4-fw $T4 --iters 10 --vs broadcast ;;
+  arena4) run auto4-arena $T4 --iters 10 --alloc arena ;;
+  push8) REFIT_IPC=push run push8-fw $Q --src tp4ep8 --dst tp8 --iters 10 ;;
+  pull8) REFIT_IPC=pull run pull8-fw $Q --src tp4ep8 --dst tp8 --iters 10 --vs broadcast ;;
+  q235) run q235-8 --model qwen3-235b-moe --src megatron:tp4ep8 --dst vllm:tp8 --iters 10 ;;
+  *) echo "unknown case $what (see the header of $0)"; exit 2 ;;
+esac; done
