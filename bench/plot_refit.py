@@ -11,18 +11,28 @@ import argparse
 import re
 from collections import defaultdict
 
-TRACE = re.compile(r"trace cuda:(\d+) (\w+) CopyBatch\(.*?(\d+) bytes\): starts ([\d.]+) ms, takes ([\d.]+) ms")
+TRACE = re.compile(r"trace cuda:(\d+) (\w+) (?:CopyBatch|WireStep)\(.*?(\d+) bytes\): starts ([\d.]+) ms, takes ([\d.]+) ms")
+REFIT = re.compile(r"trace cuda:(\d+) refit of ")
+# lanes of one GPU's row: same-GPU moves beside the pipeline, pack/unpack (or moves, ipc), wire, peer copies
+LANES = {"local": ("tab:olive", "same-GPU moves (beside the wire)"), "copy": ("tab:green", "local copies / pack, unpack"),
+         "wire": ("tab:red", "NCCL steps (bytes received)"), "pull": ("tab:blue", "peer copies (pull or push)")}
 
 
 def last_refit(lines: list[str]) -> dict[int, list[tuple[str, float, float, int]]]:
-    """Per GPU, the batches of the last refit in the log (a refit's lines start with its copy)."""
+    """Per GPU, the batches of the last refit in the log (each refit's lines start with a "refit
+    of N batches" line; older logs without it: with its first copy)."""
     per_gpu: dict[int, list[tuple[str, float, float, int]]] = defaultdict(list)
+    headed = any(REFIT.search(line) for line in lines)
     for line in lines:
+        h = REFIT.search(line)
+        if h:
+            per_gpu[int(h[1])] = []
+            continue
         m = TRACE.search(line)
         if not m:
             continue
         gpu, kind, nbytes, start, took = int(m[1]), m[2], int(m[3]), float(m[4]), float(m[5])
-        if kind == "copy" and any(k == "copy" for k, *_ in per_gpu[gpu]):
+        if not headed and kind == "copy" and any(k == "copy" for k, *_ in per_gpu[gpu]):
             per_gpu[gpu] = []  # a new refit begins
         per_gpu[gpu].append((kind, start, took, nbytes))
     return per_gpu
@@ -34,17 +44,19 @@ def timeline(logs: list[str], out: str, title: str) -> None:
     lines = [line for path in logs for line in open(path, errors="replace")]
     per_gpu = last_refit(lines)
     fig, ax = plt.subplots(figsize=(9, 1 + 0.8 * len(per_gpu)))
-    colors = {"copy": "tab:green", "pull": "tab:blue"}
+    used = [k for k in LANES if any(kind == k for batches in per_gpu.values() for kind, *_ in batches)]
+    height = 0.8 / max(len(used), 1)
     for row, gpu in enumerate(sorted(per_gpu)):
         for kind, start, took, nbytes in per_gpu[gpu]:
-            y = row + (0.22 if kind == "copy" else -0.22)
-            ax.barh(y, took, left=start, height=0.4, color=colors.get(kind, "gray"), edgecolor="black")
-            ax.text(start + took / 2, y, f"{nbytes / 2**30:.1f} GiB", ha="center", va="center", fontsize=7, color="white")
+            y = row + 0.4 - height * (used.index(kind) + 0.5) if kind in used else row
+            ax.barh(y, took, left=start, height=height * 0.9, color=LANES.get(kind, ("gray",))[0], edgecolor="black")
+            if took > 1.5:  # label what is wide enough to read
+                ax.text(start + took / 2, y, f"{nbytes / 2**30:.1f} GiB", ha="center", va="center", fontsize=6, color="white")
     ax.set_yticks(range(len(per_gpu)), [f"cuda:{g}" for g in sorted(per_gpu)])
     ax.set_xlabel("ms from the refit's start (CUDA events)")
     ax.set_title(title)
-    ax.legend(handles=[plt.Rectangle((0, 0), 1, 1, color=c) for c in colors.values()],
-              labels=["local copies", "peer copies (pull or push)"], loc="lower right")
+    ax.legend(handles=[plt.Rectangle((0, 0), 1, 1, color=LANES[k][0]) for k in used],
+              labels=[LANES[k][1] for k in used], loc="lower right", fontsize=7)
     fig.tight_layout()
     fig.savefig(out, dpi=120)
 

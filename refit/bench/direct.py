@@ -34,7 +34,10 @@ def run_direct(args: argparse.Namespace, spec: ModelSpec, plans: list[Any], devi
               link_bytes=int(link_mb * MiB), kill=kill, hang=hang,
               log_level=logging.INFO if args.verbose else logging.WARNING,
               transport="ipc" if transport == "ipc" else "comm", alloc=args.alloc)
-    a2a = _measure_a2a(first.plan.placement.num_gpus, args.link_mb) if device == "cuda" else {}
+    # The primitives move messages of the run's bucket size unless --link-mb says otherwise (the
+    # nccl transport's messages are its buckets; NCCL's rate depends on the message size).
+    a2a_mb = args.link_mb if args.link_mb is not None else first.plan.bucket_bytes / MiB
+    a2a = _measure_a2a(first.plan.placement.num_gpus, a2a_mb) if device == "cuda" else {}
 
     try:
         from tqdm import tqdm
@@ -52,14 +55,15 @@ def run_direct(args: argparse.Namespace, spec: ModelSpec, plans: list[Any], devi
                   a2a, args.alloc)
 
 
-def _measure_a2a(gpus: int, link_mb: float | None) -> dict[str, Any]:
-    """The all-to-all primitives among the run's GPUs (`refit.a2a_floor`), measured in this
-    process before the workers start; empty on one GPU or without cupy."""
+def _measure_a2a(gpus: int, pair_mb: float) -> dict[str, Any]:
+    """The all-to-all primitives among the run's GPUs (`refit.a2a_floor`), ``pair_mb`` from every
+    GPU to every other, measured in this process before the workers start; empty on one GPU or
+    without cupy."""
     try:
         from refit.a2a_floor import measure
     except ImportError:
         return {}
-    nbytes = int((link_mb if link_mb is not None else 256) * MiB)
+    nbytes = int(pair_mb * MiB)
     try:
         gbps = measure(list(range(gpus)), nbytes)
     except ImportError:
@@ -103,6 +107,7 @@ def report(spec: ModelSpec, plans: list[Any], timed: list[list[bool]], results: 
         median = statistics.median(per_refit)
         floor_bytes = max(s["max_send_bytes"], s["max_recv_bytes"])
         floor = floor_bytes / (floor_gbps * 1e9) if floor_gbps and floor_bytes else None
+        own_floor = transport_floor(a2a, out["transport"], floor_bytes)
         peaks = [p.peak_extra_bytes for p in phase if p.peak_extra_bytes is not None]
         staging = max(p.staging_bytes + p.gather_bytes for p in phase)
         out["runs"].append({
@@ -112,6 +117,7 @@ def report(spec: ModelSpec, plans: list[Any], timed: list[list[bool]], results: 
             "dst_bytes": s["total_bytes"], "gbps": moved / median / 1e9,
             "dst_gbps": s["total_bytes"] / median / 1e9,
             "floor_bytes": floor_bytes, "floor_seconds": floor, "x_floor": median / floor if floor else None,
+            "transport_floor_seconds": own_floor, "x_transport_floor": median / own_floor if own_floor else None,
             "peak_extra_bytes": max(peaks) if peaks else staging,
             "peak_extra_what": "CUDA allocator peak minus own shards" if peaks else "staging + gather buffers allocated",
             "staging_bytes": max(p.staging_bytes for p in phase),
@@ -129,6 +135,16 @@ def report(spec: ModelSpec, plans: list[Any], timed: list[list[bool]], results: 
     out["speedup"] = runs[1]["seconds"]["median"] / runs[0]["seconds"]["median"] if len(runs) > 1 else None
     out["verified"] = all(r["verified"] for r in runs)
     return out
+
+
+_PRIMITIVE = {"ipc": "ce_rounds", "nccl": "nccl"}  # the a2a primitive each GPU transport is built on
+
+
+def transport_floor(a2a: dict[str, Any] | None, transport: str, floor_bytes: int) -> float | None:
+    """Seconds for ``floor_bytes`` over the all-to-all primitive of the run's own transport (ipc:
+    copy engines in rounds; nccl: NCCL send/recv), printed beside the floor of the best one."""
+    gbps = a2a["gbps"].get(_PRIMITIVE.get(transport, "")) if a2a else None
+    return floor_bytes / (gbps * 1e9) if gbps and floor_bytes else None
 
 
 def _size(n: float | None) -> str:
@@ -166,6 +182,11 @@ def table(r: dict[str, Any]) -> str:
         lines.append(f"{run['planner']:<10} {sec['median']:>9.4f} {sec['min']:>9.4f} {sec['max']:>9.4f} "
                      f"{run['gbps']:>8.2f} {floor:>9} {xf:>8} {_size(run['peak_extra_bytes']):>15}  "
                      f"{'yes' if run['verified'] else 'NO: ' + str(run['first_mismatch'])}")
+    for run in r["runs"]:
+        if run.get("x_transport_floor") and run["transport_floor_seconds"] != run["floor_seconds"]:
+            lines.append(f"{run['planner']}: {run['x_transport_floor']:.2f}x the floor of its own transport's "
+                         f"primitive ({r['transport']}: {run['transport_floor_seconds'] * 1e3:.1f} ms), "
+                         f"{run['x_floor']:.2f}x the best primitive's")
     if r["speedup"]:
         a, b = r["runs"][0], r["runs"][1]
         lines.append(f"speedup of {a['planner']} over {b['planner']}: {r['speedup']:.1f}x (median seconds)")

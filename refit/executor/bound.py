@@ -222,6 +222,7 @@ def run_refit(bound: Bound, comm: Comm | None, device: Device, remaining: Remain
               hook: Callable[[], None] | None = None) -> None:
     """One refit of this member's share, in program order.  Two steps in flight at most (the two
     buffer sets); a stage is drained before the next starts (stage 1 sends what stage 0 gathered).
+    A stage's same-device moves run beside its steps (`Device.beside`) and are joined at its end.
     A stage's pulls (ipc) are issued first, on streams of their own, and joined at its end.
     ``remaining`` is asked before every step and bounds every wait on the communicator."""
     deadline = time.monotonic() + remaining()
@@ -244,10 +245,12 @@ def run_refit(bound: Bound, comm: Comm | None, device: Device, remaining: Remain
             if j == 0:
                 if hook:
                     hook()
-                device.copy(stage.moves)  # direct copies overlap the first transfer
+                # Same-device copies run beside the whole pipeline, on a stream of their own:
+                # on the copy stream every later pack would wait for them.
+                device.beside(stage.moves)
         while inflight:
             _finish(*inflight.popleft(), comm, device, remaining)
-        if stage.pulls:
+        if stage.pulls or stage.steps:
             device.join()
     device.finish(deadline, comm.check if comm else _nothing, comm.stuck if comm else (lambda: "local copies"))
 

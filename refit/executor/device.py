@@ -15,6 +15,10 @@ copy stream and serialise with the local moves; on streams of their own, pulls (
 NVLink) overlap the local moves (SMs, HBM) and the pulls from other peers.  `join` orders the
 copy stream after them (a broadcast stage 1 sends what stage-0 pulls gathered); `finish` waits
 for them too.
+
+Same-GPU moves beside wire steps (`beside`; the nccl transport) run on a *local stream*: on the copy
+stream they sat between the first step's pack and the second's, so every later step waited for
+all of them (16 GB per GPU for qwen3-30b-moe at TP2: the wire idled for most of the refit).
 """
 
 from __future__ import annotations
@@ -36,8 +40,12 @@ class Device(Protocol):
     def pull(self, batch: CopyBatch) -> None:
         """Issue a batch that reads another device's memory (ipc transport)."""
 
+    def beside(self, batch: CopyBatch) -> None:
+        """Issue same-device copies that nothing else in the stage waits for, beside the
+        pack / wire / unpack pipeline (joined by `join` and `finish`)."""
+
     def join(self) -> None:
-        """Order later copies and sends after every pull issued so far."""
+        """Order later copies and sends after every pull (and `beside` batch) issued so far."""
 
     def begin(self) -> None:
         """Order this refit's work after everything already issued (source fills)."""
@@ -57,6 +65,9 @@ class CpuDevice:
         batch.run()
 
     def pull(self, batch: CopyBatch) -> None:
+        batch.run()
+
+    def beside(self, batch: CopyBatch) -> None:
         batch.run()
 
     def join(self) -> None:
@@ -79,6 +90,7 @@ class CudaDevice:
         self.torch = torch.device("cuda", index)
         self.copy_stream = torch.cuda.Stream(self.torch)
         self.comm_stream = torch.cuda.Stream(self.torch)
+        self.local_stream = torch.cuda.Stream(self.torch)  # `beside`
         self.pull_streams: dict[int, tuple[torch.cuda.Stream, torch.cuda.Stream]] = {}  # peer -> (here, there)
         self._bulk_streams: dict[int, torch.cuda.Stream] = {}  # id(pull stream) -> its batched-memcpy twin
         # How pulls from several peers share this device's inbound link.  "rounds" (default): one
@@ -93,16 +105,22 @@ class CudaDevice:
         # Which device's stream issues a pull's memcpys: "dst" (ours) or "src" (the peer's), for measurement.
         self.pull_on = os.environ.get("REFIT_PULL_ON", "dst")
         # REFIT_TRACE=1: time every batch with CUDA events and log the timeline after each refit.
-        self.trace: list[tuple[str, CopyBatch, torch.cuda.Event, torch.cuda.Event]] | None = \
+        self.trace: list[tuple[str, object, torch.cuda.Event, torch.cuda.Event]] | None = \
             [] if os.environ.get("REFIT_TRACE") else None
         self._t0: torch.cuda.Event | None = None
 
     def copy(self, batch: CopyBatch) -> None:
-        start = self._mark(self.copy_stream)
-        batch.run_memcpys(self.copy_stream.cuda_stream)
-        with torch.cuda.stream(self.copy_stream):
+        self._run_on(self.copy_stream, batch, "copy")
+
+    def beside(self, batch: CopyBatch) -> None:
+        self._run_on(self.local_stream, batch, "local")
+
+    def _run_on(self, stream: torch.cuda.Stream, batch: CopyBatch, kind: str) -> None:
+        start = self._mark(stream)
+        batch.run_memcpys(stream.cuda_stream)
+        with torch.cuda.stream(stream):
             batch.run()
-        self._traced("copy", batch, start, self.copy_stream)
+        self._traced(kind, batch, start, stream)
 
     def _mark(self, stream: torch.cuda.Stream) -> torch.cuda.Event | None:
         if self.trace is None:
@@ -111,7 +129,7 @@ class CudaDevice:
         ev.record(stream)
         return ev
 
-    def _traced(self, kind: str, batch: CopyBatch, start: torch.cuda.Event | None, stream: torch.cuda.Stream) -> None:
+    def _traced(self, kind: str, batch: object, start: torch.cuda.Event | None, stream: torch.cuda.Stream) -> None:
         if self.trace is not None and start is not None:
             self.trace.append((kind, batch, start, self._mark(stream)))
 
@@ -121,6 +139,7 @@ class CudaDevice:
         if not self.trace or self._t0 is None:
             return
         log = logging.getLogger("refit.executor")
+        log.warning("trace cuda:%d refit of %d batches", self.index, len(self.trace))  # starts a refit's lines
         for kind, batch, a, b in self.trace:
             log.warning("trace cuda:%d %s %r: starts %.2f ms, takes %.2f ms", self.index, kind, batch,
                         self._t0.elapsed_time(a), a.elapsed_time(b))
@@ -167,17 +186,28 @@ class CudaDevice:
                 torch.cuda.set_device(self.index)  # the stream contexts restore it; be sure
         self._traced("pull", batch, start, here)
 
+    def _side_streams(self) -> list[torch.cuda.Stream]:
+        """Streams whose work `join` and `finish` wait for: the local stream and the pull streams."""
+        return [self.local_stream, *(here for here, _ in self.pull_streams.values())]
+
     def join(self) -> None:
-        for here, _ in self.pull_streams.values():
-            self.copy_stream.wait_stream(here)
+        for s in self._side_streams():
+            self.copy_stream.wait_stream(s)
 
     def begin(self) -> None:
         current = torch.cuda.current_stream(self.torch)
         self._t0 = self._mark(current)
         self.copy_stream.wait_stream(current)
         self.comm_stream.wait_stream(current)
-        for here, _ in self.pull_streams.values():  # no pull may overwrite what is still read
-            here.wait_stream(current)
+        for s in self._side_streams():  # no pull or local move may overwrite what is still read
+            s.wait_stream(current)
+
+    def trace_start(self, stream: torch.cuda.Stream) -> torch.cuda.Event | None:
+        """Mark the start of work that is not a `CopyBatch` (a wire step) when tracing."""
+        return self._mark(stream)
+
+    def trace_end(self, what: object, start: torch.cuda.Event | None, stream: torch.cuda.Stream) -> None:
+        self._traced("wire", what, start, stream)  # type: ignore[arg-type]  # logged by its repr
 
     def comm_after_copies(self) -> None:
         """The comm stream waits for everything issued on the copy stream so far (packs)."""
@@ -193,7 +223,7 @@ class CudaDevice:
 
     def finish(self, deadline: float, check: Callable[[], None], stuck: Callable[[], str]) -> None:
         events = []
-        for s in (self.copy_stream, self.comm_stream, *(here for here, _ in self.pull_streams.values())):
+        for s in (self.copy_stream, self.comm_stream, *self._side_streams()):
             ev = torch.cuda.Event()
             ev.record(s)
             events.append(ev)
@@ -206,8 +236,8 @@ class CudaDevice:
             pause = min(pause * 2, 1e-4)  # coarse enough not to steal the CPU, fine for timing
         current = torch.cuda.current_stream(self.torch)
         current.wait_stream(self.copy_stream)
-        for here, _ in self.pull_streams.values():
-            current.wait_stream(here)
+        for s in self._side_streams():
+            current.wait_stream(s)
         self._report_trace()
 
     def synchronize(self) -> None:

@@ -159,6 +159,17 @@ class GlooComm:
         pass
 
 
+class WireStep:
+    """A step's sends and receives as the trace logs them (`CudaDevice` with ``REFIT_TRACE=1``)."""
+
+    def __init__(self, sends: SendRecv, recvs: SendRecv) -> None:
+        self.sent = sum(b.numel() for _, _, b in sends)
+        self.received = sum(b.numel() for _, _, b in recvs)
+
+    def __repr__(self) -> str:
+        return f"WireStep(sends {self.sent} bytes, receives {self.received} bytes)"
+
+
 class _NcclBase:
     """Shared by both NCCL flavours: per-step end events, to wait, poll and name stuck peers."""
 
@@ -178,7 +189,12 @@ class _NcclBase:
                 return f"buckets {tags} with {', '.join(peers)} never completed (peer dead or stuck?)"
         return "copies never completed"
 
-    def _finished(self, ev: Any, sends: SendRecv, recvs: SendRecv) -> Any:
+    def _trace_start(self) -> Any:
+        return self.device.trace_start(self.device.comm_stream)
+
+    def _finished(self, ev: Any, sends: SendRecv, recvs: SendRecv, start: Any = None) -> Any:
+        if start is not None:
+            self.device.trace_end(WireStep(sends, recvs), start, self.device.comm_stream)
         self.steps = [s for s in self.steps if not s[0].query()] + [(ev, sends, recvs)]
         return ev
 
@@ -205,6 +221,7 @@ class CupyNcclComm(_NcclBase):
 
     def post(self, sends: SendRecv, recvs: SendRecv) -> Any:
         self.device.comm_after_copies()
+        start = self._trace_start()
         stream = self.device.comm_stream.cuda_stream
         self.nccl.groupStart()
         try:
@@ -214,7 +231,7 @@ class CupyNcclComm(_NcclBase):
                 self.comm.recv(buf.data_ptr(), buf.numel(), self.uint8, peer, stream)
         finally:
             self.nccl.groupEnd()
-        return self._finished(self.device.record_comm(), sends, recvs)
+        return self._finished(self.device.record_comm(), sends, recvs, start)
 
     def check(self) -> None:
         try:
@@ -242,6 +259,7 @@ class TorchNcclComm(_NcclBase):
 
     def post(self, sends: SendRecv, recvs: SendRecv) -> Any:
         self.device.comm_after_copies()
+        start = self._trace_start()
         with torch.cuda.stream(self.device.comm_stream):  # NCCL's stream waits on the current one
             self.pg._start_coalescing(self.device.torch)
             for peer, tag, buf in sends:
@@ -251,7 +269,7 @@ class TorchNcclComm(_NcclBase):
             work = self.pg._end_coalescing(self.device.torch)
             if work is not None:
                 work.wait()  # the comm stream (current) waits for the group
-        return self._finished(self.device.record_comm(), sends, recvs)
+        return self._finished(self.device.record_comm(), sends, recvs, start)
 
     def check(self) -> None:
         pass

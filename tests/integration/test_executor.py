@@ -303,6 +303,18 @@ def test_bench_cpu_json(capsys: pytest.CaptureFixture[str]) -> None:
     assert out["link"]["gbps"] > 0 and p2p["floor_seconds"] > 0 and p2p["x_floor"] > 0
     assert out["transport"] == "gloo" and p2p["staging_bytes"] > 0  # auto on CPU: gloo
     assert p2p["direct_wire_bytes"] > 0  # buckets that are one region of a tensor skip staging (and verify)
+    assert p2p["x_transport_floor"] is None  # CPU: no all-to-all primitive measured
+
+
+def test_bench_transport_floor_is_its_own_primitive() -> None:
+    """GPU runs print the ratio to the best primitive and to their own transport's (nccl: NCCL
+    send/recv, ipc: copy engines in rounds), from the all-to-all measured before the workers."""
+    from refit.bench.direct import transport_floor
+
+    a2a = {"bytes_per_pair": 1 << 30, "gbps": {"ce_rounds": 380.0, "nccl": 300.0}}
+    assert transport_floor(a2a, "nccl", 15_000_000_000) == pytest.approx(0.05)
+    assert transport_floor(a2a, "ipc", 3_800_000_000) == pytest.approx(0.01)
+    assert transport_floor(a2a, "gloo", 1) is None and transport_floor(None, "nccl", 1) is None
 
 
 def test_bench_verifies_mixed_dtype_models(capsys: pytest.CaptureFixture[str]) -> None:
