@@ -8,7 +8,7 @@
 #   pull2 push2 auto2 arena2 pusharena2 pushpeer2 (kernel run on the peer: REFIT_PULL_ON=src)
 #   gPEER,LOCAL (table grids, pulled: REFIT_TABLE_BLOCKS=PEER,LOCAL, e.g. g528,132) nccl256-2 nccl1g-2
 #   disagg-nccl (tp1 -> tp1 disaggregated over NCCL) grpc2 (--via grpc) trace2 trace4 (REFIT_TRACE=1 lines)
-#   nccltrace2 (nccl, 1 GiB buckets, traced) pushflat2 (push, 1-D runs on copy engines: REFIT_BATCH_MEMCPY=flat)
+#   nccltrace2 (nccl, 1 GiB buckets, traced) ncclbB (nccl 1 GiB, moves beside it on B blocks: REFIT_TABLE_BLOCKS=528,132,B) pushflat2 (push, 1-D runs on copy engines: REFIT_BATCH_MEMCPY=flat)
 #   pull4 push4 auto4 arena4; push8 pull8 q235 (8 GPUs, never lent so far)
 set -u
 # /tmp/site: carried wheels (grpc_health for --via grpc)
@@ -50,6 +50,7 @@ for what in "$@"; do case "$what" in
   disagg-nccl) two run disagg-nccl $Q --src megatron:tp1 --dst vllm:tp1 --placement disaggregated --transport nccl --iters 5 ;;
   grpc2) two run grpc2 $T2 --iters 10 --via grpc ;;
   nccltrace2) two traced nccl2-1g-trace $T2 --transport nccl --bucket-mb 1024 ;;
+  ncclb[0-9]*) REFIT_TABLE_BLOCKS=528,132,${what#ncclb} two run "nccl2-1g-beside${what#ncclb}" $T2 --iters 10 --transport nccl --bucket-mb 1024 ;;
   pushflat2) REFIT_IPC=push REFIT_BATCH_MEMCPY=flat two run pushflat2-fw $T2 --iters 10 ;;
   trace2) two traced push2-trace $T2 ;;
   trace4) traced push4-trace $T4 ;;

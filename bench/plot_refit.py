@@ -43,7 +43,7 @@ def timeline(logs: list[str], out: str, title: str) -> None:
 
     lines = [line for path in logs for line in open(path, errors="replace")]
     per_gpu = last_refit(lines)
-    fig, ax = plt.subplots(figsize=(9, 1 + 0.8 * len(per_gpu)))
+    fig, ax = plt.subplots(figsize=(11, 1.2 + 0.8 * len(per_gpu)))
     used = [k for k in LANES if any(kind == k for batches in per_gpu.values() for kind, *_ in batches)]
     height = 0.8 / max(len(used), 1)
     for row, gpu in enumerate(sorted(per_gpu)):
@@ -56,7 +56,7 @@ def timeline(logs: list[str], out: str, title: str) -> None:
     ax.set_xlabel("ms from the refit's start (CUDA events)")
     ax.set_title(title)
     ax.legend(handles=[plt.Rectangle((0, 0), 1, 1, color=LANES[k][0]) for k in used],
-              labels=[LANES[k][1] for k in used], loc="lower right", fontsize=7)
+              labels=[LANES[k][1] for k in used], loc="upper left", bbox_to_anchor=(1.01, 1.0), fontsize=7)
     fig.tight_layout()
     fig.savefig(out, dpi=120)
 

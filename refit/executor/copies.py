@@ -211,8 +211,9 @@ class CopyBatch:
     that means pulled by our own device, in our own context."""
 
     def __init__(self, pairs: list[Pair], do_merge: bool = True, peer: torch.device | None = None,
-                 dma: bool = False) -> None:
+                 dma: bool = False, beside: bool = False) -> None:
         self.peer = peer
+        self.beside = beside  # same-GPU moves beside an NCCL pipeline: a smaller table grid
         self.blocks = len(pairs)
         # A peer batch whose destinations are on the peer is a push: our device runs it.
         self.pushes = peer is not None and bool(pairs) and pairs[0][0].device == peer
@@ -281,7 +282,8 @@ class CopyBatch:
             if self._table is None or self._table.index != index:
                 alias = self.peer is not None and self.peer.index != index  # the peer's memory, from here
                 self._table = table_copy.TableCopy(self.memcpys, index, alias_sources=alias and not self.pushes,
-                                                   alias_dests=alias and self.pushes, peer=self.peer is not None)
+                                                   alias_dests=alias and self.pushes, peer=self.peer is not None,
+                                                   beside=self.beside)
             self._table.launch(stream)
             return
         from cupy.cuda import runtime

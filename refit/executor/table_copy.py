@@ -103,27 +103,38 @@ MAX_MEAN_BYTES = 8 << 20
 MIN_CALLS = 64
 
 
-def grid(peer: bool) -> int:
-    """Thread blocks of one table launch.  ``REFIT_TABLE_BLOCKS`` = ``PEER,LOCAL`` (default
-    ``528,132``): a peer pull and the same-GPU copies
-    run beside each other, and a smaller grid for one leaves SMs to the other."""
-    value = os.environ.get("REFIT_TABLE_BLOCKS", "528,132")
+BESIDE_BLOCKS = 33  # default grid of same-GPU moves beside an NCCL pipeline (see `grid`)
+
+
+def grid(peer: bool, beside: bool = False) -> int:
+    """Thread blocks of one table launch.  ``REFIT_TABLE_BLOCKS`` = ``PEER,LOCAL[,BESIDE]``
+    (default ``528,132,33``): a peer pull and the same-GPU copies run beside each other, and a
+    smaller grid for one leaves SMs to the other.  ``beside``: same-GPU moves that run for a whole
+    NCCL pipeline (`refit.executor.device.CudaDevice.beside`); with LOCAL's grid, they and a pack
+    filled every SM and NCCL's kernel waited for them (2x H200: the first 1 GiB step took 11.4 ms
+    instead of 3), so they get a quarter of the SMs and spread over the wire's time."""
+    value = os.environ.get("REFIT_TABLE_BLOCKS", f"528,132,{BESIDE_BLOCKS}")
     try:
-        peer_blocks, local_blocks = (int(v) for v in value.split(","))
+        blocks = [int(v) for v in value.split(",")]
+        if len(blocks) not in (2, 3) or min(blocks) < 1:
+            raise ValueError
     except ValueError:
-        raise ValueError(f"REFIT_TABLE_BLOCKS must be PEER,LOCAL thread block counts, not {value!r}") from None
-    return peer_blocks if peer else local_blocks
+        raise ValueError(f"REFIT_TABLE_BLOCKS must be PEER,LOCAL[,BESIDE] thread block counts, not {value!r}") from None
+    if beside:
+        return blocks[2] if len(blocks) == 3 else BESIDE_BLOCKS
+    return blocks[0] if peer else blocks[1]
 
 
 class TableCopy:
     """The table of one batch on device ``index``; `launch` copies all of it on a stream."""
 
     def __init__(self, memcpys: Sequence["Memcpy"], index: int, alias_sources: bool = False,
-                 peer: bool = False, alias_dests: bool = False) -> None:
+                 peer: bool = False, alias_dests: bool = False, beside: bool = False) -> None:
         """``alias_sources`` / ``alias_dests``: read sources (write destinations) through this
         device's own mappings of peer IPC memory (`refit.executor.ipc_alias`); raises LookupError
         when one has none (the caller then runs the table on the peer instead).  ``peer``: a
-        copy between this device and a peer (its grid: `grid`)."""
+        copy between this device and a peer, ``beside``: moves beside an NCCL pipeline (their
+        grids: `grid`)."""
         import cupy
 
         self.index = index
@@ -147,7 +158,7 @@ class TableCopy:
             cupy.cuda.runtime.deviceSynchronize()
             if index not in _KERNELS:
                 _KERNELS[index] = cupy.RawKernel(_SOURCE, "copy_table")
-        self.blocks = max(1, min(self.n, grid(peer)))
+        self.blocks = max(1, min(self.n, grid(peer, beside)))
 
     def launch(self, stream: int) -> None:
         import cupy

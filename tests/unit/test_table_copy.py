@@ -54,10 +54,15 @@ def test_grid_gives_peer_pulls_the_gpu_and_same_gpu_copies_a_slice(monkeypatch) 
 
     from refit.executor.table_copy import grid
 
+    from refit.executor.table_copy import BESIDE_BLOCKS
+
     monkeypatch.delenv("REFIT_TABLE_BLOCKS", raising=False)
-    assert (grid(peer=True), grid(peer=False)) == (528, 132)
+    assert (grid(peer=True), grid(peer=False), grid(peer=False, beside=True)) == (528, 132, BESIDE_BLOCKS)
     monkeypatch.setenv("REFIT_TABLE_BLOCKS", "264,66")
-    assert (grid(peer=True), grid(peer=False)) == (264, 66)
-    monkeypatch.setenv("REFIT_TABLE_BLOCKS", "lots")
-    with pytest.raises(ValueError, match="PEER,LOCAL"):
-        grid(peer=True)
+    assert (grid(peer=True), grid(peer=False), grid(peer=False, beside=True)) == (264, 66, BESIDE_BLOCKS)
+    monkeypatch.setenv("REFIT_TABLE_BLOCKS", "264,66,16")
+    assert grid(peer=False, beside=True) == 16
+    for bad in ("lots", "1,2,3,4", "0,1"):
+        monkeypatch.setenv("REFIT_TABLE_BLOCKS", bad)
+        with pytest.raises(ValueError, match="PEER,LOCAL"):
+            grid(peer=True)
