@@ -2,7 +2,7 @@
 # The GPU measurements of the fifth and sixth sessions (bench/RESULTS.md), one case per argument:
 #   bash bench/gpu_run5.sh CASE [CASE ...]      JSON (and trace lines) under ${OUT:-bench/out}, logs in /tmp
 # Probes: nccl-ops (NCCL message shapes, both ways), nccl-oneway, nccl-chunk (NCCL_P2P_NVL_CHUNKSIZE),
-#   push-pull (SM loads vs stores, copy engines, across two GPUs).
+#   push-pull (SM loads vs stores, copy engines, across two GPUs), kernels (table-kernel variants: probe_table_kernel.py).
 # refit-bench, qwen3-30b-moe, framework allocations unless the name says arena; REFIT_IPC as named (auto:
 #   the default), 2-GPU cases pinned to CUDA_VISIBLE_DEVICES=0,1:
 #   pull2 push2 auto2 arena2 pusharena2 pushpeer2 (kernel run on the peer: REFIT_PULL_ON=src)
@@ -37,6 +37,7 @@ for what in "$@"; do case "$what" in
                 echo "NCCL_P2P_NVL_CHUNKSIZE=$chunk"
                 NCCL_P2P_NVL_CHUNKSIZE=$chunk PROBE_CASES=256:256,1024:1024 timeout 100 python3 bench/probe_nccl_ops.py 2>&1 | tail -2
               done ;;
+  kernels) CUDA_VISIBLE_DEVICES=0,1 timeout 300 python3 bench/probe_table_kernel.py 2>&1 | tail -40 ;;
   push-pull) timeout 200 python3 bench/probe_push_pull.py 2>&1 | tail -8 ;;
   pull2) REFIT_IPC=pull two run pull2-fw $T2 --iters 10 ;;
   push2) REFIT_IPC=push two run push2-fw $T2 --iters 10 ;;

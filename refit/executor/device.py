@@ -35,14 +35,18 @@ from refit.executor.copies import CopyBatch
 class Device(Protocol):
     torch: torch.device
 
-    def copy(self, batch: CopyBatch) -> None: ...
+    def copy(self, batch: CopyBatch, part: str = "all") -> None:
+        """Issue ``batch`` on the copy stream: ``all`` of it, or only its one-launch part
+        (``launch``: the table kernel or copy-engine memcpys) or only the ``rest`` (the copies torch
+        issues one by one), so that other work can be issued between the two."""
 
     def pull(self, batch: CopyBatch) -> None:
         """Issue a batch that reads another device's memory (ipc transport)."""
 
-    def beside(self, batch: CopyBatch) -> None:
-        """Issue same-device copies that nothing else in the stage waits for, beside the
-        pack / wire / unpack pipeline (joined by `join` and `finish`)."""
+    def beside(self, batch: CopyBatch, part: str = "all") -> None:
+        """Issue same-device copies (or a ``part`` of them, as in `copy`) that nothing else in
+        the stage waits for, on a stream of their own beside the copy stream (the pack / wire /
+        unpack pipeline, or the table kernel of the same batch), joined by `join` and `finish`."""
 
     def join(self) -> None:
         """Order later copies and sends after every pull (and `beside` batch) issued so far."""
@@ -61,14 +65,15 @@ class CpuDevice:
     def __init__(self) -> None:
         self.torch = torch.device("cpu")
 
-    def copy(self, batch: CopyBatch) -> None:
-        batch.run()
+    def copy(self, batch: CopyBatch, part: str = "all") -> None:
+        if part != "launch":  # on CPU everything is torch's part
+            batch.run()
 
     def pull(self, batch: CopyBatch) -> None:
         batch.run()
 
-    def beside(self, batch: CopyBatch) -> None:
-        batch.run()
+    def beside(self, batch: CopyBatch, part: str = "all") -> None:
+        self.copy(batch, part)
 
     def join(self) -> None:
         pass
@@ -109,17 +114,21 @@ class CudaDevice:
             [] if os.environ.get("REFIT_TRACE") else None
         self._t0: torch.cuda.Event | None = None
 
-    def copy(self, batch: CopyBatch) -> None:
-        self._run_on(self.copy_stream, batch, "copy")
+    def copy(self, batch: CopyBatch, part: str = "all") -> None:
+        self._run_on(self.copy_stream, batch, "copy", part)
 
-    def beside(self, batch: CopyBatch) -> None:
-        self._run_on(self.local_stream, batch, "local")
+    def beside(self, batch: CopyBatch, part: str = "all") -> None:
+        self._run_on(self.local_stream, batch, "local", part)
 
-    def _run_on(self, stream: torch.cuda.Stream, batch: CopyBatch, kind: str) -> None:
+    def _run_on(self, stream: torch.cuda.Stream, batch: CopyBatch, kind: str, part: str = "all") -> None:
+        if part not in ("all", "launch", "rest"):
+            raise ValueError(f"part must be all, launch or rest, not {part!r}")
         start = self._mark(stream)
-        batch.run_memcpys(stream.cuda_stream)
-        with torch.cuda.stream(stream):
-            batch.run()
+        if part != "rest":
+            batch.run_memcpys(stream.cuda_stream)
+        if part != "launch":
+            with torch.cuda.stream(stream):
+                batch.run()
         self._traced(kind, batch, start, stream)
 
     def _mark(self, stream: torch.cuda.Stream) -> torch.cuda.Event | None:
