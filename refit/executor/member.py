@@ -41,7 +41,7 @@ from refit.executor.schedule import Program, compile_program
 from refit.executor.shards import Shards, allocate, remove_file, views
 from refit.executor.topology import Endpoint, GpuSeat, Topology, all_visible, local_indices, number_gpus
 from refit.executor.transports import (Comm, PeerError, export_arena, export_tensors, first_line, gloo_group,
-                                       import_share, make_comm)
+                                       import_share, make_comm, retire)
 from refit.layouts import Layout
 from refit.plan import WHOLE, Plan
 from refit.spec import ModelSpec
@@ -182,11 +182,17 @@ class Member:
         for ep in wanted:
             self.tensors[ep] = self._import(ep)
 
+        self.abandoned: list[dist.Work] = []  # barriers left unfinished: the control group still runs them
         try:
-            self.ctl = gloo_group(dist.PrefixStore("ctl", self.store), member, len(topology.members), remaining(), host)
+            self.ctl: dist.ProcessGroupGloo | None = gloo_group(
+                dist.PrefixStore("ctl", self.store), member, len(topology.members), remaining(), host)
         except RuntimeError as e:
             raise PeerError(f"building the control group of {len(topology.members)} members: {first_line(e)}") from None
-        self.barrier("setup", remaining)
+        try:
+            self.barrier("setup", remaining)
+        except BaseException:  # nobody will close a member never built: let its group go now
+            self._retire_ctl()
+            raise
         for t in own.values():
             if isinstance(t, Shards):
                 remove_file(t.path)  # every peer has mapped it; the mapping outlives the name
@@ -289,7 +295,11 @@ class Member:
     def barrier(self, what: str, remaining: Remaining) -> None:
         """Wait for every member, at most ``remaining()``, giving up as soon as ``remaining``
         raises (the refit was abandoned).  Each member marks its arrival in the store first, so
-        that a timeout names the members that never came."""
+        that a timeout names the members that never came.  A barrier given up stays posted in
+        the control group until its own timeout (the refit's deadline): it is kept in
+        ``self.abandoned`` so that `close` does not wait for it."""
+        if self.ctl is None:
+            raise RefitError(f"{self.name}: barrier after close")
         self.rounds += 1
         self.store.set(f"arrived/{self.rounds % 3}/{self.member}", str(self.rounds))
         opts = dist.AllreduceOptions()
@@ -300,8 +310,12 @@ class Member:
             work.get_future().add_done_callback(lambda _: done.set())
         except RuntimeError as e:
             raise PeerError(f"lost contact with another member at the {what} barrier: {first_line(e)}") from None
-        while not done.wait(0.05):  # wakes at once when every member arrived
-            self._left(what, remaining)  # raises when the refit is abandoned: give up now
+        try:
+            while not done.wait(0.05):  # wakes at once when every member arrived
+                self._left(what, remaining)  # raises when the refit is abandoned: give up now
+        except BaseException:
+            self.abandoned.append(work)  # still pending in gloo until its timeout
+            raise
         try:
             work.wait()
         except RuntimeError as e:
@@ -339,10 +353,20 @@ class Member:
             torch.cuda.ipc_collect()
 
     def close(self) -> None:
+        """Release the peers' memory, close the communicator and let the control group go —
+        without waiting for the barriers of an abandoned refit, which gloo runs until that
+        refit's deadline (`refit.executor.transports.retire`)."""
         self.release()
+        self._retire_ctl()
         if self.comm is not None:
             try:
                 self.comm.close()
             except Exception as e:  # closing after a failure may fail too; nothing to save
                 log.info("closing the communicator: %s", e)
         self.comm = None
+
+    def _retire_ctl(self) -> None:
+        ctl, self.ctl = self.ctl, None
+        if ctl is not None:
+            retire(ctl, self.abandoned, f"{self.name}: control group")
+        self.abandoned = []

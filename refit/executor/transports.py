@@ -37,9 +37,11 @@ only an upper bound.
 from __future__ import annotations
 
 import datetime
+import logging
 import os
 import re
-from typing import Any, Callable, Protocol
+import threading
+from typing import Any, Callable, Protocol, Sequence
 
 import torch
 import torch.distributed as dist
@@ -49,6 +51,8 @@ from refit.executor.device import CudaDevice
 from refit.executor.shards import Shards
 
 SendRecv = list[tuple[int, int, torch.Tensor]]  # (peer comm rank, tag, contiguous uint8 buffer)
+
+log = logging.getLogger("refit.executor")
 
 
 class PeerError(RuntimeError):
@@ -120,6 +124,41 @@ def gloo_group(store: dist.Store, rank: int, size: int, timeout_s: float,
     opts._timeout = datetime.timedelta(seconds=timeout_s)
     opts._devices = [dist.ProcessGroupGloo.create_device(hostname=host)]
     return dist.ProcessGroupGloo(store, rank, size, opts)
+
+
+def retire(pg: dist.ProcessGroupGloo, pending: Sequence[dist.Work], what: str) -> threading.Thread | None:
+    """Let go of gloo group ``pg`` (the caller drops its own reference) without waiting for
+    ``pending``: collectives it posted that may never finish, such as a barrier that some member
+    never reached, left when its refit was abandoned.
+
+    Why: the group's destructor joins its worker threads, so it waits until such a collective
+    times out — at the abandoned refit's deadline, a minute later perhaps — and ``abort`` or
+    ``shutdown`` (torch 2.13) do not cut that short.  So a daemon thread holds the group until
+    every pending collective has ended, then drops it (its destructor returns at once then), and
+    ends.  It waits in Python, never inside the destructor: a process that exits meanwhile exits
+    cleanly (one exiting while a thread sits in that destructor dies of "terminate called").
+    Returns that thread (tests join it), or None when nothing is pending: the group goes with the
+    caller's reference, at once.  (Point-to-point work — `GlooComm`'s sends and receives — never
+    holds the destructor: only collectives run on the worker threads.)"""
+    waiting = [w for w in pending if not w.is_completed()]
+    if not waiting:
+        return None
+    ended = []
+    for work in waiting:  # the future completes, with an error, at the collective's own timeout
+        event = threading.Event()
+        work.get_future().add_done_callback(lambda _, event=event: event.set())
+        ended.append(event)
+    held = [pg]
+
+    def drop_once_ended() -> None:
+        for event in ended:
+            event.wait()
+        held.clear()
+        log.info("%s: released after its abandoned operations timed out", what)
+
+    thread = threading.Thread(target=drop_once_ended, name=f"refit-retire {what}", daemon=True)
+    thread.start()
+    return thread
 
 
 class GlooComm:
