@@ -27,7 +27,6 @@ import datetime
 import json
 import logging
 import os
-import threading
 import time
 from typing import Callable, Mapping, Sequence, Union
 
@@ -41,7 +40,7 @@ from refit.executor.schedule import Program, compile_program
 from refit.executor.shards import Shards, allocate, remove_file, views
 from refit.executor.topology import Endpoint, GpuSeat, Topology, all_visible, local_indices, number_gpus
 from refit.executor.transports import (Comm, PeerError, export_arena, export_tensors, first_line, gloo_group,
-                                       import_share, make_comm, retire)
+                                       import_share, make_comm, ended, retire)
 from refit.layouts import Layout
 from refit.plan import WHOLE, Plan
 from refit.spec import ModelSpec
@@ -304,14 +303,14 @@ class Member:
         self.store.set(f"arrived/{self.rounds % 3}/{self.member}", str(self.rounds))
         opts = dist.AllreduceOptions()
         opts.timeout = datetime.timedelta(seconds=max(remaining(), 0.001))
-        done = threading.Event()
         try:
             work = self.ctl.allreduce([torch.zeros(1)], opts)
-            work.get_future().add_done_callback(lambda _: done.set())
         except RuntimeError as e:
             raise PeerError(f"lost contact with another member at the {what} barrier: {first_line(e)}") from None
         try:
-            while not done.wait(0.05):  # wakes at once when every member arrived
+            # Wakes at once when every member arrived.  (Not a callback on the work's future: gloo
+            # running it as the interpreter exits, a barrier abandoned, aborts the process.)
+            while not ended(work, 0.05):
                 self._left(what, remaining)  # raises when the refit is abandoned: give up now
         except BaseException:
             self.abandoned.append(work)  # still pending in gloo until its timeout

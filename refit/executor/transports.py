@@ -41,6 +41,7 @@ import logging
 import os
 import re
 import threading
+import time
 from typing import Any, Callable, Protocol, Sequence
 
 import torch
@@ -135,30 +136,37 @@ def retire(pg: dist.ProcessGroupGloo, pending: Sequence[dist.Work], what: str) -
     times out — at the abandoned refit's deadline, a minute later perhaps — and ``abort`` or
     ``shutdown`` (torch 2.13) do not cut that short.  So a daemon thread holds the group until
     every pending collective has ended, then drops it (its destructor returns at once then), and
-    ends.  It waits in Python, never inside the destructor: a process that exits meanwhile exits
-    cleanly (one exiting while a thread sits in that destructor dies of "terminate called").
-    Returns that thread (tests join it), or None when nothing is pending: the group goes with the
-    caller's reference, at once.  (Point-to-point work — `GlooComm`'s sends and receives — never
-    holds the destructor: only collectives run on the worker threads.)"""
+    ends.  It polls in Python, never inside the destructor and with no callback on the work's
+    future: a process that exits meanwhile exits cleanly (one exiting while a thread sits in that
+    destructor, or while gloo runs a Python callback, dies of "terminate called").  Returns that
+    thread (tests join it), or None when nothing is pending: the group goes with the caller's
+    reference, at once.  (Point-to-point work — `GlooComm`'s sends and receives — never holds the
+    destructor: only collectives run on the worker threads.)"""
     waiting = [w for w in pending if not w.is_completed()]
     if not waiting:
         return None
-    ended = []
-    for work in waiting:  # the future completes, with an error, at the collective's own timeout
-        event = threading.Event()
-        work.get_future().add_done_callback(lambda _, event=event: event.set())
-        ended.append(event)
     held = [pg]
 
     def drop_once_ended() -> None:
-        for event in ended:
-            event.wait()
+        while not all(w.is_completed() for w in waiting):  # with an error, at its own timeout
+            time.sleep(0.1)
+        waiting.clear()
         held.clear()
         log.info("%s: released after its abandoned operations timed out", what)
 
     thread = threading.Thread(target=drop_once_ended, name=f"refit-retire {what}", daemon=True)
     thread.start()
     return thread
+
+
+def ended(work: dist.Work, wait_s: float) -> bool:
+    """Whether ``work`` has ended (done or failed), waiting at most ``wait_s`` for it: returns as
+    soon as it ends.  (A wait that runs out raises and leaves the work as it was.)"""
+    try:
+        work.wait(datetime.timedelta(seconds=wait_s))
+    except RuntimeError:  # ran out, or the work failed: the caller's ``work.wait()`` says which
+        pass
+    return work.is_completed()
 
 
 class GlooComm:
