@@ -18,7 +18,9 @@ whole sequence:
 Every wait is bounded by the caller's ``remaining`` (seconds left in this refit; it raises once
 the refit is past its deadline or abandoned), so no wait outlives the refit that started it.  A
 barrier that times out names the members that never reached it; a transfer that fails names its
-peer (`refit.executor.transports.PeerError`).
+peer (`refit.executor.transports.PeerError`).  Nor does teardown wait: `Member.close` lets go of a
+control group without waiting for the barriers an abandoned refit left posted in it
+(`refit.executor.transports.retire`).
 """
 
 from __future__ import annotations
@@ -365,6 +367,7 @@ class Member:
         self.comm = None
 
     def _retire_ctl(self) -> None:
+        """Drop the control group; with abandoned barriers in it, through `retire` (no wait)."""
         ctl, self.ctl = self.ctl, None
         if ctl is not None:
             retire(ctl, self.abandoned, f"{self.name}: control group")

@@ -152,7 +152,7 @@ def retire(pg: dist.ProcessGroupGloo, pending: Sequence[dist.Work], what: str) -
             time.sleep(0.1)
         waiting.clear()
         held.clear()
-        log.info("%s: released after its abandoned operations timed out", what)
+        log.info("%s: released (its abandoned collectives have ended)", what)
 
     thread = threading.Thread(target=drop_once_ended, name=f"refit-retire {what}", daemon=True)
     thread.start()
