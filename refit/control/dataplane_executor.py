@@ -16,7 +16,8 @@ On CPU every member is its own device and boxes travel over gloo.
 Deadlines.  Every wait of a refit — barriers, gloo transfers, the end of GPU work — is bounded by
 the refit's own ``ctx.remaining()``, which also raises as soon as the coordinator abandons the
 refit (``ctx.cancelled``): a barrier gives up within 50 ms.  A barrier that times out names the
-members that never reached it; a transfer names the peer it was waiting on.
+members that never reached it; a transfer names the peer it was waiting on.  Closing a member (an
+older generation's, or all in `close`) does not wait for the barriers such a refit left posted.
 
 Consistency.  Trainers synchronize their GPU before the start barrier, so the weights read are the
 ones the training step wrote; nothing is written into an engine after the end barrier.

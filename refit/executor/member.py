@@ -18,7 +18,9 @@ whole sequence:
 Every wait is bounded by the caller's ``remaining`` (seconds left in this refit; it raises once
 the refit is past its deadline or abandoned), so no wait outlives the refit that started it.  A
 barrier that times out names the members that never reached it; a transfer that fails names its
-peer (`refit.executor.transports.PeerError`).
+peer (`refit.executor.transports.PeerError`).  Nor does teardown wait: `Member.close` lets go of a
+control group without waiting for the barriers an abandoned refit left posted in it
+(`refit.executor.transports.retire`).
 """
 
 from __future__ import annotations
@@ -27,7 +29,6 @@ import datetime
 import json
 import logging
 import os
-import threading
 import time
 from typing import Callable, Mapping, Sequence, Union
 
@@ -41,7 +42,7 @@ from refit.executor.schedule import Program, compile_program
 from refit.executor.shards import Shards, allocate, remove_file, views
 from refit.executor.topology import Endpoint, GpuSeat, Topology, all_visible, local_indices, number_gpus
 from refit.executor.transports import (Comm, PeerError, export_arena, export_tensors, first_line, gloo_group,
-                                       import_share, make_comm)
+                                       import_share, make_comm, ended, retire)
 from refit.layouts import Layout
 from refit.plan import WHOLE, Plan
 from refit.spec import ModelSpec
@@ -182,11 +183,17 @@ class Member:
         for ep in wanted:
             self.tensors[ep] = self._import(ep)
 
+        self.abandoned: list[dist.Work] = []  # barriers left unfinished: the control group still runs them
         try:
-            self.ctl = gloo_group(dist.PrefixStore("ctl", self.store), member, len(topology.members), remaining(), host)
+            self.ctl: dist.ProcessGroupGloo | None = gloo_group(
+                dist.PrefixStore("ctl", self.store), member, len(topology.members), remaining(), host)
         except RuntimeError as e:
             raise PeerError(f"building the control group of {len(topology.members)} members: {first_line(e)}") from None
-        self.barrier("setup", remaining)
+        try:
+            self.barrier("setup", remaining)
+        except BaseException:  # nobody will close a member never built: let its group go now
+            self._retire_ctl()
+            raise
         for t in own.values():
             if isinstance(t, Shards):
                 remove_file(t.path)  # every peer has mapped it; the mapping outlives the name
@@ -289,19 +296,27 @@ class Member:
     def barrier(self, what: str, remaining: Remaining) -> None:
         """Wait for every member, at most ``remaining()``, giving up as soon as ``remaining``
         raises (the refit was abandoned).  Each member marks its arrival in the store first, so
-        that a timeout names the members that never came."""
+        that a timeout names the members that never came.  A barrier given up stays posted in
+        the control group until its own timeout (the refit's deadline): it is kept in
+        ``self.abandoned`` so that `close` does not wait for it."""
+        if self.ctl is None:
+            raise RefitError(f"{self.name}: barrier after close")
         self.rounds += 1
         self.store.set(f"arrived/{self.rounds % 3}/{self.member}", str(self.rounds))
         opts = dist.AllreduceOptions()
         opts.timeout = datetime.timedelta(seconds=max(remaining(), 0.001))
-        done = threading.Event()
         try:
             work = self.ctl.allreduce([torch.zeros(1)], opts)
-            work.get_future().add_done_callback(lambda _: done.set())
         except RuntimeError as e:
             raise PeerError(f"lost contact with another member at the {what} barrier: {first_line(e)}") from None
-        while not done.wait(0.05):  # wakes at once when every member arrived
-            self._left(what, remaining)  # raises when the refit is abandoned: give up now
+        try:
+            # Wakes at once when every member arrived.  (Not a callback on the work's future: gloo
+            # running it as the interpreter exits, a barrier abandoned, aborts the process.)
+            while not ended(work, 0.05):
+                self._left(what, remaining)  # raises when the refit is abandoned: give up now
+        except BaseException:
+            self.abandoned.append(work)  # still pending in gloo until its timeout
+            raise
         try:
             work.wait()
         except RuntimeError as e:
@@ -339,10 +354,21 @@ class Member:
             torch.cuda.ipc_collect()
 
     def close(self) -> None:
+        """Release the peers' memory, close the communicator and let the control group go —
+        without waiting for the barriers of an abandoned refit, which gloo runs until that
+        refit's deadline (`refit.executor.transports.retire`)."""
         self.release()
+        self._retire_ctl()
         if self.comm is not None:
             try:
                 self.comm.close()
             except Exception as e:  # closing after a failure may fail too; nothing to save
                 log.info("closing the communicator: %s", e)
         self.comm = None
+
+    def _retire_ctl(self) -> None:
+        """Drop the control group; with abandoned barriers in it, through `retire` (no wait)."""
+        ctl, self.ctl = self.ctl, None
+        if ctl is not None:
+            retire(ctl, self.abandoned, f"{self.name}: control group")
+        self.abandoned = []

@@ -37,9 +37,12 @@ only an upper bound.
 from __future__ import annotations
 
 import datetime
+import logging
 import os
 import re
-from typing import Any, Callable, Protocol
+import threading
+import time
+from typing import Any, Callable, Protocol, Sequence
 
 import torch
 import torch.distributed as dist
@@ -49,6 +52,8 @@ from refit.executor.device import CudaDevice
 from refit.executor.shards import Shards
 
 SendRecv = list[tuple[int, int, torch.Tensor]]  # (peer comm rank, tag, contiguous uint8 buffer)
+
+log = logging.getLogger("refit.executor")
 
 
 class PeerError(RuntimeError):
@@ -120,6 +125,48 @@ def gloo_group(store: dist.Store, rank: int, size: int, timeout_s: float,
     opts._timeout = datetime.timedelta(seconds=timeout_s)
     opts._devices = [dist.ProcessGroupGloo.create_device(hostname=host)]
     return dist.ProcessGroupGloo(store, rank, size, opts)
+
+
+def retire(pg: dist.ProcessGroupGloo, pending: Sequence[dist.Work], what: str) -> threading.Thread | None:
+    """Let go of gloo group ``pg`` (the caller drops its own reference) without waiting for
+    ``pending``: collectives it posted that may never finish, such as a barrier that some member
+    never reached, left when its refit was abandoned.
+
+    Why: the group's destructor joins its worker threads, so it waits until such a collective
+    times out — at the abandoned refit's deadline, a minute later perhaps — and ``abort`` or
+    ``shutdown`` (torch 2.13) do not cut that short.  So a daemon thread holds the group until
+    every pending collective has ended, then drops it (its destructor returns at once then), and
+    ends.  It polls in Python, never inside the destructor and with no callback on the work's
+    future: a process that exits meanwhile exits cleanly (one exiting while a thread sits in that
+    destructor, or while gloo runs a Python callback, dies of "terminate called").  Returns that
+    thread (tests join it), or None when nothing is pending: the group goes with the caller's
+    reference, at once.  (Point-to-point work — `GlooComm`'s sends and receives — never holds the
+    destructor: only collectives run on the worker threads.)"""
+    waiting = [w for w in pending if not w.is_completed()]
+    if not waiting:
+        return None
+    held = [pg]
+
+    def drop_once_ended() -> None:
+        while not all(w.is_completed() for w in waiting):  # with an error, at its own timeout
+            time.sleep(0.1)
+        waiting.clear()
+        held.clear()
+        log.info("%s: released (its abandoned collectives have ended)", what)
+
+    thread = threading.Thread(target=drop_once_ended, name=f"refit-retire {what}", daemon=True)
+    thread.start()
+    return thread
+
+
+def ended(work: dist.Work, wait_s: float) -> bool:
+    """Whether ``work`` has ended (done or failed), waiting at most ``wait_s`` for it: returns as
+    soon as it ends.  (A wait that runs out raises and leaves the work as it was.)"""
+    try:
+        work.wait(datetime.timedelta(seconds=wait_s))
+    except RuntimeError:  # ran out, or the work failed: the caller's ``work.wait()`` says which
+        pass
+    return work.is_completed()
 
 
 class GlooComm:

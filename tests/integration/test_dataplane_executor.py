@@ -5,6 +5,11 @@ the test process, tiny Qwen3-MoE megatron:tp2ep2 -> vllm:tp2 — no coordinator,
 Reproduces issue 11 item 5: the data communicator was built with the first refit's timeout (60 s
 here), and a later 5 s refit whose trainer hangs mid-transfer (SIGSTOP) left its peers waiting
 ~60 s; now every wait is bounded by the refit's own deadline and the error names the hung peer.
+
+Reproduces the teardown found in session 5: after a 60 s refit was abandoned at a barrier one
+member never reached, closing the data plane waited ~58 s (gloo's destructor waits for the barrier
+still posted in the control group); now the group is handed to a daemon thread that lets it go once
+that barrier times out, and closing takes a fraction of a second.
 """
 
 from __future__ import annotations
@@ -54,6 +59,9 @@ def _member_main(conn: Any, port: int, index: int, plan_dict: dict) -> None:
         except Exception as e:
             conn.send(("done", False, f"{type(e).__name__}: {e}", time.monotonic() - t0))
 
+    def retiring() -> list[str]:  # the daemon threads still holding an abandoned control group
+        return [t.name for t in threading.enumerate() if t.name.startswith("refit-retire")]
+
     conn.send(("ready", os.getpid()))
     while True:
         cmd, *args = conn.recv()
@@ -68,6 +76,12 @@ def _member_main(conn: Any, port: int, index: int, plan_dict: dict) -> None:
         elif cmd == "fill":
             fill(spec, layout, rank, args[0], tensors)
             conn.send(("ok", None))
+        elif cmd == "close":  # tear the data plane down: how long it took, which releases still run
+            t0 = time.monotonic()
+            dp.close()
+            conn.send(("ok", (time.monotonic() - t0, retiring())))
+        elif cmd == "retiring":
+            conn.send(("ok", retiring()))
         elif cmd == "check":
             want = fill(spec, layout, rank, args[0])
             conn.send(("ok", [n for n in want if not torch.equal(want[n].view(torch.int16), tensors[n].view(torch.int16))]))
@@ -104,7 +118,7 @@ class Members:
 
     def ask(self, i: int, *cmd: Any) -> Any:
         self.conns[i].send(cmd)
-        assert self.conns[i].poll(30)
+        assert self.conns[i].poll(30), f"{NAMES[i]} did not answer {cmd[0]} within 30 s"
         return self.conns[i].recv()[1]
 
     def close(self) -> None:
@@ -142,6 +156,32 @@ def test_cancelled_refit_leaves_the_barrier_at_once(members: Members) -> None:
     res = members.results([0, 2, 3], 5)
     assert time.monotonic() - t0 < 1.0, res
     assert all(not ok and err.startswith("Cancelled") for ok, err, _ in res.values()), res
+
+
+def test_teardown_after_an_abandoned_barrier_does_not_wait_for_its_deadline(members: Members) -> None:
+    _ok_refit(members, "p/t/", 10)
+    # trainer/1 never comes to a 60 s refit; the coordinator abandons it; the others leave at once
+    # but their barrier stays posted in gloo until that deadline.
+    members.refit([0, 2, 3], "p/t/", 60.0, 11)
+    time.sleep(0.5)
+    for i in (0, 2, 3):
+        members.conns[i].send(("cancel",))
+    res = members.results([0, 2, 3], 5)
+    assert all(not ok and err.startswith("Cancelled") for ok, err, _ in res.values()), res
+    # Tearing every data plane down takes a fraction of a second (it took ~58 s): the members that
+    # gave up a barrier hand their control group to a daemon thread each.  trainer/1 closes last:
+    # until then their barrier cannot end (as with a peer dead or stuck).
+    closed = {i: members.ask(i, "close") for i in (0, 2, 3, 1)}
+    assert all(seconds < 5.0 for seconds, _ in closed.values()), closed
+    assert {i: len(threads) for i, (_, threads) in closed.items()} == {0: 1, 1: 0, 2: 1, 3: 1}, closed
+    # trainer/1's group is gone, which ends the barrier in the others' (a closed connection):
+    # their threads let the groups go and end, long before the deadline.
+    t0 = time.monotonic()
+    while any(members.ask(i, "retiring") for i in (0, 2, 3)):
+        assert time.monotonic() - t0 < 10.0, "the abandoned control groups were never released"
+        time.sleep(0.1)
+    # A later refit, of a new generation, moves every byte.
+    _ok_refit(members, "p/u/", 12)
 
 
 def test_deadline_bounds_waits_and_names_the_hung_peer(members: Members) -> None:

@@ -1,8 +1,13 @@
 """`refit.executor.transports` on CPU: shared-memory export and import through plain handles, the
-gloo communicator's bounded waits naming the peer, and backend error trimming."""
+gloo communicator's bounded waits naming the peer, a gloo group let go with a barrier still posted
+(`retire`), and backend error trimming."""
 
 from __future__ import annotations
 
+import datetime
+import os
+import subprocess
+import sys
 import threading
 import time
 import uuid
@@ -13,7 +18,7 @@ import torch.distributed as dist
 
 from refit.executor.handles import HandleError
 from refit.executor.shards import allocate, remove_file, views
-from refit.executor.transports import GlooComm, PeerError, export_arena, first_line, import_share
+from refit.executor.transports import GlooComm, PeerError, export_arena, first_line, gloo_group, import_share, retire
 from refit.layouts.base import LocalTensor
 
 
@@ -67,6 +72,73 @@ def test_gloo_send_recv_and_a_wait_bounded_by_the_caller() -> None:
     with pytest.raises(PeerError, match=r"receiving bucket 8 with src rank 0 failed: Timed out"):
         b.wait(b.post([], [(0, 8, got)]), 0.5)
     assert time.monotonic() - t0 < 3.0
+
+
+def _groups(n: int, timeout_s: float) -> list:
+    """``n`` gloo groups of one run, built on threads (then the store, to keep it alive)."""
+    store = dist.TCPStore("127.0.0.1", 0, is_master=True, wait_for_workers=False)
+    groups: list = [None] * n
+
+    def build(rank: int) -> None:
+        client = dist.TCPStore("127.0.0.1", store.port, is_master=False)
+        groups[rank] = gloo_group(dist.PrefixStore("g", client), rank, n, timeout_s)
+
+    threads = [threading.Thread(target=build, args=(r,)) for r in range(n)]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join(30)
+    return groups + [store]
+
+
+def _barrier(group: dist.ProcessGroupGloo, timeout_s: float) -> dist.Work:
+    opts = dist.AllreduceOptions()
+    opts.timeout = datetime.timedelta(seconds=timeout_s)
+    return group.allreduce([torch.rand(3)], opts)
+
+
+def test_retire_lets_a_group_go_without_waiting_for_its_abandoned_barrier() -> None:
+    # Members 0 and 1 post a 60 s barrier that member 2 never reaches, then give it up.  Dropping
+    # such a group waits ~60 s (gloo's destructor); retired, it goes to a daemon thread at once.
+    *groups, _store = _groups(3, 60.0)
+    barriers = [_barrier(groups[m], 60.0) for m in (0, 1)]
+    t0 = time.monotonic()
+    threads = [retire(groups[m], [barriers[m]], f"member {m}") for m in (0, 1)]
+    groups[0] = groups[1] = None
+    barriers.clear()
+    assert time.monotonic() - t0 < 1.0
+    time.sleep(0.3)
+    assert all(t is not None and t.is_alive() and t.daemon for t in threads)  # the barrier cannot end yet
+    # Nothing pending: nothing to hold, the group goes with the caller's reference.  Member 2's
+    # group closing ends the others' barrier (a closed connection): their threads drop them and end.
+    assert retire(groups[2], [], "member 2") is None
+    groups[2] = None
+    for t in threads:
+        t.join(10.0)
+    assert not any(t.is_alive() for t in threads) and time.monotonic() - t0 < 10.0
+
+
+_EXIT_WHILE_RETIRING = """
+import sys, threading, torch, torch.distributed as dist
+from tests.unit.test_transports import _barrier, _groups
+from refit.executor.transports import retire
+groups = _groups(2, 60.0)  # member 1 never comes to member 0's barrier
+retire(groups[0], [_barrier(groups[0], 60.0)], "member 0")
+groups[0] = None
+print("retired", flush=True)
+"""
+
+
+def test_a_process_exits_cleanly_while_a_retired_group_waits() -> None:
+    # The thread waits in Python, not inside gloo's destructor (a process exiting while a thread
+    # sits in it aborts: "terminate called without an active exception").
+    root = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+    env = dict(os.environ, PYTHONPATH=root)
+    t0 = time.monotonic()
+    out = subprocess.run([sys.executable, "-c", _EXIT_WHILE_RETIRING], cwd=root, env=env, capture_output=True,
+                         text=True, timeout=50)
+    assert out.returncode == 0 and "retired" in out.stdout and "terminate" not in out.stderr, out
+    assert time.monotonic() - t0 < 40.0  # not the barrier's 60 s
 
 
 def test_first_line_trims_backend_noise() -> None:
