@@ -272,7 +272,8 @@ def test_member_killed_or_stopped_is_named_in_time(procs: ProcCluster, sig: str,
     os.kill(victim.proc.pid, signal.SIGKILL if sig == "kill" else signal.SIGSTOP)
     t.join(timeout + 5)
     r = out["r"]
-    assert not r.ok and time.monotonic() - t0 < timeout + 1.0, r
+    # named at the deadline, not after some longer wait (the margin is for a loaded 2-core machine)
+    assert not r.ok and time.monotonic() - t0 < timeout + 2.0, r
     first = r.error.split(": ", 1)[1]
     want = "disconnected" if sig == "kill" else "timed out"
     assert first.startswith(f"{wid} {want}") or (when == "mid" and sig == "kill" and first.startswith(wid)), r.error
