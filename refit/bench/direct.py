@@ -34,9 +34,11 @@ def run_direct(args: argparse.Namespace, spec: ModelSpec, plans: list[Any], devi
               link_bytes=int(link_mb * MiB), kill=kill, hang=hang,
               log_level=logging.INFO if args.verbose else logging.WARNING,
               transport="ipc" if transport == "ipc" else "comm", alloc=args.alloc)
-    # The primitives move messages of the run's bucket size unless --link-mb says otherwise (the
-    # nccl transport's messages are its buckets; NCCL's rate depends on the message size).
-    a2a_mb = args.link_mb if args.link_mb is not None else first.plan.bucket_bytes / MiB
+    # The primitives move the run's bucket size per pair, at least 256 MiB, unless --link-mb says
+    # otherwise: the nccl transport's messages are its buckets and NCCL's rate grows with the
+    # message size (354 GB/s per GPU at 1 GiB, 277 at 256 MiB on 2x H200); smaller buckets must
+    # not lower the floor.
+    a2a_mb = args.link_mb if args.link_mb is not None else max(256, first.plan.bucket_bytes / MiB)
     a2a = _measure_a2a(first.plan.placement.num_gpus, a2a_mb) if device == "cuda" else {}
 
     try:
