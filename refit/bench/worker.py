@@ -164,14 +164,14 @@ class Session:
     def run_phase(self, phase: Phase) -> PhaseResult:
         job, dev = self.job, self.device
         self.m.prepare(phase.plan)
-        program, bound = self.m.program, self.m.bound
-        batches = bound.batches() if bound else []
-        res = PhaseResult(staging_bytes=bound.staging_bytes if bound else 0,
-                          direct_bytes=bound.direct_bytes if bound else 0,
-                          gather_bytes=program.gather_bytes if program else 0,
-                          steps=program.num_steps if program else 0, copies=sum(b.copies for b in batches),
+        bounds = self.m.bounds  # one per phase of a phased plan, over one shared set of staging buffers
+        batches = [x for b in bounds for x in b.batches()]
+        res = PhaseResult(staging_bytes=self.m.staging_bytes,
+                          direct_bytes=sum(b.direct_bytes for b in bounds),
+                          gather_bytes=sum(b.program.gather_bytes for b in bounds),
+                          steps=sum(b.program.num_steps for b in bounds), copies=sum(b.copies for b in batches),
                           blocks=sum(b.blocks for b in batches), memcpys=sum(len(b.memcpys) for b in batches))
-        del program, bound, batches
+        del bounds, batches
         for ep, s in self.shards.items():
             if ep[0] == "dst":
                 fill_sentinel(s)

@@ -38,7 +38,7 @@ import torch.distributed as dist
 from refit.errors import RefitError
 from refit.executor.bound import Bound, Remaining, bind_all, run_refit
 from refit.executor.device import Device, enable_peer_access, make_device
-from refit.executor.schedule import Program, compile_program
+from refit.executor.schedule import compile_program
 from refit.executor.shards import Shards, allocate, remove_file, views
 from refit.executor.topology import Endpoint, GpuSeat, Topology, all_visible, local_indices, number_gpus
 from refit.executor.transports import (Comm, PeerError, export_arena, export_tensors, first_line, gloo_group,
@@ -202,8 +202,6 @@ class Member:
             self.comm = make_comm("cuda" if self.cuda else "cpu", dist.PrefixStore("data", self.store),
                                   topology.comm_rank(member), len(topology.drivers), self.device, remaining(),
                                   [self.names[m] for m in topology.drivers], host)
-        self.program: Program | None = None
-        self.bound: Bound | None = None
         self.phases: list[tuple[int, Bound | None]] = []  # (phase key, this member's share) in run order
         self.gathers: list[Shards] = []
         log.info("%s: member %d, device %s, %s, drives %s", self.name, member, device,
@@ -236,7 +234,6 @@ class Member:
         """Compile and bind this member's share of ``plan`` (drivers; others have nothing to do
         but the barriers): one program per phase (`Plan.phase_ranges`; an unphased plan is one),
         bound over one shared set of staging buffers."""
-        self.program = self.bound = None
         self.gathers = []
         ranges = plan.phase_ranges()
         self.phases = [(key, None) for key, _, _ in ranges]
@@ -254,8 +251,12 @@ class Member:
                 tensors[ep].update(g.tensors)
         bounds = bind_all(programs, tensors, self.device.torch)
         self.phases = [(key, b) for (key, _, _), b in zip(ranges, bounds)]
-        self.program, self.bound = programs[0], bounds[0]  # the whole plan's, when unphased
         return self
+
+    @property
+    def bounds(self) -> list[Bound]:
+        """This member's share of the prepared plan, one per phase (empty unless it drives)."""
+        return [b for _, b in self.phases if b is not None]
 
     @property
     def staging_bytes(self) -> int:
@@ -345,7 +346,6 @@ class Member:
     # ------------------------------------------------------------------ teardown
     def release(self) -> None:
         """Drop every view of peers' memory (then the mappings go), before anyone exits."""
-        self.bound = self.program = None
         self.phases = []
         self.gathers = []
         self.tensors.clear()

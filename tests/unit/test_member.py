@@ -49,7 +49,7 @@ def test_colocated_pair_refits_bit_exact_and_names_the_absent() -> None:
     members = _together([lambda: member(0), lambda: member(1)])
     assert all(isinstance(m, Member) for m in members), members
     passive, driver = members
-    assert passive.bound is None and driver.bound is not None and driver.comm is None  # one device: no wire
+    assert not passive.bounds and driver.bounds and driver.comm is None  # one device: no wire
     for seed in (3, 4):
         fill_source(src, DENSE, seed)
         seconds = _together([lambda: passive.refit(Budget(10.0)), lambda: driver.refit(Budget(10.0))])
