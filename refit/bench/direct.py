@@ -12,7 +12,7 @@ import sys
 from typing import Any
 
 from refit.bench.launch import run_job
-from refit.bench.worker import Job, Phase, Refit
+from refit.bench.worker import Job, PlanRun, Refit
 from refit.executor.topology import Topology
 from refit.spec import ModelSpec
 from refit.units import MiB, fmt_bytes
@@ -23,14 +23,14 @@ def run_direct(args: argparse.Namespace, spec: ModelSpec, plans: list[Any], devi
                reduced: dict[str, list[int]] | None, transport: str, kill: tuple[str, int, int] | None = None,
                hang: bool = False) -> dict[str, Any]:
     first = plans[0]
-    phases = []
+    runs = []
     for i, r in enumerate(plans):
         refits = [Refit(seed=i + 1, timed=False) for _ in range(args.warmup)]
         refits += [Refit(seed=i + 1, timed=True, verify=(k == args.iters - 1)) for k in range(args.iters)]
-        phases.append(Phase(r.plan, tuple(refits)))
+        runs.append(PlanRun(r.plan, tuple(refits)))
     topo = Topology.one_per_rank(first.plan.placement)
     link_mb = args.link_mb if args.link_mb is not None else (1024 if device == "cuda" else 16)
-    job = Job("", spec, first.src, first.dst, topo, tuple(phases), device=device, timeout_s=args.timeout,
+    job = Job("", spec, first.src, first.dst, topo, tuple(runs), device=device, timeout_s=args.timeout,
               link_bytes=int(link_mb * MiB), kill=kill, hang=hang,
               log_level=logging.INFO if args.verbose else logging.WARNING,
               transport="ipc" if transport == "ipc" else "comm", alloc=args.alloc)
@@ -46,13 +46,13 @@ def run_direct(args: argparse.Namespace, spec: ModelSpec, plans: list[Any], devi
     except ImportError:  # a progress bar is a nicety, not a dependency
         results = run_job(job)
     else:
-        total = len(topo.members) * (1 + sum(len(p.refits) for p in phases))
+        total = len(topo.members) * (1 + sum(len(p.refits) for p in runs))
         with tqdm(total=total, file=sys.stderr, desc="refit-bench", unit="step", leave=False) as bar:
             def progress(member: int, what: str) -> None:
                 if what == "setup" or what.endswith("done"):
                     bar.update(1)
             results = run_job(job, on_progress=progress)
-    timed = [[rf.timed for rf in ph.refits] for ph in phases]
+    timed = [[rf.timed for rf in ph.refits] for ph in runs]
     return report(spec, plans, timed, results, device, reduced, len(topo.members), int(link_mb * MiB), transport,
                   a2a, args.alloc)
 
@@ -101,17 +101,17 @@ def report(spec: ModelSpec, plans: list[Any], timed: list[list[bool]], results: 
     }
     for i, r in enumerate(plans):
         s = r.summary
-        phase = [w.phases[i] for w in results]
-        per_refit = [max(p.seconds[k] for p in phase) for k, t in enumerate(timed[i]) if t]
-        verdicts = [v for p in phase for vs in p.verdicts.values() for v in vs]
-        dst_eps = {name for p in phase for name in p.verdicts}
+        per_worker = [w.runs[i] for w in results]  # this plan run, as every worker saw it
+        per_refit = [max(p.seconds[k] for p in per_worker) for k, t in enumerate(timed[i]) if t]
+        verdicts = [v for p in per_worker for vs in p.verdicts.values() for v in vs]
+        dst_eps = {name for p in per_worker for name in p.verdicts}
         moved = s["remote_bytes"] + s["local_bytes"]
         median = statistics.median(per_refit)
         floor_bytes = max(s["max_send_bytes"], s["max_recv_bytes"])
         floor = floor_bytes / (floor_gbps * 1e9) if floor_gbps and floor_bytes else None
         own_floor = transport_floor(a2a, out["transport"], floor_bytes)
-        peaks = [p.peak_extra_bytes for p in phase if p.peak_extra_bytes is not None]
-        staging = max(p.staging_bytes + p.gather_bytes for p in phase)
+        peaks = [p.peak_extra_bytes for p in per_worker if p.peak_extra_bytes is not None]
+        staging = max(p.staging_bytes + p.gather_bytes for p in per_worker)
         out["runs"].append({
             "planner": s["planner"], "plan_id": s["plan_id"], "bucket_bytes": s["bucket_bytes"],
             "seconds": {"median": median, "min": min(per_refit), "max": max(per_refit), "all": per_refit},
@@ -122,10 +122,10 @@ def report(spec: ModelSpec, plans: list[Any], timed: list[list[bool]], results: 
             "transport_floor_seconds": own_floor, "x_transport_floor": median / own_floor if own_floor else None,
             "peak_extra_bytes": max(peaks) if peaks else staging,
             "peak_extra_what": "CUDA allocator peak minus own shards" if peaks else "staging + gather buffers allocated",
-            "staging_bytes": max(p.staging_bytes for p in phase),
-            "direct_wire_bytes": sum(p.direct_bytes for p in phase), "gather_bytes": max(p.gather_bytes for p in phase),
-            "copies": sum(p.copies for p in phase), "blocks": sum(p.blocks for p in phase),
-            "memcpys": sum(p.memcpys for p in phase),
+            "staging_bytes": max(p.staging_bytes for p in per_worker),
+            "direct_wire_bytes": sum(p.direct_bytes for p in per_worker), "gather_bytes": max(p.gather_bytes for p in per_worker),
+            "copies": sum(p.copies for p in per_worker), "blocks": sum(p.blocks for p in per_worker),
+            "memcpys": sum(p.memcpys for p in per_worker),
             # every destination rank checked, every element of every piece, nothing wrong
             "verified": (all(v.ok for v in verdicts) and len(dst_eps) == len(first.plan.placement.dst_gpus)
                          and sum(v.checked for v in verdicts) == dst_elements),

@@ -31,7 +31,7 @@ import ray
 import torch.distributed as dist
 
 from refit.bench.launch import WorkerFailure
-from refit.bench.worker import Job, Phase, Refit, Session, WorkerResult
+from refit.bench.worker import Job, PlanRun, Refit, Session, WorkerResult
 from refit.errors import RefitError
 from refit.executor.topology import GpuSeat, Topology, all_visible, local_indices
 from refit.integrations.ray import coordinator as ray_coord
@@ -165,7 +165,7 @@ def run_on_ray(args: argparse.Namespace, spec: ModelSpec, plans: list[Any], cuda
     from refit.bench.direct import report
 
     link_mb = args.link_mb if args.link_mb is not None else (1024 if cuda else 16)
-    timed = [[rf.timed for rf in p.refits] for p in job.phases]
+    timed = [[rf.timed for rf in p.refits] for p in job.runs]
     out = report(spec, plans, timed, results, "cuda" if cuda else "cpu", reduced, len(topo.members),
                  int(link_mb * MiB), transport, {}, args.alloc)
     out["ray"] = _ray_report(args.ray, strategy, plans, topo, where, transport, cuda)
@@ -197,13 +197,13 @@ def _seat(topo: Topology, where: list[dict[str, Any]], cuda: bool, requested: st
 
 def _job(args: argparse.Namespace, spec: ModelSpec, plans: list[Any], topo: Topology, cuda: bool,
          session: str, port: int) -> Job:
-    phases = []
+    runs = []
     for i, r in enumerate(plans):
         refits = [Refit(seed=i + 1, timed=False) for _ in range(args.warmup)]
         refits += [Refit(seed=i + 1, timed=True, verify=(k == args.iters - 1)) for k in range(args.iters)]
-        phases.append(Phase(r.plan, tuple(refits)))
+        runs.append(PlanRun(r.plan, tuple(refits)))
     link_mb = args.link_mb if args.link_mb is not None else (1024 if cuda else 16)
-    return Job(session, spec, plans[0].src, plans[0].dst, topo, tuple(phases), device="cuda" if cuda else "cpu",
+    return Job(session, spec, plans[0].src, plans[0].dst, topo, tuple(runs), device="cuda" if cuda else "cpu",
                timeout_s=args.timeout, link_bytes=int(link_mb * MiB), store_port=port,
                store_host=ray.util.get_node_ip_address(),
                log_level=logging.INFO if args.verbose else logging.WARNING, alloc=args.alloc)
@@ -214,7 +214,7 @@ def _run(actors: list[Any], jobs: list[Job], where: list[dict[str, Any]], topo: 
     """Every actor's session at once; the first failure names its rank and node, the rest are killed."""
     names = [f"{topo.describe_member(m)} (node {w['node_id'][:8]} {w['node_ip']})" for m, w in enumerate(where)]
     refs = {a.run.remote(j, m, w["host"]): m for m, (a, j, w) in enumerate(zip(actors, jobs, where))}
-    refits = sum(len(p.refits) for p in jobs[0].phases)
+    refits = sum(len(p.refits) for p in jobs[0].runs)
     allowed = timeout * (3 + refits)  # every wait inside is bounded by ``timeout``
     deadline = time.monotonic() + allowed
     results: dict[int, WorkerResult] = {}

@@ -35,7 +35,7 @@ log = logging.getLogger("refit.bench")
 
 @dataclass(frozen=True)
 class Refit:
-    """One refit of a phase: source values of ``seed`` (re-filled when it changes), whether it
+    """One refit of a plan run: source values of ``seed`` (re-filled when it changes), whether it
     counts in the timings, whether destinations are verified after it."""
 
     seed: int
@@ -44,7 +44,9 @@ class Refit:
 
 
 @dataclass(frozen=True)
-class Phase:
+class PlanRun:
+    """One planner's plan and its refits (the bench compares planners: p2p, then broadcast)."""
+
     plan: Plan
     refits: tuple[Refit, ...]
 
@@ -58,7 +60,7 @@ class Job:
     src: Layout
     dst: Layout
     topology: Topology
-    phases: tuple[Phase, ...]
+    runs: tuple[PlanRun, ...]  # one per planner compared (not the phases of a phased plan)
     device: str = "cpu"  # "cpu" or "cuda"
     timeout_s: float = 60.0
     link_bytes: int = 0  # >0: measure the link between the first two drivers with this message
@@ -74,8 +76,8 @@ class Job:
 
 
 @dataclass
-class PhaseResult:
-    seconds: list[float] = field(default_factory=list)  # every refit of the phase, in order
+class PlanRunResult:
+    seconds: list[float] = field(default_factory=list)  # every refit of the plan run, in order
     verdicts: dict[str, list[Verdict]] = field(default_factory=dict)  # endpoint -> one per verified refit
     staging_bytes: int = 0
     direct_bytes: int = 0  # wire bytes sent from / received into shards directly (no staging)
@@ -90,7 +92,7 @@ class PhaseResult:
 @dataclass
 class WorkerResult:
     member: int
-    phases: list[PhaseResult]
+    runs: list[PlanRunResult]
     link_seconds: float | None = None
     shard_bytes: int = 0
 
@@ -99,7 +101,7 @@ class WorkerResult:
 
 
 class Session:
-    """A worker's state across phases and refits."""
+    """A worker's state across plan runs and refits."""
 
     def __init__(self, job: Job, member: int, report: Callable[[str], None], host: str = "127.0.0.1") -> None:
         """``host``: the address this worker's gloo groups listen on (Ray: its node's)."""
@@ -160,13 +162,13 @@ class Session:
         self.m.barrier("link measurement", Budget(self.job.timeout_s))
         return result
 
-    # ------------------------------------------------------------------ phases
-    def run_phase(self, phase: Phase) -> PhaseResult:
+    # ------------------------------------------------------------------ plan runs
+    def run_plan(self, run: PlanRun) -> PlanRunResult:
         job, dev = self.job, self.device
-        self.m.prepare(phase.plan)
+        self.m.prepare(run.plan)
         bounds = self.m.bounds  # one per phase of a phased plan, over one shared set of staging buffers
         batches = [x for b in bounds for x in b.batches()]
-        res = PhaseResult(staging_bytes=self.m.staging_bytes,
+        res = PlanRunResult(staging_bytes=self.m.staging_bytes,
                           direct_bytes=sum(b.direct_bytes for b in bounds),
                           gather_bytes=sum(b.program.gather_bytes for b in bounds),
                           steps=sum(b.program.num_steps for b in bounds), copies=sum(b.copies for b in batches),
@@ -178,7 +180,7 @@ class Session:
         seed = None
         cuda = job.device == "cuda"
         own = sum(s.nbytes for s in self.shards.values())
-        for refit in phase.refits:
+        for refit in run.refits:
             if refit.seed != seed:
                 seed = refit.seed
                 for ep, s in self.shards.items():
@@ -221,11 +223,11 @@ class Session:
     def run(self) -> WorkerResult:
         self.setup()
         link = self.measure_link() if self.job.link_bytes else None
-        phases = [self.run_phase(p) for p in self.job.phases]
+        runs = [self.run_plan(p) for p in self.job.runs]
         self.m.release()  # drop every view of peers' arenas, then the mappings, before anyone exits
         self.m.barrier("exit", Budget(self.job.timeout_s))
         self.m.close()
-        return WorkerResult(self.member, phases, link, sum(s.nbytes for s in self.shards.values()))
+        return WorkerResult(self.member, runs, link, sum(s.nbytes for s in self.shards.values()))
 
 
 def worker_main(job: Job, member: int, conn: Any) -> None:

@@ -21,7 +21,7 @@ import torch
 
 from planners import make_plan
 from refit.bench.launch import WorkerFailure, run_job
-from refit.bench.worker import Job, Phase, Refit
+from refit.bench.worker import Job, PlanRun, Refit
 from refit.executor.topology import Topology
 from refit.executor.copies import CopyBatch, merge
 from refit.executor.shards import allocate, fill_sentinel, fill_source, verify
@@ -130,11 +130,11 @@ def _job(spec, src: str, dst: str, placement: str, planners: tuple[str, ...] = (
          topology: str = "per-rank", kill: tuple[str, int, int] | None = None, refits: int = 2,
          transport: str = "comm") -> tuple[Job, list]:
     plans = [make_plan(spec, src, dst, placement, p, BUCKET) for p in planners]
-    phases = tuple(Phase(r.plan, tuple(Refit(seed=10 * i + k, verify=True) for k in range(refits)))
+    runs = tuple(PlanRun(r.plan, tuple(Refit(seed=10 * i + k, verify=True) for k in range(refits)))
                    for i, r in enumerate(plans))
     place = plans[0].plan.placement
     topo = Topology.single(place) if topology == "single" else Topology.one_per_rank(place)
-    return Job("", spec, plans[0].src, plans[0].dst, topo, phases, timeout_s=30, kill=kill, transport=transport), plans
+    return Job("", spec, plans[0].src, plans[0].dst, topo, runs, timeout_s=30, kill=kill, transport=transport), plans
 
 
 def _check(results, plans, spec, refits: int = 2) -> None:
@@ -143,7 +143,7 @@ def _check(results, plans, spec, refits: int = 2) -> None:
     for i, r in enumerate(plans):
         verdicts = {}
         for w in results:
-            verdicts.update(w.phases[i].verdicts)
+            verdicts.update(w.runs[i].verdicts)
         assert sorted(verdicts) == sorted(f"dst rank {d}" for d in range(dst.world_size)), r.plan.planner
         for k in range(refits):
             got = [vs[k] for vs in verdicts.values()]
@@ -167,7 +167,7 @@ def test_refit_bit_exact(spec, src: str, dst: str, placement: str) -> None:
     job, plans = _job(spec, src, dst, placement)
     results = run_job(job)
     _check(results, plans, spec)
-    staging = max(w.phases[0].staging_bytes for w in results)
+    staging = max(w.runs[0].staging_bytes for w in results)
     assert 0 < staging <= 4 * BUCKET  # two send + two receive buffers at most
 
 
@@ -181,7 +181,7 @@ def test_refit_bit_exact_ipc(spec, src: str, dst: str, placement: str) -> None:
     job, plans = _job(spec, src, dst, placement, refits=3, transport="ipc")
     results = run_job(job)
     _check(results, plans, spec, refits=3)
-    p2p = [w.phases[0] for w in results]
+    p2p = [w.runs[0] for w in results]
     assert all(p.steps == 0 and p.staging_bytes == 0 for p in p2p)
     assert sum(p.blocks for p in p2p) > 0
 
@@ -197,7 +197,7 @@ def test_refit_bit_exact_ipc_push(spec, src: str, dst: str, placement: str, monk
     job, plans = _job(spec, src, dst, placement, refits=2, transport="ipc")
     results = run_job(job)
     _check(results, plans, spec, refits=2)
-    p2p = [w.phases[0] for w in results]
+    p2p = [w.runs[0] for w in results]
     assert all(p.steps == 0 and p.staging_bytes == 0 for p in p2p)
 
 
@@ -250,14 +250,14 @@ def test_single_process_local_copies() -> None:
     job, plans = _job(MOE, "tp2pp2", "tp4", "colocated", topology="single")
     results = run_job(job)
     _check(results, plans, MOE)
-    assert results[0].phases[0].steps == 0 and results[0].phases[0].staging_bytes == 0
+    assert results[0].runs[0].steps == 0 and results[0].runs[0].staging_bytes == 0
 
 
 def test_one_device_shared_memory_only() -> None:
     job, plans = _job(DENSE, "tp1", "tp1", "colocated", planners=("p2p",))
     results = run_job(job)
     _check(results, plans, DENSE)
-    assert all(p.steps == 0 for w in results for p in w.phases)  # no wire: copies out of the peer's shm
+    assert all(p.steps == 0 for w in results for p in w.runs)  # no wire: copies out of the peer's shm
 
 
 @pytest.mark.parametrize("transport", ["comm", "ipc"])
