@@ -17,48 +17,8 @@ import json
 
 import torch
 
-from probe_push_pull import PITCH, ROWS, WIDTH, copies, pools, timed  # bench/ is the script's folder
-from refit.executor.device import enable_peer_access
-from refit.executor.table_copy import table_rows
-
-_TEMPLATE = r"""
-extern "C" __global__ void copy_table(const unsigned long long* __restrict__ t, long long n) {
-    for (long long r = blockIdx.x; r < n; r += gridDim.x) {
-        const unsigned long long* d = t + 6 * r;
-        char* dst = (char*)d[0];
-        const char* src = (const char*)d[2];
-        unsigned long long dp = d[1], sp = d[3], w = d[4], h = d[5];
-        if ((((unsigned long long)dst | (unsigned long long)src | dp | sp | w) & 15) == 0) {
-            IDX words = (IDX)(w >> 4), total = words * (IDX)h;
-            for (IDX base = threadIdx.x; base < total; base += UNROLL * blockDim.x) {
-                uint4 v[UNROLL];
-                #pragma unroll
-                for (int k = 0; k < UNROLL; k++) {
-                    IDX i = base + k * blockDim.x;
-                    if (i < total) {
-                        IDX row = i / words, col = i - row * words;
-                        v[k] = ((const uint4*)(src + row * sp))[col];
-                    }
-                }
-                #pragma unroll
-                for (int k = 0; k < UNROLL; k++) {
-                    IDX i = base + k * blockDim.x;
-                    if (i < total) {
-                        IDX row = i / words, col = i - row * words;
-                        ((uint4*)(dst + row * dp))[col] = v[k];
-                    }
-                }
-            }
-        } else {
-            unsigned long long total = w * h;
-            for (unsigned long long i = threadIdx.x; i < total; i += blockDim.x) {
-                unsigned long long row = i / w, col = i - row * w;
-                dst[row * dp + col] = src[row * sp + col];
-            }
-        }
-    }
-}
-"""
+from probe_push_pull import PITCH, ROWS, WIDTH, copies, setup, timed  # bench/ is the script's folder
+from refit.executor.table_copy import kernel_source, table_rows
 
 # (unroll, index type, threads, push grid, local grid)
 VARIANTS = [
@@ -78,7 +38,7 @@ class Variant:
         import cupy
 
         self.threads = threads
-        src = _TEMPLATE.replace("UNROLL", str(unroll)).replace("IDX", idx)
+        src = kernel_source(unroll, idx)
         self.kernels = {}
         for g in devices:
             with cupy.cuda.Device(g):
@@ -104,10 +64,7 @@ def main() -> None:
     ap.add_argument("--blocks", type=int, default=3072)
     ap.add_argument("--json", action="store_true")
     a = ap.parse_args()
-    enable_peer_access(0, 1)
-    enable_peer_access(1, 0)
-    P = {g: pools(g, a.blocks) for g in (0, 1)}
-    streams = {g: torch.cuda.Stream(device=g) for g in (0, 1)}
+    P, streams = setup(a.blocks)
     results = []
     for unroll, idx, threads, push_grid, local_grid in VARIANTS:
         v = Variant(unroll, idx, threads, (0, 1))

@@ -21,8 +21,9 @@ if TYPE_CHECKING:
 PIECE_BYTES = 256 << 10
 THREADS = 512
 
-_SOURCE = r"""
-#define UNROLL 4
+_TEMPLATE = r"""#define UNROLL %(unroll)d
+typedef %(index)s IDX;
+
 extern "C" __global__ void copy_table(const unsigned long long* __restrict__ t, long long n) {
     // t: n rows of (dst, dpitch, src, spitch, width, height), addresses and bytes.
     for (long long r = blockIdx.x; r < n; r += gridDim.x) {
@@ -33,22 +34,22 @@ extern "C" __global__ void copy_table(const unsigned long long* __restrict__ t, 
         if ((((unsigned long long)dst | (unsigned long long)src | dp | sp | w) & 15) == 0) {
             // UNROLL loads in flight per thread before the stores: reads of a peer over NVLink
             // take microseconds each, so bandwidth needs many outstanding loads.
-            unsigned long long words = w >> 4, total = words * h;
-            for (unsigned long long base = threadIdx.x; base < total; base += UNROLL * blockDim.x) {
+            IDX words = (IDX)(w >> 4), total = words * (IDX)h;
+            for (IDX base = threadIdx.x; base < total; base += UNROLL * blockDim.x) {
                 uint4 v[UNROLL];
                 #pragma unroll
                 for (int k = 0; k < UNROLL; k++) {
-                    unsigned long long i = base + k * blockDim.x;
+                    IDX i = base + k * blockDim.x;
                     if (i < total) {
-                        unsigned long long row = i / words, col = i - row * words;
+                        IDX row = i / words, col = i - row * words;
                         v[k] = ((const uint4*)(src + row * sp))[col];
                     }
                 }
                 #pragma unroll
                 for (int k = 0; k < UNROLL; k++) {
-                    unsigned long long i = base + k * blockDim.x;
+                    IDX i = base + k * blockDim.x;
                     if (i < total) {
-                        unsigned long long row = i / words, col = i - row * words;
+                        IDX row = i / words, col = i - row * words;
                         ((uint4*)(dst + row * dp))[col] = v[k];
                     }
                 }
@@ -63,6 +64,15 @@ extern "C" __global__ void copy_table(const unsigned long long* __restrict__ t, 
     }
 }
 """
+
+
+def kernel_source(unroll: int = 4, index: str = "unsigned long long") -> str:
+    """The kernel's CUDA source: ``unroll`` loads in flight per thread, ``index`` the type of word
+    indices.  The defaults are the package's; `bench/probe_table_kernel.py` measures variants
+    (32-bit indices made same-GPU copies 7% faster alone but a 2-GPU refit slower: they took HBM
+    from the peer copies beside them)."""
+    return _TEMPLATE % {"unroll": unroll, "index": index}
+
 
 _KERNELS: dict[int, Any] = {}
 
@@ -157,7 +167,7 @@ class TableCopy:
             # would not wait for it.  Built once per plan, so a full sync here costs nothing later.
             cupy.cuda.runtime.deviceSynchronize()
             if index not in _KERNELS:
-                _KERNELS[index] = cupy.RawKernel(_SOURCE, "copy_table")
+                _KERNELS[index] = cupy.RawKernel(kernel_source(), "copy_table")
         self.blocks = max(1, min(self.n, grid(peer, beside)))
 
     def launch(self, stream: int) -> None:

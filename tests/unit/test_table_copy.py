@@ -66,3 +66,12 @@ def test_grid_gives_peer_pulls_the_gpu_and_same_gpu_copies_a_slice(monkeypatch) 
         monkeypatch.setenv("REFIT_TABLE_BLOCKS", bad)
         with pytest.raises(ValueError, match="PEER,LOCAL"):
             grid(peer=True)
+
+
+def test_kernel_source_defaults_are_the_packages_kernel() -> None:
+    """The probe of variants (bench/probe_table_kernel.py) and the package compile one template."""
+    from refit.executor.table_copy import kernel_source
+
+    src = kernel_source()
+    assert "#define UNROLL 4" in src and "typedef unsigned long long IDX;" in src and "copy_table" in src
+    assert "typedef unsigned int IDX;" in kernel_source(8, "unsigned int")
