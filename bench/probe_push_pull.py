@@ -64,19 +64,20 @@ def memcpy2d(ms: list[Memcpy], stream: int) -> None:
         runtime.memcpy2DAsync(m.dst, m.dpitch, m.src, m.spitch, m.width, m.height, runtime.memcpyDefault, stream)
 
 
-def setup(blocks: int) -> tuple[dict[int, tuple[torch.Tensor, ...]], dict[int, torch.cuda.Stream]]:
-    """Peer access both ways, ``blocks`` of each kind on both GPUs, a stream per GPU."""
-    enable_peer_access(0, 1)
-    enable_peer_access(1, 0)
-    return {g: pools(g, blocks) for g in (0, 1)}, {g: torch.cuda.Stream(device=g) for g in (0, 1)}
-
-
-def main() -> None:
-    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+def setup(doc: str) -> tuple[argparse.Namespace, dict[int, tuple[torch.Tensor, ...]], dict[int, torch.cuda.Stream]]:
+    """The probes' command line (``--blocks``, ``--json``), peer access both ways, that many
+    blocks of each kind on both GPUs and a stream per GPU."""
+    ap = argparse.ArgumentParser(description=doc.splitlines()[0])
     ap.add_argument("--blocks", type=int, default=3072)
     ap.add_argument("--json", action="store_true")
     a = ap.parse_args()
-    P, streams = setup(a.blocks)
+    enable_peer_access(0, 1)
+    enable_peer_access(1, 0)
+    return a, {g: pools(g, a.blocks) for g in (0, 1)}, {g: torch.cuda.Stream(device=g) for g in (0, 1)}
+
+
+def main() -> None:
+    a, P, streams = setup(__doc__)
     results = {}
     for kind, pitched in (("pitched", True), ("contig", False)):
         # into GPU d out of GPU s = 1 - d

@@ -12,7 +12,6 @@ Run: python bench/probe_table_kernel.py [--blocks 3072] [--json]
 
 from __future__ import annotations
 
-import argparse
 import json
 
 import torch
@@ -60,11 +59,7 @@ class Variant:
 
 
 def main() -> None:
-    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    ap.add_argument("--blocks", type=int, default=3072)
-    ap.add_argument("--json", action="store_true")
-    a = ap.parse_args()
-    P, streams = setup(a.blocks)
+    a, P, streams = setup(__doc__)
     results = []
     for unroll, idx, threads, push_grid, local_grid in VARIANTS:
         v = Variant(unroll, idx, threads, (0, 1))
