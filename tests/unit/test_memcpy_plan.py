@@ -87,3 +87,25 @@ def test_memcpy_plan_refuses_element_strides_and_huge_counts() -> None:
     grid = torch.zeros(10, 10, 2, 4, dtype=torch.int16)[:, :5, :, :2]  # 10 slabs of 10 rows
     assert len(memcpy_plan(_desc(grid.contiguous()), _desc(grid), 2) or []) == 10
     assert memcpy_plan(_desc(grid.contiguous()), _desc(grid), 2, limit=5) is None
+
+
+def test_engine_split_sends_many_small_copies_to_the_table_and_keeps_big_ones_apart() -> None:
+    """`engine_split` on CPU tensors (pure address arithmetic): many small pitched same-GPU copies
+    (a pack of 384-byte rows) all become memcpys for one table kernel; a few small ones, or small
+    ones beside big ones, stay with torch; every pull is a memcpy."""
+    from refit.executor.copies import DMA_MIN_BYTES, engine_split
+
+    src = torch.zeros(200, 64, 768, dtype=torch.bfloat16)
+    dst = torch.zeros(200, 64, 192, dtype=torch.bfloat16)
+    small = [(dst[i], src[i, :, 192:384]) for i in range(200)]  # 24 KiB each, 384-byte rows
+    calls, rest = engine_split(small, peer=False)
+    assert len(calls) == 200 and rest == []
+    assert all(c.width == 384 and c.dpitch == 384 and c.spitch == 1536 and c.height == 64 for c in calls)
+    calls, rest = engine_split(small[:10], peer=False)  # too few for a table: torch's copies
+    assert calls == [] and len(rest) == 10
+    big_src = torch.zeros(DMA_MIN_BYTES // 2, dtype=torch.bfloat16)
+    big = (torch.zeros_like(big_src), big_src)
+    calls, rest = engine_split(small + [big], peer=False)
+    assert len(calls) == 1 and len(rest) == 200
+    calls, rest = engine_split(small[:10], peer=True)
+    assert len(calls) == 10 and rest == []
