@@ -169,10 +169,10 @@ class Session:
         bounds = self.m.bounds  # one per phase of a phased plan, over one shared set of staging buffers
         batches = [x for b in bounds for x in b.batches()]
         res = PlanRunResult(staging_bytes=self.m.staging_bytes,
-                          direct_bytes=sum(b.direct_bytes for b in bounds),
-                          gather_bytes=sum(b.program.gather_bytes for b in bounds),
-                          steps=sum(b.program.num_steps for b in bounds), copies=sum(b.copies for b in batches),
-                          blocks=sum(b.blocks for b in batches), memcpys=sum(len(b.memcpys) for b in batches))
+                            direct_bytes=sum(b.direct_bytes for b in bounds),
+                            gather_bytes=sum(b.program.gather_bytes for b in bounds),
+                            steps=sum(b.program.num_steps for b in bounds), copies=sum(b.copies for b in batches),
+                            blocks=sum(b.blocks for b in batches), memcpys=sum(len(b.memcpys) for b in batches))
         del bounds, batches
         for ep, s in self.shards.items():
             if ep[0] == "dst":

@@ -266,11 +266,18 @@ class CopyBatch:
         if os.environ.get("REFIT_TABLE_PULL", "here") != "here":
             return False
         try:
-            self._table = table_copy.TableCopy(self.memcpys, self.device_index, alias_sources=not self.pushes,
-                                               alias_dests=self.pushes, peer=True)
+            self._table = self._make_table(self.device_index)
         except LookupError:
             return False
         return True
+
+    def _make_table(self, index: int) -> "table_copy.TableCopy":
+        """The table kernel of this batch on device ``index``: a peer's memory, seen from there,
+        through that device's own mappings (`ipc_alias`; LookupError when it has none)."""
+        alias = self.peer is not None and self.peer.index != index
+        return table_copy.TableCopy(self.memcpys, index, alias_sources=alias and not self.pushes,
+                                    alias_dests=alias and self.pushes, peer=self.peer is not None,
+                                    beside=self.beside)
 
     @property
     def table(self) -> bool:
@@ -294,10 +301,7 @@ class CopyBatch:
         if self.table:  # many small copies: one kernel over a table, not a call each
             index = self.device_index if device_index is None else device_index
             if self._table is None or self._table.index != index:
-                alias = self.peer is not None and self.peer.index != index  # the peer's memory, from here
-                self._table = table_copy.TableCopy(self.memcpys, index, alias_sources=alias and not self.pushes,
-                                                   alias_dests=alias and self.pushes, peer=self.peer is not None,
-                                                   beside=self.beside)
+                self._table = self._make_table(index)
             self._table.launch(stream)
             return
         from cupy.cuda import runtime

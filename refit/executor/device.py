@@ -18,7 +18,9 @@ for them too.
 
 Same-GPU moves beside wire steps (`beside`; the nccl transport) run on a *local stream*: on the copy
 stream they sat between the first step's pack and the second's, so every later step waited for
-all of them (16 GB per GPU for qwen3-30b-moe at TP2: the wire idled for most of the refit).
+all of them (16 GB per GPU for qwen3-30b-moe at TP2: the wire idled for most of the refit).  With
+ipc, the local stream takes the part of the moves issued after the peer copies
+(`refit.executor.bound.run_refit` says in which order and why).
 """
 
 from __future__ import annotations
@@ -216,7 +218,7 @@ class CudaDevice:
         return self._mark(stream)
 
     def trace_end(self, what: object, start: torch.cuda.Event | None, stream: torch.cuda.Stream) -> None:
-        self._traced("wire", what, start, stream)  # type: ignore[arg-type]  # logged by its repr
+        self._traced("wire", what, start, stream)  # logged by its repr
 
     def comm_after_copies(self) -> None:
         """The comm stream waits for everything issued on the copy stream so far (packs)."""
