@@ -9,7 +9,7 @@
 #   gPEER,LOCAL (table grids, pulled: REFIT_TABLE_BLOCKS=PEER,LOCAL, e.g. g528,132) nccl256-2 nccl1g-2
 #   disagg-nccl (tp1 -> tp1 disaggregated over NCCL) grpc2 (--via grpc) trace2 trace4 (REFIT_TRACE=1 lines)
 #   nccltrace2 (nccl, 1 GiB buckets, traced) ncclbB (nccl 1 GiB, moves beside it on B blocks: REFIT_TABLE_BLOCKS=528,132,B) pushflat2 (push, 1-D runs on copy engines: REFIT_BATCH_MEMCPY=flat)
-#   pull4 push4 auto4 arena4 nccl4 (1 GiB buckets); push8 pull8 q235 nccl8 (8 GPUs, never lent so far)
+#   pull4 push4 auto4 arena4 nccl4 (1 GiB buckets) nccl4-1200; push8 pull8 q235 nccl8 (8 GPUs, never lent so far)
 set -u
 # /tmp/site: carried wheels (grpc_health for --via grpc)
 export NCCL_NVLS_ENABLE=0 PYTHONUNBUFFERED=1 PYTHONPATH=$PWD:/tmp/site
@@ -60,6 +60,7 @@ for what in "$@"; do case "$what" in
   auto4) run auto4-fw $T4 --iters 10 --vs broadcast ;;
   arena4) run auto4-arena $T4 --iters 10 --alloc arena ;;
   nccl4) run nccl4-1g $T4 --iters 10 --transport nccl --bucket-mb 1024 ;;
+  nccl4-1200) run nccl4-1200 $T4 --iters 10 --transport nccl --bucket-mb 1200 ;;
   nccl8) run nccl8-1g $Q --src tp4ep8 --dst tp8 --iters 10 --transport nccl --bucket-mb 1024 ;;
   push8) REFIT_IPC=push run push8-fw $Q --src tp4ep8 --dst tp8 --iters 10 ;;
   pull8) REFIT_IPC=pull run pull8-fw $Q --src tp4ep8 --dst tp8 --iters 10 --vs broadcast ;;
