@@ -1,6 +1,7 @@
 #!/usr/bin/env bash
 # The GPU measurements of the fifth and sixth sessions (bench/RESULTS.md), one case per argument:
 #   bash bench/gpu_run5.sh CASE [CASE ...]      JSON (and trace lines) under ${OUT:-bench/out}, logs in /tmp
+# Checks: check-table (the table kernel against torch's copy, one GPU and from a peer).
 # Probes: nccl-ops (NCCL message shapes, both ways), nccl-oneway, nccl-chunk (NCCL_P2P_NVL_CHUNKSIZE),
 #   push-pull (SM loads vs stores, copy engines, across two GPUs), kernels (table-kernel variants: probe_table_kernel.py).
 # refit-bench, qwen3-30b-moe, framework allocations unless the name says arena; REFIT_IPC as named (auto:
@@ -38,7 +39,8 @@ for what in "$@"; do case "$what" in
                 NCCL_P2P_NVL_CHUNKSIZE=$chunk PROBE_CASES=256:256,1024:1024 timeout 100 python3 bench/probe_nccl_ops.py 2>&1 | tail -2
               done ;;
   kernels) CUDA_VISIBLE_DEVICES=0,1 timeout 300 python3 bench/probe_table_kernel.py 2>&1 | tail -40 ;;
-  push-pull) timeout 200 python3 bench/probe_push_pull.py 2>&1 | tail -8 ;;
+  check-table) timeout 120 python3 bench/check_table_copy.py ;;
+  push-pull) timeout 200 python3 bench/probe_push_pull.py 2>&1 | tail -16 ;;
   pull2) REFIT_IPC=pull two run pull2-fw $T2 --iters 10 ;;
   push2) REFIT_IPC=push two run push2-fw $T2 --iters 10 ;;
   auto2) two run auto2-fw $T2 --iters 10 ;;

@@ -6,7 +6,10 @@ TP2: ``pitched`` = one expert's half of Megatron's fc2 (2048 rows of 768 B out o
 a contiguous vLLM w2 block; ``contig`` = a 1.5 MiB contiguous run.  Separate allocations per block
 (framework style: nothing merges).  Ways: the refit's descriptor-table kernel (SM loads/stores) on
 the destination (pull) or on the source (push); one cudaMemcpy2DAsync per block on the
-destination's or the source's stream (copy engines).
+destination's or the source's stream (copy engines).  For the 1.5 MiB runs also: all of them
+pulled in one ``cudaMemcpyBatchAsync`` per GPU, and the two split — the source's table kernel
+pushes a share while the destination's copy engines pull the rest in one batch call, on a second
+stream (whether SM stores and copy-engine reads together go past what either reaches alone).
 
 Run: python bench/probe_push_pull.py [--blocks 3072] [--json]
 """
@@ -19,6 +22,7 @@ import time
 
 import torch
 
+from refit.executor.batch_memcpy import BatchMemcpy
 from refit.executor.copies import Memcpy
 from refit.executor.device import enable_peer_access
 from refit.executor.table_copy import TableCopy
@@ -76,8 +80,30 @@ def setup(doc: str) -> tuple[argparse.Namespace, dict[int, tuple[torch.Tensor, .
     return a, {g: pools(g, a.blocks) for g in (0, 1)}, {g: torch.cuda.Stream(device=g) for g in (0, 1)}
 
 
+def batch_pull(ms: list[Memcpy], src: int, dst: int) -> BatchMemcpy:
+    """The 1-D copies ``ms`` as one copy-engine batch, issued by the destination GPU."""
+    return BatchMemcpy([(m.dst, m.src, m.width * m.height) for m in ms], src, dst)
+
+
+def split_ways(ms: dict[int, list[Memcpy]], second: dict[int, torch.cuda.Stream]) -> dict[str, dict[int, callable]]:
+    """Contiguous runs only: every run pulled by one batch call, and pushed/pulled splits."""
+    ways = {"batch pull (dst stream)": {d: batch_pull(ms[d], 1 - d, d).launch for d in (0, 1)}}
+    n = len(ms[0])
+    for share in (0.9, 0.8, 0.7, 0.5):
+        k = int(n * share)
+        push = {d: TableCopy(ms[1 - d][:k], d) for d in (0, 1)}  # GPU d writes the first k into the peer
+        pull = {d: batch_pull(ms[d][k:], 1 - d, d) for d in (0, 1)}  # and pulls the peer's rest
+
+        def both(s: int, d: int, push=push, pull=pull) -> None:
+            push[d].launch(s)
+            pull[d].launch(second[d].cuda_stream)
+        ways[f"table push {share:.0%} + batch pull"] = {d: (lambda s, d=d, both=both: both(s, d)) for d in (0, 1)}
+    return ways
+
+
 def main() -> None:
     a, P, streams = setup(__doc__)
+    second = {g: torch.cuda.Stream(device=g) for g in (0, 1)}
     results = {}
     for kind, pitched in (("pitched", True), ("contig", False)):
         # into GPU d out of GPU s = 1 - d
@@ -91,14 +117,16 @@ def main() -> None:
             "memcpy2D pull (dst stream)": {d: (lambda s, d=d: memcpy2d(ms[d], s)) for d in (0, 1)},
             "memcpy2D push (src stream)": {d: (lambda s, d=d: memcpy2d(ms[1 - d], s)) for d in (0, 1)},
         }
+        if not pitched:
+            ways.update(split_ways(ms, second))
         for way, launch in ways.items():
             for d in (0, 1):
                 P[d][2].zero_()
             sec = timed(launch, streams)
-            ok = all(torch.equal(P[d][2][0, :ROWS * WIDTH].view(ROWS, WIDTH),
-                                 (P[1 - d][0][0, :ROWS * PITCH].view(ROWS, PITCH)[:, :WIDTH] if pitched
-                                  else P[1 - d][1][0, :ROWS * WIDTH].view(ROWS, WIDTH)).to(f"cuda:{d}"))
-                     for d in (0, 1))
+            ok = all(torch.equal(P[d][2][b, :ROWS * WIDTH].view(ROWS, WIDTH),
+                                 (P[1 - d][0][b, :ROWS * PITCH].view(ROWS, PITCH)[:, :WIDTH] if pitched
+                                  else P[1 - d][1][b, :ROWS * WIDTH].view(ROWS, WIDTH)).to(f"cuda:{d}"))
+                     for d in (0, 1) for b in (0, a.blocks - 1))  # first block pushed, last pulled in a split
             gbs = nbytes / sec / 1e9
             results[f"{kind}: {way}"] = {"ms": round(sec * 1e3, 2), "GB/s per GPU in": round(gbs, 1), "ok": ok}
             print(f"{kind:8s} {way:30s} {sec * 1e3:8.2f} ms {gbs:7.1f} GB/s per GPU in  verified={ok}", flush=True)

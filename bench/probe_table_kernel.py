@@ -17,7 +17,7 @@ import json
 import torch
 
 from probe_push_pull import PITCH, ROWS, WIDTH, copies, setup, timed  # bench/ is the script's folder
-from refit.executor.table_copy import kernel_source, table_rows
+from refit.executor.table_copy import cupy_stream, kernel_source, table_rows
 
 # (unroll, index type, threads, push grid, local grid)
 VARIANTS = [
@@ -53,7 +53,7 @@ class Variant:
         n, blocks = len(rows), max(1, min(len(rows), grid))
 
         def launch(stream: int) -> None:
-            with cupy.cuda.Device(g), cupy.cuda.ExternalStream(stream):
+            with cupy.cuda.Device(g), cupy_stream(stream):
                 self.kernels[g]((blocks,), (self.threads,), (table, cupy.int64(n)))
         return launch
 

@@ -21,6 +21,26 @@ if TYPE_CHECKING:
 PIECE_BYTES = 256 << 10
 THREADS = 512
 
+
+class _StreamHandle:
+    """A raw ``cudaStream_t`` (a torch stream's ``cuda_stream``) speaking the CUDA stream
+    protocol, which cupy >= 14 takes in ``Stream.from_external``."""
+
+    def __init__(self, handle: int) -> None:
+        self.handle = handle
+
+    def __cuda_stream__(self) -> tuple[int, int]:
+        return 0, self.handle
+
+
+def cupy_stream(handle: int) -> Any:
+    """cupy's view of the CUDA stream ``handle``, to launch on with ``with``.  cupy 14 deprecates
+    ``ExternalStream`` for ``Stream.from_external``; older cupy has only the former."""
+    import cupy
+
+    from_external = getattr(cupy.cuda.Stream, "from_external", None)
+    return from_external(_StreamHandle(handle)) if from_external else cupy.cuda.ExternalStream(handle)
+
 _TEMPLATE = r"""#define UNROLL %(unroll)d
 typedef %(index)s IDX;
 
@@ -173,5 +193,5 @@ class TableCopy:
     def launch(self, stream: int) -> None:
         import cupy
 
-        with cupy.cuda.Device(self.index), cupy.cuda.ExternalStream(stream):
+        with cupy.cuda.Device(self.index), cupy_stream(stream):
             _KERNELS[self.index]((self.blocks,), (THREADS,), (self.table, cupy.int64(self.n)))

@@ -75,3 +75,36 @@ def test_kernel_source_defaults_are_the_packages_kernel() -> None:
     src = kernel_source()
     assert "#define UNROLL 4" in src and "typedef unsigned long long IDX;" in src and "copy_table" in src
     assert "typedef unsigned int IDX;" in kernel_source(8, "unsigned int")
+
+
+def _fake_cupy(monkeypatch, with_from_external: bool) -> list:
+    """A stand-in `cupy` module that records how a stream handle was wrapped (cupy needs CUDA)."""
+    import sys
+    import types
+
+    made: list = []
+
+    class Stream:
+        pass
+
+    if with_from_external:
+        Stream.from_external = classmethod(lambda cls, obj: made.append(("from_external", obj.__cuda_stream__())) or "s")
+    cuda = types.SimpleNamespace(Stream=Stream, ExternalStream=lambda h: made.append(("ExternalStream", h)) or "s")
+    monkeypatch.setitem(sys.modules, "cupy", types.SimpleNamespace(cuda=cuda))
+    return made
+
+
+def test_cupy_stream_uses_the_stream_protocol_where_cupy_has_it(monkeypatch) -> None:
+    from refit.executor.table_copy import cupy_stream
+
+    made = _fake_cupy(monkeypatch, with_from_external=True)
+    cupy_stream(0x7F00)
+    assert made == [("from_external", (0, 0x7F00))]  # protocol version 0, the raw handle
+
+
+def test_cupy_stream_falls_back_to_external_stream_on_older_cupy(monkeypatch) -> None:
+    from refit.executor.table_copy import cupy_stream
+
+    made = _fake_cupy(monkeypatch, with_from_external=False)
+    cupy_stream(0x7F00)
+    assert made == [("ExternalStream", 0x7F00)]
