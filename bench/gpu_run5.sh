@@ -2,7 +2,7 @@
 # The GPU measurements of the fifth and sixth sessions (bench/RESULTS.md), one case per argument:
 #   bash bench/gpu_run5.sh CASE [CASE ...]      JSON (and trace lines) under ${OUT:-bench/out}, logs in /tmp
 # Checks: check-table (the table kernel against torch's copy, one GPU and from a peer).
-# Probes: nccl-ops (NCCL message shapes, both ways), nccl-oneway, nccl-chunk (NCCL_P2P_NVL_CHUNKSIZE),
+# Probes: nccl-ops (NCCL message shapes, both ways), nccl-oneway, nccl-chunk (NCCL_P2P_NVL_CHUNKSIZE), nccl-env (channels, buffer size, copy engines),
 #   push-pull (SM loads vs stores, copy engines, across two GPUs), kernels (table-kernel variants: probe_table_kernel.py).
 # refit-bench, qwen3-30b-moe, framework allocations unless the name says arena; REFIT_IPC as named (auto:
 #   the default), 2-GPU cases pinned to CUDA_VISIBLE_DEVICES=0,1:
@@ -38,6 +38,11 @@ for what in "$@"; do case "$what" in
                 echo "NCCL_P2P_NVL_CHUNKSIZE=$chunk"
                 NCCL_P2P_NVL_CHUNKSIZE=$chunk PROBE_CASES=256:256,1024:1024 timeout 100 python3 bench/probe_nccl_ops.py 2>&1 | tail -2
               done ;;
+  nccl-env) for env in "" NCCL_MIN_P2P_NCHANNELS=32 "NCCL_MIN_NCHANNELS=32 NCCL_MIN_P2P_NCHANNELS=32" \
+                  NCCL_BUFFSIZE=16777216 NCCL_P2P_USE_CUDA_MEMCPY=1 NCCL_NTHREADS=512; do
+              echo "env: ${env:-(defaults)}"
+              env $env PROBE_CASES=256:256,1024:1024 timeout 100 python3 bench/probe_nccl_ops.py 2>&1 | tail -2
+            done ;;
   kernels) CUDA_VISIBLE_DEVICES=0,1 timeout 300 python3 bench/probe_table_kernel.py 2>&1 | tail -40 ;;
   check-table) timeout 120 python3 bench/check_table_copy.py ;;
   push-pull) timeout 200 python3 bench/probe_push_pull.py 2>&1 | tail -16 ;;
