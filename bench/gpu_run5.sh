@@ -10,7 +10,8 @@
 #   gPEER,LOCAL (table grids, pulled: REFIT_TABLE_BLOCKS=PEER,LOCAL, e.g. g528,132) nccl256-2 nccl1g-2
 #   disagg-nccl (tp1 -> tp1 disaggregated over NCCL) grpc2 (--via grpc) trace2 trace4 (REFIT_TRACE=1 lines)
 #   nccltrace2 (nccl, 1 GiB buckets, traced) ncclbB (nccl 1 GiB, moves beside it on B blocks: REFIT_TABLE_BLOCKS=528,132,B) pushflat2 (push, 1-D runs on copy engines: REFIT_BATCH_MEMCPY=flat)
-#   pull4 push4 auto4 arena4 nccl4 (1 GiB buckets) nccl4-1200; push8 pull8 q235 nccl8 (8 GPUs, never lent so far)
+#   pull4 push4 auto4 arena4 nccl4 (1 GiB buckets) nccl4-1200; push8 pull8 q235 nccl8 (8 GPUs, never lent so far);
+#   q235-2 q235pull2 q235arena2 q235trace2 (qwen3-235b-moe's shapes, 20 of its 94 layers, on 2 GPUs)
 set -u
 # /tmp/site: carried wheels (grpc_health for --via grpc)
 export NCCL_NVLS_ENABLE=0 PYTHONUNBUFFERED=1 PYTHONPATH=$PWD:/tmp/site
@@ -31,6 +32,10 @@ Q="--model qwen3-30b-moe"
 T2="$Q --src megatron:tp2ep2 --dst vllm:tp2"
 T4="$Q --src megatron:tp4ep4 --dst vllm:tp4"
 two() { CUDA_VISIBLE_DEVICES=0,1 "$@"; }
+q235_20l() {  # qwen3-235b-moe's config with 20 of its 94 layers: what fits in two H200s
+  python3 -c "import json, os; from refit.catalog import CATALOG; os.makedirs('/tmp/q235-20l', exist_ok=True); json.dump(dict(CATALOG['qwen3-235b-moe'], num_hidden_layers=20), open('/tmp/q235-20l/config.json', 'w'))"
+}
+Q235_2="--model /tmp/q235-20l --src megatron:tp2ep2 --dst vllm:tp2"
 for what in "$@"; do case "$what" in
   nccl-ops) timeout 150 python3 bench/probe_nccl_ops.py 2>&1 | tail -8 ;;
   nccl-oneway) PROBE_ONE_WAY=1 PROBE_CASES=256:256,1024:1024,1024:256 timeout 100 python3 bench/probe_nccl_ops.py 2>&1 | tail -4 ;;
@@ -71,6 +76,10 @@ for what in "$@"; do case "$what" in
   nccl8) run nccl8-1g $Q --src tp4ep8 --dst tp8 --iters 10 --transport nccl --bucket-mb 1024 ;;
   push8) REFIT_IPC=push run push8-fw $Q --src tp4ep8 --dst tp8 --iters 10 ;;
   pull8) REFIT_IPC=pull run pull8-fw $Q --src tp4ep8 --dst tp8 --iters 10 --vs broadcast ;;
+  q235-2) q235_20l; two run q235-20l-2 $Q235_2 --iters 10 ;;
+  q235pull2) q235_20l; REFIT_IPC=pull two run q235-20l-pull2 $Q235_2 --iters 10 ;;
+  q235arena2) q235_20l; two run q235-20l-arena2 $Q235_2 --iters 10 --alloc arena ;;
+  q235trace2) q235_20l; two traced q235-20l-trace2 $Q235_2 ;;
   q235) run q235-8 --model qwen3-235b-moe --src megatron:tp4ep8 --dst vllm:tp8 --iters 10 ;;
   *) echo "unknown case $what (see the header of $0)"; exit 2 ;;
 esac; done

@@ -112,7 +112,10 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
                    help="Ray placement group strategy (default: STRICT_PACK on GPUs when one node has them all, "
                         "PACK on GPUs otherwise, SPREAD on CPU so that ranks sit on several nodes)")
     p.add_argument("--cpu", action="store_true", help="run on CPU (gloo, reduced width) even if GPUs exist")
-    p.add_argument("--link-mb", type=float, default=None, help="link measurement message (default 1024 GPU, 16 CPU)")
+    p.add_argument("--link-mb", type=float, default=None,
+                   help="message size of the link and all-to-all measurements in MiB (default: link 1024 on "
+                        "GPU, 16 on CPU; all-to-all per pair: NCCL the bucket size, at least 256, copy engines "
+                        "at least 1024)")
     p.add_argument("--timeout", type=float, default=120.0, help="seconds any single wait may take (default 120)")
     p.add_argument("-v", "--verbose", action="store_true", help="worker logs at INFO")
     a = p.parse_args(argv)

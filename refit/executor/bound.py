@@ -211,7 +211,8 @@ def _bind_stages(program: Program, views: _Views, direct: dict[tuple[int, bool],
             by_device[d_view.device if d_view.device != device else s_view.device].append((d_view, s_view))
         pulls = [CopyBatch(pairs, peer=dev if dev.type == "cuda" and dev != device else None, dma=dma)
                  for dev, pairs in sorted(by_device.items(), key=lambda x: _ring_distance(device, x[0]))]
-        moves = CopyBatch(move_pairs, dma=dma, beside=bool(st.steps))  # beside the steps: `run_refit`
+        # beside the steps (`run_refit`), or beside the peer copies' table kernels (`table_copy.enabled`)
+        moves = CopyBatch(move_pairs, dma=dma, beside=bool(st.steps), beside_kernel=any(p.table for p in pulls))
         stages.append(BoundStage(st.stage, moves, steps, pulls))
     return stages
 

@@ -228,9 +228,10 @@ class CopyBatch:
     that means pulled by our own device, in our own context."""
 
     def __init__(self, pairs: list[Pair], do_merge: bool = True, peer: torch.device | None = None,
-                 dma: bool = False, beside: bool = False) -> None:
+                 dma: bool = False, beside: bool = False, beside_kernel: bool = False) -> None:
         self.peer = peer
         self.beside = beside  # same-GPU moves beside an NCCL pipeline: a smaller table grid
+        self.beside_kernel = beside_kernel  # same-GPU moves beside a peer table kernel: `table_copy.enabled`
         self.blocks = len(pairs)
         # A peer batch whose destinations are on the peer is a push: our device runs it.
         self.pushes = peer is not None and bool(pairs) and pairs[0][0].device == peer
@@ -285,7 +286,8 @@ class CopyBatch:
         always does: copy engines writing a peer's memory measured 13x slower than SM stores
         (2x H200, qwen3-30b-moe arena: 530 vs 41 ms; `bench/RESULTS.md`, fifth session)."""
         if self._use_table is None:
-            self._use_table = bool(self.memcpys) and (self.pushes or table_copy.enabled(self.memcpys))
+            self._use_table = bool(self.memcpys) and (self.pushes or table_copy.enabled(self.memcpys,
+                                                                                       self.beside_kernel))
         return self._use_table
 
     def run_bulk(self, stream: int) -> None:
