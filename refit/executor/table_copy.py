@@ -116,23 +116,24 @@ def table_rows(memcpys: Sequence["Memcpy"], piece: int = PIECE_BYTES) -> list[tu
     return out
 
 
-def enabled(memcpys: Sequence["Memcpy"], beside_kernel: bool = False) -> bool:
+def enabled(memcpys: Sequence["Memcpy"], beside_work: bool = False) -> bool:
     """``REFIT_TABLE_COPY``: ``auto`` (default: more than `MIN_CALLS` memcpys averaging under
     `MAX_MEAN_BYTES` — big merged copies stay on the copy engines, which move them faster — or any
-    memcpys at all when they run ``beside_kernel``), ``on`` or ``off`` (one memcpy call each, for
+    memcpys at all when they run ``beside_work``), ``on`` or ``off`` (one memcpy call each, for
     comparison).
 
-    ``beside_kernel``: same-GPU copies of a stage whose peer copies are a table kernel.  That
-    kernel fills every SM, and memcpys issued beside it crawl: qwen3-235b-moe's shapes at TP2
-    (2x H200, 20 layers, framework allocations), 26.9 GB of same-GPU copies in 2 642 memcpys of ~10
-    MB took 100 ms beside a 66 ms push (the refit 100.6 ms = 1.52x the floor); as a table kernel on
-    its own grid they run beside the push instead."""
+    ``beside_work``: same-GPU copies that run beside the rest of a refit, i.e. beside a peer table
+    kernel or an NCCL pipeline.  One call each they hurt both ways, seen with qwen3-235b-moe's shapes
+    at TP2 (2x H200, 20 layers, framework allocations: 26.9 GB of same-GPU copies in 2 642 memcpys of
+    ~10 MB): beside the push kernel, which fills every SM, they crawled (100 ms beside a 66 ms push:
+    the refit 1.52x the floor); beside an NCCL pipeline their ~27 ms of host calls held back its
+    second step.  As one table kernel on its grid they run beside the rest instead."""
     mode = os.environ.get("REFIT_TABLE_COPY", "auto")
     if mode not in ("auto", "on", "off"):
         raise ValueError(f"REFIT_TABLE_COPY must be auto, on or off, not {mode!r}")
     if mode != "auto":
         return mode == "on"
-    if beside_kernel:
+    if beside_work:
         return bool(memcpys)
     nbytes = sum(m.width * m.height for m in memcpys)
     return len(memcpys) > MIN_CALLS and nbytes < MAX_MEAN_BYTES * len(memcpys)

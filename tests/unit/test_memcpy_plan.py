@@ -111,21 +111,22 @@ def test_engine_split_sends_many_small_copies_to_the_table_and_keeps_big_ones_ap
     assert len(calls) == 10 and rest == []
 
 
-def test_same_gpu_copies_beside_a_peer_kernel_always_take_the_table(monkeypatch) -> None:
+def test_same_gpu_copies_beside_other_work_always_take_the_table(monkeypatch) -> None:
     """Big same-GPU memcpys stay on the copy engines on their own, but beside a peer table kernel
-    (which fills every SM) they become a table kernel too; ``REFIT_TABLE_COPY`` still rules."""
+    (which fills every SM) or an NCCL pipeline they become a table kernel too; ``REFIT_TABLE_COPY``
+    still rules."""
     from refit.executor import table_copy
     from refit.executor.copies import CopyBatch
 
     big = [Memcpy(dst=(i + 1) << 30, dpitch=1536, src=(i + 64) << 30, spitch=3072, width=1536, height=6144)
            for i in range(8)]  # 9 MiB each: over MAX_MEAN_BYTES, and few
     assert not table_copy.enabled(big)
-    assert table_copy.enabled(big, beside_kernel=True)
-    assert not table_copy.enabled([], beside_kernel=True)
+    assert table_copy.enabled(big, beside_work=True)
+    assert not table_copy.enabled([], beside_work=True)
     monkeypatch.setenv("REFIT_TABLE_COPY", "off")
-    assert not table_copy.enabled(big, beside_kernel=True)
+    assert not table_copy.enabled(big, beside_work=True)
     monkeypatch.delenv("REFIT_TABLE_COPY")
-    for beside_kernel in (False, True):  # the batch asks with its own flag (memcpys set by hand: CUDA only)
-        batch = CopyBatch([], beside_kernel=beside_kernel)
+    for beside, beside_kernel in ((False, False), (True, False), (False, True)):  # memcpys set by hand: CUDA only
+        batch = CopyBatch([], beside=beside, beside_kernel=beside_kernel)
         batch.memcpys = big
-        assert batch.table is beside_kernel
+        assert batch.table is (beside or beside_kernel)
