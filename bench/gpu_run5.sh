@@ -11,6 +11,7 @@
 #   disagg-nccl (tp1 -> tp1 disaggregated over NCCL) grpc2 (--via grpc) trace2 trace4 (REFIT_TRACE=1 lines)
 #   nccltrace2 (nccl, 1 GiB buckets, traced) ncclbB (nccl 1 GiB, moves beside it on B blocks: REFIT_TABLE_BLOCKS=528,132,B) pushflat2 (push, 1-D runs on copy engines: REFIT_BATCH_MEMCPY=flat)
 #   pull4 push4 auto4 arena4 nccl4 (1 GiB buckets) nccl4-1200; push8 pull8 q235 nccl8 (8 GPUs, never lent so far);
+#   moon2 (moonlight-16b, DeepSeek-V3's architecture) glm2 (glm-4.5-air, 18 of its 46 layers), tp2ep2 -> tp2;
 #   q235-2 q235pull2 q235arena2 q235trace2 q235nccl2 q235nccltrace2 (qwen3-235b-moe's shapes, 20 of its 94 layers, on 2 GPUs)
 set -u
 # /tmp/site: carried wheels (grpc_health for --via grpc)
@@ -82,6 +83,9 @@ for what in "$@"; do case "$what" in
   q235trace2) q235_20l; two traced q235-20l-trace2 $Q235_2 ;;
   q235nccl2) q235_20l; two run q235-20l-nccl2-1g $Q235_2 --iters 10 --transport nccl --bucket-mb 1024 ;;
   q235nccltrace2) q235_20l; two traced q235-20l-nccl2-1g-trace $Q235_2 --transport nccl --bucket-mb 1024 ;;
+  moon2) two run moonlight-2 --model moonlight-16b --src megatron:tp2ep2 --dst vllm:tp2 --iters 10 ;;
+  glm2) python3 -c "import json, os; from refit.catalog import CATALOG; os.makedirs('/tmp/glm-air-18l', exist_ok=True); json.dump(dict(CATALOG['glm-4.5-air'], num_hidden_layers=18), open('/tmp/glm-air-18l/config.json', 'w'))"
+        two run glm-air-18l-2 --model /tmp/glm-air-18l --src megatron:tp2ep2 --dst vllm:tp2 --iters 10 ;;
   q235) run q235-8 --model qwen3-235b-moe --src megatron:tp4ep8 --dst vllm:tp8 --iters 10 ;;
   *) echo "unknown case $what (see the header of $0)"; exit 2 ;;
 esac; done
