@@ -33,10 +33,7 @@ Q="--model qwen3-30b-moe"
 T2="$Q --src megatron:tp2ep2 --dst vllm:tp2"
 T4="$Q --src megatron:tp4ep4 --dst vllm:tp4"
 two() { CUDA_VISIBLE_DEVICES=0,1 "$@"; }
-q235_20l() {  # qwen3-235b-moe's config with 20 of its 94 layers: what fits in two H200s
-  python3 -c "import json, os; from refit.catalog import CATALOG; os.makedirs('/tmp/q235-20l', exist_ok=True); json.dump(dict(CATALOG['qwen3-235b-moe'], num_hidden_layers=20), open('/tmp/q235-20l/config.json', 'w'))"
-}
-Q235_2="--model /tmp/q235-20l --src megatron:tp2ep2 --dst vllm:tp2"
+Q235_2="--model qwen3-235b-moe --layers 20 --src megatron:tp2ep2 --dst vllm:tp2"  # what fits in two H200s
 for what in "$@"; do case "$what" in
   nccl-ops) timeout 150 python3 bench/probe_nccl_ops.py 2>&1 | tail -8 ;;
   nccl-oneway) PROBE_ONE_WAY=1 PROBE_CASES=256:256,1024:1024,1024:256 timeout 100 python3 bench/probe_nccl_ops.py 2>&1 | tail -4 ;;
@@ -77,15 +74,14 @@ for what in "$@"; do case "$what" in
   nccl8) run nccl8-1g $Q --src tp4ep8 --dst tp8 --iters 10 --transport nccl --bucket-mb 1024 ;;
   push8) REFIT_IPC=push run push8-fw $Q --src tp4ep8 --dst tp8 --iters 10 ;;
   pull8) REFIT_IPC=pull run pull8-fw $Q --src tp4ep8 --dst tp8 --iters 10 --vs broadcast ;;
-  q235-2) q235_20l; two run q235-20l-2 $Q235_2 --iters 10 ;;
-  q235pull2) q235_20l; REFIT_IPC=pull two run q235-20l-pull2 $Q235_2 --iters 10 ;;
-  q235arena2) q235_20l; two run q235-20l-arena2 $Q235_2 --iters 10 --alloc arena ;;
-  q235trace2) q235_20l; two traced q235-20l-trace2 $Q235_2 ;;
-  q235nccl2) q235_20l; two run q235-20l-nccl2-1g $Q235_2 --iters 10 --transport nccl --bucket-mb 1024 ;;
-  q235nccltrace2) q235_20l; two traced q235-20l-nccl2-1g-trace $Q235_2 --transport nccl --bucket-mb 1024 ;;
+  q235-2) two run q235-20l-2 $Q235_2 --iters 10 ;;
+  q235pull2) REFIT_IPC=pull two run q235-20l-pull2 $Q235_2 --iters 10 ;;
+  q235arena2) two run q235-20l-arena2 $Q235_2 --iters 10 --alloc arena ;;
+  q235trace2) two traced q235-20l-trace2 $Q235_2 ;;
+  q235nccl2) two run q235-20l-nccl2-1g $Q235_2 --iters 10 --transport nccl --bucket-mb 1024 ;;
+  q235nccltrace2) two traced q235-20l-nccl2-1g-trace $Q235_2 --transport nccl --bucket-mb 1024 ;;
   moon2) two run moonlight-2 --model moonlight-16b --src megatron:tp2ep2 --dst vllm:tp2 --iters 10 ;;
-  glm2) python3 -c "import json, os; from refit.catalog import CATALOG; os.makedirs('/tmp/glm-air-18l', exist_ok=True); json.dump(dict(CATALOG['glm-4.5-air'], num_hidden_layers=18), open('/tmp/glm-air-18l/config.json', 'w'))"
-        two run glm-air-18l-2 --model /tmp/glm-air-18l --src megatron:tp2ep2 --dst vllm:tp2 --iters 10 ;;
+  glm2) two run glm-air-18l-2 --model glm-4.5-air --layers 18 --src megatron:tp2ep2 --dst vllm:tp2 --iters 10 ;;
   q235) run q235-8 --model qwen3-235b-moe --src megatron:tp4ep8 --dst vllm:tp8 --iters 10 ;;
   *) echo "unknown case $what (see the header of $0)"; exit 2 ;;
 esac; done

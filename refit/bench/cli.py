@@ -46,6 +46,17 @@ from refit.units import MiB
 # Reduced width for CPU runs
 
 
+def first_layers(spec: ModelSpec, layers: int) -> ModelSpec:
+    """``spec`` cut to its first ``layers`` decoder layers, every width kept: a big model's real
+    shapes on a machine that cannot hold all of it twice (qwen3-235b-moe's 20 first layers fit
+    beside their destination in two H200s)."""
+    c = spec.config
+    if not 1 <= layers <= c.num_layers:
+        raise RefitError(f"--layers {layers}: {spec.name} has {c.num_layers} layers")
+    cfg = dataclasses.replace(c, num_layers=layers, moe_layers=tuple(l for l in c.moe_layers if l < layers))
+    return build_spec(f"{spec.name}[:{layers}]" if layers < c.num_layers else spec.name, cfg)
+
+
 def reduce_spec(spec: ModelSpec, src: str, dst: str) -> tuple[ModelSpec, dict[str, list[int]]]:
     """The smallest variant of ``spec`` (same counts of heads, kv heads, experts) that both
     layouts still accept; returns it and ``{field: [full, reduced]}`` for what changed."""
@@ -82,6 +93,9 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     p.add_argument("--dst", required=True, help="destination layout, e.g. tp8 (vllm:...), vllm:tp4ep4")
     p.add_argument("--placement", default="colocated", choices=["colocated", "disaggregated"])
     p.add_argument("--planner", default="p2p", choices=["p2p", "broadcast"])
+    p.add_argument("--layers", type=int, default=None,
+                   help="keep only the model's first N decoder layers, at full width: a big model's real "
+                        "shapes on fewer GPUs (e.g. --model qwen3-235b-moe --layers 20 on 2x H200)")
     p.add_argument("--iters", type=int, default=5, help="timed refits (default 5)")
     p.add_argument("--warmup", type=int, default=1, help="untimed refits first (default 1)")
     p.add_argument("--bucket-mb", type=float, default=None, help="bucket size in MiB (default 256 on GPU, 1 on CPU)")
@@ -180,6 +194,8 @@ def _kill_hook() -> tuple[tuple[str, int, int] | None, bool]:
 
 def run(args: argparse.Namespace) -> dict[str, Any]:
     spec = load_spec(args.model)
+    if args.layers is not None:
+        spec = first_layers(spec, args.layers)
     if args.ray is not None:
         return _run_ray(args, spec)
     gpus = _gpu_count(args.cpu)

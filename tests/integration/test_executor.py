@@ -328,6 +328,27 @@ def test_bench_verifies_mixed_dtype_models(capsys: pytest.CaptureFixture[str]) -
     assert code == 0 and out["verified"] is True and out["runs"][0]["mismatches"] == 0
 
 
+def test_bench_first_layers_keep_every_width(capsys: pytest.CaptureFixture[str]) -> None:
+    """``--layers N``: the model's first N decoder layers at full width (a big model's shapes on
+    fewer GPUs); out of range is a clear error before anything starts."""
+    from refit.bench import main
+    from refit.bench.cli import first_layers
+    from refit.errors import RefitError
+    from refit.hf_checkpoint import load_spec
+
+    full = load_spec("moonlight-16b")  # a dense first layer, then MoE layers
+    cut = first_layers(full, 3)
+    assert cut.config.num_layers == 3 and cut.config.moe_layers == (1, 2)
+    assert cut.config.hidden_size == full.config.hidden_size and cut.name == "moonlight-16b[:3]"
+    assert first_layers(full, full.config.num_layers).name == "moonlight-16b"
+    with pytest.raises(RefitError, match="--layers 99: moonlight-16b has 27 layers"):
+        first_layers(full, 99)
+    code = main(["--model", "qwen3-30b-moe", "--layers", "2", "--src", "tp2ep2", "--dst", "tp2", "--iters", "1",
+                 "--warmup", "0", "--json", "--cpu"])
+    out = json.loads(capsys.readouterr().out)
+    assert code == 0 and out["verified"] is True and out["model"] == "qwen3-30b-moe[:2]"
+
+
 def test_bench_cpu_ipc_json(capsys: pytest.CaptureFixture[str]) -> None:
     from refit.bench import main
 
