@@ -1,5 +1,5 @@
 #!/usr/bin/env bash
-# The GPU measurements of the fifth and sixth sessions (bench/RESULTS.md), one case per argument:
+# The GPU measurements of the fifth to seventh sessions (bench/RESULTS.md), one case per argument:
 #   bash bench/gpu_run5.sh CASE [CASE ...]      JSON (and trace lines) under ${OUT:-bench/out}, logs in /tmp
 # Checks: check-table (the table kernel against torch's copy, one GPU and from a peer).
 # Probes: nccl-ops (NCCL message shapes, both ways), nccl-oneway, nccl-chunk (NCCL_P2P_NVL_CHUNKSIZE), nccl-env (channels, buffer size, copy engines),
@@ -58,6 +58,7 @@ for what in "$@"; do case "$what" in
   g[0-9]*,[0-9]*) REFIT_IPC=pull REFIT_TABLE_BLOCKS=${what#g} two run "grid2-${what#g}" $T2 --iters 10 ;;
   nccl256-2) two run nccl2-256 $T2 --iters 10 --transport nccl ;;
   nccl1g-2) two run nccl2-1g $T2 --iters 10 --transport nccl --bucket-mb 1024 ;;
+  ncclarena2) two run nccl2-1g-arena $T2 --iters 10 --transport nccl --bucket-mb 1024 --alloc arena ;;
   disagg-nccl) two run disagg-nccl $Q --src megatron:tp1 --dst vllm:tp1 --placement disaggregated --transport nccl --iters 5 ;;
   grpc2) two run grpc2 $T2 --iters 10 --via grpc ;;
   nccltrace2) two traced nccl2-1g-trace $T2 --transport nccl --bucket-mb 1024 ;;

@@ -19,6 +19,7 @@ from __future__ import annotations
 import argparse
 import json
 import time
+from typing import Callable
 
 import torch
 
@@ -47,7 +48,7 @@ def copies(src: torch.Tensor, dst: torch.Tensor, pitched: bool) -> list[Memcpy]:
     return out
 
 
-def timed(launch: dict[int, callable], streams: dict[int, torch.cuda.Stream], reps: int = 5) -> float:
+def timed(launch: dict[int, Callable[[int], None]], streams: dict[int, torch.cuda.Stream], reps: int = 5) -> float:
     """Median wall seconds of running every launcher (one per GPU, on its stream) together."""
     times = []
     for _ in range(reps + 1):
@@ -85,7 +86,7 @@ def batch_pull(ms: list[Memcpy], src: int, dst: int) -> BatchMemcpy:
     return BatchMemcpy([(m.dst, m.src, m.width * m.height) for m in ms], src, dst)
 
 
-def split_ways(ms: dict[int, list[Memcpy]], second: dict[int, torch.cuda.Stream]) -> dict[str, dict[int, callable]]:
+def split_ways(ms: dict[int, list[Memcpy]], second: dict[int, torch.cuda.Stream]) -> dict[str, dict[int, Callable[[int], None]]]:
     """Contiguous runs only: every run pulled by one batch call, and pushed/pulled splits."""
     ways = {"batch pull (dst stream)": {d: batch_pull(ms[d], 1 - d, d).launch for d in (0, 1)}}
     n = len(ms[0])

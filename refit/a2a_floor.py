@@ -22,7 +22,10 @@ from typing import Sequence
 CE_MIN_BYTES = 1 << 30  # per pair: the ipc transport's peer copy is one stream of GBs, not 256 MiB pieces
 
 
-def measure(devices: Sequence[int], nbytes: int = 256 << 20, reps: int = 5,
+REPS = 5
+
+
+def measure(devices: Sequence[int], nbytes: int = 256 << 20, reps: int = REPS,
             ce_nbytes: int | None = None) -> dict[str, float]:
     """Per-GPU inbound GB/s of each primitive among ``devices`` (CUDA indices, one host): NCCL
     with ``nbytes`` from every GPU to every other (its messages: the run's buckets), copy engines
@@ -36,6 +39,8 @@ def measure(devices: Sequence[int], nbytes: int = 256 << 20, reps: int = 5,
     if n < 2:
         return {}
     ce_nbytes = ce_nbytes or max(nbytes, CE_MIN_BYTES)
+    # Two buffers of n pair slots per GPU (16 GiB on 8 GPUs at 1 GiB a pair), freed before the
+    # refit's workers start.
     size = max(nbytes, ce_nbytes)
     src, dst, streams = [], [], []
     for d in devices:

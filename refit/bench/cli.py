@@ -52,8 +52,10 @@ def first_layers(spec: ModelSpec, layers: int) -> ModelSpec:
     beside their destination in two H200s)."""
     c = spec.config
     if not 1 <= layers <= c.num_layers:
-        raise RefitError(f"--layers {layers}: {spec.name} has {c.num_layers} layers")
-    cfg = dataclasses.replace(c, num_layers=layers, moe_layers=tuple(l for l in c.moe_layers if l < layers))
+        raise RefitError(f"--layers {layers}: must be 1 to {c.num_layers} ({spec.name}'s decoder layers)")
+    # MTP layers follow the last decoder layer (and are never moved): a cut model has none
+    cfg = dataclasses.replace(c, num_layers=layers, moe_layers=tuple(l for l in c.moe_layers if l < layers),
+                              num_mtp_layers=c.num_mtp_layers if layers == c.num_layers else 0)
     return build_spec(f"{spec.name}[:{layers}]" if layers < c.num_layers else spec.name, cfg)
 
 

@@ -181,6 +181,12 @@ def _find_direct(program: Program, views: _Views, scratch: torch.Tensor, direct:
                         sizes[j] = max(sizes[j], w.nbytes)
 
 
+def _moves(pairs: list[Pair], pulls: list[CopyBatch], pipelined: bool, dma: bool) -> CopyBatch:
+    """A stage's same-GPU moves, told what they run beside (`table_copy.enabled`): the NCCL steps
+    (``pipelined``: `run_refit` issues them beside the pipeline) or the peer copies' table kernels."""
+    return CopyBatch(pairs, dma=dma, beside=pipelined, beside_kernel=any(p.table for p in pulls))
+
+
 def _bind_stages(program: Program, views: _Views, direct: dict[tuple[int, bool], torch.Tensor],
                  sets: list[list[torch.Tensor]], rsets: list[list[torch.Tensor]], device: torch.device,
                  dma: bool) -> list[BoundStage]:
@@ -211,8 +217,7 @@ def _bind_stages(program: Program, views: _Views, direct: dict[tuple[int, bool],
             by_device[d_view.device if d_view.device != device else s_view.device].append((d_view, s_view))
         pulls = [CopyBatch(pairs, peer=dev if dev.type == "cuda" and dev != device else None, dma=dma)
                  for dev, pairs in sorted(by_device.items(), key=lambda x: _ring_distance(device, x[0]))]
-        # beside the steps (`run_refit`), or beside the peer copies' table kernels (`table_copy.enabled`)
-        moves = CopyBatch(move_pairs, dma=dma, beside=bool(st.steps), beside_kernel=any(p.table for p in pulls))
+        moves = _moves(move_pairs, pulls, bool(st.steps), dma)
         stages.append(BoundStage(st.stage, moves, steps, pulls))
     return stages
 

@@ -286,8 +286,8 @@ class CopyBatch:
         always does: copy engines writing a peer's memory measured 13x slower than SM stores
         (2x H200, qwen3-30b-moe arena: 530 vs 41 ms; `bench/RESULTS.md`, fifth session)."""
         if self._use_table is None:
-            beside_work = self.beside or self.beside_kernel
-            self._use_table = bool(self.memcpys) and (self.pushes or table_copy.enabled(self.memcpys, beside_work))
+            self._use_table = bool(self.memcpys) and (
+                self.pushes or table_copy.enabled(self.memcpys, self.beside_kernel, self.beside))
         return self._use_table
 
     def run_bulk(self, stream: int) -> None:

@@ -41,6 +41,7 @@ def cupy_stream(handle: int) -> Any:
     from_external = getattr(cupy.cuda.Stream, "from_external", None)
     return from_external(_StreamHandle(handle)) if from_external else cupy.cuda.ExternalStream(handle)
 
+
 _TEMPLATE = r"""#define UNROLL %(unroll)d
 typedef %(index)s IDX;
 
@@ -116,25 +117,29 @@ def table_rows(memcpys: Sequence["Memcpy"], piece: int = PIECE_BYTES) -> list[tu
     return out
 
 
-def enabled(memcpys: Sequence["Memcpy"], beside_work: bool = False) -> bool:
+def enabled(memcpys: Sequence["Memcpy"], beside_kernel: bool = False, beside_pipeline: bool = False) -> bool:
     """``REFIT_TABLE_COPY``: ``auto`` (default: more than `MIN_CALLS` memcpys averaging under
-    `MAX_MEAN_BYTES` — big merged copies stay on the copy engines, which move them faster — or any
-    memcpys at all when they run ``beside_work``), ``on`` or ``off`` (one memcpy call each, for
-    comparison).
+    `MAX_MEAN_BYTES` — big merged copies stay on the copy engines, which move them faster), ``on``
+    or ``off`` (one memcpy call each, for comparison).
 
-    ``beside_work``: same-GPU copies that run beside the rest of a refit, i.e. beside a peer table
-    kernel or an NCCL pipeline.  One call each they hurt both ways, seen with qwen3-235b-moe's shapes
-    at TP2 (2x H200, 20 layers, framework allocations: 26.9 GB of same-GPU copies in 2 642 memcpys of
-    ~10 MB): beside the push kernel, which fills every SM, they crawled (100 ms beside a 66 ms push:
-    the refit 1.52x the floor); beside an NCCL pipeline their ~27 ms of host calls held back its
-    second step.  As one table kernel on its grid they run beside the rest instead."""
+    Same-GPU copies beside the rest of a refit go to the table in more cases, seen with
+    qwen3-235b-moe's shapes at TP2 (2x H200, 20 layers, framework allocations: 26.9 GB of same-GPU
+    copies in 2 642 memcpys of ~10 MB, over the mean above):
+
+    * ``beside_kernel`` (beside a peer table kernel, which fills every SM): any memcpys.  One call
+      each they crawled, 100 ms beside a 66 ms push (the refit 1.52x the floor);
+    * ``beside_pipeline`` (beside an NCCL pipeline): more than `MIN_CALLS`.  Their ~27 ms of host
+      calls held back the pipeline's second step; a packed arena's few big copies stay on the copy
+      engines, where they cost the host nothing and take no SMs from NCCL."""
     mode = os.environ.get("REFIT_TABLE_COPY", "auto")
     if mode not in ("auto", "on", "off"):
         raise ValueError(f"REFIT_TABLE_COPY must be auto, on or off, not {mode!r}")
     if mode != "auto":
         return mode == "on"
-    if beside_work:
+    if beside_kernel:
         return bool(memcpys)
+    if beside_pipeline and len(memcpys) > MIN_CALLS:
+        return True
     nbytes = sum(m.width * m.height for m in memcpys)
     return len(memcpys) > MIN_CALLS and nbytes < MAX_MEAN_BYTES * len(memcpys)
 

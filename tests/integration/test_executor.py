@@ -341,8 +341,11 @@ def test_bench_first_layers_keep_every_width(capsys: pytest.CaptureFixture[str])
     assert cut.config.num_layers == 3 and cut.config.moe_layers == (1, 2)
     assert cut.config.hidden_size == full.config.hidden_size and cut.name == "moonlight-16b[:3]"
     assert first_layers(full, full.config.num_layers).name == "moonlight-16b"
-    with pytest.raises(RefitError, match="--layers 99: moonlight-16b has 27 layers"):
-        first_layers(full, 99)
+    for bad in (0, 99):
+        with pytest.raises(RefitError, match=f"--layers {bad}: must be 1 to 27"):
+            first_layers(full, bad)
+    glm = load_spec("glm-4.5-air")  # one MTP layer after its 46: not part of a cut model
+    assert glm.config.num_mtp_layers == 1 and first_layers(glm, 4).config.num_mtp_layers == 0
     code = main(["--model", "qwen3-30b-moe", "--layers", "2", "--src", "tp2ep2", "--dst", "tp2", "--iters", "1",
                  "--warmup", "0", "--json", "--cpu"])
     out = json.loads(capsys.readouterr().out)

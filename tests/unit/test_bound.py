@@ -9,6 +9,7 @@ from typing import Any
 
 import torch
 
+from refit.executor import bound
 from refit.executor.bound import Bound, BoundStage, BoundStep, _direct_region, run_refit
 
 
@@ -114,3 +115,14 @@ def test_nccl_stage_runs_the_moves_beside_the_pipeline() -> None:
                      ("wait", ["send 0"]), ("copy", "unpack 0", "all"), ("copy", "pack 2", "all"), ("post", ["send 2"]),
                      ("wait", ["send 1"]), ("copy", "unpack 1", "all"), ("wait", ["send 2"]), ("copy", "unpack 2", "all"),
                      ("join",), ("finish",)]
+
+
+def test_moves_are_told_what_they_run_beside(monkeypatch) -> None:
+    """`_bind_stages` hands the same-GPU moves the flags `table_copy.enabled` decides on: beside
+    the NCCL steps when the stage has any, beside a kernel when any peer batch is a table kernel."""
+    made: list[dict[str, Any]] = []
+    monkeypatch.setattr(bound, "CopyBatch", lambda pairs, **kw: made.append(kw))
+    bound._moves([], [_Batch("pull 1"), _Batch("pull 2", table=True)], pipelined=False, dma=True)
+    bound._moves([], [_Batch("pull 1")], pipelined=False, dma=True)
+    bound._moves([], [], pipelined=True, dma=True)
+    assert [(m["beside"], m["beside_kernel"]) for m in made] == [(False, True), (False, False), (True, False)]
