@@ -7,7 +7,7 @@
 # refit-bench, qwen3-30b-moe, framework allocations unless the name says arena; REFIT_IPC as named (auto:
 #   the default), 2-GPU cases pinned to CUDA_VISIBLE_DEVICES=0,1:
 #   pull2 push2 auto2 arena2 pusharena2 pushpeer2 (kernel run on the peer: REFIT_PULL_ON=src)
-#   gPEER,LOCAL (table grids, pulled: REFIT_TABLE_BLOCKS=PEER,LOCAL, e.g. g528,132) nccl256-2 nccl1g-2
+#   gPEER,LOCAL (table grids, pulled: REFIT_TABLE_BLOCKS=PEER,LOCAL, e.g. g528,132) nccl256-2 nccl1g-2 ncclarena2
 #   disagg-nccl (tp1 -> tp1 disaggregated over NCCL) grpc2 (--via grpc) trace2 trace4 (REFIT_TRACE=1 lines)
 #   nccltrace2 (nccl, 1 GiB buckets, traced) ncclbB (nccl 1 GiB, moves beside it on B blocks: REFIT_TABLE_BLOCKS=528,132,B) pushflat2 (push, 1-D runs on copy engines: REFIT_BATCH_MEMCPY=flat)
 #   pull4 push4 auto4 arena4 nccl4 (1 GiB buckets) nccl4-1200; push8 pull8 q235 nccl8 (8 GPUs, never lent so far);
