@@ -95,7 +95,7 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     p.add_argument("--dst", required=True, help="destination layout, e.g. tp8 (vllm:...), vllm:tp4ep4")
     p.add_argument("--placement", default="colocated", choices=["colocated", "disaggregated"])
     p.add_argument("--planner", default="p2p", choices=["p2p", "broadcast"])
-    p.add_argument("--layers", type=int, default=None,
+    p.add_argument("--layers", type=int, default=None, metavar="N",
                    help="keep only the model's first N decoder layers, at full width: a big model's real "
                         "shapes on fewer GPUs (e.g. --model qwen3-235b-moe --layers 20 on 2x H200)")
     p.add_argument("--iters", type=int, default=5, help="timed refits (default 5)")
