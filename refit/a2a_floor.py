@@ -20,9 +20,12 @@ from typing import Sequence
 
 
 CE_MIN_BYTES = 1 << 30  # per pair: the ipc transport's peer copy is one stream of GBs, not 256 MiB pieces
-
-
 REPS = 5
+
+
+def ce_pair_bytes(nbytes: int) -> int:
+    """What the copy engines move per pair by default when NCCL moves ``nbytes``."""
+    return max(nbytes, CE_MIN_BYTES)
 
 
 def measure(devices: Sequence[int], nbytes: int = 256 << 20, reps: int = REPS,
@@ -38,7 +41,7 @@ def measure(devices: Sequence[int], nbytes: int = 256 << 20, reps: int = REPS,
     n = len(devices)
     if n < 2:
         return {}
-    ce_nbytes = ce_nbytes or max(nbytes, CE_MIN_BYTES)
+    ce_nbytes = ce_nbytes or ce_pair_bytes(nbytes)
     # Two buffers of n pair slots per GPU (16 GiB on 8 GPUs at 1 GiB a pair), freed before the
     # refit's workers start.
     size = max(nbytes, ce_nbytes)

@@ -38,11 +38,10 @@ def run_direct(args: argparse.Namespace, spec: ModelSpec, plans: list[Any], devi
     # otherwise: the nccl transport's messages are its buckets and NCCL's rate grows with the
     # message size (354 GB/s per GPU at 1 GiB, 277 at 256 MiB on 2x H200); smaller buckets must
     # not lower the floor.
-    # The copy engines move at least 1 GiB per pair (`a2a_floor.CE_MIN_BYTES`): the ipc transport's
-    # peer copies are GBs in one go.
+    # The copy engines move at least `a2a_floor.CE_MIN_BYTES` per pair unless --link-mb says
+    # otherwise: the ipc transport's peer copies are GBs in one go.
     a2a_mb = args.link_mb if args.link_mb is not None else max(256, first.plan.bucket_bytes / MiB)
-    ce_mb = args.link_mb if args.link_mb is not None else max(1024, a2a_mb)
-    a2a = _measure_a2a(first.plan.placement.num_gpus, a2a_mb, ce_mb) if device == "cuda" else {}
+    a2a = _measure_a2a(first.plan.placement.num_gpus, a2a_mb, args.link_mb) if device == "cuda" else {}
 
     try:
         from tqdm import tqdm
@@ -60,15 +59,14 @@ def run_direct(args: argparse.Namespace, spec: ModelSpec, plans: list[Any], devi
                   a2a, args.alloc)
 
 
-def _measure_a2a(gpus: int, pair_mb: float, ce_pair_mb: float) -> dict[str, Any]:
+def _measure_a2a(gpus: int, pair_mb: float, ce_pair_mb: float | None) -> dict[str, Any]:
     """The all-to-all primitives among the run's GPUs (`refit.a2a_floor`), ``pair_mb`` (NCCL) and
-    ``ce_pair_mb`` (copy engines) from every GPU to every other, measured in this process before
-    the workers start; empty on one GPU or without cupy."""
-    try:
-        from refit.a2a_floor import REPS, measure
-    except ImportError:
-        return {}
-    nbytes, ce_nbytes = int(pair_mb * MiB), int(ce_pair_mb * MiB)
+    ``ce_pair_mb`` (copy engines; None: `a2a_floor.ce_pair_bytes`) from every GPU to every other,
+    measured in this process before the workers start; empty on one GPU or without cupy."""
+    from refit.a2a_floor import REPS, ce_pair_bytes, measure
+
+    nbytes = int(pair_mb * MiB)
+    ce_nbytes = int(ce_pair_mb * MiB) if ce_pair_mb is not None else ce_pair_bytes(nbytes)
     try:
         gbps = measure(list(range(gpus)), nbytes, ce_nbytes=ce_nbytes)
     except ImportError:
@@ -174,11 +172,10 @@ def table(r: dict[str, Any]) -> str:
                  else "link: not measured (no remote bytes between two devices)")
     if r.get("a2a"):
         g = r["a2a"]["gbps"]
-        ce_pair = r["a2a"].get("ce_bytes_per_pair", r["a2a"]["bytes_per_pair"])
-        lines.append(f"all-to-all among the {r['gpus_used']} GPUs, per GPU in, {r['a2a'].get('stat', 'median of 3')}: "
-                     f"copy engines in rounds "
-                     f"{g['ce_rounds']:.1f} GB/s ({_size(ce_pair)} per pair), NCCL {g['nccl']:.1f} GB/s "
-                     f"({_size(r['a2a']['bytes_per_pair'])} per pair); the floor uses the faster")
+        lines.append(f"all-to-all among the {r['gpus_used']} GPUs, per GPU in, {r['a2a']['stat']}: copy engines "
+                     f"in rounds {g['ce_rounds']:.1f} GB/s ({_size(r['a2a']['ce_bytes_per_pair'])} per pair), "
+                     f"NCCL {g['nccl']:.1f} GB/s ({_size(r['a2a']['bytes_per_pair'])} per pair); the floor uses "
+                     f"the faster")
     lines.append(f"shards allocated {'as frameworks do (one buffer per parameter set, reverse order, gaps)' if r.get('alloc') == 'framework' else 'packed in one arena per endpoint'}")
     lines.append("")
     head = f"{'planner':<10} {'median s':>9} {'min s':>9} {'max s':>9} {'GB/s':>8} {'floor s':>9} {'x floor':>8} {'extra mem/proc':>15}  verified"

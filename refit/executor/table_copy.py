@@ -138,10 +138,8 @@ def enabled(memcpys: Sequence["Memcpy"], beside_kernel: bool = False, beside_pip
         return mode == "on"
     if beside_kernel:
         return bool(memcpys)
-    if beside_pipeline and len(memcpys) > MIN_CALLS:
-        return True
-    nbytes = sum(m.width * m.height for m in memcpys)
-    return len(memcpys) > MIN_CALLS and nbytes < MAX_MEAN_BYTES * len(memcpys)
+    many = len(memcpys) > MIN_CALLS
+    return many and (beside_pipeline or sum(m.width * m.height for m in memcpys) < MAX_MEAN_BYTES * len(memcpys))
 
 
 MAX_MEAN_BYTES = 8 << 20
