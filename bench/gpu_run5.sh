@@ -2,12 +2,14 @@
 # The GPU measurements of the fifth to seventh sessions (bench/RESULTS.md), one case per argument:
 #   bash bench/gpu_run5.sh CASE [CASE ...]      JSON (and trace lines) under ${OUT:-bench/out}, logs in /tmp
 # Checks: check-table (the table kernel against torch's copy, one GPU and from a peer).
-# Probes: nccl-ops (NCCL message shapes, both ways), nccl-oneway, nccl-chunk (NCCL_P2P_NVL_CHUNKSIZE), nccl-env (channels, buffer size, copy engines),
+# Probes: nccl-reg (NCCL out of/into registered ncclMemAlloc buffers vs torch's), nccl-ops (NCCL message shapes, both ways), nccl-oneway, nccl-chunk (NCCL_P2P_NVL_CHUNKSIZE), nccl-env (channels, buffer size, copy engines),
 #   push-pull (SM loads vs stores, copy engines, across two GPUs), kernels (table-kernel variants: probe_table_kernel.py).
 # refit-bench, qwen3-30b-moe, framework allocations unless the name says arena; REFIT_IPC as named (auto:
 #   the default), 2-GPU cases pinned to CUDA_VISIBLE_DEVICES=0,1:
 #   pull2 push2 auto2 arena2 pusharena2 pushpeer2 (kernel run on the peer: REFIT_PULL_ON=src)
 #   gPEER,LOCAL (table grids, pulled: REFIT_TABLE_BLOCKS=PEER,LOCAL, e.g. g528,132) nccl256-2 nccl1g-2 ncclarena2
+#   ncclarenatable2 (the arena over NCCL, every copy a table kernel: REFIT_TABLE_COPY=on) ncclarenatrace2 (traced)
+#   ncclbcast2 (nccl 1 GiB, and the broadcast plan: two stages over NCCL)
 #   disagg-nccl (tp1 -> tp1 disaggregated over NCCL) grpc2 (--via grpc) trace2 trace4 (REFIT_TRACE=1 lines)
 #   nccltrace2 (nccl, 1 GiB buckets, traced) ncclbB (nccl 1 GiB, moves beside it on B blocks: REFIT_TABLE_BLOCKS=528,132,B) pushflat2 (push, 1-D runs on copy engines: REFIT_BATCH_MEMCPY=flat)
 #   pull4 push4 auto4 arena4 nccl4 (1 GiB buckets) nccl4-1200; push8 pull8 q235 nccl8 (8 GPUs, never lent so far);
@@ -22,7 +24,7 @@ run() {  # name, then refit-bench arguments
   echo "=== $name: $* (REFIT_IPC=${REFIT_IPC:-auto}${REFIT_TABLE_BLOCKS:+, REFIT_TABLE_BLOCKS=$REFIT_TABLE_BLOCKS})"
   timeout 300 python3 -m refit.bench "$@" --json >"$OUT/$name.json" 2>"/tmp/$name.log"; echo rc=$?
   grep -i "error" "/tmp/$name.log" | head -3
-  python3 -c "import json,sys; d=json.load(open(sys.argv[1])); r=d['runs'][0]; print('median %.2f ms  x floor %.3f  verified %s' % (r['seconds']['median']*1e3, r['x_floor'], r['verified'])); [print('  vs %s: %.2f ms' % (x['planner'], x['seconds']['median']*1e3)) for x in d['runs'][1:]]" "$OUT/$name.json" 2>&1 | tail -3
+  python3 -c "import json,sys; d=json.load(open(sys.argv[1])); r=d['runs'][0]; print('median %.2f ms  x floor %.3f  verified %s' % (r['seconds']['median']*1e3, r['x_floor'], r['verified'])); [print('  vs %s: %.2f ms  verified %s' % (x['planner'], x['seconds']['median']*1e3, x.get('verified'))) for x in d['runs'][1:]]" "$OUT/$name.json" 2>&1 | tail -3
 }
 traced() {  # name, then refit-bench arguments: two refits with REFIT_TRACE=1, the trace lines kept
   local name=$1; shift
@@ -48,6 +50,8 @@ for what in "$@"; do case "$what" in
             done ;;
   kernels) CUDA_VISIBLE_DEVICES=0,1 timeout 300 python3 bench/probe_table_kernel.py 2>&1 | tail -40 ;;
   check-table) timeout 120 python3 bench/check_table_copy.py ;;
+  nccl-reg) timeout 200 python3 bench/probe_nccl_reg.py 2>&1 | tail -8
+            timeout 200 python3 bench/probe_nccl_reg.py --beside-gib 16 2>&1 | tail -8 ;;
   push-pull) timeout 200 python3 bench/probe_push_pull.py 2>&1 | tail -16 ;;
   pull2) REFIT_IPC=pull two run pull2-fw $T2 --iters 10 ;;
   push2) REFIT_IPC=push two run push2-fw $T2 --iters 10 ;;
@@ -59,6 +63,9 @@ for what in "$@"; do case "$what" in
   nccl256-2) two run nccl2-256 $T2 --iters 10 --transport nccl ;;
   nccl1g-2) two run nccl2-1g $T2 --iters 10 --transport nccl --bucket-mb 1024 ;;
   ncclarena2) two run nccl2-1g-arena $T2 --iters 10 --transport nccl --bucket-mb 1024 --alloc arena ;;
+  ncclarenatable2) REFIT_TABLE_COPY=on two run nccl2-1g-arena-table $T2 --iters 10 --transport nccl --bucket-mb 1024 --alloc arena ;;
+  ncclbcast2) two run nccl2-1g-vs-broadcast $T2 --iters 5 --transport nccl --bucket-mb 1024 --vs broadcast ;;
+  ncclarenatrace2) two traced nccl2-1g-arena-trace $T2 --transport nccl --bucket-mb 1024 --alloc arena ;;
   disagg-nccl) two run disagg-nccl $Q --src megatron:tp1 --dst vllm:tp1 --placement disaggregated --transport nccl --iters 5 ;;
   grpc2) two run grpc2 $T2 --iters 10 --via grpc ;;
   nccltrace2) two traced nccl2-1g-trace $T2 --transport nccl --bucket-mb 1024 ;;
