@@ -9,7 +9,7 @@
 #   pull2 push2 auto2 arena2 pusharena2 pushpeer2 (kernel run on the peer: REFIT_PULL_ON=src)
 #   gPEER,LOCAL (table grids, pulled: REFIT_TABLE_BLOCKS=PEER,LOCAL, e.g. g528,132) nccl256-2 nccl1g-2 ncclarena2
 #   ncclarenatable2 (the arena over NCCL, every copy a table kernel: REFIT_TABLE_COPY=on) ncclarenatrace2 (traced)
-#   ncclbcast2 (nccl 1 GiB, and the broadcast plan: two stages over NCCL)
+#   ncclbcast2 (nccl 1 GiB, and the broadcast plan: two stages over NCCL) arenatrace2 (ipc, packed arenas, traced)
 #   disagg-nccl (tp1 -> tp1 disaggregated over NCCL) grpc2 (--via grpc) trace2 trace4 (REFIT_TRACE=1 lines)
 #   nccltrace2 (nccl, 1 GiB buckets, traced) ncclbB (nccl 1 GiB, moves beside it on B blocks: REFIT_TABLE_BLOCKS=528,132,B) pushflat2 (push, 1-D runs on copy engines: REFIT_BATCH_MEMCPY=flat)
 #   pull4 push4 auto4 arena4 nccl4 (1 GiB buckets) nccl4-1200; push8 pull8 q235 nccl8 (8 GPUs, never lent so far);
@@ -57,6 +57,7 @@ for what in "$@"; do case "$what" in
   push2) REFIT_IPC=push two run push2-fw $T2 --iters 10 ;;
   auto2) two run auto2-fw $T2 --iters 10 ;;
   arena2) two run auto2-arena $T2 --iters 10 --alloc arena ;;
+  arenatrace2) two traced arena2-trace $T2 --alloc arena ;;
   pusharena2) REFIT_IPC=push two run push2-arena $T2 --iters 10 --alloc arena ;;
   pushpeer2) REFIT_IPC=pull REFIT_PULL_ON=src two run pushpeer2-fw $T2 --iters 10 ;;
   g[0-9]*,[0-9]*) REFIT_IPC=pull REFIT_TABLE_BLOCKS=${what#g} two run "grid2-${what#g}" $T2 --iters 10 ;;
