@@ -9,7 +9,9 @@ does, so an engine can check bit for bit that it holds version v) and runs an un
 
 from __future__ import annotations
 
+import logging
 import threading
+import time
 from typing import Any
 
 import ray
@@ -25,6 +27,8 @@ from tests.harness.tiny import tiny_spec
 HEAD_ARGS = {"num_cpus": 1, "include_dashboard": False,
              "_system_config": {"health_check_period_ms": 500, "health_check_failure_threshold": 4}}
 NODE_CPUS = 2
+
+log = logging.getLogger(__name__)
 
 
 class RankActor:
@@ -71,8 +75,26 @@ class RankActor:
 RankActorRemote = ray.remote(max_restarts=4, max_task_retries=0)(RankActor)
 
 
+# Ray waits a fixed 30 s for a new raylet (or GCS) to come up.  On a loaded 2-core machine that has
+# run out (a fresh-clone CI run: "The current node timed out during startup"), so a start that
+# timed out is retried on a fresh cluster; any other failure is raised at once.
+STARTS = 3
+
+
 def start_cluster(num_nodes: int = 2) -> tuple[Any, list[Any]]:
     """A head (the coordinator's node) and ``num_nodes`` worker nodes; the driver connected."""
+    for attempt in range(1, STARTS + 1):
+        try:
+            return _start_cluster(num_nodes)
+        except Exception as e:
+            if attempt == STARTS or "timed out" not in str(e).lower():
+                raise
+            log.warning("Ray cluster start %d of %d timed out (%s); starting a fresh one", attempt, STARTS, e)
+            time.sleep(5)
+    raise AssertionError("unreachable")
+
+
+def _start_cluster(num_nodes: int) -> tuple[Any, list[Any]]:
     from ray.cluster_utils import Cluster
 
     cluster = Cluster(initialize_head=True, head_node_args=HEAD_ARGS)
@@ -81,6 +103,7 @@ def start_cluster(num_nodes: int = 2) -> tuple[Any, list[Any]]:
         cluster.wait_for_nodes()
         ray.init(address=cluster.address, include_dashboard=False, logging_level="warning", log_to_driver=False)
     except BaseException:
+        ray.shutdown()
         cluster.shutdown()
         raise
     return cluster, nodes
