@@ -10,6 +10,7 @@ from __future__ import annotations
 import argparse
 import os
 import time
+from typing import Callable
 
 import torch
 import torch.multiprocessing as mp
@@ -66,22 +67,29 @@ def worker(rank: int, uid: bytes, total: int, q) -> None:
                   f"{steps * step_bytes / sec / 1e9:6.1f} GB/s per GPU in" + (" (one way)" if one_way else ""))
 
 
-def main() -> None:
+def run_pair(target: Callable[..., None], *args: object) -> None:
+    """``target(rank, uid, *args, queue)`` in a process per GPU (0 and 1) on one NCCL unique id;
+    prints what they put on the queue."""
     from cupy.cuda import nccl
-    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    ap.add_argument("--gib", type=float, default=13.5)
-    a = ap.parse_args()
+
     os.environ.setdefault("NCCL_NVLS_ENABLE", "0")
     uid = nccl.get_unique_id()
     ctx = mp.get_context("spawn")
     q = ctx.Queue()
-    ps = [ctx.Process(target=worker, args=(r, uid, int(a.gib * 2**30), q)) for r in (0, 1)]
+    ps = [ctx.Process(target=target, args=(r, uid, *args, q)) for r in (0, 1)]
     for p in ps:
         p.start()
     for p in ps:
         p.join()
     while not q.empty():
         print(q.get(), flush=True)
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap.add_argument("--gib", type=float, default=13.5)
+    a = ap.parse_args()
+    run_pair(worker, int(a.gib * 2**30))
 
 
 if __name__ == "__main__":

@@ -22,7 +22,8 @@ import os
 import time
 
 import torch
-import torch.multiprocessing as mp
+
+from probe_nccl_ops import run_pair  # bench/ is on the path when run as a script
 
 GiB = 2**30
 STEP = GiB
@@ -135,23 +136,14 @@ def worker(rank: int, uid: bytes, total: int, beside: int, q) -> None:
 
 
 def main() -> None:
-    from cupy.cuda import nccl
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--gib", type=float, default=13.5, help="bytes each way per run")
     ap.add_argument("--beside-gib", type=float, default=0, help="same-GPU copies issued beside the steps")
     a = ap.parse_args()
-    os.environ.setdefault("NCCL_NVLS_ENABLE", "0")
+    from cupy.cuda import nccl
+
     print(f"NCCL {nccl.get_version()}", flush=True)
-    uid = nccl.get_unique_id()
-    ctx = mp.get_context("spawn")
-    q = ctx.Queue()
-    ps = [ctx.Process(target=worker, args=(r, uid, int(a.gib * GiB), int(a.beside_gib * GiB), q)) for r in (0, 1)]
-    for p in ps:
-        p.start()
-    for p in ps:
-        p.join()
-    while not q.empty():
-        print(q.get(), flush=True)
+    run_pair(worker, int(a.gib * GiB), int(a.beside_gib * GiB))
 
 
 if __name__ == "__main__":
