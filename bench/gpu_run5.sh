@@ -1,5 +1,5 @@
 #!/usr/bin/env bash
-# The GPU measurements of the fifth to seventh sessions (bench/RESULTS.md), one case per argument:
+# The GPU measurements of the fifth to eighth sessions (bench/RESULTS.md), one case per argument:
 #   bash bench/gpu_run5.sh CASE [CASE ...]      JSON (and trace lines) under ${OUT:-bench/out}, logs in /tmp
 # Checks: check-table (the table kernel against torch's copy, one GPU and from a peer).
 # Probes: nccl-reg (NCCL out of/into registered ncclMemAlloc buffers vs torch's), nccl-ops (NCCL message shapes, both ways), nccl-oneway, nccl-chunk (NCCL_P2P_NVL_CHUNKSIZE), nccl-env (channels, buffer size, copy engines),
