@@ -12,7 +12,7 @@
 #   ncclbcast2 (nccl 1 GiB, and the broadcast plan: two stages over NCCL) arenatrace2 (ipc, packed arenas, traced)
 #   disagg-nccl (tp1 -> tp1 disaggregated over NCCL) grpc2 (--via grpc) trace2 trace4 (REFIT_TRACE=1 lines)
 #   nccltrace2 (nccl, 1 GiB buckets, traced) ncclbB (nccl 1 GiB, moves beside it on B blocks: REFIT_TABLE_BLOCKS=528,132,B) pushflat2 (push, 1-D runs on copy engines: REFIT_BATCH_MEMCPY=flat)
-#   pull4 push4 auto4 arena4 nccl4 (1 GiB buckets) nccl4-1200; push8 pull8 q235 nccl8 (8 GPUs, never lent so far);
+#   pull4 push4 auto4 arena4 nccl4 (1 GiB buckets) nccl4-1200; auto8 push8 pull8 q235 nccl8 trace8 (8 GPUs, never lent so far);
 #   moon2 (moonlight-16b, DeepSeek-V3's architecture) glm2 (glm-4.5-air, 18 of its 46 layers), tp2ep2 -> tp2;
 #   q235-2 q235pull2 q235arena2 q235trace2 q235nccl2 q235nccltrace2 (qwen3-235b-moe's shapes, 20 of its 94 layers, on 2 GPUs)
 set -u
@@ -81,6 +81,8 @@ for what in "$@"; do case "$what" in
   nccl4) run nccl4-1g $T4 --iters 10 --transport nccl --bucket-mb 1024 ;;
   nccl4-1200) run nccl4-1200 $T4 --iters 10 --transport nccl --bucket-mb 1200 ;;
   nccl8) run nccl8-1g $Q --src tp4ep8 --dst tp8 --iters 10 --transport nccl --bucket-mb 1024 ;;
+  auto8) run auto8-fw $Q --src tp4ep8 --dst tp8 --iters 10 --vs broadcast ;;
+  trace8) traced push8-trace $Q --src tp4ep8 --dst tp8 ;;
   push8) REFIT_IPC=push run push8-fw $Q --src tp4ep8 --dst tp8 --iters 10 ;;
   pull8) REFIT_IPC=pull run pull8-fw $Q --src tp4ep8 --dst tp8 --iters 10 --vs broadcast ;;
   q235-2) two run q235-20l-2 $Q235_2 --iters 10 ;;
