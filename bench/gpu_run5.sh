@@ -7,7 +7,7 @@
 # refit-bench, qwen3-30b-moe, framework allocations unless the name says arena; REFIT_IPC as named (auto:
 #   the default), 2-GPU cases pinned to CUDA_VISIBLE_DEVICES=0,1:
 #   pull2 push2 auto2 arena2 pusharena2 pushpeer2 (kernel run on the peer: REFIT_PULL_ON=src)
-#   gPEER,LOCAL (table grids, pulled: REFIT_TABLE_BLOCKS=PEER,LOCAL, e.g. g528,132) nccl256-2 nccl1g-2 ncclarena2
+#   gPEER,LOCAL (table grids, pulled: REFIT_TABLE_BLOCKS=PEER,LOCAL, e.g. g528,132) nccl256-2 nccl512-2 nccl1g-2 nccl2g-2 ncclarena2
 #   ncclarenatable2 (the arena over NCCL, every copy a table kernel: REFIT_TABLE_COPY=on) ncclarenatrace2 (traced)
 #   ncclbcast2 (nccl 1 GiB, and the broadcast plan: two stages over NCCL) arenatrace2 (ipc, packed arenas, traced)
 #   disagg-nccl (tp1 -> tp1 disaggregated over NCCL) grpc2 (--via grpc) trace2 trace4 (REFIT_TRACE=1 lines)
@@ -62,6 +62,8 @@ for what in "$@"; do case "$what" in
   pushpeer2) REFIT_IPC=pull REFIT_PULL_ON=src two run pushpeer2-fw $T2 --iters 10 ;;
   g[0-9]*,[0-9]*) REFIT_IPC=pull REFIT_TABLE_BLOCKS=${what#g} two run "grid2-${what#g}" $T2 --iters 10 ;;
   nccl256-2) two run nccl2-256 $T2 --iters 10 --transport nccl ;;
+  nccl512-2) two run nccl2-512 $T2 --iters 10 --transport nccl --bucket-mb 512 ;;
+  nccl2g-2) two run nccl2-2g $T2 --iters 10 --transport nccl --bucket-mb 2048 ;;
   nccl1g-2) two run nccl2-1g $T2 --iters 10 --transport nccl --bucket-mb 1024 ;;
   ncclarena2) two run nccl2-1g-arena $T2 --iters 10 --transport nccl --bucket-mb 1024 --alloc arena ;;
   ncclarenatable2) REFIT_TABLE_COPY=on two run nccl2-1g-arena-table $T2 --iters 10 --transport nccl --bucket-mb 1024 --alloc arena ;;
