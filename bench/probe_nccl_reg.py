@@ -90,6 +90,7 @@ def worker(rank: int, uid: bytes, total: int, beside: int, q) -> None:
                 handles.append(h)
         return sbuf, rbuf, handles
 
+    steps = total // STEP
     for kind in os.environ.get("PROBE_KINDS", "torch,registered,mem-alloc").split(","):
         try:
             sbuf, rbuf, handles = buffers(kind)
@@ -97,7 +98,6 @@ def worker(rank: int, uid: bytes, total: int, beside: int, q) -> None:
             if rank == 0:
                 q.put(f"{kind:11s}: {e}")
             continue
-        steps = total // STEP
 
         def run(sbuf: torch.Tensor, rbuf: torch.Tensor) -> None:
             if beside:
@@ -125,7 +125,8 @@ def worker(rank: int, uid: bytes, total: int, beside: int, q) -> None:
         if rank == 0:
             q.put(f"{kind:11s}: {steps} steps of 1 GiB each way in {sec * 1e3:7.1f} ms (best of 5), "
                   f"{steps * STEP / sec / 1e9:6.1f} GB/s per GPU in"
-                  + (f", {beside / GiB:.1f} GiB of local copies beside" if beside else "") + (", received bytes equal" if ok else ", RECEIVED BYTES DIFFER"))
+                  + (f", {beside / GiB:.1f} GiB of local copies beside" if beside else "")
+                  + (", received bytes equal" if ok else ", RECEIVED BYTES DIFFER"))
         for h in handles:
             lib.ncclCommDeregister(raw, h)
         if kind != "torch":
