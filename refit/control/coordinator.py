@@ -31,7 +31,7 @@ import logging
 import secrets
 import time
 import uuid
-from typing import Callable
+from typing import Any, Callable
 
 from planners import PLANNERS, make_plan
 from refit.control.common import PLACEMENT_NAMES, Exhausted, NotFound, Precondition, short
@@ -67,6 +67,7 @@ class Coordinator:
         self._specs: dict[tuple[str, str], ModelSpec] = {}
         self._runs: dict[str, Run] = {}  # by refit id, while members run
         self._waiters: set[asyncio.Future] = set()
+        self._tasks: set[asyncio.Task] = set()  # refits and sends under way (see _spawn)
         self._ids = itertools.count(1)
         self.epoch = secrets.token_hex(3)  # refit ids differ across coordinator restarts
 
@@ -212,19 +213,28 @@ class Coordinator:
         run = entry.running = Run(f"{plan_id[:8]}-{self.epoch}-{next(self._ids)}", entry, version, t0,
                                   asyncio.get_running_loop().create_future())
         run.ended.add_done_callback(lambda f: f.cancelled() or f.exception())  # joiners may be none
+        # Not in the caller's task: a caller gone (RPC cancelled) must not cut the refit short for all.
+        self._spawn(self._own(run, deadline))
+        return await asyncio.shield(run.ended)
+
+    def _spawn(self, coro: Any) -> asyncio.Task:
+        task = asyncio.ensure_future(coro)  # held until it ends: the loop keeps only weak references
+        self._tasks.add(task)
+        task.add_done_callback(self._tasks.discard)
+        return task
+
+    async def _own(self, run: Run, deadline: float) -> None:
+        """Run ``run`` to its end; ``run.ended`` gets its response (or exception) for every caller."""
         try:
-            resp = await self._run(run, deadline)
-        except BaseException as e:
-            if isinstance(e, Exception):
-                run.ended.set_exception(e)
-            else:
-                run.ended.cancel()
+            run.ended.set_result(await self._run(run, deadline))
+        except Exception as e:
+            run.ended.set_exception(e)
+        except BaseException:  # the loop is shutting down
+            run.ended.cancel()
             raise
-        finally:
-            entry.running = None
+        finally:  # before any caller resumes (they wake on the next loop iteration)
+            run.entry.running = None
             self._notify()
-        run.ended.set_result(resp)
-        return resp
 
     async def _join(self, run: Run, deadline: float, t0: float) -> pb.RefitResponse:
         """Wait for the refit under way for the same version and answer with its response."""
@@ -262,7 +272,7 @@ class Coordinator:
             results = await self._collect(run, deadline)
         finally:
             del self._runs[run.refit_id]
-        return await self._finish(run, results)
+        return await self._finish(run, results, deadline)
 
     async def _wait_free(self, entry: PlanEntry, deadline: float) -> bool:
         """Wait until no member is busy (absent members count as free: the caller checks them)."""
@@ -302,8 +312,9 @@ class Coordinator:
                 refit_id=run.refit_id, plan_id=entry.plan_id, version=run.version, timeout_seconds=member_timeout,
                 rendezvous=rdv, plan_json=b"" if entry.plan_id in w.sent_plans else entry.plan_json))
             w.sent_plans.add(entry.plan_id)
-            sends.append(self._send(w, msg))
-        await asyncio.gather(*sends)
+            sends.append(self._spawn(self._send(w, msg)))
+        # A stopped worker's full flow-control window blocks the write until keepalive drops it: _collect names it.
+        await asyncio.wait(sends, timeout=max(0.0, deadline - time.monotonic()))
         self.events.publish(pb.RefitEvent(kind=pb.RefitEvent.KIND_STARTED, refit_id=run.refit_id,
                                           plan_id=entry.plan_id, version=run.version, total=len(run.members)))
 
@@ -331,7 +342,7 @@ class Coordinator:
             await asyncio.wait((run.wake,), timeout=left)
         return run.final_results(timed_out=time.monotonic() >= deadline - 1e-3)
 
-    async def _finish(self, run: Run, results: dict[str, pb.WorkerResult]) -> pb.RefitResponse:
+    async def _finish(self, run: Run, results: dict[str, pb.WorkerResult], deadline: float) -> pb.RefitResponse:
         entry = run.entry
         if any(r.outcome != pb.WORKER_OUTCOME_OK for r in results.values()):
             resp = self._failed(entry, run.refit_id, run.version, run.t0, results)
@@ -351,10 +362,10 @@ class Coordinator:
                 w.busy = ""
         msg = pb.CoordinatorMessage(outcome=outcome)
         # Engines hear the outcome before the caller does (sent, not acknowledged); a stalled
-        # stream cannot hold the response up for long.
-        sends = [asyncio.ensure_future(self._send(w, msg)) for w in targets if w.connected]
+        # stream cannot hold the response up past the deadline (the RPC's own has 50 ms more).
+        sends = [self._spawn(self._send(w, msg)) for w in targets if w.connected]
         if sends:
-            await asyncio.wait(sends, timeout=1.0)
+            await asyncio.wait(sends, timeout=min(1.0, max(0.02, deadline - time.monotonic())))
         self.events.publish(pb.RefitEvent(kind=pb.RefitEvent.KIND_FINISHED, refit_id=run.refit_id,
                                           plan_id=entry.plan_id, version=run.version, done=run.done,
                                           total=len(run.members), result=resp))

@@ -328,6 +328,54 @@ def test_reregistration_replaces_old_stream(cluster: Cluster) -> None:
         ag.stop()
 
 
+class SlowDataPlane:
+    """Moves nothing, in a second, on the agent's thread (a refit long enough to cancel its call)."""
+
+    inline = False
+
+    def __call__(self, plan, role, rank, tensors, version, ctx):
+        time.sleep(min(1.0, ctx.remaining()))
+        return 0, 0.0
+
+
+def test_a_cancelled_refit_call_leaves_the_refit_to_its_joiners(cluster: Cluster) -> None:
+    """The RL loop's first Refit call goes away (cancelled: its process died) while a second
+    caller of the same version joined it: the joiner gets the refit's result, not CANCELLED, and
+    the engine hears the commit."""
+    a, c = cluster.address, cluster.client
+    spec = tiny_spec(MODEL)
+    agents = [TrainerAgent(a, group="gone-t", rank=0, spec=spec, layout="megatron:tp1", data_plane=SlowDataPlane()),
+              EngineAgent(a, group="gone-e", rank=0, spec=spec, layout="vllm:tp1", data_plane=SlowDataPlane())]
+    for ag in agents:
+        ag.start()
+    ch = grpc.insecure_channel(a)
+    try:
+        plan = c.create_plan("gone-t", "gone-e")["plan_id"]
+        first = pb_grpc.CoordinatorStub(ch).Refit.future(pb.RefitRequest(plan_id=plan, version=1, timeout_seconds=10),
+                                                         timeout=20)
+        time.sleep(0.2)  # the refit is under way
+        out: dict = {}
+
+        def join() -> None:
+            try:
+                out["r"] = c.refit(plan, version=1, timeout=10, check=False)
+            except grpc.RpcError as e:
+                out["r"] = e
+
+        joiner = threading.Thread(target=join)
+        joiner.start()
+        time.sleep(0.1)  # the joiner has joined
+        first.cancel()
+        joiner.join(15)
+        assert not isinstance(out["r"], grpc.RpcError), out["r"]
+        assert out["r"].ok, out["r"].error
+        assert _settle(lambda: (agents[1].version, agents[1].stale) == (1, False))
+    finally:
+        ch.close()
+        for ag in agents:
+            ag.stop()
+
+
 def _settle(cond, timeout: float = 5.0) -> bool:
     """The engine hears the commit just after the refit returns."""
     end = time.monotonic() + timeout

@@ -210,3 +210,83 @@ def test_disconnected_rows_are_pruned() -> None:
         assert len(coord.workers) == mod.MAX_GONE
 
     run(main())
+
+
+def test_a_caller_that_goes_away_does_not_cancel_the_refit() -> None:
+    """The first caller's RPC is cancelled (its client died, or gave up) while the members run:
+    the refit goes on and ends as it would have — a second caller of the same version gets its
+    response, and the engines hear the commit — rather than the joiner being cancelled too and
+    the members never told the outcome."""
+    async def main() -> None:
+        coord, members, plan = await cluster()
+        task = responder(members, delay=0.3)
+        owner = asyncio.ensure_future(coord.refit(plan, 1, 5.0))
+        await asyncio.sleep(0.05)
+        joiner = asyncio.ensure_future(coord.refit(plan, 1, 5.0))
+        await asyncio.sleep(0.05)
+        owner.cancel()
+        resp = await joiner
+        assert resp.status == pb.REFIT_STATUS_OK, resp.error
+        engine = members[1]
+        assert [(o.version, o.committed) for o in engine.outcomes()] == [(1, True)]
+        assert (engine.worker.version, engine.worker.stale, engine.worker.busy) == (1, False, "")
+        task.cancel()
+
+    run(main())
+
+
+def test_a_failed_refit_whose_caller_went_away_still_rebuilds_and_abandons() -> None:
+    """A member fails and its peers hang, and the caller goes away meanwhile: the members are
+    still told to abandon the refit and the plan's communicator is still rebuilt (a new rendezvous
+    prefix), so the next refit never reuses a group left mid-barrier."""
+    async def main() -> None:
+        coord, members, plan = await cluster()
+        first_prefix: list[str] = []
+
+        def answer(m: Member, r: pb.RunRefit) -> bool | None:
+            first_prefix.append(r.rendezvous.prefix)
+            return False if m is members[0] else None  # the trainer errs, the engine hangs
+
+        task = responder(members, delay=0.1, answer=answer)
+        owner = asyncio.ensure_future(coord.refit(plan, 1, 1.0))
+        await asyncio.sleep(0.15)
+        owner.cancel()
+        await asyncio.sleep(0.5)  # the grace after the failure runs out
+        assert [o.committed for o in members[1].outcomes()] == [False]
+        assert coord.plans[plan].broken and coord.workers["e/0"].stale
+        task.cancel()
+
+    run(main())
+
+
+def test_a_member_whose_stream_takes_no_message_is_named_within_the_deadline() -> None:
+    """A stopped process stops reading its stream; once gRPC's flow-control window is full (a
+    first RunRefit carries the plan: megabytes for a large model) the coordinator's write to it
+    blocks until keepalive drops the stream.  The refit must still end by its deadline, naming
+    that member as timed out, not hang in the dispatch."""
+    async def main() -> None:
+        coord, members, plan = await cluster(trainers=2, engines=1)
+        stuck = members[1]
+        never = asyncio.Event()
+
+        async def blocked(msg: pb.CoordinatorMessage) -> None:
+            await never.wait()  # the write of a full flow-control window
+
+        stuck.worker.send = blocked
+
+        async def serve(m: Member) -> None:  # peers give up at the barrier the stuck one never reaches
+            r = await m.runs.get()
+            await asyncio.sleep(r.timeout_seconds)
+            m.answer(r.refit_id, False, "TimeoutError: timed out at the refit start barrier; waiting on t/1")
+
+        tasks = [asyncio.ensure_future(serve(m)) for m in members if m is not stuck]
+        loop = asyncio.get_running_loop()
+        t0 = loop.time()
+        resp = await asyncio.wait_for(coord.refit(plan, 1, 1.0), 5.0)
+        assert loop.time() - t0 < 1.3
+        assert resp.status == pb.REFIT_STATUS_FAILED
+        assert resp.error.split(": ", 1)[1].startswith("t/1 timed out"), resp.error
+        for t in tasks:
+            t.cancel()
+
+    run(main())
