@@ -25,7 +25,6 @@ import argparse
 import asyncio
 import functools
 import logging
-import math
 import os
 import socket
 import sys
@@ -44,6 +43,8 @@ from refit.entrypoint import run_main, setup_logging
 from refit.errors import RefitError
 
 log = logging.getLogger(__name__)
+
+MAX_TIMEOUT = 7 * 86_400.0  # seconds a refit may be given: a week
 
 
 class _Malformed:
@@ -149,8 +150,8 @@ class Servicer:
     async def Refit(self, req: pb.RefitRequest, context: grpc.aio.ServicerContext) -> pb.RefitResponse:
         if not req.plan_id:
             raise RefitError("plan_id is required")
-        if not math.isfinite(req.timeout_seconds) or req.timeout_seconds < 0:
-            raise RefitError(f"timeout_seconds must be a finite number >= 0, got {req.timeout_seconds}")
+        if not 0 <= req.timeout_seconds <= MAX_TIMEOUT:  # beyond it, members' timers overflow (timedelta)
+            raise RefitError(f"timeout_seconds must be a number in [0, {MAX_TIMEOUT:g}], got {req.timeout_seconds}")
         timeout = req.timeout_seconds or self.coord.default_timeout
         left = context.time_remaining()
         if left is not None:  # answer FAILED before the caller's own deadline cuts the call
@@ -216,6 +217,8 @@ class CoordinatorServer:
         if _wildcard(self.advertise_host):
             raise RefitError(f"--host {host} listens everywhere: give --advertise-host, the address workers reach "
                              f"this host on (the rendezvous store listens there only)")
+        if not 0 < default_timeout <= MAX_TIMEOUT:  # 0 would fail every refit that gives none, at once
+            raise RefitError(f"--timeout must be a number of seconds in (0, {MAX_TIMEOUT:g}], got {default_timeout}")
         self.options = server_options(keepalive_ms, keepalive_timeout_ms)
         self.default_timeout, self.grace = default_timeout, grace
         self.server: grpc.aio.Server | None = None

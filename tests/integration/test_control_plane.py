@@ -271,6 +271,10 @@ def test_malformed_requests_get_invalid_argument(cluster: Cluster) -> None:
                    timeout=5) == bad
     assert code_of(stub.Refit, pb.RefitRequest(plan_id=cluster.plan_id, version=10**6, timeout_seconds=float("nan")),
                    timeout=5) == bad
+    # A timeout beyond what members' timers hold (no call deadline to cap it): refused, nothing touched.
+    assert code_of(stub.Refit, pb.RefitRequest(plan_id=cluster.plan_id, version=cluster.version + 1,
+                                               timeout_seconds=1e15)) == bad
+    assert not any(r["stale"] for r in c.list_workers(group="engine"))
 
     def connect(*msgs: pb.WorkerMessage) -> grpc.StatusCode:
         return code_of(lambda: list(stub.Connect(iter(msgs), timeout=5)))
@@ -437,6 +441,19 @@ def test_serve_main_refuses_a_taken_port_and_reads_the_token_file(tmp_path) -> N
             assert c.health() == "SERVING"
     finally:
         srv.stop()
+
+
+def test_serve_refuses_a_default_timeout_that_is_not_positive(capsys) -> None:
+    """`refit serve --timeout 0` (or negative, or nan) would fail every refit that gives no
+    timeout of its own, at once and blaming the request: refused at start instead."""
+    from refit.control.server import CoordinatorServer, serve_main
+    from refit.errors import RefitError
+
+    for bad in (0.0, -1.0, float("nan"), float("inf")):
+        with pytest.raises(RefitError, match="--timeout must be a number of seconds in"):
+            CoordinatorServer(port=0, default_timeout=bad)
+    assert serve_main(["--port", "0", "--timeout", "0"]) == 2
+    assert "--timeout must be a number of seconds in (0, 604800], got 0.0" in capsys.readouterr().err
 
 
 def test_client_raises_refit_exceptions() -> None:
