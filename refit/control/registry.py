@@ -169,6 +169,10 @@ def check_group_role(workers: dict[str, Worker], info: pb.WorkerInfo) -> None:
 def group_members(workers: dict[str, Worker], group: str, role: int) -> list[Worker]:
     """Every rank of ``group``, checked: right role, one layout, one model, no rank missing."""
     members = sorted((w for w in workers.values() if w.info.group == group), key=lambda w: w.info.rank)
+    shape = lambda w: (w.layout_str, w.info.model_digest, w.info.phase_layers)  # noqa: E731
+    live = [shape(w) for w in members if w.connected]
+    if live:  # rows of workers gone before the group came back in another shape (tp2 -> tp1) are none of it
+        members = [w for w in members if w.connected or shape(w) == live[0]]
     want = ROLE_NAMES[role]
     if not members:
         raise RefitError(f"no worker is registered in group {short(group)}")

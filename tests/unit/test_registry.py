@@ -106,3 +106,19 @@ def test_group_members_names_the_missing_rank() -> None:
         group_members({w.worker_id: w}, "e", pb.ROLE_ENGINE)
     with pytest.raises(RefitError, match="no worker is registered in group 'x'"):
         group_members({w.worker_id: w}, "x", pb.ROLE_ENGINE)
+
+
+def test_rows_of_workers_gone_before_the_group_came_back_in_another_layout_are_left_out() -> None:
+    """A group restarted with fewer ranks (vllm:tp2 -> tp1): the departed rank's row, kept
+    (disconnected) for ListWorkers, no longer makes every plan of the group fail."""
+    old1, new0 = worker(info(rank=1)), worker(info(layout="vllm:tp1", pid=8))
+    old1.connected = False
+    ws = {"e/0": new0, "e/1": old1}
+    assert group_members(ws, "e", pb.ROLE_ENGINE) == [new0]
+    # A departed rank of the group's own layout still counts (a refit names it not connected) ...
+    same = {"e/0": worker(info(pid=8)), "e/1": old1}
+    assert group_members(same, "e", pb.ROLE_ENGINE) == [same["e/0"], old1]
+    # ... and a live rank of another layout is still refused.
+    old1.connected = True
+    with pytest.raises(RefitError, match="registered layout"):
+        group_members(ws, "e", pb.ROLE_ENGINE)
