@@ -313,10 +313,10 @@ class Coordinator:
                 rendezvous=rdv, plan_json=b"" if entry.plan_id in w.sent_plans else entry.plan_json))
             w.sent_plans.add(entry.plan_id)
             sends.append(self._spawn(self._send(w, msg)))
-        # A stopped worker's full flow-control window blocks the write until keepalive drops it: _collect names it.
-        await asyncio.wait(sends, timeout=max(0.0, deadline - time.monotonic()))
         self.events.publish(pb.RefitEvent(kind=pb.RefitEvent.KIND_STARTED, refit_id=run.refit_id,
                                           plan_id=entry.plan_id, version=run.version, total=len(run.members)))
+        # A stopped worker's full flow-control window blocks the write until keepalive drops it: _collect names it.
+        await asyncio.wait(sends, timeout=max(0.0, deadline - time.monotonic()))
 
     async def _send(self, w: Worker, msg: pb.CoordinatorMessage) -> None:
         try:
