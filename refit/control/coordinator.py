@@ -164,7 +164,7 @@ class Coordinator:
                 make_plan, spec, src[0].layout, dst[0].layout, placement, planner, bucket, phase_layers))
         try:
             result = await asyncio.shield(self._plan_keys[key])
-        except RefitError:
+        except Exception:  # not cached: a later request plans again
             self._plan_keys.pop(key, None)
             raise
         plan_id = control_plan_id(result.plan.plan_id, src_group, dst_group)

@@ -12,6 +12,7 @@ from typing import Any, Awaitable, Callable
 
 from refit.control.common import ROLE_NAMES, Conflict, Exhausted, Precondition, config_difference, short, spec_from_registration, worker_id
 from refit.control.v1 import refit_pb2 as pb
+from refit.dtypes import DTYPE_BYTES
 from refit.errors import RefitError
 from refit.layouts import Layout, resolve_layout
 from refit.plan import Plan
@@ -130,6 +131,12 @@ def check_info(info: pb.WorkerInfo) -> None:
         v = fields.get(key, 0)
         if not isinstance(v, int) or isinstance(v, bool) or not 0 <= v <= limit:
             raise RefitError(f"register: model config {key} = {short(v)}; expected an integer in [0, {limit}]")
+    dtype = fields.get("dtype", "bfloat16")
+    if not isinstance(dtype, str) or dtype not in DTYPE_BYTES:  # planning sizes every tensor by it
+        raise RefitError(f"register: model config dtype = {short(dtype)}; expected one of {', '.join(DTYPE_BYTES)}")
+    for key in () if fields.get("kv_lora_rank") else ("num_heads", "num_kv_heads", "head_dim"):
+        if fields.get(key, 0) < 1:  # layouts split attention rows by kv groups of heads of head_dim rows
+            raise RefitError(f"register: model config {key} = {fields.get(key, 0)}; attention needs at least 1")
     moe = fields.get("moe_layers", [])
     if not isinstance(moe, list) or len(moe) > CONFIG_BOUNDS["num_layers"]:
         raise RefitError("register: model config moe_layers must be a list of layer indices")

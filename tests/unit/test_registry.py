@@ -56,7 +56,10 @@ def test_bad_fields_are_refused_before_building(kw, match) -> None:
 
 
 @pytest.mark.parametrize("field,value", [("num_layers", 30_000_000), ("num_experts", 10**6), ("vocab_size", -1),
-                                         ("hidden_size", "32"), ("num_layers", True)])
+                                         ("hidden_size", "32"), ("num_layers", True),
+                                         # accepted before, then CreatePlan failed INTERNAL (KeyError,
+                                         # ZeroDivisionError) and kept failing: the failure was cached
+                                         ("dtype", "bf16"), ("dtype", ["bfloat16"]), ("head_dim", 0), ("num_kv_heads", 0)])
 def test_model_config_is_bounded_before_a_spec_is_built(field, value) -> None:
     cfg = json.loads(info().model_config_json)
     cfg[field] = value
