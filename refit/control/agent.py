@@ -175,13 +175,22 @@ class Agent:
         return self
 
     def stop(self) -> None:
-        """Leave: end the stream (the coordinator sees a disconnect)."""
+        """Leave: end the stream (the coordinator sees a disconnect); close the data plane (its communicators,
+        maps of peers' memory) on the share thread, after a share still running has ended."""
         loop = self._loop
         if loop is None or self._main_future is None:
             return
         self._main_future.cancel()  # thread-safe: cancels the task, which ends the stream
-        if threading.current_thread() is not _LOOP_THREAD:
+        waits = threading.current_thread() is not _LOOP_THREAD
+        if waits:
             self._closed.wait(10)
+        close = getattr(self.data_plane, "close", None)
+        if close is not None:
+            try:
+                done = self._pool.submit(close)
+            except RuntimeError:  # the interpreter is exiting: nothing to give back
+                return
+            concurrent.futures.wait((done,), timeout=10 if waits else 0)
 
     def wait_closed(self, timeout: float | None = None) -> bool:
         return self._closed.wait(timeout)

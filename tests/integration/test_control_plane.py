@@ -380,6 +380,35 @@ def test_a_cancelled_refit_call_leaves_the_refit_to_its_joiners(cluster: Cluster
             ag.stop()
 
 
+def test_stop_closes_the_data_plane(cluster: Cluster) -> None:
+    """An agent that stops lets its data plane go (gloo groups and store connection here; on GPUs
+    also NCCL communicators and maps of the trainers' memory): vLLM's `init_transfer_engine`
+    called again, or an attach repeated, stops the old agent and kept all of that alive."""
+    import torch
+
+    from refit.control.dataplane_executor import ExecutorDataPlane
+    from refit.layouts import resolve_layout
+    from tests.harness.control_cluster import fill
+
+    a, c, spec = cluster.address, cluster.client, tiny_spec(MODEL)
+    src, dst = resolve_layout("megatron:tp1", spec, "src"), resolve_layout("vllm:tp1", spec, "dst")
+    planes = [ExecutorDataPlane(), ExecutorDataPlane()]
+    got = {lt.name: torch.zeros(lt.shape, dtype=torch.bfloat16) for lt in dst.local_tensors(spec, 0)}
+    agents = [TrainerAgent(a, group="stop-t", rank=0, spec=spec, layout=src, tensors=fill(spec, src, 0, 1),
+                           data_plane=planes[0]).start(),
+              EngineAgent(a, group="stop-e", rank=0, spec=spec, layout=dst, tensors=got, data_plane=planes[1]).start()]
+    try:
+        assert c.refit(c.create_plan("stop-t", "stop-e")["plan_id"], version=1).ok
+        want = fill(spec, dst, 0, 1)
+        assert [n for n in want if not torch.equal(want[n].view(torch.int16), got[n].view(torch.int16))] == []
+        members = [m for dp in planes for _, m, _ in dp._members.values()]
+        assert len(members) == 2 and all(m.ctl is not None for m in members)
+    finally:
+        for ag in agents:
+            ag.stop()
+    assert all(m.ctl is None for m in members) and not any(dp._members for dp in planes)
+
+
 def _settle(cond, timeout: float = 5.0) -> bool:
     """The engine hears the commit just after the refit returns."""
     end = time.monotonic() + timeout
