@@ -111,6 +111,10 @@ class MegatronLayout:
         if not c.is_mla:
             qkv_rows = (c.num_heads + 2 * c.num_kv_heads) * c.head_dim
             divides("megatron: linear_qkv rows ((heads + 2*kv heads) * head_dim)", qkv_rows, "tp", self.tp)
+            G = c.num_kv_heads
+            if G % self.tp and self.tp % G:  # TransformerConfig's own check (attention splits whole groups)
+                raise RefitError(f"megatron: query groups (kv heads, {G}) must be a multiple or a divisor of "
+                                 f"tp ({self.tp})")
         if c.num_shared_experts:
             divides("megatron: shared experts' intermediate size", c.shared_intermediate_size, "tp", self.tp)
         if c.dense_layers:

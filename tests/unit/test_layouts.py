@@ -85,6 +85,21 @@ def test_megatron_qkv_rows_must_split_over_tp():
         resolve_layout("megatron:tp8", spec)
 
 
+def test_megatron_query_groups_must_be_a_multiple_or_divisor_of_tp():
+    """megatron-core's TransformerConfig refuses num_query_groups neither a multiple nor a divisor
+    of tp (Attention then cannot give each rank whole groups, or whole shares of one)."""
+    from refit.spec import ModelConfig, build_spec
+
+    # 12 heads, 3 kv heads, head_dim 4: linear_qkv rows (12+6)*4 = 72 split over tp2 and tp4 evenly
+    spec = build_spec("three-groups", ModelConfig("llama", 48, 2, 12, 3, 4, 48, vocab_size=100))
+    resolve_layout("megatron:tp3", spec)  # one group a rank
+    resolve_layout("megatron:tp6", spec)  # half a group a rank
+    for tp in (2, 4):
+        with pytest.raises(RefitError, match=rf"query groups \(kv heads, 3\) must be a multiple or a divisor of "
+                                             rf"tp \({tp}\)"):
+            resolve_layout(f"megatron:tp{tp}", spec)
+
+
 def test_expert_parallel_on_a_dense_model_is_refused():
     with pytest.raises(RefitError, match="has no experts"):
         resolve_layout("megatron:tp2ep2", load_spec("qwen3-8b"))
