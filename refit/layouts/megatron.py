@@ -133,6 +133,8 @@ class MegatronLayout:
     def _resolve_pipeline(self, L: int) -> "MegatronLayout":
         P, V = self.pp, self.vpp
         if P == 1:
+            if self.first is not None or self.last is not None:
+                self.stage_layers(L)  # the one stage must then hold every layer (raises with the numbers)
             return self
         if self.first is None and self.last is None and L % (P * V):
             # Megatron's account_for_embedding/loss_in_pipeline_split: the embedding and the loss
@@ -153,7 +155,8 @@ class MegatronLayout:
         ends = [x for x in (self.first, self.last) if x is not None]
         middle_stages = P - len(ends)
         middle = L - sum(ends)
-        if middle < 0 or (middle_stages == 0 and middle) or (middle_stages and middle % (middle_stages * V)):
+        if middle < 0 or middle_stages < 0 or (middle_stages == 0 and middle) or \
+                (middle_stages and middle % (middle_stages * V)):
             raise RefitError(
                 f"megatron: {L} layers cannot be split as first={self.first}, last={self.last} over "
                 f"{middle_stages} middle stages x vpp {V}"

@@ -51,6 +51,8 @@ def test_resolved_degrees_are_reported():
     ("megatron:pp7", ["layers (48)", "pp*vpp (7*1=7)", "first<N>"]),
     ("megatron:pp2vpp5", ["layers (48)", "pp*vpp (2*5=10)"]),
     ("megatron:vpp2", ["vpp > 1 needs pp > 1"]),
+    ("megatron:first24", ["48 layers cannot be split as first=24, last=None over 0 middle stages"]),
+    ("megatron:first48last48", ["48 layers cannot be split as first=48, last=48 over -1 middle stages"]),
     ("vllm:tp3", ["attention heads (32)", "tp (3)"]),
     ("vllm:tp4ep8dp1", ["tp*dp (4*1=4)", "ep8"]),
     ("vllm:tp32dp16", ["moe_intermediate_size (768)", "tp*dp"]),
@@ -98,6 +100,13 @@ def test_megatron_query_groups_must_be_a_multiple_or_divisor_of_tp():
         with pytest.raises(RefitError, match=rf"query groups \(kv heads, 3\) must be a multiple or a divisor of "
                                              rf"tp \({tp}\)"):
             resolve_layout(f"megatron:tp{tp}", spec)
+
+
+def test_megatron_first_on_one_pipeline_stage_is_every_layer():
+    """megatron-core accepts num_layers_in_first_pipeline_stage = num_layers with pp 1 (no middle
+    stages, no layers left); refit resolves it to the one stage holding them all."""
+    layout = resolve_layout("megatron:first48", Q30)
+    assert layout.stage_layers(48) == {(0, 0): list(range(48))}
 
 
 def test_expert_parallel_on_a_dense_model_is_refused():
