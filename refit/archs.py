@@ -37,8 +37,9 @@ def family_fields(cfg: dict[str, Any], layers: int, heads: int) -> dict[str, Any
     arch = cfg["model_type"]
     experts = int(cfg.get("n_routed_experts") or 0)
     first_dense = _int(cfg, "first_k_dense_replace", 0)
-    freq = int(cfg.get("moe_layer_freq", 1) or 1)
-    # vLLM's DeepseekV2DecoderLayer / Glm4MoeDecoderLayer rule for which layers are sparse
+    # vLLM's DeepseekV2DecoderLayer / Glm4MoeDecoderLayer rule for which layers are sparse: only
+    # DeepSeek's takes moe_layer_freq (Glm4MoeDecoderLayer, like transformers' Glm4Moe, ignores it)
+    freq = int(cfg.get("moe_layer_freq", 1) or 1) if arch in DEEPSEEK_ARCHS else 1
     moe_layers = tuple(l for l in range(layers) if experts and l >= first_dense and l % freq == 0)
     out: dict[str, Any] = dict(
         num_experts=experts,

@@ -176,7 +176,9 @@ def spec_from_dir(directory: str) -> ModelSpec:
     else:
         raise RefitError(f"{directory}: neither config.json nor *.safetensors found")
     if tensors and "torch_dtype" not in hf_cfg and "dtype" not in hf_cfg:
-        hf_cfg["torch_dtype"] = next(iter(tensors.values()))[1]
+        # the embedding's: safetensors writes wider dtypes first, so the first tensor may be a float32 router bias
+        first = tensors.get("model.embed_tokens.weight") or next(iter(tensors.values()))
+        hf_cfg["torch_dtype"] = first[1]
     spec = build_spec(os.path.basename(os.path.normpath(directory)), ModelConfig.from_hf(hf_cfg))
     if tensors:
         check_checkpoint(spec, tensors, directory)

@@ -64,13 +64,17 @@ def refuse_unmapped(unmapped: list[str], where: str, why: str = "") -> None:
                      f"{'; ' + why if why else ''}; refusing to attach rather than leave it behind")
 
 
-def check_dtypes(served: Mapping[str, "Served"], spec: ModelSpec) -> None:
-    want = spec.config.dtype
-    for s in served.values():
+def check_dtypes(served: Mapping[str, "Served"], spec: ModelSpec, layout: Layout, rank: int) -> None:
+    """Each served tensor in the dtype the layout holds it in: the config's, but float32 router
+    biases (``e_score_correction_bias``, Megatron's ``expert_bias``)."""
+    held = {lt.name: lt.dtype for lt in layout.local_tensors(spec, rank)}
+    for name, s in served.items():
+        want = held.get(name, spec.config.dtype)
         got = DTYPE_NAMES.get(s.view.dtype, str(s.view.dtype))
         if got != want:
-            raise RefitError(f"parameter {s.param_name!r} is {got}, the model's config says {want}: refit moves bits "
-                             f"and does not cast; keep the trainer's parameters in {want} (or fix config.dtype)")
+            whose = "the model's config says" if want == spec.config.dtype else f"refit holds {name!r} in"
+            raise RefitError(f"parameter {s.param_name!r} is {got}, {whose} {want}: refit moves bits "
+                             f"and does not cast; keep the trainer's tensor in {want} (or fix config.dtype)")
 
 
 @dataclass
@@ -112,7 +116,7 @@ def start_trainer(address: str, *, group: str, rank: int, spec: ModelSpec, layou
                   served: Mapping[str, Served], token: str | None = None, **agent_options: Any) -> TrainerAgent:
     """Check, then register: the layout's tensors of ``rank`` must all be served (names, shapes,
     dtypes, by `TrainerAgent`'s own check) before anything connects."""
-    check_dtypes(served, spec)
+    check_dtypes(served, spec, layout, rank)
     tensors = {name: s.view for name, s in served.items()}
     devices = {t.device for t in tensors.values()}
     if len(devices) == 1 and (dev := next(iter(devices))).type == "cuda":

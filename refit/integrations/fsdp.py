@@ -27,6 +27,7 @@ from refit.errors import RefitError
 from refit.integrations._common import global_rank, spec_of_hf_config, start_trainer
 from refit.integrations.hf import serve_hf_parameters
 from refit.layouts import FsdpLayout
+from refit.layouts.fsdp import chunk_rows
 
 __all__ = ["attach"]
 
@@ -44,8 +45,10 @@ def attach(model: torch.nn.Module, address: str, *, group: str = "trainer", toke
     rank = global_rank()
     spec = spec_of_hf_config(model.config, {n: p.to_local() for n, p in named})
     layout = FsdpLayout(dp=dp).resolve(spec)
+    # FSDP2 leaves buffers (the float32 router bias) whole on every rank: serve this rank's rows
     served = serve_hf_parameters(named, spec, layout, rank, local=lambda p: p.to_local().detach(),
-                                 fused_experts=False)
+                                 fused_experts=False, buffer=model.get_buffer,
+                                 buffer_local=lambda b: b.detach().narrow(0, *chunk_rows(b.shape[0], dp, rank)))
     return start_trainer(address, group=group, rank=rank, spec=spec, layout=layout, served=served, token=token,
                          **agent_options)
 

@@ -13,7 +13,9 @@ Parameters are served as views of their live storage under refit's HF names:
   [E, H, I]; expert e's ``gate_proj.weight`` is then ``gate_up_proj[e, :I]``, ``up_proj.weight``
   ``gate_up_proj[e, I:]``, ``down_proj.weight`` ``down_proj[e]`` — all views;
 * the per-expert form (``mlp.experts.{e}.gate_proj.weight``, transformers 4) is served as is;
-* a tied ``lm_head.weight`` is the embedding itself: served once, as ``model.embed_tokens.weight``.
+* a tied ``lm_head.weight`` is the embedding itself: served once, as ``model.embed_tokens.weight``;
+* DeepSeek-V3's and GLM-4.5's router bias ``mlp.gate.e_score_correction_bias`` is a (float32)
+  buffer, not a parameter: served from the module's buffer, looked up again at every check.
 
 A parameter that maps to none of refit's tensors (a Llama's ``mlp_bias`` or ``o_proj`` bias, an
 untied ``lm_head`` when the config says tied) fails the attach, naming it.
@@ -48,16 +50,20 @@ def attach(model: torch.nn.Module, address: str, *, group: str = "trainer", toke
     if rank != 0:
         raise RefitError(f"refit_hf.attach serves an unsharded model as the one rank of layout hf, but this process "
                          f"is global rank {rank}: use refit_fsdp.attach for a sharded model, or attach on rank 0 only")
-    served = serve_hf_parameters(named, spec, layout, 0, local=lambda p: p.detach())
+    served = serve_hf_parameters(named, spec, layout, 0, local=lambda p: p.detach(), buffer=model.get_buffer)
     return start_trainer(address, group=group, rank=0, spec=spec, layout=layout, served=served, token=token,
                          **agent_options)
 
 
 def serve_hf_parameters(named: Iterable[tuple[str, torch.Tensor]], spec: ModelSpec, layout: Layout, rank: int,
-                        local: Callable[[torch.Tensor], torch.Tensor], fused_experts: bool = True) -> dict[str, Served]:
+                        local: Callable[[torch.Tensor], torch.Tensor], fused_experts: bool = True,
+                        buffer: Callable[[str], torch.Tensor] | None = None,
+                        buffer_local: Callable[[torch.Tensor], torch.Tensor] | None = None) -> dict[str, Served]:
     """Map parameters under HF names to ``layout``'s local tensors of ``rank`` (whose names are HF
     names: layouts ``hf`` and ``fsdp``).  ``local(p)`` is the part of ``p`` this process holds, as
-    a view; ``fused_experts=False`` refuses the fused expert form (see `refit_fsdp`)."""
+    a view; ``fused_experts=False`` refuses the fused expert form (see `refit_fsdp`).  ``buffer``
+    (``model.get_buffer``) serves the tensors no parameter holds from the model's buffers of the
+    same name (``buffer_local(b)``, default ``local``, the part this process holds)."""
     expected = {lt.name: lt for lt in layout.local_tensors(spec, rank)}
     served: dict[str, Served] = {}
     unmapped: list[str] = []
@@ -78,6 +84,14 @@ def serve_hf_parameters(named: Iterable[tuple[str, torch.Tensor]], spec: ModelSp
             served[name] = Served(live(), name, live)
         else:
             unmapped.append(name)
+    if buffer is not None:
+        for name in expected.keys() - served.keys():
+            try:
+                buffer(name)
+            except AttributeError:
+                continue  # left missing: TrainerAgent's check names it
+            live = (lambda name=name: (buffer_local or local)(buffer(name)))
+            served[name] = Served(live(), name, live)
     refuse_unmapped(unmapped, f"{spec.name} ({spec.config.arch}, layout {layout.describe()})", _hint(spec, unmapped))
     return served
 

@@ -6,7 +6,8 @@
 Called on every rank after ``parallel_state.initialize_model_parallel`` (and after wrapping the
 model in Megatron's DDP, whose buffers the parameters then live in).  The layout is read from
 ``megatron.core.parallel_state`` (tp, pp, vpp, ep, etp, cp, dp) and the config's uneven pipeline
-split, then checked against the model itself: this rank's coordinates, the layers each chunk
+split (``num_layers_in_first/last_pipeline_stage`` or ``account_for_embedding/loss_in_pipeline_split``),
+then checked against the model itself: this rank's coordinates, the layers each chunk
 built, the config's dimensions against the spec's.
 
 Names: refit's megatron layout uses the Transformer Engine spec's names.  The local (non-TE) spec
@@ -102,12 +103,23 @@ def layout_from_parallel_state(spec: ModelSpec, chunks: Sequence[torch.nn.Module
     if getattr(cfg, "pipeline_model_parallel_layout", None) is not None:
         raise RefitError("pipeline_model_parallel_layout is not supported; use num_layers_in_first/last_pipeline_stage")
     moe = spec.config.is_moe
+    pp = ps.get_pipeline_model_parallel_world_size()
+    first = getattr(cfg, "num_layers_in_first_pipeline_stage", None)
+    last = getattr(cfg, "num_layers_in_last_pipeline_stage", None)
+    emb = bool(getattr(cfg, "account_for_embedding_in_pipeline_split", False))
+    loss = bool(getattr(cfg, "account_for_loss_in_pipeline_split", False))
+    if (emb or loss) and pp > 1:
+        # Megatron's get_num_layers_to_build: the embedding and/or the loss count as a layer each,
+        # (L + emb + loss) / pp layers a stage, and the first / last stage builds one layer fewer
+        if vpp > 1:
+            raise RefitError("account_for_embedding/loss_in_pipeline_split with a virtual pipeline is not supported; "
+                             "use num_layers_in_first/last_pipeline_stage")
+        per_stage = (cfg.num_layers + emb + loss) // pp
+        first, last = (per_stage - 1 if emb else None), (per_stage - 1 if loss else None)
     layout = MegatronLayout(
-        tp=ps.get_tensor_model_parallel_world_size(), pp=ps.get_pipeline_model_parallel_world_size(), vpp=vpp,
+        tp=ps.get_tensor_model_parallel_world_size(), pp=pp, vpp=vpp,
         ep=ps.get_expert_model_parallel_world_size(), etp=ps.get_expert_tensor_parallel_world_size() if moe else None,
-        dp=ps.get_data_parallel_world_size(), cp=ps.get_context_parallel_world_size(),
-        first=getattr(cfg, "num_layers_in_first_pipeline_stage", None),
-        last=getattr(cfg, "num_layers_in_last_pipeline_stage", None))
+        dp=ps.get_data_parallel_world_size(), cp=ps.get_context_parallel_world_size(), first=first, last=last)
     return layout.resolve(spec)
 
 

@@ -111,6 +111,10 @@ class MegatronLayout:
         if not c.is_mla:
             qkv_rows = (c.num_heads + 2 * c.num_kv_heads) * c.head_dim
             divides("megatron: linear_qkv rows ((heads + 2*kv heads) * head_dim)", qkv_rows, "tp", self.tp)
+            G = c.num_kv_heads
+            if G % self.tp and self.tp % G:  # TransformerConfig's own check (attention splits whole groups)
+                raise RefitError(f"megatron: query groups (kv heads, {G}) must be a multiple or a divisor of "
+                                 f"tp ({self.tp})")
         if c.num_shared_experts:
             divides("megatron: shared experts' intermediate size", c.shared_intermediate_size, "tp", self.tp)
         if c.dense_layers:
@@ -129,6 +133,8 @@ class MegatronLayout:
     def _resolve_pipeline(self, L: int) -> "MegatronLayout":
         P, V = self.pp, self.vpp
         if P == 1:
+            if self.first is not None or self.last is not None:
+                self.stage_layers(L)  # the one stage must then hold every layer (raises with the numbers)
             return self
         if self.first is None and self.last is None and L % (P * V):
             # Megatron's account_for_embedding/loss_in_pipeline_split: the embedding and the loss
@@ -149,7 +155,8 @@ class MegatronLayout:
         ends = [x for x in (self.first, self.last) if x is not None]
         middle_stages = P - len(ends)
         middle = L - sum(ends)
-        if middle < 0 or (middle_stages == 0 and middle) or (middle_stages and middle % (middle_stages * V)):
+        if middle < 0 or middle_stages < 0 or (middle_stages == 0 and middle) or \
+                (middle_stages and middle % (middle_stages * V)):
             raise RefitError(
                 f"megatron: {L} layers cannot be split as first={self.first}, last={self.last} over "
                 f"{middle_stages} middle stages x vpp {V}"

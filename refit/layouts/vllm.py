@@ -13,7 +13,8 @@ Conventions (checked against vllm 0.32's own loaders in tests/integration/test_v
   E % ep ranks getting one more, and are not split inside.
 * DeepSeek-V3 MLA: with q LoRA, ``fused_qkv_a_proj`` = [q_a_proj; kv_a_proj_with_mqa], replicated;
   without, ``kv_a_proj_with_mqa`` replicated and ``q_proj`` split by heads; ``q_b_proj`` and
-  ``kv_b_proj`` split by heads (contiguous rows).  Shared experts: an MLP split over tp only.
+  ``kv_b_proj`` split by heads (contiguous rows).  Shared experts: an MLP split over tp only, but
+  whole on every rank when vLLM runs the MoE sequence parallel (`replicated_shared_experts`).
   ``e_score_correction_bias`` stays float32.
 * GLM-4.5: vLLM holds ``mlp.gate.weight`` in float32, upcast by its loader from the checkpoint's
   dtype.  This layout declares what the loader is fed (the checkpoint dtype); the vLLM backend's
@@ -28,6 +29,7 @@ import functools
 from dataclasses import dataclass, field, replace
 from typing import ClassVar
 
+from refit.archs import DEEPSEEK_ARCHS
 from refit.errors import RefitError
 from refit.layouts.base import LocalTensor, Piece, divides, pad_to, vocab_pieces
 from refit.spec import ModelSpec
@@ -53,6 +55,14 @@ def expert_range(num_experts: int, ep: int, ep_rank: int) -> tuple[int, int]:
     base, extra = divmod(num_experts, ep)
     count = base + (1 if ep_rank < extra else 0)
     return ep_rank * base + min(ep_rank, extra), count
+
+
+def replicated_shared_experts(arch: str, tp: int, dp: int, expert_parallel: bool) -> bool:
+    """vLLM's DeepseekV2MoE builds its shared experts with ``disable_tp`` (whole on every rank)
+    when ``ParallelConfig.use_sequence_parallel_moe`` holds: expert parallel with tp > 1 and dp > 1
+    under the default all2all backend (allgather_reducescatter; the DeepEP/MoRI/NIXL ones too).
+    GLM-4.5's Glm4MoE always splits them over tp."""
+    return arch in DEEPSEEK_ARCHS and expert_parallel and tp > 1 and dp > 1
 
 
 @dataclass(frozen=True)
@@ -104,7 +114,7 @@ class VllmLayout:
         if self.ep is not None and not c.is_moe:
             raise RefitError(f"vllm: ep{self.ep} given but {spec.name} has no experts")
         divides("vllm: attention heads", c.num_heads, "tp", self.tp)
-        if c.num_shared_experts:
+        if c.num_shared_experts and not replicated_shared_experts(c.arch, self.tp, self.dp_, self.expert_parallel):
             divides("vllm: shared experts' intermediate size", c.shared_intermediate_size, "tp", self.tp)
         if c.arch == "qwen2" and c.head_dim * c.num_heads != c.hidden_size:
             # vLLM's Qwen2Attention ignores config.head_dim and would load narrowed q/k/v silently.
@@ -208,10 +218,12 @@ class VllmLayout:
             out.append(LocalTensor(f"{p}self_attn.qkv_proj.{kind}", shape, dt, tuple(pieces)))
         return out
 
-    def _dense_mlp(self, spec: ModelSpec, p: str, layer: int, t: int, shared: bool = False) -> list[LocalTensor]:
+    def _dense_mlp(self, spec: ModelSpec, p: str, layer: int, t: int, shared: bool = False,
+                   ways: int | None = None) -> list[LocalTensor]:
+        """A gated MLP split ``ways`` ways (tp unless given), of which rank ``t`` holds one."""
         c = spec.config
         width, mlp = (c.shared_intermediate_size, "mlp.shared_experts") if shared else (c.intermediate_size, "mlp")
-        H, dt, n = c.hidden_size, c.dtype, width // self.tp
+        H, dt, n = c.hidden_size, c.dtype, width // (ways or self.tp)
         gate, up, down = (f"model.layers.*.{mlp}.{x}_proj.weight" for x in ("gate", "up", "down"))
         pos = spec.layer_pos(gate, layer)
         p += mlp + "."
@@ -233,8 +245,11 @@ class VllmLayout:
             bias = "model.layers.*.mlp.gate.e_score_correction_bias"
             out.append(LocalTensor(f"{p}mlp.gate.e_score_correction_bias", (E,), "float32",
                                    (Piece(bias, (spec.layer_pos(bias, layer), 0), (1, E), (0, 0)),)))
-        if c.num_shared_experts:  # an ordinary MLP, split over tp only (dp replicas hold copies)
-            out.extend(self._dense_mlp(spec, p, layer, t, shared=True))
+        if c.num_shared_experts:  # an ordinary MLP, split over tp only (dp replicas hold copies) or whole
+            if replicated_shared_experts(c.arch, self.tp, self.dp_, self.expert_parallel):
+                out.extend(self._dense_mlp(spec, p, layer, 0, shared=True, ways=1))
+            else:
+                out.extend(self._dense_mlp(spec, p, layer, t, shared=True))
         return out
 
     def _routed_experts(self, spec: ModelSpec, p: str, layer: int, rank: int) -> list[LocalTensor]:

@@ -58,7 +58,7 @@ class Engines:
 
     def __init__(self, address: str, spec: ModelSpec, layout: str, group: str = "engine") -> None:
         self.layout = resolve_layout(layout, spec, "dst")
-        self.tensors = [{lt.name: torch.zeros(lt.shape, dtype=torch.bfloat16)
+        self.tensors = [{lt.name: torch.zeros(lt.shape, dtype=getattr(torch, lt.dtype))  # float32 router biases
                          for lt in self.layout.local_tensors(spec, r)} for r in range(self.layout.world_size)]
         self.agents = [EngineAgent(address, group=group, rank=r, spec=spec, layout=self.layout,
                                    tensors=self.tensors[r]).start() for r in range(self.layout.world_size)]
@@ -69,7 +69,8 @@ class Engines:
         for r, (got, want) in enumerate(zip(self.tensors, expected)):
             assert set(got) == set(want), (r, set(got) ^ set(want))
             for n in want:
-                if not torch.equal(got[n].view(torch.int16), want[n].view(torch.int16)):
+                if got[n].dtype != want[n].dtype or not torch.equal(got[n].flatten().view(torch.uint8),
+                                                                   want[n].flatten().view(torch.uint8)):
                     bad.append(f"engine/{r} {n}")
         return bad
 

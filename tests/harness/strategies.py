@@ -70,7 +70,8 @@ def megatron_layouts(draw, spec: ModelSpec) -> MegatronLayout:
     c = spec.config
     qkv_rows = 0 if c.is_mla else (c.num_heads + 2 * c.num_kv_heads) * c.head_dim
     tp_choices = [d for d in divisors(c.num_heads) if c.intermediate_size % d == 0 and qkv_rows % d == 0
-                  and c.shared_intermediate_size % d == 0]
+                  and c.shared_intermediate_size % d == 0
+                  and (c.is_mla or c.num_kv_heads % d == 0 or d % c.num_kv_heads == 0)]
     tp = draw(st.sampled_from(tp_choices))
     cp = draw(st.sampled_from([1, 1, 2]))
     ep, etp = 1, None

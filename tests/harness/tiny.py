@@ -23,6 +23,11 @@ TINY_CONFIGS = {
     "tiny-llama": {"model_type": "llama", "architectures": ["LlamaForCausalLM"], "hidden_size": 32,
                    "num_hidden_layers": 4, "num_attention_heads": 8, "num_key_value_heads": 8,
                    "intermediate_size": 64, "vocab_size": 129, "tie_word_embeddings": False, "torch_dtype": "bfloat16"},
+    # three layers: a pipeline split that counts the embedding as a layer (pp2: 1 + 2)
+    "tiny-llama-3": {"model_type": "llama", "architectures": ["LlamaForCausalLM"], "hidden_size": 32,
+                     "num_hidden_layers": 3, "num_attention_heads": 8, "num_key_value_heads": 8,
+                     "intermediate_size": 64, "vocab_size": 129, "tie_word_embeddings": False,
+                     "torch_dtype": "bfloat16"},
     # DeepSeek-V3 with q LoRA (fused_qkv_a_proj in vLLM), one dense layer, 2 shared experts, 1 MTP layer
     "tiny-deepseek-v3": {"model_type": "deepseek_v3", "architectures": ["DeepseekV3ForCausalLM"], "hidden_size": 32,
                          "num_hidden_layers": 4, "num_attention_heads": 4, "num_key_value_heads": 4,

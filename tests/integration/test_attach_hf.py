@@ -28,6 +28,17 @@ QWEN2_TIED = dict(hidden_size=64, num_hidden_layers=2, num_attention_heads=4, nu
                   intermediate_size=96, vocab_size=250, tie_word_embeddings=True, dtype="bfloat16")
 LLAMA = dict(hidden_size=64, num_hidden_layers=2, num_attention_heads=4, num_key_value_heads=4,
              intermediate_size=96, vocab_size=129, tie_word_embeddings=False, dtype="bfloat16")
+# MLA with q LoRA, a dense first layer, 2 shared experts, the float32 router bias (a buffer)
+DEEPSEEK_V3 = dict(hidden_size=32, num_hidden_layers=3, num_attention_heads=4, num_key_value_heads=4,
+                   q_lora_rank=16, kv_lora_rank=16, qk_nope_head_dim=8, qk_rope_head_dim=4, v_head_dim=8,
+                   intermediate_size=48, moe_intermediate_size=16, n_routed_experts=4, n_shared_experts=2,
+                   first_k_dense_replace=1, num_experts_per_tok=2, n_group=1, topk_group=1, vocab_size=260,
+                   tie_word_embeddings=False, dtype="bfloat16")
+GLM4_MOE = dict(hidden_size=32, num_hidden_layers=3, num_attention_heads=4, num_key_value_heads=2, head_dim=8,
+                attention_bias=True, use_qk_norm=True, partial_rotary_factor=0.5, intermediate_size=48,
+                moe_intermediate_size=16, n_routed_experts=4, n_shared_experts=1, first_k_dense_replace=1,
+                num_experts_per_tok=2, n_group=1, topk_group=1, vocab_size=280, tie_word_embeddings=False,
+                dtype="bfloat16")
 
 
 @pytest.fixture(scope="module")
@@ -163,3 +174,67 @@ def test_refit_refused_when_parameters_moved(server) -> None:
     finally:
         agent.stop()
         engines.close()
+
+
+def with_float32_router_bias(model: torch.nn.Module) -> torch.nn.Module:
+    """Random float32 ``e_score_correction_bias`` buffers, as from_pretrained keeps them
+    (_keep_in_fp32_modules_strict; ``make``'s ``.to(bfloat16)`` had narrowed them)."""
+    for layer in model.model.layers:
+        gate = getattr(layer.mlp, "gate", None)
+        if gate is not None and hasattr(gate, "e_score_correction_bias"):
+            gate.e_score_correction_bias = torch.randn(gate.e_score_correction_bias.shape[0])
+    return model
+
+
+@pytest.mark.parametrize("cls_name,cfg", [("DeepseekV3ForCausalLM", DEEPSEEK_V3), ("Glm4MoeForCausalLM", GLM4_MOE)],
+                         ids=["deepseek-v3", "glm4-moe"])
+def test_attach_serves_the_router_bias_buffer(server, tmp_path, cls_name, cfg) -> None:
+    """transformers holds the router's float32 ``e_score_correction_bias`` as a buffer, not a
+    parameter: attach serves it (a view of the buffer) and the engines get it bit for bit."""
+    srv, client = server
+    model = with_float32_router_bias(make(cls_name, **cfg))
+    group = f"trainer-bias-{cls_name}"
+    agent = refit_hf.attach(model, srv.address, group=group)
+    engines = {}
+    try:
+        bias = model.model.layers[1].mlp.gate.e_score_correction_bias
+        served = agent.tensors["model.layers.1.mlp.gate.e_score_correction_bias"]
+        assert served.dtype == torch.float32 and served.data_ptr() == bias.data_ptr()
+        engines["vllm:tp2"] = Engines(srv.address, agent.spec, "vllm:tp2", group=f"{group}-engine")
+        plan = client.create_plan(group, f"{group}-engine")["plan_id"]
+        refit_and_check(client, model, agent, engines, [plan], 1, tmp_path)
+    finally:
+        agent.stop()
+        for e in engines.values():
+            e.close()
+
+
+def test_fsdp_serves_its_rows_of_the_router_bias_buffer() -> None:
+    """Under FSDP2 buffers stay whole on every rank: a rank serves its torch.chunk rows of the
+    bias (serve_hf_parameters as refit_fsdp.attach calls it; parameters cut the same way stand in
+    for to_local(), experts in the per-expert form refit's fsdp layout takes)."""
+    from transformers.models.deepseek_v3.modeling_deepseek_v3 import DeepseekV3MLP
+
+    from refit.layouts import FsdpLayout
+    from refit.layouts.fsdp import chunk_rows
+
+    model = with_float32_router_bias(make("DeepseekV3ForCausalLM", **DEEPSEEK_V3))
+    for layer in model.model.layers[1:]:
+        layer.mlp.experts = torch.nn.ModuleList(
+            DeepseekV3MLP(model.config, intermediate_size=DEEPSEEK_V3["moe_intermediate_size"]).to(torch.bfloat16)
+            for _ in range(DEEPSEEK_V3["n_routed_experts"]))
+    named = list(model.named_parameters(remove_duplicate=False))
+    spec = load_spec_of(model)
+    for rank in range(3):
+        def rows(t, rank=rank):
+            return t.detach().narrow(0, *chunk_rows(t.shape[0], 3, rank))
+
+        layout = FsdpLayout(dp=3).resolve(spec)
+        served = refit_hf.serve_hf_parameters(named, spec, layout, rank, local=rows, fused_experts=False,
+                                              buffer=model.get_buffer, buffer_local=rows)
+        assert set(served) == {lt.name for lt in layout.local_tensors(spec, rank)}
+        for layer in (1, 2):
+            bias = model.model.layers[layer].mlp.gate.e_score_correction_bias
+            got = served[f"model.layers.{layer}.mlp.gate.e_score_correction_bias"].view
+            want = list(bias.chunk(3)) + [bias[:0]]  # 4 rows: torch.chunk gives [2, 2], rank 2 nothing
+            assert got.dtype == torch.float32 and torch.equal(got, want[rank])

@@ -28,9 +28,10 @@ def megatron_trainer(rank: int, world: int, model: str, par: dict, address: str,
 
     par = dict(par)
     ddp = par.pop("ddp", False)
+    overrides = par.pop("config", {})  # TransformerConfig fields
     init_parallel(**par)
     spec = tiny_spec(model)
-    chunks = build_gpt(spec, vpp=par.get("vpp"))
+    chunks = build_gpt(spec, vpp=par.get("vpp"), **overrides)
     wrapped, buffers = chunks, set()
     if ddp:  # Megatron's DDP with the distributed optimizer: parameters become views of its buffers
         from megatron.core.distributed import DistributedDataParallel, DistributedDataParallelConfig
@@ -72,7 +73,10 @@ def server():
     ("tiny-qwen3-moe", dict(tp=2, ep=2, etp=1, ddp=True), "megatron:tp2ep2etp1dp1", "vllm:tp2"),
     ("tiny-qwen2", dict(pp=2, vpp=2), "megatron:tp1pp2vpp2dp1", "vllm:tp2"),
     ("tiny-llama", dict(tp=1, ddp=True), "megatron:tp1dp2", "vllm:tp2"),
-], ids=["qwen3-moe-tp2ep2-ddp", "qwen2-tied-pp2vpp2", "llama-dp2-ddp"])
+    # Megatron's account_for_embedding_in_pipeline_split: (3 + 1) / 2 a stage, the first one layer fewer
+    ("tiny-llama-3", dict(pp=2, config=dict(account_for_embedding_in_pipeline_split=True)),
+     "megatron:tp1pp2dp1first1", "vllm:tp2"),
+], ids=["qwen3-moe-tp2ep2-ddp", "qwen2-tied-pp2vpp2", "llama-dp2-ddp", "llama3-pp2-embedding-in-split"])
 def test_megatron_attach_refit_bit_exact(server, tmp_path, model, par, layout, engine_layout) -> None:
     srv, client = server
     group = f"megatron-{model}"

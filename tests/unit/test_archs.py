@@ -47,6 +47,15 @@ def test_deepseek_config_fields():
         ModelConfig.from_hf({k: v for k, v in TINY_CONFIGS["tiny-moonlight"].items() if k != "kv_lora_rank"})
 
 
+def test_moe_layer_freq_is_deepseeks_only():
+    """vLLM's DeepseekV2DecoderLayer makes layer l sparse when l >= first_k_dense_replace and
+    l % moe_layer_freq == 0; its Glm4MoeDecoderLayer (and transformers' Glm4Moe) ignore the field."""
+    deepseek = ModelConfig.from_hf({**TINY_CONFIGS["tiny-deepseek-v3"], "num_hidden_layers": 6, "moe_layer_freq": 2})
+    assert deepseek.moe_layers == (2, 4)
+    glm = ModelConfig.from_hf({**TINY_CONFIGS["tiny-glm4-moe"], "num_hidden_layers": 6, "moe_layer_freq": 2})
+    assert glm.moe_layers == (1, 2, 3, 4, 5)
+
+
 def test_vllm_fuses_q_a_and_kv_a_and_splits_up_projections_by_heads():
     spec = tiny_spec("tiny-deepseek-v3")
     layout = resolve_layout("vllm:tp2", spec, "dst")

@@ -79,6 +79,21 @@ def test_dtype_comes_from_the_tensors_when_config_json_has_none(tmp_path):
     assert spec_from_dir(str(tmp_path)).config.dtype == "float32"
 
 
+def test_dtype_from_the_tensors_is_the_embeddings_not_a_float32_router_bias(tmp_path):
+    """The safetensors library writes float32 tensors before bfloat16 ones: the first tensor of a
+    GLM-4.5 / DeepSeek-V3 file is its float32 e_score_correction_bias, not the model's dtype."""
+    cfg = {k: v for k, v in TINY_CONFIGS["tiny-glm4-moe"].items() if k != "torch_dtype"}
+    spec = build_spec("x", ModelConfig.from_hf({**cfg, "torch_dtype": "bfloat16"}))
+    gen = torch.Generator().manual_seed(2)
+    save_file({t.name: torch.randn(t.shape, generator=gen).to(getattr(torch, spec[t.tensor].dtype))
+               for t in spec.hf_tensors()}, str(tmp_path / "model.safetensors"), metadata={"format": "pt"})
+    with open(tmp_path / "config.json", "w") as f:
+        json.dump(cfg, f)
+    assert next(iter(read_safetensors_header(str(tmp_path / "model.safetensors")).values()))["dtype"] == "F32"
+    got = spec_from_dir(str(tmp_path))
+    assert got.config.dtype == "bfloat16" and got.digest() == spec.digest()
+
+
 def test_bad_checkpoints_are_refused_with_what_is_wrong(tmp_path):
     (tmp_path / "short.safetensors").write_bytes(b"abc")
     with pytest.raises(RefitError, match="too short"):

@@ -51,6 +51,8 @@ def test_resolved_degrees_are_reported():
     ("megatron:pp7", ["layers (48)", "pp*vpp (7*1=7)", "first<N>"]),
     ("megatron:pp2vpp5", ["layers (48)", "pp*vpp (2*5=10)"]),
     ("megatron:vpp2", ["vpp > 1 needs pp > 1"]),
+    ("megatron:first24", ["48 layers cannot be split as first=24, last=None over 0 middle stages"]),
+    ("megatron:first48last48", ["48 layers cannot be split as first=48, last=48 over -1 middle stages"]),
     ("vllm:tp3", ["attention heads (32)", "tp (3)"]),
     ("vllm:tp4ep8dp1", ["tp*dp (4*1=4)", "ep8"]),
     ("vllm:tp32dp16", ["moe_intermediate_size (768)", "tp*dp"]),
@@ -83,6 +85,28 @@ def test_megatron_qkv_rows_must_split_over_tp():
     resolve_layout("megatron:tp2", spec)
     with pytest.raises(RefitError, match=r"linear_qkv rows .* \(20\) is not divisible by tp \(8\)"):
         resolve_layout("megatron:tp8", spec)
+
+
+def test_megatron_query_groups_must_be_a_multiple_or_divisor_of_tp():
+    """megatron-core's TransformerConfig refuses num_query_groups neither a multiple nor a divisor
+    of tp (Attention then cannot give each rank whole groups, or whole shares of one)."""
+    from refit.spec import ModelConfig, build_spec
+
+    # 12 heads, 3 kv heads, head_dim 4: linear_qkv rows (12+6)*4 = 72 split over tp2 and tp4 evenly
+    spec = build_spec("three-groups", ModelConfig("llama", 48, 2, 12, 3, 4, 48, vocab_size=100))
+    resolve_layout("megatron:tp3", spec)  # one group a rank
+    resolve_layout("megatron:tp6", spec)  # half a group a rank
+    for tp in (2, 4):
+        with pytest.raises(RefitError, match=rf"query groups \(kv heads, 3\) must be a multiple or a divisor of "
+                                             rf"tp \({tp}\)"):
+            resolve_layout(f"megatron:tp{tp}", spec)
+
+
+def test_megatron_first_on_one_pipeline_stage_is_every_layer():
+    """megatron-core accepts num_layers_in_first_pipeline_stage = num_layers with pp 1 (no middle
+    stages, no layers left); refit resolves it to the one stage holding them all."""
+    layout = resolve_layout("megatron:first48", Q30)
+    assert layout.stage_layers(48) == {(0, 0): list(range(48))}
 
 
 def test_expert_parallel_on_a_dense_model_is_refused():

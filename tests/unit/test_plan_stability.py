@@ -41,15 +41,18 @@ PINNED = {
         ("528a5a5e636f505a", "b15900ff3f982293"),
     ("moonlight-16b", "megatron:tp2pp3ep4", "vllm:tp4", "colocated", "p2p", 1 << 24):
         ("b3347e5a5eca6eb9", "162b0d9d6583d55d"),
+    # re-pinned (summary only: broadcast moves the same boxes): vllm:tp2ep4 is tp2 dp2 with expert
+    # parallel, where vLLM keeps DeepSeek-family shared experts whole on every rank (sequence-parallel MoE)
     ("moonlight-16b", "fsdp:dp4", "vllm:tp2ep4", "disaggregated", "broadcast", 256 << 20):
-        ("e2fb33811fd529f7", "b184b276b34debe6"),
+        ("e2fb33811fd529f7", "b366221d0ad79cb7"),
     # the issue-14 1T-scale targets (256 source GPUs)
     ("kimi-k2", "megatron:pp16ep16first4last1", "vllm:tp16dp8", "colocated", "p2p", 256 << 20):
         ("0e0bf3baea0d904c", "fd85eef7011873de"),
     ("deepseek-v3", "megatron:tp8pp16ep16first4last1", "vllm:tp32dp8", "colocated", "p2p", 256 << 20):
         ("7e99c172259698c8", "6b4477d44708563d"),
+    # re-pinned for the same reason: every engine rank now receives the shared experts whole
     ("deepseek-v3", "megatron:tp8pp16ep16first4last1", "vllm:tp32ep256dp8", "colocated", "p2p", 256 << 20):
-        ("2d41158bd1a1b2d1", "5cac5d7f30189908"),
+        ("61bb5d13373ddab0", "f64b722b3c091126"),
 }
 
 

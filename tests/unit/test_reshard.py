@@ -283,3 +283,28 @@ def test_hf_stray_file_is_refused_and_the_index_is_followed(tmp_path, capsys):
     with safe_open(os.path.join(src, main_file), framework="pt") as f:
         want = {n: f.get_tensor(n) for n in names}
     assert_same_bits(want, load_dir(back))
+
+
+@pytest.mark.parametrize("model,dst,whole", [
+    ("tiny-deepseek-v3", "vllm:tp2ep4", True),  # tp2 dp2 with expert parallel: MoE runs sequence parallel
+    ("tiny-deepseek-v3", "vllm:tp2dp2", False),  # no expert parallel: split over tp
+    ("tiny-glm4-moe", "vllm:tp2ep4", False),  # Glm4MoE always splits its shared experts over tp
+])
+def test_vllm_shared_experts_follow_sequence_parallel_moe(tmp_path, model, dst, whole):
+    """vLLM 0.32's DeepseekV2MoE builds its shared experts with disable_tp when
+    ParallelConfig.use_sequence_parallel_moe (expert parallel, tp > 1, dp > 1, default all2all
+    backend): every rank then holds [gate; up] and down whole."""
+    src = str(tmp_path / "hf")
+    write_hf_checkpoint(src, model)
+    reshard(src, "hf", dst, src, str(tmp_path / "v"))
+    hf = load_dir(src)
+    gate, up, down = (hf[f"model.layers.1.mlp.shared_experts.{x}_proj.weight"] for x in ("gate", "up", "down"))
+    n = gate.shape[0] if whole else gate.shape[0] // 2
+    for rank in range(4):
+        with safe_open(str(tmp_path / "v" / f"rank-{rank:05d}.safetensors"), framework="pt") as f:
+            gate_up = f.get_tensor("model.layers.1.mlp.shared_experts.gate_up_proj.weight")
+            got_down = f.get_tensor("model.layers.1.mlp.shared_experts.down_proj.weight")
+        t = 0 if whole else rank % 2
+        want = torch.cat([gate[t * n:(t + 1) * n], up[t * n:(t + 1) * n]])
+        assert torch.equal(gate_up.view(torch.int16), want.view(torch.int16)), rank
+        assert torch.equal(got_down.view(torch.int16), down[:, t * n:(t + 1) * n].contiguous().view(torch.int16)), rank
