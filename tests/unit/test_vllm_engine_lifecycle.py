@@ -1,0 +1,82 @@
+"""The ``refit`` backend's `RefitWeightTransferEngine` around vLLM's worker calls, without an engine.
+
+* A speculative draft model cannot be refitted: the landing is the target model's, fixed at
+  init.  vLLM's own worker code (`Worker._start_weight_update`, run here on a stand-in worker)
+  refuses ``start_draft_weight_update`` for the backend, and the engine refuses a retargeted
+  model itself.
+* ``shutdown`` (vLLM's ``shutdown_weight_transfer_engine``) drops the landing, whose staging can be
+  a whole extra shard: nothing may keep it alive after the trainer connection is released.
+"""
+
+from __future__ import annotations
+
+import importlib.util
+import weakref
+from types import SimpleNamespace
+
+import pytest
+import torch
+
+pytestmark = pytest.mark.skipif(importlib.util.find_spec("vllm") is None, reason="vllm not installed")
+
+
+def make_engine():  # noqa: ANN201 - RefitWeightTransferEngine, imported with vllm
+    from refit.integrations.vllm.engine import RefitWeightTransferEngine
+
+    vllm_config = SimpleNamespace(parallel_config=SimpleNamespace(), model_config=SimpleNamespace())
+    return RefitWeightTransferEngine(None, vllm_config, torch.device("cpu"), torch.nn.Linear(4, 4))
+
+
+def test_draft_model_updates_are_refused() -> None:
+    from vllm.v1.worker.gpu_worker import Worker
+
+    from refit.errors import RefitError
+
+    engine = make_engine()
+    retargeted: list[torch.nn.Module] = []
+    worker = SimpleNamespace(weight_transfer_engine=engine, _weight_update_active=False,
+                             _check_weight_transfer_engine=lambda: None,
+                             _set_draft_weight_update_target=lambda: retargeted.append(torch.nn.Linear(2, 2)))
+    with pytest.raises(RuntimeError, match="does not support draft model weight updates"):
+        Worker._start_weight_update(worker, is_draft=True)
+    assert not retargeted and not worker._weight_update_active
+    # and should anything retarget the engine, it refuses rather than write the target model
+    engine.set_weight_update_target(torch.nn.Linear(2, 2), SimpleNamespace())
+    with pytest.raises(RefitError, match="not a speculative draft model"):
+        engine.start_weight_update()
+    engine.reset_weight_update_target()
+    with pytest.raises(RefitError, match="call init_weight_transfer_engine"):  # the target: on to the next check
+        engine.start_weight_update()
+
+
+def test_shutdown_releases_the_staging() -> None:
+    from refit.errors import RefitError
+
+    engine = make_engine()
+    engine.landing = SimpleNamespace(staging={"x": torch.ones(1024)}, window=None)  # stands in for a Landing
+    freed = weakref.ref(engine.landing.staging["x"])
+    engine.init_info = SimpleNamespace()
+    engine.shutdown()
+    assert freed() is None, "the staging outlives shutdown"
+    assert engine.landing is None and engine.init_info is None and engine.agent is None
+    with pytest.raises(RefitError, match="call init_weight_transfer_engine"):
+        engine.staging_report()
+
+
+@pytest.mark.parametrize("setting,message", [
+    ({"enable_eplb": True}, r"expert-parallel load balancing \(enable_eplb\) is not supported"),
+    ({"prefill_context_parallel_size": 2}, r"prefill context parallel \(pcp2\) is not supported"),
+])
+def test_parallel_settings_refit_cannot_follow_are_refused(setting, message) -> None:
+    """EPLB moves experts between ranks while serving (and adds redundant ones); prefill context
+    parallel ranks would share refit ranks.  Either would put weights where vLLM does not read
+    them: refused when the engine registers, before any byte moves."""
+    from refit.errors import RefitError
+    from refit.integrations.vllm.config import identify
+
+    pc = dict(pipeline_parallel_size=1, decode_context_parallel_size=1, prefill_context_parallel_size=1,
+              enable_elastic_ep=False, enable_eplb=False, tensor_parallel_size=2, data_parallel_size=2,
+              data_parallel_rank=0, enable_expert_parallel=True)
+    pc.update(setting)
+    with pytest.raises(RefitError, match=message):
+        identify(SimpleNamespace(model_config=SimpleNamespace(), parallel_config=SimpleNamespace(**pc)))
