@@ -329,3 +329,53 @@ def test_moe_reprocessing_keeps_the_storage_off_cpu() -> None:
         Landing._process(m, None, device)
         assert torch.equal(m.weight, new.flip(0)), device
         assert (m.weight.data_ptr() == storage) == kept, device
+
+
+def _padding_method() -> object:
+    """Post-load processing that binds a new, larger tensor, as FlashInfer TRTLLM's MoE layout
+    does (its intermediate size padded to a multiple of 128) even on a weight update: the loader
+    layout is smaller than the live parameter."""
+    from vllm.model_executor.layers.quantization.base_config import QuantizeMethodBase
+
+    class Padding(QuantizeMethodBase):
+        def create_weights(self, layer, *args, **kwargs) -> None:  # noqa: ANN001 - vLLM's signature
+            raise NotImplementedError
+
+        def apply(self, layer, *args, **kwargs) -> torch.Tensor:  # noqa: ANN001 - vLLM's signature
+            raise NotImplementedError
+
+        def process_weights_after_loading(self, layer: torch.nn.Module) -> None:
+            w = layer.weight.data
+            padded = torch.cat([w * 2, torch.zeros((2,) + tuple(w.shape[1:]), dtype=w.dtype)])
+            layer.weight = torch.nn.Parameter(padded, requires_grad=False)
+
+    return Padding()
+
+
+@pytest.mark.parametrize("device", [CUDA, CPU], ids=["cuda", "cpu"])
+def test_reprocessing_keeps_the_live_storage_off_cpu(spec_layout, device) -> None:
+    """A re-processed module whose processing binds new tensors: on CUDA the processed values are
+    copied back into the parameter's original storage (CUDA graphs captured its address, as vLLM's
+    own reload keeps it); on CPU the processed tensor is kept as vLLM made it.  The re-processing
+    itself touches no GPU: the landing is built on CPU and told its device is CUDA."""
+    from refit.integrations.vllm.landing import REPROCESS, Landing
+
+    spec, layout = spec_layout
+    local = layout.local_tensors(spec, 0)
+    model = toy_model(local)
+    lt = next(lt for lt in local if lt.name.endswith("o_proj.weight"))
+    module = model.get_submodule(lt.name.rpartition(".")[0])
+    module.quant_method = _padding_method()
+    module.quant_method.process_weights_after_loading(module)  # as vLLM's loader did
+    original = module.weight
+    landing = Landing(model, spec, layout, 0, CPU, "atomic")
+    assert landing.paths[lt.name] == REPROCESS
+    landing.device = device
+    for name, t in landing.staging.items():  # what the data plane would write
+        t.copy_(torch.randn(t.shape, generator=torch.Generator().manual_seed(3)).to(t.dtype))
+    new = landing.staging[lt.name].clone()
+    landing.apply(None)
+    want = torch.cat([new * 2, torch.zeros((2,) + tuple(new.shape[1:]), dtype=new.dtype)])
+    assert torch.equal(module.weight, want)
+    assert (module.weight is original) == (device.type == "cuda")
+    assert (module.weight.data_ptr() == original.data_ptr()) == (device.type == "cuda")
