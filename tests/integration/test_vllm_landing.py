@@ -379,3 +379,34 @@ def test_reprocessing_keeps_the_live_storage_off_cpu(spec_layout, device) -> Non
     assert torch.equal(module.weight, want)
     assert (module.weight is original) == (device.type == "cuda")
     assert (module.weight.data_ptr() == original.data_ptr()) == (device.type == "cuda")
+
+
+def test_online_quantized_layers_are_processed_again() -> None:
+    """vLLM's online quantization (``--quantization fp8`` of an unquantized checkpoint) marks a
+    processed layer (``_already_called_process_weights_after_loading``) and returns at once on a
+    second call; vLLM's own reload clears the mark first, and so must refit, or the layer keeps
+    the unquantized weight the landing gave it.  The toy method doubles instead of quantizing."""
+    from vllm.model_executor.layers.quantization.base_config import QuantizeMethodBase
+
+    from refit.integrations.vllm.landing import Landing
+
+    class Online(QuantizeMethodBase):
+        def create_weights(self, layer, *args, **kwargs) -> None:  # noqa: ANN001 - vLLM's signature
+            raise NotImplementedError
+
+        def apply(self, layer, *args, **kwargs) -> torch.Tensor:  # noqa: ANN001 - vLLM's signature
+            raise NotImplementedError
+
+        def process_weights_after_loading(self, layer: torch.nn.Module) -> None:
+            if getattr(layer, "_already_called_process_weights_after_loading", False):
+                return
+            layer.weight = torch.nn.Parameter(layer.weight.data * 2, requires_grad=False)
+            layer._already_called_process_weights_after_loading = True
+
+    for device in (CUDA, CPU):
+        m = module_with(Online())
+        m.quant_method.process_weights_after_loading(m)  # as vLLM's loader did
+        new = torch.randn(m.weight.shape, generator=torch.Generator().manual_seed(9)).to(m.weight.dtype)
+        m.weight = torch.nn.Parameter(new.clone(), requires_grad=False)  # what `_reprocess` restores
+        Landing._process(m, None, device)
+        assert torch.equal(m.weight, new * 2), device

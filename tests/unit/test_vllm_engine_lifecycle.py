@@ -80,3 +80,17 @@ def test_parallel_settings_refit_cannot_follow_are_refused(setting, message) -> 
     pc.update(setting)
     with pytest.raises(RefitError, match=message):
         identify(SimpleNamespace(model_config=SimpleNamespace(), parallel_config=SimpleNamespace(**pc)))
+
+
+def test_a_quantized_checkpoint_is_refused() -> None:
+    """A checkpoint served quantized (its config has a ``quantization_config``: FP8 DeepSeek-V3,
+    Qwen3-*-FP8) holds quantized weights and scales in vLLM's layers; the trainer's unquantized
+    tensors cannot be re-processed into them.  Refused when the engine registers."""
+    from refit.errors import RefitError
+    from refit.integrations.vllm.config import identify
+
+    pc = SimpleNamespace(pipeline_parallel_size=1, decode_context_parallel_size=1, prefill_context_parallel_size=1,
+                         enable_elastic_ep=False, enable_eplb=False)
+    hf_config = SimpleNamespace(quantization_config={"quant_method": "fp8", "weight_block_size": [128, 128]})
+    with pytest.raises(RefitError, match=r"the checkpoint is quantized \(fp8\)"):
+        identify(SimpleNamespace(model_config=SimpleNamespace(hf_config=hf_config), parallel_config=pc))

@@ -77,6 +77,12 @@ def identify(vllm_config: Any) -> WorkerIdentity:
         # layout places them where vLLM's loader first put them
         raise RefitError("vllm: expert-parallel load balancing (enable_eplb) is not supported by refit yet: it "
                          "moves experts between ranks while serving")
+    quantized = getattr(mc.hf_config, "quantization_config", None)
+    if quantized:  # its layers hold quantized weights and scales, which refit's tensors do not carry
+        method = quantized.get("quant_method", "?") if isinstance(quantized, dict) else type(quantized).__name__
+        raise RefitError(f"vllm: the checkpoint is quantized ({method}); refit moves the trainer's unquantized "
+                         f"weights, which vLLM's layers for a quantized checkpoint cannot take: serve an "
+                         f"unquantized checkpoint")
     tp = pc.tensor_parallel_size
     dp_rank, dp = dp_rank_and_size(pc)
     tp_rank = ps.get_tensor_model_parallel_rank()

@@ -360,6 +360,10 @@ class Landing:
                 # storage (`replace_parameter(prefer_copy=...)`), which captured CUDA graphs read;
                 # without it FlashInfer / AITER layouts would land in new tensors the graphs never see
                 qm.moe_kernel = None
+            if hasattr(module, "_already_called_process_weights_after_loading"):
+                # online quantization (``--quantization fp8`` of an unquantized checkpoint) marks
+                # a processed layer and skips it after: it would keep the unquantized weight
+                delattr(module, "_already_called_process_weights_after_loading")
             qm.process_weights_after_loading(module)
             if hasattr(module, "update_param_tp_status"):
                 module.update_param_tp_status()
