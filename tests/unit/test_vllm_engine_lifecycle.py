@@ -6,6 +6,9 @@
   model itself.
 * ``shutdown`` (vLLM's ``shutdown_weight_transfer_engine``) drops the landing, whose staging can be
   a whole extra shard: nothing may keep it alive after the trainer connection is released.
+* Engines refit cannot land into correctly (EPLB, prefill context parallel, a quantized
+  checkpoint) are refused when they register (`config.identify`), before any byte moves.
+The configs are stand-ins (SimpleNamespace) holding only the fields read before the refusal.
 """
 
 from __future__ import annotations
