@@ -111,7 +111,7 @@ class WatchingEngineAgent(EngineAgent):
             return
         log.warning("%s: registering again as stale (holding version %d)", self.worker_id, self._version)
         self.stop()
-        self.start()
+        self.start(timeout=10.0)  # a failure path: not the 30 s of a first registration
 
     def landed_whole(self) -> None:
         """A committed refit landed whole: no longer stale."""
