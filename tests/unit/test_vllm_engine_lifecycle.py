@@ -97,3 +97,22 @@ def test_a_quantized_checkpoint_is_refused() -> None:
     hf_config = SimpleNamespace(quantization_config={"quant_method": "fp8", "weight_block_size": [128, 128]})
     with pytest.raises(RefitError, match=r"the checkpoint is quantized \(fp8\)"):
         identify(SimpleNamespace(model_config=SimpleNamespace(hf_config=hf_config), parallel_config=pc))
+
+
+def test_deepseek_shared_experts_under_moe_sequence_parallel_are_refused() -> None:
+    """vLLM replicates DeepSeek's shared experts (``disable_tp``) when it runs MoE sequence
+    parallel (tp>1, dp>1, expert parallel, the default all2all backend); refit's layout splits
+    them over tp: refused when the engine registers, naming why (not a shape mismatch later)."""
+    from refit.errors import RefitError
+    from refit.integrations.vllm.config import identify
+    from tests.harness.tiny import TINY_CONFIGS
+
+    cfg = TINY_CONFIGS["tiny-deepseek-v3"]
+    mc = SimpleNamespace(hf_config=SimpleNamespace(to_dict=lambda: dict(cfg)), dtype="torch.bfloat16",
+                         model="/models/tiny-deepseek-v3")
+    pc = SimpleNamespace(pipeline_parallel_size=1, decode_context_parallel_size=1, prefill_context_parallel_size=1,
+                         enable_elastic_ep=False, enable_eplb=False, tensor_parallel_size=2, data_parallel_size=2,
+                         data_parallel_rank=1, enable_expert_parallel=True, use_sequence_parallel_moe=True,
+                         all2all_backend="allgather_reducescatter")
+    with pytest.raises(RefitError, match=r"deepseek_v3's shared experts are replicated, not split over tp2"):
+        identify(SimpleNamespace(model_config=mc, parallel_config=pc))
