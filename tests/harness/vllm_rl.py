@@ -272,6 +272,9 @@ def _engine_main(conn: Any, model_dir: str, tp: int, ep: bool, coordinator: str 
                 conn.send(("ok", unshare(llm, arg)))
             elif cmd == "staging":  # each worker's `RefitWeightTransferEngine.staging_report`
                 conn.send(("ok", llm.collective_rpc(_staging_report)))
+            elif cmd == "shutdown_transfer":  # release the coordinator connection, keep serving
+                llm.shutdown_weight_transfer_engine()
+                conn.send(("ok", None))
             elif cmd == "fail_next_apply":  # the next landing after a commit raises (every worker)
                 conn.send(("ok", llm.collective_rpc(_fail_next_apply)))
             elif cmd == "weight_version":

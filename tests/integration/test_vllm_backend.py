@@ -229,6 +229,22 @@ def test_a_landing_that_fails_after_the_commit_reports_stale(setups, coordinator
         assert all(not r["stale"] and r["version"] == v for r in mine), mine
 
 
+def test_registering_again_after_shutdown_keeps_the_version(setups, coordinator) -> None:
+    """``shutdown_weight_transfer_engine`` releases the coordinator connection but not the weights:
+    registered again, the engine reports the version it holds (not 0, the checkpoint's), and the
+    next refit lands."""
+    _, client = coordinator
+    s = setups(*CASES[0][:4])
+    if s.version == 0:  # version 0 is what a fresh registration reports anyway
+        s.refit_to(2)
+    assert s.engine.ask("shutdown_transfer") == ("ok", None)
+    assert s.engine.ask("init") == ("ok", None)
+    mine = [r for r in client.list_workers(role="engine") if r["info"]["group"] == s.engine.group]
+    assert mine and all(r["version"] == s.version and not r["stale"] for r in mine), (s.version, mine)
+    s.refit_to(3 if s.holds != 3 else 2)
+    assert s.engine.generate() == s.refs[s.holds]
+
+
 def staging(s: Setup) -> list[dict]:
     status, reports = s.engine.ask("staging")
     assert status == "ok", reports

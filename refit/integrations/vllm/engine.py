@@ -178,13 +178,14 @@ class RefitWeightTransferEngine(WeightTransferEngine[RefitInitInfo, RefitUpdateI
         self.landing: Landing | None = None
         self.init_info: RefitInitInfo | None = None
         self._landed_refit = ""  # the last refit whose landing completed here
+        self._held: tuple[int, bool] = (0, False)  # (version, stale) of the weights, across registrations
 
     # ------------------------------------------------------------------ lifecycle
     def init_transfer_engine(self, init_info: RefitInitInfo) -> None:
         check_options(init_info.staging, init_info.window_layers)  # before dropping a registered agent
-        held = (self.agent.version, self.agent.stale) if self.agent is not None else (0, False)
         if self.agent is not None:
             self.shutdown()
+        held = self._held
         who = identify(self.vllm_config)
         self.landing = Landing(self.model, who.spec, who.layout, who.rank, self.device, init_info.staging,
                                init_info.window_layers, self.model_config)
@@ -273,6 +274,8 @@ class RefitWeightTransferEngine(WeightTransferEngine[RefitInitInfo, RefitUpdateI
     def shutdown(self) -> None:
         if self.agent is not None:
             self.agent.stop()
+            # the weights stay: a later init_transfer_engine registers holding them, stale or not
+            self._held = (self.agent.version, self.agent.stale)
         # the landing's staging (a whole shard with atomic staging) serves no later refit: a new
         # init_transfer_engine builds its own
         self.agent = self.landing = self.init_info = None
