@@ -17,7 +17,10 @@ Lifecycle (one instance per vLLM worker, created by vLLM after the model loaded)
   each worker checks its agent saw the commit, then re-processes what is left (phased: the
   modules that read re-processed ones; else every staged module) and returns.  On failure it
   raises, and the agent reports itself stale (with ``atomic`` staging the live weights were never
-  touched).
+  touched); a failure after the coordinator committed (the landing raised) registers the agent
+  again as stale, so that nobody lists it holding a version it does not hold whole.  The version
+  this engine already landed, asked again, is answered by the coordinator without moving
+  anything, and nothing is re-applied.
 * ``start_weight_update`` / ``finish_weight_update``: nothing to do (the writes happen inside
   ``update_weights``, which vLLM runs between engine steps).
 """
