@@ -272,6 +272,11 @@ def _engine_main(conn: Any, model_dir: str, tp: int, ep: bool, coordinator: str 
                 conn.send(("ok", unshare(llm, arg)))
             elif cmd == "staging":  # each worker's `RefitWeightTransferEngine.staging_report`
                 conn.send(("ok", llm.collective_rpc(_staging_report)))
+            elif cmd == "shutdown_transfer":  # release the coordinator connection, keep serving
+                llm.shutdown_weight_transfer_engine()
+                conn.send(("ok", None))
+            elif cmd == "fail_next_apply":  # the next landing after a commit raises (every worker)
+                conn.send(("ok", llm.collective_rpc(_fail_next_apply)))
             elif cmd == "weight_version":
                 conn.send(("ok", llm.get_weight_version()))
             elif cmd == "stop":
@@ -284,6 +289,18 @@ def _engine_main(conn: Any, model_dir: str, tp: int, ep: bool, coordinator: str 
 
 def _staging_report(worker: Any) -> dict[str, Any]:
     return worker.weight_transfer_engine.staging_report()
+
+
+def _fail_next_apply(worker: Any) -> None:
+    """The worker's next `Landing.apply` (what runs after the commit) raises, as a re-processing
+    that runs out of memory would; the one after works again."""
+    landing = worker.weight_transfer_engine.landing
+
+    def fail(model_config: Any) -> float:
+        del landing.apply  # back to the class's
+        raise RuntimeError("injected: re-processing failed after the commit")
+
+    landing.apply = fail
 
 
 def _shutdown(llm: Any) -> None:

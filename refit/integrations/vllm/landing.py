@@ -13,7 +13,9 @@ decided once per parameter when the engine is set up (`landing_path`) and logged
   commit (phased: as soon as its phase landed) the module's parameters are restored from it and
   the module's own post-load processing re-runs, module by module.  MoE methods that skip their
   expert repacking on a "weight update" (vLLM 0.32's unquantized method with the CPU experts
-  does, which makes vLLM's own reload of a Qwen3-MoE wrong on CPU) are processed as on first load.
+  does, which makes vLLM's own reload of a Qwen3-MoE wrong on CPU) are processed as on first load
+  there.  Off CPU, processed values that land in new tensors are copied back into the parameters'
+  own storage (CUDA graphs captured those addresses), as vLLM's own reload does.
 
 Staging modes:
 
@@ -313,7 +315,7 @@ class Landing:
         else:
             self._apply(self.copies, self.groups, model_config)
         for _, module in self.aliases:
-            self._process(module, model_config)
+            self._process(module, model_config, self.device)
         return time.perf_counter() - t0
 
     def _apply(self, copies: Iterable[tuple[str, torch.nn.Module, str]], groups: Iterable[_Group],
@@ -324,6 +326,10 @@ class Landing:
             self._reprocess(g, model_config)
 
     def _reprocess(self, g: _Group, model_config: Any) -> None:
+        # Off CPU, CUDA graphs captured the processed parameters' addresses: keep them (as vLLM's
+        # own reload does), whatever tensors the processing binds.  On CPU nothing captures them,
+        # and the CPU kernels may keep references to the tensors the processing made.
+        kernel = {} if self.device.type == "cpu" else dict(g.module.named_parameters(recurse=False))
         for name, attr in g.params:
             live, staged = getattr(g.module, attr), self.staging[name]
             if tuple(live.shape) == tuple(staged.shape) and live.dtype == self.dtypes[name]:
@@ -333,17 +339,31 @@ class Landing:
                 # by the next refit (phased: by the next phase, which shares the window)
                 setattr(g.module, attr, torch.nn.Parameter(staged.to(self.dtypes[name], copy=True),
                                                            requires_grad=False))
-        self._process(g.module, model_config)
+        self._process(g.module, model_config, self.device)
+        for attr, old in kernel.items():
+            new = getattr(g.module, attr, None)
+            if new is not old and isinstance(new, torch.Tensor) and new.shape == old.shape \
+                    and new.dtype == old.dtype and new.device == old.device:
+                old.data.copy_(new)
+                setattr(g.module, attr, old)
 
     @staticmethod
-    def _process(module: torch.nn.Module, model_config: Any) -> None:
+    def _process(module: torch.nn.Module, model_config: Any, device: torch.device) -> None:
         """Run the module's own post-load processing, as vLLM's loader does on first load."""
         from vllm.model_executor.layers.attention import is_deferred_attention_layer
 
         qm = getattr(module, "quant_method", None)
         if qm is not None:
-            if getattr(qm, "moe_kernel", None) is not None:
-                qm.moe_kernel = None  # process as on first load (see the module docstring)
+            if device.type == "cpu" and getattr(qm, "moe_kernel", None) is not None:
+                # process as on first load (see the module docstring).  Only on CPU: elsewhere a
+                # set kernel is what makes vLLM copy the re-shuffled experts into the parameters'
+                # storage (`replace_parameter(prefer_copy=...)`), which captured CUDA graphs read;
+                # without it FlashInfer / AITER layouts would land in new tensors the graphs never see
+                qm.moe_kernel = None
+            if hasattr(module, "_already_called_process_weights_after_loading"):
+                # online quantization (``--quantization fp8`` of an unquantized checkpoint) marks
+                # a processed layer and skips it after: it would keep the unquantized weight
+                delattr(module, "_already_called_process_weights_after_loading")
             qm.process_weights_after_loading(module)
             if hasattr(module, "update_param_tp_status"):
                 module.update_param_tp_status()

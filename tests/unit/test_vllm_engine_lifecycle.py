@@ -1,0 +1,118 @@
+"""The ``refit`` backend's `RefitWeightTransferEngine` around vLLM's worker calls, without an engine.
+
+* A speculative draft model cannot be refitted: the landing is the target model's, fixed at
+  init.  vLLM's own worker code (`Worker._start_weight_update`, run here on a stand-in worker)
+  refuses ``start_draft_weight_update`` for the backend, and the engine refuses a retargeted
+  model itself.
+* ``shutdown`` (vLLM's ``shutdown_weight_transfer_engine``) drops the landing, whose staging can be
+  a whole extra shard: nothing may keep it alive after the trainer connection is released.
+* Engines refit cannot land into correctly (EPLB, prefill context parallel, a quantized
+  checkpoint) are refused when they register (`config.identify`), before any byte moves.
+The configs are stand-ins (SimpleNamespace) holding only the fields read before the refusal.
+"""
+
+from __future__ import annotations
+
+import importlib.util
+import weakref
+from types import SimpleNamespace
+
+import pytest
+import torch
+
+pytestmark = pytest.mark.skipif(importlib.util.find_spec("vllm") is None, reason="vllm not installed")
+
+
+def make_engine():  # noqa: ANN201 - RefitWeightTransferEngine, imported with vllm
+    from refit.integrations.vllm.engine import RefitWeightTransferEngine
+
+    vllm_config = SimpleNamespace(parallel_config=SimpleNamespace(), model_config=SimpleNamespace())
+    return RefitWeightTransferEngine(None, vllm_config, torch.device("cpu"), torch.nn.Linear(4, 4))
+
+
+def test_draft_model_updates_are_refused() -> None:
+    from vllm.v1.worker.gpu_worker import Worker
+
+    from refit.errors import RefitError
+
+    engine = make_engine()
+    retargeted: list[torch.nn.Module] = []
+    worker = SimpleNamespace(weight_transfer_engine=engine, _weight_update_active=False,
+                             _check_weight_transfer_engine=lambda: None,
+                             _set_draft_weight_update_target=lambda: retargeted.append(torch.nn.Linear(2, 2)))
+    with pytest.raises(RuntimeError, match="does not support draft model weight updates"):
+        Worker._start_weight_update(worker, is_draft=True)
+    assert not retargeted and not worker._weight_update_active
+    # and should anything retarget the engine, it refuses rather than write the target model
+    engine.set_weight_update_target(torch.nn.Linear(2, 2), SimpleNamespace())
+    with pytest.raises(RefitError, match="not a speculative draft model"):
+        engine.start_weight_update()
+    engine.reset_weight_update_target()
+    with pytest.raises(RefitError, match="call init_weight_transfer_engine"):  # the target: on to the next check
+        engine.start_weight_update()
+
+
+def test_shutdown_releases_the_staging() -> None:
+    from refit.errors import RefitError
+
+    engine = make_engine()
+    engine.landing = SimpleNamespace(staging={"x": torch.ones(1024)}, window=None)  # stands in for a Landing
+    freed = weakref.ref(engine.landing.staging["x"])
+    engine.init_info = SimpleNamespace()
+    engine.shutdown()
+    assert freed() is None, "the staging outlives shutdown"
+    assert engine.landing is None and engine.init_info is None and engine.agent is None
+    with pytest.raises(RefitError, match="call init_weight_transfer_engine"):
+        engine.staging_report()
+
+
+@pytest.mark.parametrize("setting,message", [
+    ({"enable_eplb": True}, r"expert-parallel load balancing \(enable_eplb\) is not supported"),
+    ({"prefill_context_parallel_size": 2}, r"prefill context parallel \(pcp2\) is not supported"),
+])
+def test_parallel_settings_refit_cannot_follow_are_refused(setting, message) -> None:
+    """EPLB moves experts between ranks while serving (and adds redundant ones); prefill context
+    parallel ranks would share refit ranks.  Either would put weights where vLLM does not read
+    them: refused when the engine registers, before any byte moves."""
+    from refit.errors import RefitError
+    from refit.integrations.vllm.config import identify
+
+    pc = dict(pipeline_parallel_size=1, decode_context_parallel_size=1, prefill_context_parallel_size=1,
+              enable_elastic_ep=False, enable_eplb=False, tensor_parallel_size=2, data_parallel_size=2,
+              data_parallel_rank=0, enable_expert_parallel=True)
+    pc.update(setting)
+    with pytest.raises(RefitError, match=message):
+        identify(SimpleNamespace(model_config=SimpleNamespace(), parallel_config=SimpleNamespace(**pc)))
+
+
+def test_a_quantized_checkpoint_is_refused() -> None:
+    """A checkpoint served quantized (its config has a ``quantization_config``: FP8 DeepSeek-V3,
+    Qwen3-*-FP8) holds quantized weights and scales in vLLM's layers; the trainer's unquantized
+    tensors cannot be re-processed into them.  Refused when the engine registers."""
+    from refit.errors import RefitError
+    from refit.integrations.vllm.config import identify
+
+    pc = SimpleNamespace(pipeline_parallel_size=1, decode_context_parallel_size=1, prefill_context_parallel_size=1,
+                         enable_elastic_ep=False, enable_eplb=False)
+    hf_config = SimpleNamespace(quantization_config={"quant_method": "fp8", "weight_block_size": [128, 128]})
+    with pytest.raises(RefitError, match=r"the checkpoint is quantized \(fp8\)"):
+        identify(SimpleNamespace(model_config=SimpleNamespace(hf_config=hf_config), parallel_config=pc))
+
+
+def test_deepseek_shared_experts_under_moe_sequence_parallel_are_refused() -> None:
+    """vLLM replicates DeepSeek's shared experts (``disable_tp``) when it runs MoE sequence
+    parallel (tp>1, dp>1, expert parallel, the default all2all backend); refit's layout splits
+    them over tp: refused when the engine registers, naming why (not a shape mismatch later)."""
+    from refit.errors import RefitError
+    from refit.integrations.vllm.config import identify
+    from tests.harness.tiny import TINY_CONFIGS
+
+    cfg = TINY_CONFIGS["tiny-deepseek-v3"]
+    mc = SimpleNamespace(hf_config=SimpleNamespace(to_dict=lambda: dict(cfg)), dtype="torch.bfloat16",
+                         model="/models/tiny-deepseek-v3")
+    pc = SimpleNamespace(pipeline_parallel_size=1, decode_context_parallel_size=1, prefill_context_parallel_size=1,
+                         enable_elastic_ep=False, enable_eplb=False, tensor_parallel_size=2, data_parallel_size=2,
+                         data_parallel_rank=1, enable_expert_parallel=True, use_sequence_parallel_moe=True,
+                         all2all_backend="allgather_reducescatter")
+    with pytest.raises(RefitError, match=r"deepseek_v3's shared experts are replicated, not split over tp2"):
+        identify(SimpleNamespace(model_config=mc, parallel_config=pc))
