@@ -99,20 +99,38 @@ def test_a_quantized_checkpoint_is_refused() -> None:
         identify(SimpleNamespace(model_config=SimpleNamespace(hf_config=hf_config), parallel_config=pc))
 
 
-def test_deepseek_shared_experts_under_moe_sequence_parallel_are_refused() -> None:
-    """vLLM replicates DeepSeek's shared experts (``disable_tp``) when it runs MoE sequence
-    parallel (tp>1, dp>1, expert parallel, the default all2all backend); refit's layout splits
-    them over tp: refused when the engine registers, naming why (not a shape mismatch later)."""
-    from refit.errors import RefitError
+def _deepseek_identity(monkeypatch: pytest.MonkeyPatch, **parallel: Any) -> Any:
+    """`identify` of a tiny DeepSeek-V3 engine at tp2 dp2 with expert parallel (TP rank 1)."""
+    from vllm.distributed import parallel_state
+
     from refit.integrations.vllm.config import identify
     from tests.harness.tiny import TINY_CONFIGS
 
+    monkeypatch.setattr(parallel_state, "get_tensor_model_parallel_rank", lambda: 1)
     cfg = TINY_CONFIGS["tiny-deepseek-v3"]
     mc = SimpleNamespace(hf_config=SimpleNamespace(to_dict=lambda: dict(cfg)), dtype="torch.bfloat16",
                          model="/models/tiny-deepseek-v3")
     pc = SimpleNamespace(pipeline_parallel_size=1, decode_context_parallel_size=1, prefill_context_parallel_size=1,
                          enable_elastic_ep=False, enable_eplb=False, tensor_parallel_size=2, data_parallel_size=2,
-                         data_parallel_rank=1, enable_expert_parallel=True, use_sequence_parallel_moe=True,
-                         all2all_backend="allgather_reducescatter")
-    with pytest.raises(RefitError, match=r"deepseek_v3's shared experts are replicated, not split over tp2"):
-        identify(SimpleNamespace(model_config=mc, parallel_config=pc))
+                         data_parallel_rank=1, enable_expert_parallel=True, **parallel)
+    return identify(SimpleNamespace(model_config=mc, parallel_config=pc))
+
+
+def test_deepseek_shared_experts_under_moe_sequence_parallel_are_whole(monkeypatch: pytest.MonkeyPatch) -> None:
+    """vLLM replicates DeepSeek's shared experts (``disable_tp``) when it runs MoE sequence
+    parallel (tp>1, dp>1, expert parallel, the default all2all backend): the engine's layout holds
+    them whole on every rank."""
+    who = _deepseek_identity(monkeypatch, use_sequence_parallel_moe=True, all2all_backend="allgather_reducescatter")
+    assert who.rank == 3 and (who.layout.tp, who.layout.dp, who.layout.ep) == (2, 2, 4)
+    shared = [p for lt in who.layout.local_tensors(who.spec, who.rank) for p in lt.pieces if "shared_experts" in p.tensor]
+    assert shared and all(tuple(p.size[1:]) == tuple(who.spec[p.tensor].shape[1:]) for p in shared)  # [layer, ...]
+
+
+def test_deepseek_shared_experts_split_by_another_all2all_backend_are_refused(monkeypatch: pytest.MonkeyPatch) -> None:
+    """An all2all backend that keeps MoE off sequence parallel splits the shared experts where
+    refit's layout expects them whole: refused when the engine registers, naming why."""
+    from refit.errors import RefitError
+
+    with pytest.raises(RefitError, match=r"deepseek_v3's shared experts are split over tp under all2all backend "
+                                         r"flashinfer_nvlink_two_sided"):
+        _deepseek_identity(monkeypatch, use_sequence_parallel_moe=False, all2all_backend="flashinfer_nvlink_two_sided")

@@ -22,6 +22,7 @@ from typing import Any
 from refit.archs import DEEPSEEK_ARCHS
 from refit.errors import RefitError
 from refit.layouts import Layout, resolve_layout
+from refit.layouts.vllm import replicated_shared_experts
 from refit.spec import ModelConfig, ModelSpec, build_spec
 
 
@@ -90,11 +91,15 @@ def identify(vllm_config: Any) -> WorkerIdentity:
     name = os.path.basename(os.path.normpath(str(mc.model)))
     spec = spec_from_hf_config(name, mc.hf_config.to_dict(), dtype)
     c = spec.config
-    if c.arch in DEEPSEEK_ARCHS and c.num_shared_experts and getattr(pc, "use_sequence_parallel_moe", False):
-        # DeepseekV2MoE builds its shared experts with disable_tp=is_sequence_parallel: whole on
-        # every rank, where refit's vllm layout splits them over tp like any MLP
-        raise RefitError(f"vllm: {c.arch}'s shared experts are replicated, not split over tp{tp}, when vLLM runs "
-                         f"MoE sequence parallel (tp>1, dp>1, expert parallel, all2all backend "
-                         f"{getattr(pc, 'all2all_backend', '?')}); refit does not support that layout yet")
-    layout = resolve_layout(layout_text(tp, dp, bool(pc.enable_expert_parallel) and c.is_moe), spec, "dst")
+    ep_on = bool(pc.enable_expert_parallel) and c.is_moe
+    if c.arch in DEEPSEEK_ARCHS and c.num_shared_experts and \
+            bool(getattr(pc, "use_sequence_parallel_moe", False)) != replicated_shared_experts(c.arch, tp, dp, ep_on):
+        # DeepseekV2MoE builds its shared experts with disable_tp=use_sequence_parallel_moe; refit's
+        # layout follows vLLM's default all2all backends, which other backends can contradict
+        raise RefitError(f"vllm: {c.arch}'s shared experts are "
+                         f"{'replicated' if getattr(pc, 'use_sequence_parallel_moe', False) else 'split over tp'} "
+                         f"under all2all backend {getattr(pc, 'all2all_backend', '?')} (tp{tp} dp{dp}, expert "
+                         f"parallel {ep_on}), not as refit's vllm layout places them: use the default backend "
+                         f"(allgather_reducescatter) or a DeepEP one")
+    layout = resolve_layout(layout_text(tp, dp, ep_on), spec, "dst")
     return WorkerIdentity(dp_rank * tp + ps.get_tensor_model_parallel_rank(), layout, spec)
