@@ -25,6 +25,7 @@ from google.protobuf.descriptor import FieldDescriptor
 from refit.control.common import CHANNEL_OPTIONS, DEFAULT_PORT, PLACEMENTS, ROLES, auth_metadata
 from refit.control.v1 import refit_pb2 as pb
 from refit.control.v1 import refit_pb2_grpc as pb_grpc
+from refit.errors import RefitError
 from refit.plan import Plan
 
 
@@ -173,18 +174,21 @@ class Client:
         return out
 
     def list_workers(self, group: str = "", role: str | None = None) -> list[dict[str, Any]]:
+        if role and role not in ROLES:
+            raise RefitError(f"role must be one of {', '.join(ROLES)} (or None for both), not {role!r}")
         req = pb.ListWorkersRequest(group=group, role=ROLES[role] if role else 0)
         resp = _call("ListWorkers", self._stub.ListWorkers, req, metadata=self._md, timeout=self.timeout)
         return [to_dict(w) for w in resp.workers]
 
     def refit(self, plan_id: str, version: int, timeout: float = 60.0, check: bool = True) -> RefitResult:
-        """Run the plan for ``version``; returns within ``timeout`` seconds.  ``check``: raise
-        `RefitFailed` when it failed (the default: an RL loop should not go on silently).
-        Idempotent: asking again for the version of a refit under way joins it, and for the
-        version last committed (still held by the engines) returns its result again."""
+        """Run the plan for ``version``; returns within ``timeout`` seconds (0: the coordinator's
+        default, ``refit serve --timeout``).  ``check``: raise `RefitFailed` when it failed (the
+        default: an RL loop should not go on silently).  Idempotent: asking again for the version
+        of a refit under way joins it, and for the version last committed (still held by the
+        engines) returns its result again."""
         resp = _call("Refit", self._stub.Refit, pb.RefitRequest(plan_id=plan_id, version=version,
                                                                 timeout_seconds=timeout),
-                     metadata=self._md, timeout=timeout + 10.0)
+                     metadata=self._md, timeout=timeout + 10.0 if timeout else None)  # the server answers in time
         result = RefitResult.from_pb(resp)
         if check and not result.ok:
             raise RefitFailed(result)

@@ -494,6 +494,29 @@ def test_client_raises_refit_exceptions() -> None:
     assert isinstance(e.value, ControlError) and e.value.code() == grpc.StatusCode.UNAVAILABLE
 
 
+def test_client_refit_timeout_zero_leaves_the_deadline_to_the_coordinator() -> None:
+    """``refit(timeout=0)`` asks for the coordinator's default timeout: the call itself then has no
+    deadline of ours (it had 10 s, which cut a longer default short).  A stand-in stub records the
+    call; a bad role is refused before any call."""
+    from types import SimpleNamespace
+
+    from refit.errors import RefitError
+
+    calls: list[tuple[float, float | None]] = []
+
+    def refit(req: pb.RefitRequest, metadata: object, timeout: float | None) -> pb.RefitResponse:
+        calls.append((req.timeout_seconds, timeout))
+        return pb.RefitResponse(status=pb.REFIT_STATUS_OK)
+
+    with Client("127.0.0.1:1") as c:
+        c._stub = SimpleNamespace(Refit=refit)
+        c.refit("plan", 1, timeout=0)
+        c.refit("plan", 2, timeout=5)
+        with pytest.raises(RefitError, match="role must be one of trainer, engine"):
+            c.list_workers(role="engines")
+    assert calls == [(0.0, None), (5.0, 15.0)]
+
+
 def test_generated_stubs_are_fresh(tmp_path) -> None:
     pytest.importorskip("grpc_tools")
     sys.path.insert(0, os.path.join(ROOT, "proto"))
