@@ -93,6 +93,28 @@ def test_bounded_registers_live_tensors(spec_layout) -> None:
     assert landing.direct_nbytes == sum(t.numel() * t.element_size() for t in model.parameters())
 
 
+def test_a_parameter_refit_does_not_write_is_refused(spec_layout) -> None:
+    """A live parameter no refit tensor fills (here an ``o_proj`` bias refit's spec lacks; in the
+    wild a Qwen3-MoE config's ``shared_expert``) would keep its loaded weights while the engine
+    reports the new version: refused when the landing is built.  A tied parameter (one Parameter
+    under two modules) is written through its first name and passes."""
+    from refit.errors import RefitError
+    from refit.integrations.vllm.landing import Landing
+
+    spec, layout = spec_layout
+    local = layout.local_tensors(spec, 0)
+    model = toy_model(local)
+    tied = torch.nn.Module()
+    tied.weight = model.get_parameter(local[0].name)
+    model.add_module("tied_head", tied)
+    Landing(model, spec, layout, 0, CPU, "bounded")
+    o_proj = model.get_submodule("model.layers.0.self_attn.o_proj")
+    o_proj.bias = torch.nn.Parameter(torch.randn(8).to(torch.bfloat16), requires_grad=False)
+    with pytest.raises(RefitError, match=r"1 parameters of the live model get no refit tensor "
+                                         r"\(model\.layers\.0\.self_attn\.o_proj\.bias\)"):
+        Landing(model, spec, layout, 0, CPU, "bounded")
+
+
 def test_atomic_stages_and_applies_exactly(spec_layout) -> None:
     from refit.integrations.vllm.landing import Landing
 

@@ -140,6 +140,15 @@ class _Group:
     params: list[tuple[str, str]]  # (refit local name, attribute on the module)
 
 
+def left_behind(model: torch.nn.Module, written_modules: set[int], written: set[int]) -> list[str]:
+    """Parameters of ``model`` (by name) that no refit tensor writes (ids in ``written``), outside
+    the modules whose re-processing recomputes theirs (ids in ``written_modules``: what processing
+    adds, such as online quantization's scales, is no refit tensor)."""
+    return [f"{name}.{attr}" if name else attr for name, module in model.named_modules()
+            if id(module) not in written_modules
+            for attr, p in module.named_parameters(recurse=False) if id(p) not in written]
+
+
 class Landing:
     """``tensors``: what the engine agent registers (the data plane writes into them): live
     parameters for direct in-place ones (``bounded``), staging tensors for the rest."""
@@ -158,6 +167,7 @@ class Landing:
         inplace_modules: list[torch.nn.Module] = []
         groups: dict[str, _Group] = {}
         staged: list[LocalTensor] = []
+        written: set[int] = set()  # ids of the live tensors the refit tensors land in
         for lt in self.local:
             module_name, _, attr = lt.name.rpartition(".")
             try:
@@ -168,6 +178,7 @@ class Landing:
             live = getattr(module, attr, None)
             if not isinstance(live, torch.Tensor):
                 raise RefitError(f"vllm: {module_name} has no tensor {attr!r} for refit tensor {lt.name!r}")
+            written.add(id(live))
             dtype = getattr(torch, lt.dtype)  # the loader layout's (what the data plane writes)
             self.dtypes[lt.name] = landing_dtype(lt.name, module, attr, live, dtype, device)
             path = landing_path(module, live, lt.shape, self.dtypes[lt.name], device)
@@ -214,6 +225,11 @@ class Landing:
             if derives:
                 self.aliases.append((name, module))
         self.aliases.sort(key=lambda a: is_deferred_attention_layer(a[1]))
+        left = left_behind(model, {id(g.module) for g in self.groups} | {id(m) for _, m in self.aliases}, written)
+        if left:  # the engine would report a version it does not fully hold
+            raise RefitError(f"vllm: {len(left)} parameters of the live model get no refit tensor ({', '.join(left[:3])}"
+                             f"{', ...' if len(left) > 3 else ''}): refit's {spec.config.arch} layout does not know them, "
+                             f"and after a refit they would keep the weights loaded at start")
         self._by_phase = self._split_by_phase() if self.window else {}
         self._landed: set[int] = set()  # phases of the current refit landed so far
         self._logged_plans: set[str] = set()
