@@ -181,6 +181,35 @@ def packing_model(local: list) -> torch.nn.Module:
     return model
 
 
+def test_a_reprocessed_tensor_built_otherwise_is_refused(spec_layout) -> None:
+    """A re-processed module's live tensor tells nothing of the shape its loader takes; vLLM
+    records the shape it built each parameter with (for its own reload), and a layout tensor of
+    another shape is refused when the landing is built, before anything is written."""
+    from vllm.model_executor.model_loader.reload.layerwise import record_metadata_for_reloading
+
+    from refit.errors import RefitError
+    from refit.integrations.vllm.landing import Landing
+
+    spec, layout = spec_layout
+    local = layout.local_tensors(spec, 0)
+    o_proj = next(lt for lt in local if lt.name.endswith("o_proj.weight"))
+    for built in (o_proj.shape, (2 * o_proj.shape[0], o_proj.shape[1])):  # as the layout says; then not
+        model = toy_model(local)
+        module = model.get_submodule(o_proj.name.rpartition(".")[0])
+        right = module.weight
+        module.weight = torch.nn.Parameter(torch.empty(built, dtype=right.dtype), requires_grad=False)
+        record_metadata_for_reloading(model)  # vLLM's loader does it when it builds the model
+        module.weight = right
+        module.quant_method = _toy_method(keep_weight=False)
+        module.quant_method.process_weights_after_loading(module)
+        if built == o_proj.shape:
+            Landing(model, spec, layout, 0, CPU, "bounded")
+            continue
+        with pytest.raises(RefitError, match=rf"{o_proj.name} is built \[{built[0]}, {built[1]}\] by vLLM's "
+                                             rf"loader, refit's layout has \[{o_proj.shape[0]}, {o_proj.shape[1]}\]"):
+            Landing(model, spec, layout, 0, CPU, "bounded")
+
+
 def write_pieces(t: torch.Tensor, lt, spec, g: torch.Generator) -> torch.Tensor:
     """Random values where the data plane writes (every piece of ``lt``); returns what ``t``
     should hold, padding zero."""

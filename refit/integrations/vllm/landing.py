@@ -56,6 +56,7 @@ from typing import TYPE_CHECKING, Any, Iterable, Iterator
 import torch
 
 from refit.errors import RefitError
+from refit.integrations.vllm.coverage import left_behind, loaded_shape
 from refit.integrations.vllm.window import Window
 from refit.layouts import Layout, LocalTensor
 from refit.spec import ModelSpec
@@ -140,15 +141,6 @@ class _Group:
     params: list[tuple[str, str]]  # (refit local name, attribute on the module)
 
 
-def left_behind(model: torch.nn.Module, written_modules: set[int], written: set[int]) -> list[str]:
-    """Parameters of ``model`` (by name) that no refit tensor writes (ids in ``written``), outside
-    the modules whose re-processing recomputes theirs (ids in ``written_modules``: what processing
-    adds, such as online quantization's scales, is no refit tensor)."""
-    return [f"{name}.{attr}" if name else attr for name, module in model.named_modules()
-            if id(module) not in written_modules
-            for attr, p in module.named_parameters(recurse=False) if id(p) not in written]
-
-
 class Landing:
     """``tensors``: what the engine agent registers (the data plane writes into them): live
     parameters for direct in-place ones (``bounded``), staging tensors for the rest."""
@@ -186,6 +178,9 @@ class Landing:
                 raise RefitError(f"vllm: {lt.name} is {list(live.shape)} {live.dtype} in the live model, the loader "
                                  f"layout is {list(lt.shape)} {lt.dtype}, and {type(module).__name__} declares no "
                                  f"post-load processing to re-run")
+            if path == REPROCESS and (built := loaded_shape(module, attr)) not in (None, tuple(lt.shape)):
+                raise RefitError(f"vllm: {lt.name} is built {list(built)} by vLLM's loader, refit's layout has "
+                                 f"{list(lt.shape)}")
             self.paths[lt.name] = path
             if path == INPLACE:
                 inplace_modules.append(module)
