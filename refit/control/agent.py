@@ -271,10 +271,19 @@ class Agent:
             except ConnectionError as e:
                 self.error = e
                 return False
-            finally:  # a share still running is abandoned; a later run is answered "busy" until it ends
-                self._live = False
-                for ev in self._cancel.values():
-                    ev.set()
+            finally:
+                self._stream_ended()
+
+    def _stream_ended(self) -> None:
+        """A share still running is abandoned (a later run waits for it to end); a run queued behind
+        it came on this stream, whose coordinator counts us out already: it must not start later,
+        alone, and hold our thread until its own timeout."""
+        self._live = False
+        for ev in self._cancel.values():
+            ev.set()
+        if self._waiting is not None:
+            self._waiting.cancel()
+            self._waiting = None
 
     async def _write(self, msg: pb.WorkerMessage) -> None:
         async with self._wlock:

@@ -382,6 +382,14 @@ class Coordinator:
         log.warning("%s", resp.error)
         return resp
 
+    async def close(self) -> None:
+        """End what is still under way (refits, sends, waits for busy members): the server stopped."""
+        self._notify()
+        tasks = list(self._tasks)
+        for t in tasks:
+            t.cancel()
+        await asyncio.gather(*tasks, return_exceptions=True)
+
     # ------------------------------------------------------------------ events
     def watch(self, plan_id: str) -> asyncio.Queue:
         if plan_id:

@@ -189,7 +189,8 @@ def _handlers(s: Servicer) -> dict[str, grpc.RpcMethodHandler]:
 
 def _store(host: str) -> tuple[Any, int]:
     """The TCPStore the data planes rendezvous on, listening on ``host`` only (an OS-chosen port,
-    bound before torch sees it: no race for a 'free' port).  Never a wildcard address."""
+    bound before torch sees it: no race for a 'free' port).  Never a wildcard address.  The store
+    owns the listening socket from then on: dropping it closes the port."""
     import datetime
 
     import torch.distributed as dist
@@ -199,9 +200,14 @@ def _store(host: str) -> tuple[Any, int]:
     sock.bind((host, 0))
     sock.listen(1024)
     port = sock.getsockname()[1]
-    store = dist.TCPStore(host, port, None, True, timeout=datetime.timedelta(seconds=60), wait_for_workers=False,
-                          master_listen_fd=sock.fileno(), use_libuv=True)
-    return (store, sock), port
+    try:
+        store = dist.TCPStore(host, port, None, True, timeout=datetime.timedelta(seconds=60), wait_for_workers=False,
+                              master_listen_fd=sock.fileno(), use_libuv=True)
+    except BaseException:
+        sock.close()
+        raise
+    sock.detach()  # the store closes the descriptor when it goes; a second close could hit a reused number
+    return store, port
 
 
 class CoordinatorServer:
@@ -223,6 +229,7 @@ class CoordinatorServer:
         self.default_timeout, self.grace = default_timeout, grace
         self.server: grpc.aio.Server | None = None
         self.coord: Coordinator | None = None
+        self._store: Any = None
 
     async def start(self) -> int:
         from grpc_health.v1 import health, health_pb2, health_pb2_grpc
@@ -251,9 +258,14 @@ class CoordinatorServer:
         return self.port
 
     async def stop(self, grace: float | None = 1.0) -> None:
+        """Stop serving (calls under way get ``grace`` seconds), end the refits and sends still
+        under way, and close the rendezvous store's port."""
         if self.server is not None:
             await self.health.enter_graceful_shutdown()
             await self.server.stop(grace)
+        if self.coord is not None:
+            await self.coord.close()
+        self._store = None
 
     @property
     def address(self) -> str:

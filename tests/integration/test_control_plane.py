@@ -472,6 +472,19 @@ def test_serve_main_refuses_a_taken_port_and_reads_the_token_file(tmp_path) -> N
         srv.stop()
 
 
+def test_stop_closes_the_rendezvous_port() -> None:
+    """A stopped coordinator closes its rendezvous store's port (the store owns the listening
+    socket: the server keeps no second handle whose close could hit a reused descriptor)."""
+    import socket
+
+    srv = ThreadedServer()
+    port = srv.server.coord.store_port
+    socket.create_connection(("127.0.0.1", port), timeout=5).close()
+    srv.stop()
+    with pytest.raises(ConnectionRefusedError):
+        socket.create_connection(("127.0.0.1", port), timeout=5)
+
+
 def test_serve_refuses_a_default_timeout_that_is_not_positive(capsys) -> None:
     """`refit serve --timeout 0` (or negative, or nan) would fail every refit that gives no
     timeout of its own, at once and blaming the request: refused at start instead."""

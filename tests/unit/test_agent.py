@@ -3,6 +3,8 @@ the version an engine reports."""
 
 from __future__ import annotations
 
+import asyncio
+
 from refit.control.agent import EngineAgent
 from refit.control.dataplane import NoopDataPlane
 from refit.control.v1 import refit_pb2 as pb
@@ -30,3 +32,37 @@ def test_registration_reports_the_held_version_and_staleness() -> None:
     a._stale = True
     info = a._info()
     assert (info.version, info.stale, info.role) == (3, True, pb.ROLE_ENGINE)
+
+
+def queued_run(stream_ends: bool) -> list[str]:
+    """A share abandoned with the last stream still runs when a new stream sends a run: the run
+    waits for it.  Which runs start once it ends, if that stream ``stream_ends`` meanwhile?"""
+    async def main() -> list[str]:
+        a = engine()
+        started: list[str] = []
+
+        async def start(run: pb.RunRefit, deadline: float) -> None:
+            started.append(run.refit_id)
+
+        a._start = start  # type: ignore[method-assign]
+        a._running, a._job = "p-x-1", asyncio.get_running_loop().create_future()
+        await a._on_run(pb.RunRefit(refit_id="p-y-1", timeout_seconds=5.0))
+        await asyncio.sleep(0.01)
+        if stream_ends:
+            a._stream_ended()
+        a._running = ""
+        a._job.set_result(None)
+        await asyncio.sleep(0.05)
+        return started
+
+    return asyncio.run(main())
+
+
+def test_a_run_queued_behind_an_abandoned_share_starts_when_it_ends() -> None:
+    assert queued_run(stream_ends=False) == ["p-y-1"]
+
+
+def test_a_run_queued_behind_an_abandoned_share_is_dropped_with_its_stream() -> None:
+    """Its coordinator counted us out when the stream ended: started later, alone, it would only
+    hold our thread at its rendezvous until its own timeout."""
+    assert queued_run(stream_ends=True) == []
