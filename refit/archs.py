@@ -46,7 +46,7 @@ def family_fields(cfg: dict[str, Any], layers: int, heads: int) -> dict[str, Any
         moe_intermediate_size=_int(cfg, "moe_intermediate_size", 0),
         moe_layers=moe_layers,
         num_shared_experts=int(cfg.get("n_shared_experts") or 0),
-        num_mtp_layers=int(cfg.get("num_nextn_predict_layers") or 0),
+        num_mtp_layers=int(cfg.get("num_nextn_predict_layers", 1) or 0),  # transformers' default: 1
     )
     if arch in DEEPSEEK_ARCHS:
         # vLLM gives DeepseekV2MoE the float32 bias only with topk_method noaux_tc (all V3 configs)

@@ -28,6 +28,24 @@ from refit.errors import RefitError
 
 SUPPORTED_ARCHS = ("llama", "qwen2", "qwen3", "qwen3_moe", "deepseek_v3", "kimi_k2", "glm4_moe")
 
+# config.json keys refit will not guess.  Missing, transformers gives them its config class's
+# defaults — the full-size model's values (Qwen3MoeConfig's 128 experts, DeepseekV3Config's 256,
+# Qwen2Config's 32 kv heads) — and vLLM builds those shapes; refit's own fallbacks (0, the head
+# count) would plan others.  Every key refit reads that is not listed falls back as transformers
+# does (tests/unit/test_spec.py checks both against the installed transformers).  Alternatives:
+# "a|b" — either name.
+_MOE_FAMILY = ("n_routed_experts", "first_k_dense_replace", "moe_intermediate_size", "n_shared_experts")
+MUST_STATE: dict[str, tuple[str, ...]] = {
+    "llama": ("intermediate_size",),
+    "qwen2": ("intermediate_size", "num_key_value_heads"),
+    "qwen3": ("intermediate_size", "num_key_value_heads", "head_dim"),
+    "qwen3_moe": ("intermediate_size", "num_key_value_heads", "num_experts|num_local_experts",
+                  "moe_intermediate_size"),
+    "deepseek_v3": ("intermediate_size", *_MOE_FAMILY, "q_lora_rank"),
+    "kimi_k2": ("intermediate_size", *_MOE_FAMILY, "q_lora_rank"),
+    "glm4_moe": ("intermediate_size", "num_key_value_heads", *_MOE_FAMILY),
+}
+
 
 @dataclass(frozen=True)
 class ModelConfig:
@@ -92,6 +110,12 @@ class ModelConfig:
             vocab = int(cfg["vocab_size"])
         except KeyError as e:
             raise RefitError(f"config.json lacks {e.args[0]!r}") from None
+        unstated = [k for k in MUST_STATE[arch] if not any(a in cfg for a in k.split("|"))]
+        if unstated:
+            names = ", ".join(" or ".join(map(repr, k.split("|"))) for k in unstated)
+            raise RefitError(f"config.json (model_type {arch!r}) lacks {names}: refit does "
+                             f"not guess them (transformers, and so vLLM, would take its config class's defaults, "
+                             f"the full-size model's values); write them out")
         kv = int(cfg.get("num_key_value_heads") or heads)
         head_dim = int(cfg.get("head_dim") or hidden // heads)
         experts, moe_inter, moe_layers = 0, 0, ()

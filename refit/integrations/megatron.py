@@ -38,6 +38,7 @@ from typing import Any, Sequence
 import torch
 
 from refit.control.agent import TrainerAgent
+from refit.archs import FAMILY_ARCHS
 from refit.errors import RefitError
 from refit.integrations._common import Served, global_rank, refuse_unmapped, start_trainer
 from refit.layouts import MegatronLayout
@@ -140,6 +141,11 @@ def _check_coords(layout: MegatronLayout, rank: int) -> None:
 def _check_config(chunks: Sequence[torch.nn.Module], spec: ModelSpec) -> None:
     """The megatron config against the spec, dimension by dimension, with the numbers."""
     cfg, c = chunks[0].config, spec.config
+    if c.arch in FAMILY_ARCHS:  # said first: any dimension check below would blame a symptom
+        raise RefitError(f"refit's Megatron-Core attach serves Llama and Qwen models; {spec.name} is {c.arch} "
+                         f"(shared experts, a router bias{', MLA' if c.is_mla else ''}), whose Megatron parameters "
+                         f"it does not map yet. Attach that trainer with refit.integrations.hf or .fsdp, or give "
+                         f"a TrainerAgent its tensors (megatron layouts of {c.arch} plan and reshard)")
     kv = cfg.num_query_groups or cfg.num_attention_heads
     checks = [("num_layers", cfg.num_layers, c.num_layers), ("hidden_size", cfg.hidden_size, c.hidden_size),
               ("num_attention_heads", cfg.num_attention_heads, c.num_heads), ("num_query_groups", kv, c.num_kv_heads),

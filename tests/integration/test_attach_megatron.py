@@ -169,3 +169,17 @@ def test_megatron_attach_refusals(server) -> None:
         assert client.list_workers(group="refused") == []
     finally:
         trainers.close()
+
+
+@pytest.mark.parametrize("model", ["tiny-deepseek-v3", "tiny-glm4-moe"])
+def test_family_models_are_refused_before_any_dimension_check(model) -> None:
+    """A DeepSeek / GLM spec gets the reason (its Megatron names are not mapped), not the first
+    dimension that happens to differ."""
+    from types import SimpleNamespace
+
+    from refit.errors import RefitError
+    from refit.integrations.megatron import _check_config
+
+    chunk = SimpleNamespace(config=SimpleNamespace())  # never read
+    with pytest.raises(RefitError, match="Megatron-Core attach serves Llama and Qwen models; .* does not map yet"):
+        _check_config([chunk], tiny_spec(model))

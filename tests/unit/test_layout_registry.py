@@ -81,7 +81,8 @@ def test_expert_tp_without_ep_survives_describe():
     ``megatron:tp1etp2`` came back as ``megatron:tp1dp2`` (expert TP 1)."""
     spec = build_spec("moe", ModelConfig.from_hf({
         "model_type": "qwen3_moe", "hidden_size": 32, "num_hidden_layers": 2, "num_attention_heads": 4,
-        "num_key_value_heads": 2, "head_dim": 8, "moe_intermediate_size": 16, "num_experts": 8, "vocab_size": 300}))
+        "num_key_value_heads": 2, "head_dim": 8, "intermediate_size": 48, "moe_intermediate_size": 16, "num_experts": 8,
+        "vocab_size": 300}))
     layout = parse_layout("megatron:tp1etp2").resolve(spec)
     assert layout.describe() == "megatron:tp1etp2dp2"
     assert parse_layout(layout.describe()).resolve(spec) == layout

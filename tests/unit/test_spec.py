@@ -10,6 +10,7 @@ from refit.catalog import CATALOG
 from refit.errors import RefitError
 from refit.spec import ModelConfig, build_spec, check_tensor_table
 from tests.harness.strategies import model_specs
+from tests.harness.tiny import TINY_CONFIGS
 
 
 def catalog_spec(name: str):
@@ -59,11 +60,12 @@ def test_sparse_step_and_mlp_only_layers_pick_the_moe_layers():
 
 def test_config_defaults_and_arch_features():
     qwen2 = ModelConfig.from_hf({"model_type": "qwen2", "hidden_size": 64, "num_attention_heads": 4,
-                                 "num_hidden_layers": 2, "vocab_size": 100, "intermediate_size": 128})
-    assert (qwen2.num_kv_heads, qwen2.head_dim, qwen2.qkv_bias, qwen2.qk_norm, qwen2.dtype) == (4, 16, True, False,
+                                 "num_key_value_heads": 2, "num_hidden_layers": 2, "vocab_size": 100,
+                                 "intermediate_size": 128})
+    assert (qwen2.num_kv_heads, qwen2.head_dim, qwen2.qkv_bias, qwen2.qk_norm, qwen2.dtype) == (2, 16, True, False,
                                                                                               "bfloat16")
     spec = build_spec("q", qwen2)
-    assert spec["model.layers.*.self_attn.k_proj.bias"].shape == (2, 64)
+    assert spec["model.layers.*.self_attn.k_proj.bias"].shape == (2, 32)
     tied = build_spec("t", ModelConfig.from_hf({**CATALOG["qwen3-8b"], "tie_word_embeddings": True}))
     assert "lm_head.weight" not in tied and "lm_head.weight" in catalog_spec("qwen3-8b")
 
@@ -73,6 +75,7 @@ def test_config_defaults_and_arch_features():
                                                                    "llama, qwen2, qwen3, qwen3_moe"]),
     ({"torch_dtype": "float64"}, ["unsupported dtype 'float64'", "bfloat16"]),
     ({"hidden_size": None}, ["lacks 'hidden_size'"]),
+    ({"head_dim": None, "num_key_value_heads": None}, ["lacks 'num_key_value_heads', 'head_dim'", "write them out"]),
 ])
 def test_bad_configs_are_refused(change, words):
     cfg = {**CATALOG["qwen3-8b"], **change}
@@ -123,3 +126,43 @@ def test_check_tensor_table_names_the_first_difference():
         assert str(e.value) == message
     check_tensor_table({**expected, "c": ((1,), "float32")}, expected, "here", extra_ok=True)
 
+
+
+# Every config.json key refit reads beyond the four it always requires.
+READ_KEYS = ("num_key_value_heads", "head_dim", "intermediate_size", "tie_word_embeddings", "attention_bias",
+             "num_experts", "num_local_experts", "moe_intermediate_size", "decoder_sparse_step", "mlp_only_layers",
+             "n_routed_experts", "first_k_dense_replace", "moe_layer_freq", "n_shared_experts",
+             "num_nextn_predict_layers", "topk_method", "q_lora_rank", "kv_lora_rank", "qk_nope_head_dim",
+             "qk_rope_head_dim", "v_head_dim", "use_qk_norm")
+
+
+def _as_transformers_reads(cfg: dict) -> dict:
+    """``cfg`` as transformers' config class fills it in (vLLM reads that object); Kimi-K2's
+    kimi_k2 is DeepseekV3Config in vLLM's registry."""
+    from transformers import AutoConfig
+
+    rest = {k: v for k, v in cfg.items() if k not in ("model_type", "torch_dtype", "dtype")}
+    family = "deepseek_v3" if cfg["model_type"] == "kimi_k2" else cfg["model_type"]
+    return {**AutoConfig.for_model(family, **rest).to_dict(), "model_type": cfg["model_type"],
+            "torch_dtype": cfg.get("torch_dtype", "bfloat16")}
+
+
+CONFIGS = {**CATALOG, **TINY_CONFIGS}
+
+
+@pytest.mark.parametrize("name", sorted(CONFIGS))
+def test_a_missing_key_is_refused_or_read_as_transformers_reads_it(name):
+    """Drop each key refit reads from a real config: refit either refuses the config, naming the
+    key, or reads the same model transformers' config class (so vLLM) describes."""
+    pytest.importorskip("transformers")
+    cfg = CONFIGS[name]
+    for key in READ_KEYS:
+        if key not in cfg:
+            continue
+        dropped = {k: v for k, v in cfg.items() if k != key}
+        try:
+            mine = ModelConfig.from_hf(dropped)
+        except RefitError as e:
+            assert repr(key) in str(e), (key, str(e))
+            continue
+        assert mine == ModelConfig.from_hf(_as_transformers_reads(dropped)), key
