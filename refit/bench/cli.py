@@ -33,13 +33,33 @@ import sys
 from typing import Any
 
 from planners import make_plan
+from planners.registry import MIN_BUCKET_BYTES
 from refit.entrypoint import run_main, setup_logging
 from refit.errors import RefitError
-from refit.layouts import resolve_layout
+from refit.layouts import LAYOUT_HELP, resolve_layout
 from refit.hf_checkpoint import load_spec
 from refit.spec import ModelSpec, build_spec
 from refit.units import MiB
 
+
+
+DESCRIPTION = ("refit-bench: plan a refit, run it for real on one process per rank, time it, verify every "
+               "destination element bit-exact.  On GPUs the model runs at full size; without GPUs (or with "
+               "--cpu) at a reduced width (same layouts, smaller tensors), over gloo.")
+EPILOG = f"""\
+{LAYOUT_HELP}
+
+exit status:
+  0  every destination element verified   1  a mismatch
+  2  bad input (one line on stderr)        3  a worker failed (named)
+
+examples:
+  refit-bench --model qwen3-30b-moe --src tp4ep8 --dst tp8
+  refit-bench --model qwen3-30b-moe --src megatron:tp2ep2 --dst vllm:tp2 --vs broadcast --json
+  refit-bench --model qwen3-235b-moe --layers 20 --src megatron:tp2ep2 --dst vllm:tp2
+  refit-bench --model qwen3-30b-moe --src megatron:tp2ep2 --dst vllm:tp2 --via grpc
+  refit-bench --model qwen3-30b-moe --src megatron:tp2ep2 --dst vllm:tp2 --ray auto
+"""
 
 
 # ---------------------------------------------------------------------------------------------
@@ -89,12 +109,16 @@ def reduce_spec(spec: ModelSpec, src: str, dst: str) -> tuple[ModelSpec, dict[st
 
 
 def parse_args(argv: list[str] | None) -> argparse.Namespace:
-    p = argparse.ArgumentParser(prog="refit-bench", description=__doc__.split("\n\n")[0])
+    p = argparse.ArgumentParser(prog="refit-bench", description=DESCRIPTION, epilog=EPILOG,
+                                formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--model", required=True, help="catalog name (qwen3-30b-moe, ...) or model directory")
     p.add_argument("--src", required=True, help="source layout, e.g. tp4ep8 (megatron:...), fsdp:dp8")
     p.add_argument("--dst", required=True, help="destination layout, e.g. tp8 (vllm:...), vllm:tp4ep4")
-    p.add_argument("--placement", default="colocated", choices=["colocated", "disaggregated"])
-    p.add_argument("--planner", default="p2p", choices=["p2p", "broadcast"])
+    p.add_argument("--placement", default="colocated", choices=["colocated", "disaggregated"],
+                   help="colocated (default): source rank i and destination rank i share device i; "
+                        "disaggregated: each side on devices of its own")
+    p.add_argument("--planner", default="p2p", choices=["p2p", "broadcast"],
+                   help="p2p (default): shard to shard; broadcast: the full-tensor baseline")
     p.add_argument("--layers", type=int, default=None, metavar="N",
                    help="keep only the model's first N decoder layers, at full width: a big model's real "
                         "shapes on fewer GPUs (e.g. --model qwen3-235b-moe --layers 20 on 2x H200)")
@@ -137,6 +161,11 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     a = p.parse_args(argv)
     if a.iters < 1 or a.warmup < 0:
         p.error("--iters must be at least 1 and --warmup at least 0")
+    # Refused here, before any process starts (a worker would die on them, status 3, traceback).
+    if not a.timeout > 0:
+        p.error(f"--timeout must be more than 0 seconds, got {a.timeout:g}")
+    if a.link_mb is not None and not a.link_mb > 0:
+        p.error(f"--link-mb must be more than 0, got {a.link_mb:g}")
     if a.via == "grpc" and a.vs:
         p.error("--vs compares planners on the direct bench; with --via grpc run each planner on its own")
     if a.ray is not None and a.via == "grpc":
@@ -213,6 +242,9 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
     if device == "cuda" and need > gpus:
         raise RefitError(f"placement {args.placement} of {first.src.describe()} -> {first.dst.describe()} needs "
                          f"{need} GPUs, this machine has {gpus} (use --cpu for a reduced-width CPU run)")
+    if args.via == "grpc" and device == "cpu" and args.transport == "ipc":
+        raise RefitError("--via grpc on CPU runs its agents over gloo; --transport ipc is refused there "
+                         "(the direct bench has it on CPU)")
     transport = choose_transport(args.transport, device, need)
     if args.via == "grpc":
         from refit.bench.via_grpc import run_grpc
@@ -228,14 +260,25 @@ def _run_ray(args: argparse.Namespace, spec: ModelSpec) -> dict[str, Any]:
     from refit.bench.on_ray import connect
 
     ranks = resolve_layout(args.src, spec, "src").world_size + resolve_layout(args.dst, spec, "dst").world_size
+    # What is wrong whatever the cluster: said before joining one (``auto`` may start a local one).
+    if args.bucket_mb is not None:
+        _check_bucket(args.bucket_mb)
+    if args.cpu and args.transport == "ipc":
+        raise RefitError("--ray on CPU runs over gloo: Ray nodes share no memory, so --transport ipc is refused")
     import ray
 
-    started = connect(args.ray, ranks)
+    started = connect(args.ray, ranks, args.timeout)
     try:
         return _run_ray_connected(args, spec)
     finally:
         if started:
             ray.shutdown()
+
+
+def _check_bucket(bucket_mb: float) -> None:
+    if int(bucket_mb * MiB) < MIN_BUCKET_BYTES:
+        raise RefitError(f"--bucket-mb {bucket_mb:g}: bucket size {int(bucket_mb * MiB)} bytes is too small "
+                         f"(at least {MIN_BUCKET_BYTES})")
 
 
 def _run_ray_connected(args: argparse.Namespace, spec: ModelSpec) -> dict[str, Any]:

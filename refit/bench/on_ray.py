@@ -23,6 +23,7 @@ import dataclasses
 import glob
 import logging
 import os
+import socket
 import time
 import uuid
 from typing import Any
@@ -89,20 +90,38 @@ _BenchRankActor = ray.remote(max_restarts=0)(BenchRank)
 # The driver
 
 
-def connect(address: str, ranks: int) -> bool:
+def connect(address: str, ranks: int, timeout: float = 30.0) -> bool:
     """Join the cluster ``address`` names; True when this call connected (so it disconnects).
     ``auto``: the cluster this process already joined, else $RAY_ADDRESS, else a new local one
-    (with a CPU per rank at least; never a cluster found by guessing)."""
+    (with a CPU per rank at least; never a cluster found by guessing).  A host:port that does not
+    answer within ``timeout`` seconds is refused (`ray.init` would retry it for minutes)."""
     if ray.is_initialized():
         return False
     kw: dict[str, Any] = dict(include_dashboard=False, logging_level="warning", log_to_driver=False)
     if address != "auto":
+        _probe(address, "--ray", timeout, required=True)
         ray.init(address=address, **kw)
     elif os.environ.get("RAY_ADDRESS"):
+        _probe(os.environ["RAY_ADDRESS"], "$RAY_ADDRESS", timeout, required=False)
         ray.init(address=os.environ["RAY_ADDRESS"], **kw)
     else:
         ray.init(address="local", num_cpus=max(os.cpu_count() or 1, ranks), **kw)
     return True
+
+
+def _probe(address: str, what: str, timeout: float, required: bool) -> None:
+    """Refuse (`RefitError`) a Ray address that is not host:port (``required``: else leave it to
+    Ray) or whose host:port takes no TCP connection within ``timeout`` seconds."""
+    host, sep, port = address.rpartition(":")
+    if not sep or not host or not port.isdigit() or "://" in address:
+        if required:
+            raise RefitError(f"{what} {address}: expected host:port of a running Ray cluster's head, or auto")
+        return
+    host = host.strip("[]")
+    try:
+        socket.create_connection((host, int(port)), timeout=min(timeout, 30.0)).close()
+    except OSError as e:
+        raise RefitError(f"{what} {address}: no Ray cluster answers there ({e.strerror or e})") from None
 
 
 def _refuse_early(need_gpus: int, ranks: int, cuda: bool, transport: str) -> None:

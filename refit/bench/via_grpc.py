@@ -25,7 +25,7 @@ import multiprocessing as mp
 import os
 import statistics
 import time
-from typing import Any
+from typing import Any, Callable
 
 from refit.errors import RefitError
 from refit.spec import ModelSpec
@@ -89,44 +89,79 @@ class _Ranks:
     """The rank processes and their command pipes."""
 
     def __init__(self, address: str, spec: ModelSpec, plan: Any, src: str, dst: str, cuda: bool,
-                 transport: str, log_level: int, alloc: str) -> None:
+                 transport: str, log_level: int, alloc: str, timeout: float = 600.0,
+                 on_error: Callable[[], None] | None = None) -> None:
+        """``on_error``: called when starting a rank fails (after those started are stopped)."""
+        self.timeout = timeout  # every wait for a rank's answer (--timeout)
         ctx = mp.get_context("spawn")
         self.procs, self.conns, self.names, self.roles = [], [], [], []
-        for role, layout, gpus in (("trainer", src, plan.placement.src_gpus), ("engine", dst, plan.placement.dst_gpus)):
-            for rank, g in enumerate(gpus):
-                parent, child = ctx.Pipe()
-                p = ctx.Process(target=_agent_main, daemon=True, name=f"{role}-{rank}",
-                                args=(child, address, spec, role, rank, layout, g if cuda else -1, transport, log_level,
-                                      alloc))
-                p.start()
-                self.procs.append(p)
-                self.conns.append(parent)
-                self.names.append(f"{role} {rank}")
-                self.roles.append(role)
+        try:
+            for role, layout, gpus in (("trainer", src, plan.placement.src_gpus),
+                                       ("engine", dst, plan.placement.dst_gpus)):
+                for rank, g in enumerate(gpus):
+                    parent, child = ctx.Pipe()
+                    p = ctx.Process(target=_agent_main, daemon=True, name=f"{role}-{rank}",
+                                    args=(child, address, spec, role, rank, layout, g if cuda else -1, transport,
+                                          log_level, alloc))
+                    p.start()
+                    child.close()  # the rank's end: ours closed, so that its death reads as EOF here
+                    self.procs.append(p)
+                    self.conns.append(parent)
+                    self.names.append(f"{role} {rank}")
+                    self.roles.append(role)
+        except BaseException:
+            for p in self.procs:  # none has been told anything yet
+                p.kill()
+                p.join(5)
+            if on_error:
+                on_error()
+            raise
 
-    def ask(self, which: list[int], cmd: str, arg: Any = None, timeout: float = 600.0) -> list[Any]:
+    def ask(self, which: list[int], cmd: str, arg: Any = None, timeout: float | None = None) -> list[Any]:
+        """Send ``cmd`` to the ranks ``which`` and return their answers; a rank that is gone, says
+        "error" or stays silent for ``timeout`` seconds is a `WorkerFailure` naming it (exit 3)."""
+        from refit.bench.launch import WorkerFailure
+
         for i in which:
             if cmd != "ready":
-                self.conns[i].send((cmd, arg))
+                try:
+                    self.conns[i].send((cmd, arg))
+                except OSError:  # its end of the pipe is closed: the process is gone
+                    raise self._gone(i, cmd) from None
         out = []
+        timeout = self.timeout if timeout is None else timeout
         for i in which:
             if not self.conns[i].poll(timeout):
-                raise RefitError(f"{self.names[i]} did not answer {cmd!r} within {timeout:.0f} s")
-            kind, value = self.conns[i].recv()
+                raise WorkerFailure(f"refit run failed: {self.names[i]} did not answer {cmd!r} within "
+                                    f"{timeout:g} s", [])
+            try:
+                kind, value = self.conns[i].recv()
+            except (EOFError, OSError):  # died without a word (killed, crashed)
+                raise self._gone(i, cmd) from None
             if kind == "error":
-                raise RefitError(f"{self.names[i]}: {value}")
+                raise WorkerFailure(f"refit run failed: {self.names[i]}: {value}", [])
             out.append(value)
         return out
+
+    def _gone(self, i: int, cmd: str) -> Exception:
+        from refit.bench.launch import WorkerFailure, _exit_text
+
+        p = self.procs[i]
+        p.join(1)
+        return WorkerFailure(f"refit run failed: {self.names[i]} (pid {p.pid}) died ({_exit_text(p.exitcode)}) "
+                             f"before answering {cmd!r}", [self.names[i]])
 
     def of(self, role: str) -> list[int]:
         return [i for i, r in enumerate(self.roles) if r == role]
 
     def close(self) -> None:
+        from refit.bench.launch import WorkerFailure
+
         for i, p in enumerate(self.procs):
             if p.is_alive():
                 try:
                     self.ask([i], "stop", timeout=10)
-                except (RefitError, OSError, EOFError):
+                except (RefitError, OSError, EOFError, WorkerFailure):
                     pass
             p.join(5)
             if p.is_alive():
@@ -135,14 +170,16 @@ class _Ranks:
 
 def run_grpc(args: argparse.Namespace, spec: ModelSpec, plan: Any, cuda: bool, transport: str,
              reduced: dict[str, list[int]] | None, bucket: int) -> dict[str, Any]:
+    from refit.bench.launch import WorkerFailure
     from refit.control import Client
+    from refit.control.client import ControlError, RefitFailed
     from refit.control.server import ThreadedServer
 
     level = logging.INFO if args.verbose else logging.WARNING
     server = ThreadedServer(default_timeout=args.timeout)
     client = Client(server.address)
     ranks = _Ranks(server.address, spec, plan.plan, plan.src.describe(), plan.dst.describe(), cuda,
-                   transport if cuda else "comm", level, args.alloc)
+                   transport if cuda else "comm", level, args.alloc, args.timeout, on_error=server.stop)
     try:
         ranks.ask(list(range(len(ranks.procs))), "ready")
         created = client.create_plan("trainer", "engine", placement=args.placement, planner=args.planner,
@@ -161,6 +198,9 @@ def run_grpc(args: argparse.Namespace, spec: ModelSpec, plan: Any, cuda: bool, t
                 worst.append(trip - slowest)
             log.info("refit %d: %.1f ms round trip", version, trip * 1e3)
         checks = ranks.ask(ranks.of("engine"), "verify", args.warmup + args.iters)
+    except (RefitFailed, ControlError) as e:  # a worker failed or left: not bad input (exit 3)
+        why = e.result.error if isinstance(e, RefitFailed) else (e.details() or type(e).__name__)
+        raise WorkerFailure(f"refit run failed: {why}", []) from None
     finally:
         logging.getLogger("refit.control.coordinator").setLevel(logging.ERROR)  # agents leaving is expected now
         ranks.close()
