@@ -167,7 +167,7 @@ def run_on_ray(args: argparse.Namespace, spec: ModelSpec, plans: list[Any], cuda
             # (NCCL_NVLS_ENABLE=0 is set by the actor itself: no runtime_env beyond what placement needs)
             opts = pl.trainer_options(ep[1]) if ep[0] == "src" else pl.engine_options(ep[1])
             actors.append(_BenchRankActor.options(**opts).remote(args.verbose))
-        where = ray.get([a.where.remote(cuda) for a in actors], timeout=args.timeout)
+        where = _where(actors, topo, cuda, args.timeout)
         topos, transport = _seat(topo, where, cuda, args.transport, actors, args.timeout)
         store = dist.TCPStore("0.0.0.0", 0, is_master=True, wait_for_workers=False)
         job = dataclasses.replace(_job(args, spec, plans, topo, cuda, session, store.port), kill=kill[0], hang=kill[1])
@@ -188,6 +188,38 @@ def run_on_ray(args: argparse.Namespace, spec: ModelSpec, plans: list[Any], cuda
     out = report(spec, plans, timed, results, "cuda" if cuda else "cpu", reduced, len(topo.members),
                  int(link_mb * MiB), transport, {}, args.alloc)
     out["ray"] = _ray_report(args.ray, strategy, plans, topo, where, transport, cuda)
+    return out
+
+
+def _first_line(e: BaseException) -> str:
+    return (str(e).strip().splitlines() or [type(e).__name__])[0]
+
+
+def _where(actors: list[Any], topo: Topology, cuda: bool, timeout: float) -> list[dict[str, Any]]:
+    """Each actor's answer to `BenchRank.where`; an actor that died starting (its node lacks a
+    package, its runtime env failed, ...) or did not answer within ``timeout`` seconds is a
+    `WorkerFailure` naming its rank, not a traceback; a `RefitError` it raised stays one."""
+    refs = [a.where.remote(cuda) for a in actors]
+    deadline = time.monotonic() + timeout
+    out = []
+    for m, ref in enumerate(refs):
+        name = topo.describe_member(m)
+        try:
+            out.append(ray.get(ref, timeout=max(0.0, deadline - time.monotonic())))
+        except ray.exceptions.GetTimeoutError:
+            ready, _ = ray.wait(refs, num_returns=len(refs), timeout=0)
+            late = [topo.describe_member(k) for k, r in enumerate(refs) if r not in ready]
+            raise WorkerFailure(f"refit run on Ray failed: rank actors did not start within {timeout:g} s: "
+                                f"{', '.join(late)}", []) from None
+        except ray.exceptions.RayTaskError as e:
+            cause = e.cause if e.cause is not None else e
+            if isinstance(cause, RefitError):
+                raise RefitError(f"{name}: {cause}") from None
+            raise WorkerFailure(f"refit run on Ray failed: {name} failed starting: {_first_line(cause)}",
+                                []) from None
+        except ray.exceptions.RayError as e:  # the actor died (or never came up)
+            raise WorkerFailure(f"refit run on Ray failed: {name} died starting ({_first_line(e)})",
+                                [name]) from None
     return out
 
 

@@ -131,3 +131,52 @@ def test_gpu_refusal_and_seats_on_fake_gpus(monkeypatch: pytest.MonkeyPatch) -> 
     split[2]["uuid"] = "GPU-c"  # dst rank 0 not on its colocated source's GPU
     with pytest.raises(RefitError, match="do not match the plan's placement"):
         on_ray._seat(topo, split, True, "auto", [], 10.0)
+
+
+# ------------------------------------------------------------------ failures while setting up
+
+
+class _DiesStarting:
+    """A rank actor whose process exits as the driver asks where it runs (as one whose node
+    lacks a package, or whose runtime env failed, dies before it answers)."""
+
+    def __init__(self, verbose: bool) -> None:
+        pass
+
+    def where(self, cuda: bool) -> dict:
+        os._exit(5)
+
+
+def test_rank_actor_dying_as_it_starts_is_named(cluster, capsys: pytest.CaptureFixture[str],
+                                                monkeypatch: pytest.MonkeyPatch) -> None:
+    """Exit status 3 and the rank named, not a RayActorError traceback; nothing left placed."""
+    from refit.bench import main, on_ray
+
+    monkeypatch.setattr(on_ray, "_BenchRankActor", ray.remote(max_restarts=0)(_DiesStarting))
+    code = main(BENCH + ["--ray", "auto", "--timeout", "60"])
+    err = capsys.readouterr().err
+    assert code == 3 and re.search(r"refit run on Ray failed: src rank 0 died starting \(", err), err
+    assert "Traceback" not in err
+    assert all(g["state"] == "REMOVED" for g in ray.util.placement_group_table().values())
+
+
+@pytest.mark.parametrize("colocated,fail_at", [(True, 1), (False, 2)])
+def test_placement_groups_removed_when_the_wait_is_interrupted(cluster, monkeypatch: pytest.MonkeyPatch,
+                                                              colocated: bool, fail_at: int) -> None:
+    """Ctrl-C (or any error but a placement timeout) while `rl_placement` waits: every group it
+    created is removed (a disaggregated placement's first group too)."""
+    from refit.integrations.ray import placement
+
+    real, calls = placement._ready, []
+
+    def ready(*a: object) -> None:
+        calls.append(1)
+        if len(calls) == fail_at:
+            raise KeyboardInterrupt
+        real(*a)
+
+    monkeypatch.setattr(placement, "_ready", ready)
+    with pytest.raises(KeyboardInterrupt):
+        placement.rl_placement(2, 2, colocated=colocated, gpus_per_rank=0, timeout=60)
+    assert len(calls) == fail_at
+    assert all(g["state"] == "REMOVED" for g in ray.util.placement_group_table().values())

@@ -77,10 +77,10 @@ def _bundle(gpus: float, cpus: float) -> dict[str, float]:
 
 
 def _ready(group: PlacementGroup, bundles: list[dict[str, float]], timeout: float) -> None:
+    """Wait for ``group``; a timeout is a `RefitError` (the caller removes the group)."""
     try:
         ray.get(group.ready(), timeout=timeout)
     except ray.exceptions.GetTimeoutError:
-        remove_placement_group(group)
         raise RefitError(f"a placement group of {len(bundles)} bundles {bundles[0]} was not placed within "
                          f"{timeout:g} s; the cluster has {ray.available_resources()} available") from None
 
@@ -112,20 +112,23 @@ def rl_placement(num_trainers: int, num_engines: int, *, colocated: bool = True,
         bundles = [_bundle(gpus_per_rank, cpus_per_rank * ((i < num_trainers) + (i < num_engines)))
                    for i in range(max(num_trainers, num_engines))]
         group = placement_group(bundles, strategy=strategy)
-        _ready(group, bundles, timeout)
-        return RLPlacement("colocated", num_trainers, num_engines, gpus_per_rank, cpus_per_rank, group, group,
-                           all_gpus_visible)
-    groups = []
-    for count in (num_trainers, num_engines):
-        bundles = [_bundle(gpus_per_rank, cpus_per_rank)] * count
-        group = placement_group(bundles, strategy=strategy)
         try:
             _ready(group, bundles, timeout)
-        except RefitError:
-            for g in groups:
-                remove_placement_group(g)
+        except BaseException:  # Ctrl-C, a lost connection: no group outlives the call that failed
+            remove_placement_group(group)
             raise
-        groups.append(group)
+        return RLPlacement("colocated", num_trainers, num_engines, gpus_per_rank, cpus_per_rank, group, group,
+                           all_gpus_visible)
+    groups: list[PlacementGroup] = []
+    try:
+        for count in (num_trainers, num_engines):
+            bundles = [_bundle(gpus_per_rank, cpus_per_rank)] * count
+            groups.append(placement_group(bundles, strategy=strategy))
+            _ready(groups[-1], bundles, timeout)
+    except BaseException:  # the other side's group too (it was only removed on a placement timeout)
+        for g in groups:
+            remove_placement_group(g)
+        raise
     return RLPlacement("disaggregated", num_trainers, num_engines, gpus_per_rank, cpus_per_rank, *groups,
                        all_gpus_visible)
 
