@@ -267,10 +267,12 @@ def build_parser() -> argparse.ArgumentParser:
 
 def main(argv: list[str] | None = None) -> int:
     argv = sys.argv[1:] if argv is None else argv
-    if argv[:1] == ["serve"]:
+    # `refit serve` has its own parser; `refit -v serve ...` too (its -v goes along: serve has one).
+    i = argv.index("serve") if "serve" in argv else -1
+    if i >= 0 and all(a in ("-v", "--verbose") for a in argv[:i]):
         from refit.control.server import serve_main
 
-        return serve_main(argv[1:])
+        return serve_main(argv[:i] + argv[i + 1:])
     args = build_parser().parse_args(argv)
     setup_logging(args.verbose)
     func: Callable[[argparse.Namespace], int] = args.func

@@ -126,3 +126,11 @@ def test_plan_in_phases(capsys, tmp_path):
                       (["--phase-layers", "2", "--planner", "broadcast"], "cannot be cut into phases")):
         rc, _, err = run(capsys, "plan", "--model", "qwen3-8b", "--src", "tp2", "--dst", "tp2", *argv)
         assert rc == 2 and msg in err and "Traceback" not in err
+
+
+def test_serve_after_global_verbose_flag(capsys):
+    """`refit -v serve ...` reaches serve's own parser (it was an AttributeError traceback for
+    `refit -v serve`, and `refit -v serve --help` was refused as an unknown argument)."""
+    with pytest.raises(SystemExit) as e:
+        main(["-v", "serve", "--help"])
+    assert e.value.code == 0 and "--token-file" in capsys.readouterr().out
