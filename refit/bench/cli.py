@@ -267,7 +267,7 @@ def _run_ray(args: argparse.Namespace, spec: ModelSpec) -> dict[str, Any]:
         raise RefitError("--ray on CPU runs over gloo: Ray nodes share no memory, so --transport ipc is refused")
     import ray
 
-    started = connect(args.ray, ranks, args.timeout)
+    started = connect(args.ray, ranks, args.timeout, args.verbose)
     try:
         return _run_ray_connected(args, spec)
     finally:

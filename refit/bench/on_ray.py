@@ -90,14 +90,15 @@ _BenchRankActor = ray.remote(max_restarts=0)(BenchRank)
 # The driver
 
 
-def connect(address: str, ranks: int, timeout: float = 30.0) -> bool:
+def connect(address: str, ranks: int, timeout: float = 30.0, verbose: bool = False) -> bool:
     """Join the cluster ``address`` names; True when this call connected (so it disconnects).
     ``auto``: the cluster this process already joined, else $RAY_ADDRESS, else a new local one
     (with a CPU per rank at least; never a cluster found by guessing).  A host:port that does not
     answer within ``timeout`` seconds is refused (`ray.init` would retry it for minutes)."""
     if ray.is_initialized():
         return False
-    kw: dict[str, Any] = dict(include_dashboard=False, logging_level="warning", log_to_driver=False)
+    # -v: the rank actors' INFO logs come back to this terminal (Ray forwards workers' output)
+    kw: dict[str, Any] = dict(include_dashboard=False, logging_level="warning", log_to_driver=verbose)
     if address != "auto":
         _probe(address, "--ray", timeout, required=True)
         ray.init(address=address, **kw)

@@ -202,10 +202,15 @@ def run_grpc(args: argparse.Namespace, spec: ModelSpec, plan: Any, cuda: bool, t
         why = e.result.error if isinstance(e, RefitFailed) else (e.details() or type(e).__name__)
         raise WorkerFailure(f"refit run failed: {why}", []) from None
     finally:
-        logging.getLogger("refit.control.coordinator").setLevel(logging.ERROR)  # agents leaving is expected now
-        ranks.close()
-        client.close()
-        server.stop()
+        coord_log = logging.getLogger("refit.control.coordinator")
+        level_before = coord_log.level
+        coord_log.setLevel(logging.ERROR)  # agents leaving is expected now
+        try:
+            ranks.close()
+            client.close()
+            server.stop()
+        finally:
+            coord_log.setLevel(level_before)  # a library caller's logging stays as it was
     verdicts = [v for v, _ in checks]
     moved = sum(len(m) for _, m in checks)
     verified = all(v.ok for v in verdicts) and not moved

@@ -366,11 +366,16 @@ def test_bench_cpu_ipc_json(capsys: pytest.CaptureFixture[str]) -> None:
 def test_bench_via_grpc_cpu_json(capsys: pytest.CaptureFixture[str]) -> None:
     """refit-bench --via grpc: a loopback coordinator, one agent process per rank running the
     executor over gloo, repeated Refit calls from the client; the last version verified."""
+    import logging
+
     from refit.bench import main
 
+    coord_log = logging.getLogger("refit.control.coordinator")
+    level = coord_log.level
     code = main(["--model", "qwen3-30b-moe", "--src", "tp2ep2", "--dst", "tp2", "--iters", "3", "--json",
                  "--cpu", "--bucket-mb", "0.25", "--via", "grpc", "--planner", "broadcast"])
     out = json.loads(capsys.readouterr().out)
+    assert coord_log.level == level  # quieted while the ranks leave, then as the caller had it
     assert code == 0 and out["verified"] is True and out["via"] == "grpc" and out["transport"] == "gloo"
     assert out["checked_elements"] > 0 and out["mismatches"] == 0 and out["engine_bytes"] > 0
     assert len(out["round_trip"]["all"]) == 3

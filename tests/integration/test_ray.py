@@ -223,6 +223,24 @@ def test_coordinator_is_one_named_actor(ray_job: RayJob) -> None:
         refit_ray.stop_coordinator(name="refit-token")
     with pytest.raises(RefitError, match="no refit coordinator actor 'refit-token'"):
         refit_ray.coordinator_address(name="refit-token")
+    # One whose stop hangs is killed, without raising (it raised GetTimeoutError).
+    hung = ray.remote(num_cpus=0)(_HungStop).options(name="refit-hung").remote()
+    ray.get(hung.ping.remote(), timeout=60)
+    refit_ray.stop_coordinator(name="refit-hung", timeout=0.5)
+    with pytest.raises(ValueError):
+        ray.get_actor("refit-hung")
+
+
+class _HungStop:
+    """A named actor whose ``stop`` never returns (a coordinator stuck in its shutdown)."""
+
+    def ping(self) -> bool:
+        return True
+
+    def stop(self) -> None:
+        import time
+
+        time.sleep(3600)
 
 
 @pytest.mark.slow

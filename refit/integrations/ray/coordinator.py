@@ -103,14 +103,17 @@ def coordinator_address(*, name: str = COORDINATOR_NAME, timeout: float = 60.0) 
     return ray.get(_actor(name).address.remote(), timeout=timeout)
 
 
-def stop_coordinator(*, name: str = COORDINATOR_NAME) -> None:
-    """Stop and remove the coordinator actor (no-op when none runs)."""
+def stop_coordinator(*, name: str = COORDINATOR_NAME, timeout: float = 30.0) -> None:
+    """Stop and remove the coordinator actor (no-op when none runs).  One that does not stop within
+    ``timeout`` seconds, or died, is killed all the same: this never raises for it."""
     try:
         actor = ray.get_actor(name)
     except ValueError:
         return
     try:
-        ray.get(actor.stop.remote(), timeout=30)
+        ray.get(actor.stop.remote(), timeout=timeout)
+    except ray.exceptions.RayError as e:  # hung (GetTimeoutError) or dead: the kill below ends it
+        log.warning("coordinator actor %s did not stop cleanly (%s): killing it", name, type(e).__name__)
     finally:
         ray.kill(actor, no_restart=True)
         _HANDLES.pop(name, None)
