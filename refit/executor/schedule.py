@@ -132,6 +132,7 @@ def compile_program(plan: Plan, spec: ModelSpec, src: Layout, dst: Layout, topo:
     ``buckets``: only those of the plan (one phase of a phased plan, `Plan.phase_ranges`).  Wires
     keep their plan-wide bucket index (the message tag) and steps their plan-wide index within
     the pair, so every member keys a subset's steps alike and tags never repeat across phases."""
+    check_plan(plan, spec, src, dst, topo)
     push = push and ipc and not plan.gathers
     G = max(d for _, d in topo.devices) + 1  # devices are the topology's (the plan's placement in the bench)
     mine = set(topo.driven_devices(member))
@@ -187,6 +188,25 @@ def compile_program(plan: Plan, spec: ModelSpec, src: Layout, dst: Layout, topo:
     send_slots = _slots([s.sends for s in all_steps])
     recv_slots = _slots([s.recvs for s in all_steps])
     return Program(member, tuple(stages), {ep: tuple(v) for ep, v in gather.items()}, send_slots, recv_slots)
+
+
+def check_plan(plan: Plan, spec: ModelSpec, src: Layout, dst: Layout, topo: Topology) -> None:
+    """Refuse a plan made for another model, other layouts or other ranks than this run's, before
+    anything is bound: such a plan may still name boxes every rank holds, and then leave parts
+    of the destination unwritten with no error."""
+    if plan.model_digest != spec.digest():
+        raise RefitError(f"plan is for model {plan.model} (digest {plan.model_digest}), this run holds "
+                         f"{spec.name} (digest {spec.digest()})")
+    for side, layout, text in (("source", src, plan.src_layout), ("destination", dst, plan.dst_layout)):
+        if layout.describe() != text:
+            raise RefitError(f"plan is for {side} layout {text}, this run's is {layout.describe()}")
+    ranks = {"src": len(plan.placement.src_gpus), "dst": len(plan.placement.dst_gpus)}
+    if (ranks["src"], ranks["dst"]) != (src.world_size, dst.world_size):
+        raise RefitError(f"plan places {ranks['src']} source and {ranks['dst']} destination ranks, the layouts "
+                         f"have {src.world_size} and {dst.world_size}")
+    missing = [f"{side} rank {r}" for side, n in ranks.items() for r in range(n) if (side, r) not in topo.device_of]
+    if missing:
+        raise RefitError(f"the topology places no device for {', '.join(missing[:4])} of the plan")
 
 
 def pullable(plan: Plan, b: Bucket) -> bool:
