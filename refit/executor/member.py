@@ -43,9 +43,10 @@ from refit.executor.shards import Shards, allocate, remove_file, views
 from refit.executor.topology import Endpoint, GpuSeat, Topology, all_visible, local_indices, number_gpus
 from refit.executor.transports import (Comm, PeerError, export_arena, export_tensors, first_line, gloo_group,
                                        import_share, make_comm, ended, retire)
+from refit.executor.values import TORCH_DTYPES
 from refit.layouts import Layout
 from refit.plan import WHOLE, Plan
-from refit.spec import ModelSpec
+from refit.spec import ModelSpec, check_tensor_table
 
 log = logging.getLogger("refit.executor")
 
@@ -135,6 +136,20 @@ def shares(topo: Topology, member: int, ep: Endpoint, ipc: bool, push: bool = Fa
     return topo.device_of[ep] not in topo.driven_devices(member) or (ipc and (ep[0] == "src" or push))
 
 
+def check_own(ep: Endpoint, tensors: Own, layout: Layout, spec: ModelSpec, device: torch.device, who: str) -> None:
+    """Refuse an endpoint's tensors unlike its layout's local tensors (names, shapes, dtypes) or
+    off this member's device, before anything is shared or bound: a dtype of the same width
+    would otherwise take the bits of another, and a wrong shape surface as a torch error mid-bind."""
+    table = tensors.tensors if isinstance(tensors, Shards) else tensors
+    names = {v: k for k, v in TORCH_DTYPES.items()}
+    found = {n: (tuple(t.shape), names.get(t.dtype, str(t.dtype).removeprefix("torch."))) for n, t in table.items()}
+    where = f"{who}: {ep[0]} rank {ep[1]} of {layout.describe()}"
+    check_tensor_table(found, {lt.name: (lt.shape, lt.dtype) for lt in layout.local_tensors(spec, ep[1])}, where)
+    for n, t in table.items():
+        if t.device.type != device.type or (device.type == "cuda" and t.device.index != device.index):
+            raise RefitError(f"{where}: {n!r} is on {t.device}, this member drives {device}")
+
+
 class Member:
     """Member ``member`` of ``topology``: holds ``own`` (its endpoints' tensors), on ``device``
     (``cpu`` or ``cuda:<index>``); ``names`` name every member in messages.  Builds everything
@@ -149,6 +164,8 @@ class Member:
         self.name = self.names[member]
         self.cuda = device.startswith("cuda")
         self.device: Device = make_device("cuda" if self.cuda else "cpu", torch.device(device).index or 0)
+        for ep, tensors in own.items():
+            check_own(ep, tensors, src if ep[0] == "src" else dst, spec, self.device.torch, self.name)
         driven = set(topology.driven_devices(member))
         self.driver = bool(driven)
         self.rounds = 0  # barriers passed, in lockstep on every member
@@ -199,9 +216,13 @@ class Member:
                 remove_file(t.path)  # every peer has mapped it; the mapping outlives the name
         self.comm: Comm | None = None
         if member in topology.drivers and len(topology.drivers) > 1:
-            self.comm = make_comm("cuda" if self.cuda else "cpu", dist.PrefixStore("data", self.store),
-                                  topology.comm_rank(member), len(topology.drivers), self.device, remaining(),
-                                  [self.names[m] for m in topology.drivers], host)
+            try:
+                self.comm = make_comm("cuda" if self.cuda else "cpu", dist.PrefixStore("data", self.store),
+                                      topology.comm_rank(member), len(topology.drivers), self.device, remaining(),
+                                      [self.names[m] for m in topology.drivers], host)
+            except BaseException:  # as above: nobody will close this member
+                self._retire_ctl()
+                raise
         self.phases: list[tuple[int, Bound | None]] = []  # (phase key, this member's share) in run order
         self.gathers: list[Shards] = []
         log.info("%s: member %d, device %s, %s, drives %s", self.name, member, device,

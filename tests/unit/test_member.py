@@ -108,3 +108,45 @@ def test_locate_and_budget(monkeypatch: pytest.MonkeyPatch) -> None:
         b = Budget(0.01, "refit")
         time.sleep(0.02)
         b()
+
+
+def test_own_tensors_unlike_the_layout_are_refused_before_sharing() -> None:
+    """Before: an int32 tensor in place of a float32 one took the refit's bits silently; a wrong
+    shape failed mid-bind with a torch error."""
+    r = make_plan(DENSE, "tp1", "tp1", "colocated", "p2p", 4096)
+    topo = Topology.single(r.plan.placement)
+    master = dist.TCPStore("127.0.0.1", 0, is_master=True, wait_for_workers=False)
+    src = allocate(list(r.src.local_tensors(DENSE, 0)), torch.device("cpu"))
+    good = allocate(list(r.dst.local_tensors(DENSE, 0)), torch.device("cpu")).tensors
+    name = next(iter(good))
+    cases = [({**good, name: good[name].view(torch.int32)}, f"{name!r} is int32, expected float32"),
+             ({**good, name: good[name].view(-1)}, f"{name!r} has shape"),
+             ({k: v for k, v in good.items() if k != name}, f"tensor {name!r} is missing")]
+    for i, (dst, message) in enumerate(cases):
+        store = connect("127.0.0.1", master.port, f"own{i}/", 10.0)
+        with pytest.raises(RefitError, match=message):
+            Member(store, topo, 0, "cpu", {("src", 0): src, ("dst", 0): dst}, DENSE, r.src, r.dst,
+                   ["both"], Budget(10.0)).prepare(r.plan)
+
+
+def test_a_communicator_that_fails_lets_the_control_group_go(monkeypatch: pytest.MonkeyPatch) -> None:
+    """Before: the control group built just before stayed referenced by nobody's close."""
+    import refit.executor.member as member_mod
+
+    r = make_plan(DENSE, "tp1", "tp1", "disaggregated", "p2p", 4096)
+    topo = Topology.one_per_rank(r.plan.placement)  # two devices, two drivers: a data communicator
+    master = dist.TCPStore("127.0.0.1", 0, is_master=True, wait_for_workers=False)
+    retired: list[str] = []
+    monkeypatch.setattr(member_mod, "make_comm", lambda *a, **k: (_ for _ in ()).throw(RuntimeError("no NCCL")))
+    monkeypatch.setattr(member_mod, "retire", lambda pg, pending, what: retired.append(what))
+    names = ["src rank 0", "dst rank 0"]
+
+    def member(m: int) -> Any:
+        store = connect("127.0.0.1", master.port, "comm/", 30.0)
+        side = "src" if m == 0 else "dst"
+        own = {(side, 0): allocate(list((r.src if m == 0 else r.dst).local_tensors(DENSE, 0)), torch.device("cpu"))}
+        return Member(store, topo, m, "cpu", own, DENSE, r.src, r.dst, names, Budget(30.0))
+
+    out = _together([lambda: member(0), lambda: member(1)])
+    assert all(isinstance(e, RuntimeError) and "no NCCL" in str(e) for e in out), out
+    assert sorted(retired) == ["dst rank 0: control group", "src rank 0: control group"]
