@@ -39,14 +39,13 @@ from refit.errors import RefitError
 from refit.executor.bound import Bound, Remaining, bind_all, run_refit
 from refit.executor.device import Device, enable_peer_access, make_device
 from refit.executor.schedule import compile_program
-from refit.executor.shards import Shards, allocate, remove_file, views
+from refit.executor.shards import Shards, allocate, check_own, remove_file, views
 from refit.executor.topology import Endpoint, GpuSeat, Topology, all_visible, local_indices, number_gpus
 from refit.executor.transports import (Comm, PeerError, export_arena, export_tensors, first_line, gloo_group,
                                        import_share, make_comm, ended, retire)
-from refit.executor.values import TORCH_DTYPES
 from refit.layouts import Layout
 from refit.plan import WHOLE, Plan
-from refit.spec import ModelSpec, check_tensor_table
+from refit.spec import ModelSpec
 
 log = logging.getLogger("refit.executor")
 
@@ -134,20 +133,6 @@ def shares(topo: Topology, member: int, ep: Endpoint, ipc: bool, push: bool = Fa
     device this member does not drive, or (ipc) it is a source every driver reads — and with
     ``push`` a destination every driver writes (sources stay shared: a gathering plan pulls)."""
     return topo.device_of[ep] not in topo.driven_devices(member) or (ipc and (ep[0] == "src" or push))
-
-
-def check_own(ep: Endpoint, tensors: Own, layout: Layout, spec: ModelSpec, device: torch.device, who: str) -> None:
-    """Refuse an endpoint's tensors unlike its layout's local tensors (names, shapes, dtypes) or
-    off this member's device, before anything is shared or bound: a dtype of the same width
-    would otherwise take the bits of another, and a wrong shape surface as a torch error mid-bind."""
-    table = tensors.tensors if isinstance(tensors, Shards) else tensors
-    names = {v: k for k, v in TORCH_DTYPES.items()}
-    found = {n: (tuple(t.shape), names.get(t.dtype, str(t.dtype).removeprefix("torch."))) for n, t in table.items()}
-    where = f"{who}: {ep[0]} rank {ep[1]} of {layout.describe()}"
-    check_tensor_table(found, {lt.name: (lt.shape, lt.dtype) for lt in layout.local_tensors(spec, ep[1])}, where)
-    for n, t in table.items():
-        if t.device.type != device.type or (device.type == "cuda" and t.device.index != device.index):
-            raise RefitError(f"{where}: {n!r} is on {t.device}, this member drives {device}")
 
 
 class Member:
@@ -238,14 +223,19 @@ class Member:
 
     def _import(self, ep: Endpoint) -> dict[str, torch.Tensor]:
         shared = import_share(self.store.get(f"share/{ep[0]}{ep[1]}"))
-        if isinstance(shared, dict):  # separate tensors (an agent's)
+        layout = self.src if ep[0] == "src" else self.dst
+        if isinstance(shared, dict):  # separate tensors (an agent's): as its layout says, or refused
             out = shared
             arena = next(iter(out.values()), None)
+            check_own(ep, out, layout, self.spec, None, f"{self.name}: shared by {self.names[self.topo.member_of[ep]]}")
         else:  # an arena: the views follow from the peer's layout
-            layout = self.src if ep[0] == "src" else self.dst
             arena = shared
             self.imported.append(arena)
-            out = views(arena, list(layout.local_tensors(self.spec, ep[1])), self.scattered)
+            try:
+                out = views(arena, list(layout.local_tensors(self.spec, ep[1])), self.scattered)
+            except ValueError as e:
+                raise RefitError(f"{self.name}: {ep[0]} rank {ep[1]} of {layout.describe()} shared by "
+                                 f"{self.names[self.topo.member_of[ep]]}: {e}") from None
         if arena is not None and arena.is_cuda and arena.device != self.device.torch:
             self.peer_devices.add(arena.device.index)
         return out

@@ -4,6 +4,7 @@ process (a colocated source and destination on one "device": the passive source 
 
 from __future__ import annotations
 
+import os
 import threading
 import time
 import uuid
@@ -150,3 +151,23 @@ def test_a_communicator_that_fails_lets_the_control_group_go(monkeypatch: pytest
     out = _together([lambda: member(0), lambda: member(1)])
     assert all(isinstance(e, RuntimeError) and "no NCCL" in str(e) for e in out), out
     assert sorted(retired) == ["dst rank 0: control group", "src rank 0: control group"]
+
+
+def test_a_shared_arena_too_small_for_its_layout_is_refused() -> None:
+    """Before: a ValueError from the views, not a RefitError naming the peer."""
+    from refit.executor.handles import shm_handle
+
+    r = make_plan(DENSE, "tp1", "tp1", "colocated", "p2p", 4096)
+    topo = Topology.one_per_rank(r.plan.placement)  # member 1 drives the device and maps src rank 0
+    master = dist.TCPStore("127.0.0.1", 0, is_master=True, wait_for_workers=False)
+    session = uuid.uuid4().hex[:8]
+    small = allocate(list(r.src.local_tensors(DENSE, 0))[:1], torch.device("cpu"), f"/dev/shm/refit-{session}-s")
+    try:
+        store = connect("127.0.0.1", master.port, session, 10.0)
+        store.set("share/src0", shm_handle(small.path, small.arena.numel()))
+        dst = allocate(list(r.dst.local_tensors(DENSE, 0)), torch.device("cpu"))
+        with pytest.raises(RefitError, match=r"dst rank 0: src rank 0 of megatron:tp1dp1 shared by src rank 0: arena of"):
+            Member(store, topo, 1, "cpu", {("dst", 0): dst}, DENSE, r.src, r.dst, ["src rank 0", "dst rank 0"],
+                   Budget(10.0))
+    finally:
+        os.unlink(small.path)
