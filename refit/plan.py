@@ -204,9 +204,11 @@ class Plan:
                 raise RefitError(f"malformed plan: bucket {bi} says {nbytes} bytes, its transfers add up to {total}")
         if end != len(transfers):
             raise RefitError(f"malformed plan: buckets cover {end} of its {len(transfers)} transfers")
-        firsts = [f for _, f in self.phases]
-        if (self.phase_layers > 0) != bool(self.phases) or firsts != sorted(set(firsts)) \
-                or (firsts and (firsts[0] != 0 or firsts[-1] > len(self.buckets))):
+        keys, firsts = [k for k, _ in self.phases], [f for _, f in self.phases]
+        if self.phase_layers < 0 or (self.phases and not self.phase_layers) \
+                or (self.phase_layers and self.buckets and not self.phases) \
+                or keys != sorted(set(keys)) or firsts != sorted(set(firsts)) \
+                or (firsts and (firsts[0] != 0 or firsts[-1] >= len(self.buckets))):
             raise RefitError(f"malformed plan: phases {list(self.phases)[:4]} of {len(self.buckets)} buckets")
 
     @property

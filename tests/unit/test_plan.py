@@ -192,3 +192,10 @@ def test_a_malformed_plan_is_refused_naming_what_is_wrong(edit, message):
     wrote out of place, only once executed."""
     with pytest.raises(RefitError, match=message):
         Plan.from_dict(_edited(edit))
+
+
+def test_plans_without_transfers_round_trip_phased_or_not():
+    for layers in (0, 2):
+        plan = Plan("m", "d", "vllm:tp1", "vllm:tp1", Placement.make("colocated", 1, 1), "p2p", 4096, dict(TENSORS),
+                    (), (), phase_layers=layers)
+        assert Plan.from_dict(json.loads(json.dumps(plan.to_dict()))) == plan
