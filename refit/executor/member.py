@@ -245,23 +245,24 @@ class Member:
         """Compile and bind this member's share of ``plan`` (drivers; others have nothing to do
         but the barriers): one program per phase (`Plan.phase_ranges`; an unphased plan is one),
         bound over one shared set of staging buffers."""
-        self.gathers = []
+        self.gathers, self.phases = [], []  # until this plan is bound: a failed prepare leaves none to run
         ranges = plan.phase_ranges()
-        self.phases = [(key, None) for key, _, _ in ranges]
         if not self.driver:
+            self.phases = [(key, None) for key, _, _ in ranges]
             return self
         whole = len(ranges) == 1 and ranges[0][1:] == (0, len(plan.buckets))
         programs = [compile_program(plan, self.spec, self.src, self.dst, self.topo, self.member, ipc=self.ipc,
                                     push=self.push, buckets=None if whole else range(first, end))
                     for _, first, end in ranges]
         tensors = {ep: dict(t) for ep, t in self.tensors.items()}
+        gathers = []
         for program in programs:
             for ep, lts in program.gather.items():  # a gathering plan's root receives whole tensors
                 g = allocate(lts, self.device.torch)
-                self.gathers.append(g)
+                gathers.append(g)
                 tensors[ep].update(g.tensors)
         bounds = bind_all(programs, tensors, self.device.torch)
-        self.phases = [(key, b) for (key, _, _), b in zip(ranges, bounds)]
+        self.gathers, self.phases = gathers, [(key, b) for (key, _, _), b in zip(ranges, bounds)]
         return self
 
     @property
@@ -282,7 +283,9 @@ class Member:
         ``on_phase(key)`` (an engine applies what landed; every member has finished writing the
         phase and none has started the next).  Returns the summed seconds of the shares alone.
         ``hook`` (tests) runs once the first transfer is posted; ``started`` after the first barrier."""
-        phases = self.phases or [(WHOLE, None)]
+        if not self.phases:  # else the barriers would pass and report a refit that moved nothing
+            raise RefitError(f"{self.name}: no plan prepared (prepare failed or was never called)")
+        phases = self.phases
         phased = any(key != WHOLE for key, _ in phases)
         seconds = 0.0
         for i, (key, bound) in enumerate(phases):

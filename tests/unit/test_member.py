@@ -171,3 +171,30 @@ def test_a_shared_arena_too_small_for_its_layout_is_refused() -> None:
                    Budget(10.0))
     finally:
         os.unlink(small.path)
+
+
+def test_a_refit_after_a_failed_prepare_is_refused() -> None:
+    """Before: prepare left every phase unbound when compiling failed, and the next refit passed
+    its barriers and returned as if done, having moved nothing."""
+    r = make_plan(DENSE, "tp1", "tp1", "colocated", "p2p", 4096)
+    other = make_plan(build_spec("tiny-dense", ModelConfig(
+        arch="qwen2", hidden_size=64, num_layers=2, num_heads=8, num_kv_heads=2, head_dim=8,
+        intermediate_size=64, vocab_size=252, qkv_bias=True, tie_embeddings=True, dtype="float32")),
+        "tp1", "tp1", "colocated", "p2p", 4096)
+    topo = Topology.single(r.plan.placement)
+    master = dist.TCPStore("127.0.0.1", 0, is_master=True, wait_for_workers=False)
+    own = {("src", 0): allocate(list(r.src.local_tensors(DENSE, 0)), torch.device("cpu")),
+           ("dst", 0): allocate(list(r.dst.local_tensors(DENSE, 0)), torch.device("cpu"))}
+    m = Member(connect("127.0.0.1", master.port, "prep/", 10.0), topo, 0, "cpu", own, DENSE, r.src, r.dst,
+               ["both"], Budget(10.0))
+    try:
+        with pytest.raises(RefitError, match="plan is for model"):
+            m.prepare(other.plan)
+        with pytest.raises(RefitError, match="no plan prepared"):
+            m.refit(Budget(10.0))
+        fill_source(own[("src", 0)], DENSE, 5)
+        fill_sentinel(own[("dst", 0)])
+        m.prepare(r.plan).refit(Budget(10.0))
+        assert verify(own[("dst", 0)], DENSE, 5).ok
+    finally:
+        m.close()
