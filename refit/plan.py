@@ -111,11 +111,12 @@ class Plan:
     def is_local(self, t: Transfer | Bucket) -> bool:
         return self.src_gpu(t) == self.dst_gpu(t)
 
-    @property
+    @functools.cached_property
     def gathers(self) -> bool:
         """Whether stage 1 sends *whole* tensors gathered on source roots (the broadcast baseline):
         a receiver then keeps only the part its pieces cover, and stage 1 reads the roots'
-        gathered tensors, not their shards.  Otherwise every box lands whole on its receiver."""
+        gathered tensors, not their shards.  Otherwise every box lands whole on its receiver.
+        (Cached: the executor asks once per bucket and transfer, and the answer scans every bucket.)"""
         return self.planner == "broadcast" or any(b.stage == 0 for b in self.buckets)
 
     # ------------------------------------------------------------------ serialisation

@@ -199,3 +199,12 @@ def test_plans_without_transfers_round_trip_phased_or_not():
         plan = Plan("m", "d", "vllm:tp1", "vllm:tp1", Placement.make("colocated", 1, 1), "p2p", 4096, dict(TENSORS),
                     (), (), phase_layers=layers)
         assert Plan.from_dict(json.loads(json.dumps(plan.to_dict()))) == plan
+
+
+def test_gathers_is_answered_once_per_plan():
+    """The executor asks it per bucket and per transfer, and each answer scanned every bucket:
+    compiling one member's share of qwen3-235b-moe tp4ep8 -> tp8 (37k buckets) took minutes."""
+    plan = small_plan()
+    assert plan.gathers  # it has stage-0 buckets
+    object.__setattr__(plan, "buckets", ())  # a second scan would now answer False
+    assert plan.gathers
