@@ -234,13 +234,13 @@ def _gather_tensors(plan: Plan, spec: ModelSpec, topo: Topology, mine: set[int])
     return out
 
 
-def _blocks(index: PieceIndex, t: Transfer, ep: Endpoint, whole: bool) -> list[Block]:
+def _blocks(index: PieceIndex, t: Transfer, ep: Endpoint, whole: bool, sending: bool) -> list[Block]:
     blocks = index.regions(t.tensor, (t.start, t.size))
     got = sum(volume(r.size) for r in blocks)
     if (whole and got != t.numel) or got > t.numel:
         raise RefitError(f"plan does not match the layouts: {ep[0]} rank {ep[1]} holds {got} of the "
                          f"{t.numel} elements of {t.tensor} {list(t.start)}+{list(t.size)} it must "
-                         f"{'send' if whole else 'receive'}")
+                         f"{'send' if sending else 'receive'}")
     return blocks
 
 
@@ -250,7 +250,7 @@ def _wire(plan: Plan, bi: int, b: Bucket, transfers: tuple[Transfer, ...], index
     for t in transfers:
         # A sender must hold the whole box; a receiver of a gathering plan keeps what its pieces
         # cover (whole tensors are sent), otherwise the whole box too.
-        blocks = _blocks(index, t, ep, whole=sending or not plan.gathers)
+        blocks = _blocks(index, t, ep, whole=sending or not plan.gathers, sending=sending)
         out.append(WireTransfer(offset, t.size, plan.tensors[t.tensor][0], tuple(blocks)))
         offset += plan.transfer_bytes(t)
     if offset != b.nbytes:
@@ -263,8 +263,8 @@ def _moves(plan: Plan, transfers: tuple[Transfer, ...], s_index: PieceIndex, d_i
     out = []
     for t in transfers:
         dtype = plan.tensors[t.tensor][0]
-        src_blocks = _blocks(s_index, t, s_ep, whole=True)
-        dst_blocks = _blocks(d_index, t, d_ep, whole=not plan.gathers)
+        src_blocks = _blocks(s_index, t, s_ep, whole=True, sending=True)
+        dst_blocks = _blocks(d_index, t, d_ep, whole=not plan.gathers, sending=False)
         for sr in src_blocks:
             for dr in dst_blocks:
                 inter = intersect((sr.box_start, sr.size), (dr.box_start, dr.size))

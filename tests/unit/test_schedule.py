@@ -95,3 +95,19 @@ def test_a_plan_for_another_model_layout_or_run_is_refused_before_binding() -> N
     small = Topology(((("src", 0), ("dst", 0)),), ((("src", 0), 0), (("dst", 0), 0)))
     with pytest.raises(RefitError, match="no device for src rank 1, dst rank 1"):
         compile_program(r.plan, MOE, r.src, r.dst, small, 0)
+
+
+def test_a_destination_missing_part_of_a_box_is_told_it_must_receive_it() -> None:
+    """Before: a destination holding too little of a box was told it 'must send' it."""
+    from refit.errors import RefitError
+    from refit.executor import schedule
+    from refit.layouts.base import LocalTensor, Piece
+    from refit.plan import Transfer
+    from refit.regions import PieceIndex
+
+    index = PieceIndex([LocalTensor("x", (2, 4), "bfloat16", (Piece("a", (0, 0), (2, 4), (0, 0)),))])
+    t = Transfer(1, 0, 3, "a", (0, 0), (4, 4))
+    with pytest.raises(RefitError, match=r"dst rank 3 holds 8 of the 16 elements of a \[0, 0\]\+\[4, 4\] it must receive"):
+        schedule._blocks(index, t, ("dst", 3), whole=True, sending=False)
+    with pytest.raises(RefitError, match="src rank 0 holds 8 of the 16 elements .* it must send"):
+        schedule._blocks(index, t, ("src", 0), whole=True, sending=True)
