@@ -368,17 +368,19 @@ class Member:
             torch.cuda.ipc_collect()
 
     def close(self) -> None:
-        """Release the peers' memory, close the communicator and let the control group go —
-        without waiting for the barriers of an abandoned refit, which gloo runs until that
-        refit's deadline (`refit.executor.transports.retire`)."""
-        self.release()
-        self._retire_ctl()
+        """Close the communicator, release the buffers and peers' memory, and let the control
+        group go — without waiting for the barriers of an abandoned refit, which gloo runs until
+        that refit's deadline (`refit.executor.transports.retire`).  The communicator goes first:
+        after a refit that timed out, its receives may still be posted into the staging buffers,
+        and aborting it is what ends them; freed before, those buffers could be handed out again."""
         if self.comm is not None:
             try:
                 self.comm.close()
             except Exception as e:  # closing after a failure may fail too; nothing to save
                 log.info("closing the communicator: %s", e)
         self.comm = None
+        self.release()
+        self._retire_ctl()
 
     def _retire_ctl(self) -> None:
         """Drop the control group; with abandoned barriers in it, through `retire` (no wait)."""

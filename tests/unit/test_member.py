@@ -198,3 +198,22 @@ def test_a_refit_after_a_failed_prepare_is_refused() -> None:
         assert verify(own[("dst", 0)], DENSE, 5).ok
     finally:
         m.close()
+
+
+def test_close_aborts_the_communicator_before_it_frees_the_buffers() -> None:
+    r = make_plan(DENSE, "tp1", "tp1", "colocated", "p2p", 4096)
+    topo = Topology.single(r.plan.placement)
+    master = dist.TCPStore("127.0.0.1", 0, is_master=True, wait_for_workers=False)
+    own = {("src", 0): allocate(list(r.src.local_tensors(DENSE, 0)), torch.device("cpu")),
+           ("dst", 0): allocate(list(r.dst.local_tensors(DENSE, 0)), torch.device("cpu"))}
+    m = Member(connect("127.0.0.1", master.port, "close/", 10.0), topo, 0, "cpu", own, DENSE, r.src, r.dst,
+               ["both"], Budget(10.0)).prepare(r.plan)
+    seen: list[int] = []
+
+    class Comm:  # stands in for NCCL, whose abort ends receives still posted into staging buffers
+        def close(self) -> None:
+            seen.append(len(m.phases))
+
+    m.comm = Comm()  # type: ignore[assignment]
+    m.close()
+    assert seen == [1] and m.phases == [] and m.comm is None
