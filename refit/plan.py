@@ -111,11 +111,12 @@ class Plan:
     def is_local(self, t: Transfer | Bucket) -> bool:
         return self.src_gpu(t) == self.dst_gpu(t)
 
-    @property
+    @functools.cached_property
     def gathers(self) -> bool:
         """Whether stage 1 sends *whole* tensors gathered on source roots (the broadcast baseline):
         a receiver then keeps only the part its pieces cover, and stage 1 reads the roots'
-        gathered tensors, not their shards.  Otherwise every box lands whole on its receiver."""
+        gathered tensors, not their shards.  Otherwise every box lands whole on its receiver.
+        (Cached: the executor asks once per bucket and transfer, and the answer scans every bucket.)"""
         return self.planner == "broadcast" or any(b.stage == 0 for b in self.buckets)
 
     # ------------------------------------------------------------------ serialisation
@@ -147,21 +148,69 @@ class Plan:
 
     @classmethod
     def from_dict(cls, d: dict[str, Any]) -> "Plan":
-        if d.get("format") != PLAN_FORMAT:
-            raise RefitError(f"plan format {d.get('format')!r} is not {PLAN_FORMAT}")
-        names = [n for n, _, _ in d["tensors"]]
-        p = d["placement"]
-        return cls(
-            model=d["model"], model_digest=d["model_digest"], src_layout=d["src_layout"],
-            dst_layout=d["dst_layout"],
-            placement=Placement(p["kind"], tuple(p["src_gpus"]), tuple(p["dst_gpus"])),
-            planner=d["planner"], bucket_bytes=d["bucket_bytes"],
-            tensors={n: (dt, tuple(shape)) for n, dt, shape in d["tensors"]},
-            transfers=tuple(Transfer(s, a, b, names[i], tuple(st), tuple(sz)) for s, a, b, i, st, sz in d["transfers"]),
-            buckets=tuple(Bucket(*b) for b in d["buckets"]),
-            phase_layers=int(d.get("phase_layers", 0)),
-            phases=tuple((int(k), int(f)) for k, f in d.get("phases", ())),
-        )
+        """The plan ``to_dict`` wrote; a malformed one (a plan file edited or cut short, a
+        message of another version) is refused with `RefitError` naming what is wrong."""
+        if not isinstance(d, dict) or d.get("format") != PLAN_FORMAT:
+            raise RefitError(f"plan format {d.get('format') if isinstance(d, dict) else d!r} is not {PLAN_FORMAT}")
+        try:
+            names = [n for n, _, _ in d["tensors"]]
+            p = d["placement"]
+            plan = cls(
+                model=d["model"], model_digest=d["model_digest"], src_layout=d["src_layout"],
+                dst_layout=d["dst_layout"],
+                placement=Placement(p["kind"], tuple(p["src_gpus"]), tuple(p["dst_gpus"])),
+                planner=d["planner"], bucket_bytes=d["bucket_bytes"],
+                tensors={n: (dt, tuple(shape)) for n, dt, shape in d["tensors"]},
+                transfers=tuple(Transfer(s, a, b, names[i], tuple(st), tuple(sz))
+                                for s, a, b, i, st, sz in d["transfers"]),
+                buckets=tuple(Bucket(*b) for b in d["buckets"]),
+                phase_layers=int(d.get("phase_layers", 0)),
+                phases=tuple((int(k), int(f)) for k, f in d.get("phases", ())),
+            )
+        except (KeyError, TypeError, ValueError, IndexError) as e:
+            raise RefitError(f"malformed plan: {type(e).__name__} {str(e)[:120]}") from None
+        plan.check()
+        return plan
+
+    def check(self) -> None:
+        """Refuse a plan that contradicts itself: buckets that do not tile the transfers in order,
+        a transfer unlike its bucket's (stage, src, dst), a rank the placement lacks, a box
+        outside its tensor, a byte count that does not add up, phases out of order."""
+        if self.placement.kind not in ("colocated", "disaggregated") or not self.placement.src_gpus \
+                or not self.placement.dst_gpus or min(self.placement.src_gpus + self.placement.dst_gpus) < 0:
+            raise RefitError(f"malformed plan: placement {self.placement}")
+        if self.bucket_bytes <= 0:
+            raise RefitError(f"malformed plan: bucket size {self.bucket_bytes}")
+        for name, (dtype, shape) in self.tensors.items():
+            if dtype not in DTYPE_BYTES or any(type(n) is not int or n < 0 for n in shape):
+                raise RefitError(f"malformed plan: tensor {name} of {dtype} {list(shape)}")
+        ranks = {0: len(self.placement.src_gpus), 1: len(self.placement.dst_gpus)}
+        nsrc, tensors, transfers = ranks[0], self.tensors, self.transfers
+        end = 0
+        for bi, (stage, src, dst, first, count, nbytes) in enumerate(self.buckets):
+            if stage not in ranks or not (0 <= src < nsrc and 0 <= dst < ranks[stage]) or first != end or count < 1:
+                raise RefitError(f"malformed plan: bucket {bi} {list(self.buckets[bi])} (transfers so far {end}, "
+                                 f"{nsrc} source and {ranks[1]} destination ranks)")
+            end = first + count
+            total = 0
+            for t in transfers[first:end]:
+                dtype, shape = tensors[t.tensor]
+                if (t.stage, t.src, t.dst) != (stage, src, dst) or len(t.start) != len(shape) \
+                        or len(t.size) != len(shape) \
+                        or not all(0 <= a and 0 <= n and a + n <= dim for a, n, dim in zip(t.start, t.size, shape)):
+                    raise RefitError(f"malformed plan: transfer {t} in bucket {bi} of ({stage}, {src}, {dst}), "
+                                     f"tensor shape {list(shape)}")
+                total += volume(t.size) * DTYPE_BYTES[dtype]
+            if total != nbytes:
+                raise RefitError(f"malformed plan: bucket {bi} says {nbytes} bytes, its transfers add up to {total}")
+        if end != len(transfers):
+            raise RefitError(f"malformed plan: buckets cover {end} of its {len(transfers)} transfers")
+        keys, firsts = [k for k, _ in self.phases], [f for _, f in self.phases]
+        if self.phase_layers < 0 or (self.phases and not self.phase_layers) \
+                or (self.phase_layers and self.buckets and not self.phases) \
+                or keys != sorted(set(keys)) or firsts != sorted(set(firsts)) \
+                or (firsts and (firsts[0] != 0 or firsts[-1] >= len(self.buckets))):
+            raise RefitError(f"malformed plan: phases {list(self.phases)[:4]} of {len(self.buckets)} buckets")
 
     @property
     def plan_id(self) -> str:

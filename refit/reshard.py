@@ -151,6 +151,11 @@ class SafetensorsWriter:
         self._file.write(data)
         self._next += 1
 
+    def abort(self) -> None:
+        """Close the partial file (a run that failed; the caller removes its directory)."""
+        if not self._file.closed:
+            self._file.close()
+
     def close(self) -> None:
         if self._next != len(self._order):
             raise AssertionError(f"{len(self._order) - self._next} tensors not written")
@@ -210,7 +215,12 @@ def publish(tmp: str, out_dir: str) -> None:
     if os.path.isdir(out_dir):
         old = f"{tmp}.old"
         os.rename(out_dir, old)
-    os.rename(tmp, out_dir)
+    try:
+        os.rename(tmp, out_dir)
+    except OSError:
+        if old:  # the old output goes back where it was: no run leaves --out missing
+            os.rename(old, out_dir)
+        raise
     _fsync_dir(os.path.dirname(out_dir))
     if old:
         shutil.rmtree(old, ignore_errors=True)
@@ -244,13 +254,16 @@ def reshard(spec: ModelSpec, src: Layout, dst: Layout, in_dir: str, out_dir: str
             name = "model.safetensors" if dst.framework == "hf" else os.path.basename(rank_file(out_dir, rank))
             writer = SafetensorsWriter(os.path.join(tmp, name), [(lt.name, lt.shape, lt.dtype) for lt in locals_],
                                        {"format": "pt", "refit_layout": dst.describe(), "refit_rank": str(rank)})
-            for lt in locals_:
-                writer.write(lt.name, assemble(spec, lt, reader, index))
-                tensors += 1
-                nbytes += lt.nbytes
-                if progress:
-                    progress(lt.nbytes)
-            writer.close()
+            try:
+                for lt in locals_:
+                    writer.write(lt.name, assemble(spec, lt, reader, index))
+                    tensors += 1
+                    nbytes += lt.nbytes
+                    if progress:
+                        progress(lt.nbytes)
+                writer.close()
+            finally:
+                writer.abort()
             files.append(name)
             log.info("wrote %s (%d tensors)", name, len(locals_))
         if dst.framework == "hf" and hf_config is not None:

@@ -259,8 +259,9 @@ def run_refit(bound: Bound, comm: Comm | None, device: Device, remaining: Remain
             remaining()  # an abandoned refit stops before the next step
             inflight.append((step, comm.post(step.sends, step.recvs)))
             if j == 0:
-                if hook:
+                if hook:  # once per refit: at the first step of the first stage with steps
                     hook()
+                    hook = None
                 # Same-device copies run beside the whole pipeline, on a stream of their own:
                 # on the copy stream every later pack would wait for them.
                 device.beside(stage.moves)

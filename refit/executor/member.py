@@ -39,7 +39,7 @@ from refit.errors import RefitError
 from refit.executor.bound import Bound, Remaining, bind_all, run_refit
 from refit.executor.device import Device, enable_peer_access, make_device
 from refit.executor.schedule import compile_program
-from refit.executor.shards import Shards, allocate, remove_file, views
+from refit.executor.shards import Shards, allocate, check_own, remove_file, views
 from refit.executor.topology import Endpoint, GpuSeat, Topology, all_visible, local_indices, number_gpus
 from refit.executor.transports import (Comm, PeerError, export_arena, export_tensors, first_line, gloo_group,
                                        import_share, make_comm, ended, retire)
@@ -149,6 +149,8 @@ class Member:
         self.name = self.names[member]
         self.cuda = device.startswith("cuda")
         self.device: Device = make_device("cuda" if self.cuda else "cpu", torch.device(device).index or 0)
+        for ep, tensors in own.items():
+            check_own(ep, tensors, src if ep[0] == "src" else dst, spec, self.device.torch, self.name)
         driven = set(topology.driven_devices(member))
         self.driver = bool(driven)
         self.rounds = 0  # barriers passed, in lockstep on every member
@@ -199,9 +201,13 @@ class Member:
                 remove_file(t.path)  # every peer has mapped it; the mapping outlives the name
         self.comm: Comm | None = None
         if member in topology.drivers and len(topology.drivers) > 1:
-            self.comm = make_comm("cuda" if self.cuda else "cpu", dist.PrefixStore("data", self.store),
-                                  topology.comm_rank(member), len(topology.drivers), self.device, remaining(),
-                                  [self.names[m] for m in topology.drivers], host)
+            try:
+                self.comm = make_comm("cuda" if self.cuda else "cpu", dist.PrefixStore("data", self.store),
+                                      topology.comm_rank(member), len(topology.drivers), self.device, remaining(),
+                                      [self.names[m] for m in topology.drivers], host)
+            except BaseException:  # as above: nobody will close this member
+                self._retire_ctl()
+                raise
         self.phases: list[tuple[int, Bound | None]] = []  # (phase key, this member's share) in run order
         self.gathers: list[Shards] = []
         log.info("%s: member %d, device %s, %s, drives %s", self.name, member, device,
@@ -217,14 +223,19 @@ class Member:
 
     def _import(self, ep: Endpoint) -> dict[str, torch.Tensor]:
         shared = import_share(self.store.get(f"share/{ep[0]}{ep[1]}"))
-        if isinstance(shared, dict):  # separate tensors (an agent's)
+        layout = self.src if ep[0] == "src" else self.dst
+        if isinstance(shared, dict):  # separate tensors (an agent's): as its layout says, or refused
             out = shared
             arena = next(iter(out.values()), None)
+            check_own(ep, out, layout, self.spec, None, f"{self.name}: shared by {self.names[self.topo.member_of[ep]]}")
         else:  # an arena: the views follow from the peer's layout
-            layout = self.src if ep[0] == "src" else self.dst
             arena = shared
             self.imported.append(arena)
-            out = views(arena, list(layout.local_tensors(self.spec, ep[1])), self.scattered)
+            try:
+                out = views(arena, list(layout.local_tensors(self.spec, ep[1])), self.scattered)
+            except ValueError as e:
+                raise RefitError(f"{self.name}: {ep[0]} rank {ep[1]} of {layout.describe()} shared by "
+                                 f"{self.names[self.topo.member_of[ep]]}: {e}") from None
         if arena is not None and arena.is_cuda and arena.device != self.device.torch:
             self.peer_devices.add(arena.device.index)
         return out
@@ -234,23 +245,24 @@ class Member:
         """Compile and bind this member's share of ``plan`` (drivers; others have nothing to do
         but the barriers): one program per phase (`Plan.phase_ranges`; an unphased plan is one),
         bound over one shared set of staging buffers."""
-        self.gathers = []
+        self.gathers, self.phases = [], []  # until this plan is bound: a failed prepare leaves none to run
         ranges = plan.phase_ranges()
-        self.phases = [(key, None) for key, _, _ in ranges]
         if not self.driver:
+            self.phases = [(key, None) for key, _, _ in ranges]
             return self
         whole = len(ranges) == 1 and ranges[0][1:] == (0, len(plan.buckets))
         programs = [compile_program(plan, self.spec, self.src, self.dst, self.topo, self.member, ipc=self.ipc,
                                     push=self.push, buckets=None if whole else range(first, end))
                     for _, first, end in ranges]
         tensors = {ep: dict(t) for ep, t in self.tensors.items()}
+        gathers = []
         for program in programs:
             for ep, lts in program.gather.items():  # a gathering plan's root receives whole tensors
                 g = allocate(lts, self.device.torch)
-                self.gathers.append(g)
+                gathers.append(g)
                 tensors[ep].update(g.tensors)
         bounds = bind_all(programs, tensors, self.device.torch)
-        self.phases = [(key, b) for (key, _, _), b in zip(ranges, bounds)]
+        self.gathers, self.phases = gathers, [(key, b) for (key, _, _), b in zip(ranges, bounds)]
         return self
 
     @property
@@ -271,7 +283,9 @@ class Member:
         ``on_phase(key)`` (an engine applies what landed; every member has finished writing the
         phase and none has started the next).  Returns the summed seconds of the shares alone.
         ``hook`` (tests) runs once the first transfer is posted; ``started`` after the first barrier."""
-        phases = self.phases or [(WHOLE, None)]
+        if not self.phases:  # else the barriers would pass and report a refit that moved nothing
+            raise RefitError(f"{self.name}: no plan prepared (prepare failed or was never called)")
+        phases = self.phases
         phased = any(key != WHOLE for key, _ in phases)
         seconds = 0.0
         for i, (key, bound) in enumerate(phases):
@@ -354,17 +368,19 @@ class Member:
             torch.cuda.ipc_collect()
 
     def close(self) -> None:
-        """Release the peers' memory, close the communicator and let the control group go —
-        without waiting for the barriers of an abandoned refit, which gloo runs until that
-        refit's deadline (`refit.executor.transports.retire`)."""
-        self.release()
-        self._retire_ctl()
+        """Close the communicator, release the buffers and peers' memory, and let the control
+        group go — without waiting for the barriers of an abandoned refit, which gloo runs until
+        that refit's deadline (`refit.executor.transports.retire`).  The communicator goes first:
+        after a refit that timed out, its receives may still be posted into the staging buffers,
+        and aborting it is what ends them; freed before, those buffers could be handed out again."""
         if self.comm is not None:
             try:
                 self.comm.close()
             except Exception as e:  # closing after a failure may fail too; nothing to save
                 log.info("closing the communicator: %s", e)
         self.comm = None
+        self.release()
+        self._retire_ctl()
 
     def _retire_ctl(self) -> None:
         """Drop the control group; with abandoned barriers in it, through `retire` (no wait)."""

@@ -132,6 +132,7 @@ def compile_program(plan: Plan, spec: ModelSpec, src: Layout, dst: Layout, topo:
     ``buckets``: only those of the plan (one phase of a phased plan, `Plan.phase_ranges`).  Wires
     keep their plan-wide bucket index (the message tag) and steps their plan-wide index within
     the pair, so every member keys a subset's steps alike and tags never repeat across phases."""
+    check_plan(plan, spec, src, dst, topo)
     push = push and ipc and not plan.gathers
     G = max(d for _, d in topo.devices) + 1  # devices are the topology's (the plan's placement in the bench)
     mine = set(topo.driven_devices(member))
@@ -189,6 +190,25 @@ def compile_program(plan: Plan, spec: ModelSpec, src: Layout, dst: Layout, topo:
     return Program(member, tuple(stages), {ep: tuple(v) for ep, v in gather.items()}, send_slots, recv_slots)
 
 
+def check_plan(plan: Plan, spec: ModelSpec, src: Layout, dst: Layout, topo: Topology) -> None:
+    """Refuse a plan made for another model, other layouts or other ranks than this run's, before
+    anything is bound: such a plan may still name boxes every rank holds, and then leave parts
+    of the destination unwritten with no error."""
+    if plan.model_digest != spec.digest():
+        raise RefitError(f"plan is for model {plan.model} (digest {plan.model_digest}), this run holds "
+                         f"{spec.name} (digest {spec.digest()})")
+    for side, layout, text in (("source", src, plan.src_layout), ("destination", dst, plan.dst_layout)):
+        if layout.describe() != text:
+            raise RefitError(f"plan is for {side} layout {text}, this run's is {layout.describe()}")
+    ranks = {"src": len(plan.placement.src_gpus), "dst": len(plan.placement.dst_gpus)}
+    if (ranks["src"], ranks["dst"]) != (src.world_size, dst.world_size):
+        raise RefitError(f"plan places {ranks['src']} source and {ranks['dst']} destination ranks, the layouts "
+                         f"have {src.world_size} and {dst.world_size}")
+    missing = [f"{side} rank {r}" for side, n in ranks.items() for r in range(n) if (side, r) not in topo.device_of]
+    if missing:
+        raise RefitError(f"the topology places no device for {', '.join(missing[:4])} of the plan")
+
+
 def pullable(plan: Plan, b: Bucket) -> bool:
     """Whether the source blocks of ``b`` lie in a source shard (not in a root's gathered data)."""
     return b.stage == 0 or not plan.gathers
@@ -214,13 +234,13 @@ def _gather_tensors(plan: Plan, spec: ModelSpec, topo: Topology, mine: set[int])
     return out
 
 
-def _blocks(index: PieceIndex, t: Transfer, ep: Endpoint, whole: bool) -> list[Block]:
+def _blocks(index: PieceIndex, t: Transfer, ep: Endpoint, whole: bool, sending: bool) -> list[Block]:
     blocks = index.regions(t.tensor, (t.start, t.size))
     got = sum(volume(r.size) for r in blocks)
     if (whole and got != t.numel) or got > t.numel:
         raise RefitError(f"plan does not match the layouts: {ep[0]} rank {ep[1]} holds {got} of the "
                          f"{t.numel} elements of {t.tensor} {list(t.start)}+{list(t.size)} it must "
-                         f"{'send' if whole else 'receive'}")
+                         f"{'send' if sending else 'receive'}")
     return blocks
 
 
@@ -230,7 +250,7 @@ def _wire(plan: Plan, bi: int, b: Bucket, transfers: tuple[Transfer, ...], index
     for t in transfers:
         # A sender must hold the whole box; a receiver of a gathering plan keeps what its pieces
         # cover (whole tensors are sent), otherwise the whole box too.
-        blocks = _blocks(index, t, ep, whole=sending or not plan.gathers)
+        blocks = _blocks(index, t, ep, whole=sending or not plan.gathers, sending=sending)
         out.append(WireTransfer(offset, t.size, plan.tensors[t.tensor][0], tuple(blocks)))
         offset += plan.transfer_bytes(t)
     if offset != b.nbytes:
@@ -243,8 +263,8 @@ def _moves(plan: Plan, transfers: tuple[Transfer, ...], s_index: PieceIndex, d_i
     out = []
     for t in transfers:
         dtype = plan.tensors[t.tensor][0]
-        src_blocks = _blocks(s_index, t, s_ep, whole=True)
-        dst_blocks = _blocks(d_index, t, d_ep, whole=not plan.gathers)
+        src_blocks = _blocks(s_index, t, s_ep, whole=True, sending=True)
+        dst_blocks = _blocks(d_index, t, d_ep, whole=not plan.gathers, sending=False)
         for sr in src_blocks:
             for dr in dst_blocks:
                 inter = intersect((sr.box_start, sr.size), (dr.box_start, dr.size))

@@ -12,14 +12,17 @@ from __future__ import annotations
 import math
 import os
 from dataclasses import dataclass, field
-from typing import Sequence
+from typing import Mapping, Sequence
 
 import torch
 
+from refit.errors import RefitError
+from refit.executor.topology import Endpoint
 from refit.executor.values import TORCH_DTYPES, check_box, fill_box, int_view
+from refit.layouts import Layout
 from refit.layouts.base import LocalTensor
 from refit.regions import slices
-from refit.spec import ModelSpec
+from refit.spec import ModelSpec, check_tensor_table
 
 ALIGN = 512  # bytes; keeps every view aligned for any dtype and for vectorised copies
 SENTINEL = 0xA5  # destination bytes before the first refit
@@ -161,6 +164,22 @@ def _stray(local: torch.Tensor, lt: LocalTensor) -> int:
 def _ndim(spec: ModelSpec, lt: LocalTensor) -> int:
     """The canonical ndim pieces of ``lt`` are expressed in (all pieces of a local agree)."""
     return len(spec[lt.pieces[0].tensor].shape) if lt.pieces else len(lt.shape)
+
+
+def check_own(ep: Endpoint, tensors: Shards | Mapping[str, torch.Tensor], layout: Layout, spec: ModelSpec,
+              device: torch.device | None, who: str) -> None:
+    """Refuse an endpoint's tensors unlike its layout's local tensors (names, shapes, dtypes) or
+    off ``device`` (None: any), before anything is shared or bound: a dtype of the same width
+    would otherwise take the bits of another, and a wrong shape surface as a torch error mid-bind."""
+    table = tensors.tensors if isinstance(tensors, Shards) else tensors
+    names = {v: k for k, v in TORCH_DTYPES.items()}
+    found = {n: (tuple(t.shape), names.get(t.dtype, str(t.dtype).removeprefix("torch."))) for n, t in table.items()}
+    where = f"{who}: {ep[0]} rank {ep[1]} of {layout.describe()}"
+    check_tensor_table(found, {lt.name: (lt.shape, lt.dtype) for lt in layout.local_tensors(spec, ep[1])}, where)
+    for n, t in table.items():
+        if device is not None and (t.device.type != device.type
+                                   or (device.type == "cuda" and t.device.index != device.index)):
+            raise RefitError(f"{where}: {n!r} is on {t.device}, this member drives {device}")
 
 
 def remove_file(path: str | None) -> None:

@@ -126,3 +126,18 @@ def test_moves_are_told_what_they_run_beside(monkeypatch) -> None:
     bound._moves([], [_Batch("pull 1")], pipelined=False, dma=True)
     bound._moves([], [], pipelined=True, dma=True)
     assert [(m["beside"], m["beside_kernel"]) for m in made] == [(False, True), (False, False), (True, False)]
+
+
+def test_the_hook_runs_once_per_refit_also_with_two_wire_stages() -> None:
+    """A gathering plan has steps in stage 0 and stage 1: the hook (a test that kills a peer once
+    the first transfer is posted) ran at the first step of each."""
+    calls: list[str] = []
+
+    def stage(n: int) -> BoundStage:
+        steps = [BoundStep((n, 1, 0), _Batch(f"pack {n}"), _Batch(f"unpack {n}"), [f"send {n}"], [])]
+        return BoundStage(n, _Batch(f"moves {n}"), steps)  # type: ignore[arg-type]
+
+    device = _Recorder()
+    run_refit(Bound(None, [stage(0), stage(1)], []), _Comm(device), device, lambda: 60.0,  # type: ignore[arg-type]
+              hook=lambda: calls.append("hook"))
+    assert calls == ["hook"]

@@ -4,6 +4,7 @@ process (a colocated source and destination on one "device": the passive source 
 
 from __future__ import annotations
 
+import os
 import threading
 import time
 import uuid
@@ -108,3 +109,111 @@ def test_locate_and_budget(monkeypatch: pytest.MonkeyPatch) -> None:
         b = Budget(0.01, "refit")
         time.sleep(0.02)
         b()
+
+
+def test_own_tensors_unlike_the_layout_are_refused_before_sharing() -> None:
+    """Before: an int32 tensor in place of a float32 one took the refit's bits silently; a wrong
+    shape failed mid-bind with a torch error."""
+    r = make_plan(DENSE, "tp1", "tp1", "colocated", "p2p", 4096)
+    topo = Topology.single(r.plan.placement)
+    master = dist.TCPStore("127.0.0.1", 0, is_master=True, wait_for_workers=False)
+    src = allocate(list(r.src.local_tensors(DENSE, 0)), torch.device("cpu"))
+    good = allocate(list(r.dst.local_tensors(DENSE, 0)), torch.device("cpu")).tensors
+    name = next(iter(good))
+    cases = [({**good, name: good[name].view(torch.int32)}, f"{name!r} is int32, expected float32"),
+             ({**good, name: good[name].view(-1)}, f"{name!r} has shape"),
+             ({k: v for k, v in good.items() if k != name}, f"tensor {name!r} is missing")]
+    for i, (dst, message) in enumerate(cases):
+        store = connect("127.0.0.1", master.port, f"own{i}/", 10.0)
+        with pytest.raises(RefitError, match=message):
+            Member(store, topo, 0, "cpu", {("src", 0): src, ("dst", 0): dst}, DENSE, r.src, r.dst,
+                   ["both"], Budget(10.0)).prepare(r.plan)
+
+
+def test_a_communicator_that_fails_lets_the_control_group_go(monkeypatch: pytest.MonkeyPatch) -> None:
+    """Before: the control group built just before stayed referenced by nobody's close."""
+    import refit.executor.member as member_mod
+
+    r = make_plan(DENSE, "tp1", "tp1", "disaggregated", "p2p", 4096)
+    topo = Topology.one_per_rank(r.plan.placement)  # two devices, two drivers: a data communicator
+    master = dist.TCPStore("127.0.0.1", 0, is_master=True, wait_for_workers=False)
+    retired: list[str] = []
+    monkeypatch.setattr(member_mod, "make_comm", lambda *a, **k: (_ for _ in ()).throw(RuntimeError("no NCCL")))
+    monkeypatch.setattr(member_mod, "retire", lambda pg, pending, what: retired.append(what))
+    names = ["src rank 0", "dst rank 0"]
+
+    def member(m: int) -> Any:
+        store = connect("127.0.0.1", master.port, "comm/", 30.0)
+        side = "src" if m == 0 else "dst"
+        own = {(side, 0): allocate(list((r.src if m == 0 else r.dst).local_tensors(DENSE, 0)), torch.device("cpu"))}
+        return Member(store, topo, m, "cpu", own, DENSE, r.src, r.dst, names, Budget(30.0))
+
+    out = _together([lambda: member(0), lambda: member(1)])
+    assert all(isinstance(e, RuntimeError) and "no NCCL" in str(e) for e in out), out
+    assert sorted(retired) == ["dst rank 0: control group", "src rank 0: control group"]
+
+
+def test_a_shared_arena_too_small_for_its_layout_is_refused() -> None:
+    """Before: a ValueError from the views, not a RefitError naming the peer."""
+    from refit.executor.handles import shm_handle
+
+    r = make_plan(DENSE, "tp1", "tp1", "colocated", "p2p", 4096)
+    topo = Topology.one_per_rank(r.plan.placement)  # member 1 drives the device and maps src rank 0
+    master = dist.TCPStore("127.0.0.1", 0, is_master=True, wait_for_workers=False)
+    session = uuid.uuid4().hex[:8]
+    small = allocate(list(r.src.local_tensors(DENSE, 0))[:1], torch.device("cpu"), f"/dev/shm/refit-{session}-s")
+    try:
+        store = connect("127.0.0.1", master.port, session, 10.0)
+        store.set("share/src0", shm_handle(small.path, small.arena.numel()))
+        dst = allocate(list(r.dst.local_tensors(DENSE, 0)), torch.device("cpu"))
+        with pytest.raises(RefitError, match=r"dst rank 0: src rank 0 of megatron:tp1dp1 shared by src rank 0: arena of"):
+            Member(store, topo, 1, "cpu", {("dst", 0): dst}, DENSE, r.src, r.dst, ["src rank 0", "dst rank 0"],
+                   Budget(10.0))
+    finally:
+        os.unlink(small.path)
+
+
+def test_a_refit_after_a_failed_prepare_is_refused() -> None:
+    """Before: prepare left every phase unbound when compiling failed, and the next refit passed
+    its barriers and returned as if done, having moved nothing."""
+    r = make_plan(DENSE, "tp1", "tp1", "colocated", "p2p", 4096)
+    other = make_plan(build_spec("tiny-dense", ModelConfig(
+        arch="qwen2", hidden_size=64, num_layers=2, num_heads=8, num_kv_heads=2, head_dim=8,
+        intermediate_size=64, vocab_size=252, qkv_bias=True, tie_embeddings=True, dtype="float32")),
+        "tp1", "tp1", "colocated", "p2p", 4096)
+    topo = Topology.single(r.plan.placement)
+    master = dist.TCPStore("127.0.0.1", 0, is_master=True, wait_for_workers=False)
+    own = {("src", 0): allocate(list(r.src.local_tensors(DENSE, 0)), torch.device("cpu")),
+           ("dst", 0): allocate(list(r.dst.local_tensors(DENSE, 0)), torch.device("cpu"))}
+    m = Member(connect("127.0.0.1", master.port, "prep/", 10.0), topo, 0, "cpu", own, DENSE, r.src, r.dst,
+               ["both"], Budget(10.0))
+    try:
+        with pytest.raises(RefitError, match="plan is for model"):
+            m.prepare(other.plan)
+        with pytest.raises(RefitError, match="no plan prepared"):
+            m.refit(Budget(10.0))
+        fill_source(own[("src", 0)], DENSE, 5)
+        fill_sentinel(own[("dst", 0)])
+        m.prepare(r.plan).refit(Budget(10.0))
+        assert verify(own[("dst", 0)], DENSE, 5).ok
+    finally:
+        m.close()
+
+
+def test_close_aborts_the_communicator_before_it_frees_the_buffers() -> None:
+    r = make_plan(DENSE, "tp1", "tp1", "colocated", "p2p", 4096)
+    topo = Topology.single(r.plan.placement)
+    master = dist.TCPStore("127.0.0.1", 0, is_master=True, wait_for_workers=False)
+    own = {("src", 0): allocate(list(r.src.local_tensors(DENSE, 0)), torch.device("cpu")),
+           ("dst", 0): allocate(list(r.dst.local_tensors(DENSE, 0)), torch.device("cpu"))}
+    m = Member(connect("127.0.0.1", master.port, "close/", 10.0), topo, 0, "cpu", own, DENSE, r.src, r.dst,
+               ["both"], Budget(10.0)).prepare(r.plan)
+    seen: list[int] = []
+
+    class Comm:  # stands in for NCCL, whose abort ends receives still posted into staging buffers
+        def close(self) -> None:
+            seen.append(len(m.phases))
+
+    m.comm = Comm()  # type: ignore[assignment]
+    m.close()
+    assert seen == [1] and m.phases == [] and m.comm is None

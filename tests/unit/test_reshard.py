@@ -308,3 +308,55 @@ def test_vllm_shared_experts_follow_sequence_parallel_moe(tmp_path, model, dst, 
         want = torch.cat([gate[t * n:(t + 1) * n], up[t * n:(t + 1) * n]])
         assert torch.equal(gate_up.view(torch.int16), want.view(torch.int16)), rank
         assert torch.equal(got_down.view(torch.int16), down[:, t * n:(t + 1) * n].contiguous().view(torch.int16)), rank
+
+
+def test_a_failed_publish_puts_the_old_output_back(tmp_path, capsys, monkeypatch):
+    """The rename of the new directory into place fails after the old one was moved aside:
+    before, --out was left missing (the old output hidden in a .refit-*.old directory)."""
+    import errno
+
+    from refit import reshard as mod
+
+    src, mdir = _tp2(tmp_path)
+    out = str(tmp_path / "out")
+    reshard(src, "megatron:tp2", "vllm:tp2", mdir, out)
+    before = load_dir_ranks(out)
+    real = os.rename
+
+    def rename(a, b):
+        if os.path.abspath(b) == out and ".refit-" in a and not a.endswith(".old"):
+            raise OSError(errno.EIO, os.strerror(errno.EIO), a)
+        real(a, b)
+
+    monkeypatch.setattr(mod.os, "rename", rename)
+    rc, err = _rc(capsys, "reshard", "--model", src, "--src", "megatron:tp2", "--dst", "vllm:tp2", "--in", mdir,
+                  "--out", out, "--force")
+    assert rc == 2 and "Input/output error" in err, err
+    after = load_dir_ranks(out)
+    assert before.keys() == after.keys() and all(torch.equal(before[k], after[k]) for k in before)
+
+
+def test_a_failed_run_closes_its_partial_file(tmp_path, monkeypatch):
+    from refit import reshard as mod
+    from refit.errors import RefitError
+    from refit.layouts import resolve_layout
+    from refit.hf_checkpoint import load_spec
+
+    src, mdir = _tp2(tmp_path)
+    spec = load_spec(src)
+    writers = []
+    init = mod.SafetensorsWriter.__init__
+
+    def remember(self, *a, **k):
+        init(self, *a, **k)
+        writers.append(self)
+
+    def fail(*a, **k):
+        raise RefitError("source layout does not hold it")
+
+    monkeypatch.setattr(mod.SafetensorsWriter, "__init__", remember)
+    monkeypatch.setattr(mod, "assemble", fail)
+    with pytest.raises(RefitError):
+        mod.reshard(spec, resolve_layout("megatron:tp2", spec, "src"), resolve_layout("vllm:tp2", spec, "dst"),
+                    mdir, str(tmp_path / "out"))
+    assert writers and all(w._file.closed for w in writers)

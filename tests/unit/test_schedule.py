@@ -72,3 +72,42 @@ def test_single_member_moves_only_and_gathers_are_facts_of_the_plan() -> None:
     assert [pullable(bc.plan, b) for b in bc.plan.buckets] == [b.stage == 0 for b in bc.plan.buckets]
     prog = compile_program(bc.plan, MOE, bc.src, bc.dst, Topology.single(bc.plan.placement), 0)
     assert prog.gather_bytes > 0 and [st.stage for st in prog.stages] == [0, 1]
+
+
+
+def test_a_plan_for_another_model_layout_or_run_is_refused_before_binding() -> None:
+    """A plan for a vocab of 300 compiled against a model of 302: every box it names is held on
+    both ends, so it compiled, and the destination's last vocab rows were never written."""
+    from refit.errors import RefitError
+    from refit.layouts import resolve_layout
+
+    r = make_plan(MOE, "tp2", "tp2", "disaggregated", "p2p", 4096)
+    topo = Topology.single(r.plan.placement)
+    other = build_spec("tiny-moe", ModelConfig(
+        arch="qwen3_moe", hidden_size=32, num_layers=4, num_heads=4, num_kv_heads=2, head_dim=8,
+        intermediate_size=32, vocab_size=302, qk_norm=True, num_experts=8, moe_intermediate_size=16,
+        moe_layers=(1, 2, 3)))
+    src2, dst2 = resolve_layout("tp2", other, "src"), resolve_layout("tp2", other, "dst")
+    with pytest.raises(RefitError, match="plan is for model tiny-moe .digest"):
+        compile_program(r.plan, other, src2, dst2, topo, 0)
+    with pytest.raises(RefitError, match="plan is for destination layout vllm:tp2, this run's is vllm:tp1"):
+        compile_program(r.plan, MOE, r.src, resolve_layout("tp1", MOE, "dst"), topo, 0)
+    small = Topology(((("src", 0), ("dst", 0)),), ((("src", 0), 0), (("dst", 0), 0)))
+    with pytest.raises(RefitError, match="no device for src rank 1, dst rank 1"):
+        compile_program(r.plan, MOE, r.src, r.dst, small, 0)
+
+
+def test_a_destination_missing_part_of_a_box_is_told_it_must_receive_it() -> None:
+    """Before: a destination holding too little of a box was told it 'must send' it."""
+    from refit.errors import RefitError
+    from refit.executor import schedule
+    from refit.layouts.base import LocalTensor, Piece
+    from refit.plan import Transfer
+    from refit.regions import PieceIndex
+
+    index = PieceIndex([LocalTensor("x", (2, 4), "bfloat16", (Piece("a", (0, 0), (2, 4), (0, 0)),))])
+    t = Transfer(1, 0, 3, "a", (0, 0), (4, 4))
+    with pytest.raises(RefitError, match=r"dst rank 3 holds 8 of the 16 elements of a \[0, 0\]\+\[4, 4\] it must receive"):
+        schedule._blocks(index, t, ("dst", 3), whole=True, sending=False)
+    with pytest.raises(RefitError, match="src rank 0 holds 8 of the 16 elements .* it must send"):
+        schedule._blocks(index, t, ("src", 0), whole=True, sending=True)
