@@ -87,8 +87,13 @@ class ExecutorDataPlane:
             raise RefitError("transport ipc needs every member on GPUs of one host")
         src, dst = self._sides(plan, role, ctx)
         local = {lt.name: tensors[lt.name] for lt in ctx.layout.local_tensors(ctx.spec, rank)}
-        return Member(store, topo, rdv.rank, device, {me: local}, ctx.spec, src, dst, names, ctx.remaining,
-                      ipc=ipc, host=ctx.host).prepare(plan)
+        member = Member(store, topo, rdv.rank, device, {me: local}, ctx.spec, src, dst, names, ctx.remaining,
+                        ipc=ipc, host=ctx.host)
+        try:
+            return member.prepare(plan)
+        except BaseException:  # nobody else holds it: its groups and peers' maps go now, not never
+            member.close()
+            raise
 
     def _sides(self, plan: Plan, role: str, ctx: RunContext) -> tuple[Layout, Layout]:
         """(src, dst) resolved: this agent's own (``ctx.layout``) and the other, resolved once per plan."""

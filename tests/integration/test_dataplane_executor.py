@@ -199,3 +199,38 @@ def test_deadline_bounds_waits_and_names_the_hung_peer(members: Members) -> None
     assert any("with trainer/1 failed: Timed out" in res[i][1] for i in (2, 3)), res
     assert all(any(f"{n} " in err for n in NAMES if n != NAMES[i]) for i, (_, err, _) in res.items()), res
     os.kill(members.procs[1].pid, signal.SIGKILL)
+
+
+def test_a_member_whose_prepare_fails_is_closed(monkeypatch: pytest.MonkeyPatch) -> None:
+    """`prepare` refusing the plan (say, one for other layouts) left a built `Member` nobody held:
+    its control group and communicator were never closed.  The store, the rendezvous and the
+    Member are stand-ins here: only the data plane's own handling is under test."""
+    import refit.control.dataplane_executor as dpe
+    from refit.control.dataplane import Rendezvous, RunContext
+    from refit.errors import RefitError
+    from refit.layouts import resolve_layout
+    from tests.harness.control_cluster import fill
+
+    closed: list[bool] = []
+
+    class RefusingMember:
+        def __init__(self, *args: Any, **kwargs: Any) -> None:
+            pass
+
+        def prepare(self, plan: Any) -> None:
+            raise RefitError("plan is for another layout")
+
+        def close(self) -> None:
+            closed.append(True)
+
+    monkeypatch.setattr(dpe, "Member", RefusingMember)
+    monkeypatch.setattr(dpe, "connect", lambda *a: None)
+    monkeypatch.setattr(dpe, "locate", lambda *a: (None, False, True))
+    spec = tiny_spec(MODEL)
+    plan = make_plan(spec, SRC, DST).plan
+    layout = resolve_layout(SRC, spec, "src")
+    ctx = RunContext(plan.plan_id, "r1", spec, layout, Rendezvous("127.0.0.1", 1, "p/", 4, 0, NAMES),
+                     time.monotonic() + 10)
+    with pytest.raises(RefitError, match="another layout"):
+        dpe.ExecutorDataPlane("comm")(plan, "trainer", 0, fill(spec, layout, 0, 1), 1, ctx)
+    assert closed == [True]
