@@ -6,7 +6,7 @@ import pytest
 import torch
 
 from refit.errors import RefitError
-from refit.layouts import parse_layout, resolve_layout
+from refit.layouts import resolve_layout
 from refit.layouts.fsdp import chunk_rows
 from refit.hf_checkpoint import load_spec
 from tests.harness.tiny import tiny_spec

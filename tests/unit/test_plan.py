@@ -13,7 +13,7 @@ from refit.boxes import volume
 from refit.dtypes import DTYPE_BYTES
 from refit.errors import RefitError
 from refit.hf_checkpoint import load_spec
-from refit.plan import DEFAULT_BUCKET_BYTES, PLAN_FORMAT, Bucket, Placement, Plan, Transfer, pack_buckets, summarize
+from refit.plan import DEFAULT_BUCKET_BYTES, PLAN_FORMAT, Placement, Plan, Transfer, pack_buckets, summarize
 from refit.spec import ModelConfig, build_spec
 
 SETTINGS = settings(max_examples=150, deadline=None)

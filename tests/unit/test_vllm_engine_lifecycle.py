@@ -16,6 +16,7 @@ from __future__ import annotations
 import importlib.util
 import weakref
 from types import SimpleNamespace
+from typing import Any
 
 import pytest
 import torch
