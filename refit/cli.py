@@ -152,6 +152,7 @@ def write_file_atomically(path: str, text: str) -> None:
     try:
         fd, tmp = tempfile.mkstemp(prefix=f".{os.path.basename(path)}.", dir=folder)
         with os.fdopen(fd, "w") as f:
+            os.fchmod(f.fileno(), 0o666 & ~_umask())  # as open() makes files: mkstemp makes them 0600
             f.write(text)
             f.flush()
             os.fsync(f.fileno())
@@ -161,6 +162,14 @@ def write_file_atomically(path: str, text: str) -> None:
     finally:
         if tmp and os.path.exists(tmp):
             os.unlink(tmp)
+
+
+def _umask() -> int:
+    """The process's umask.  Reading it means setting it, put straight back: the `refit` command
+    runs one thread."""
+    mask = os.umask(0o022)
+    os.umask(mask)
+    return mask
 
 
 def cmd_reshard(args: argparse.Namespace) -> int:

@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import json
 import logging
+import math
 import os
 import re
 import struct
@@ -42,8 +43,9 @@ CheckpointTensors = dict[str, tuple[tuple[int, ...], str, str]]
 
 
 def read_safetensors_header(path: str) -> dict[str, dict[str, Any]]:
-    """A .safetensors file's header, checked: JSON of well-formed entries, and every byte they
-    describe present in the file (a truncated file is refused here, before anything is written)."""
+    """A .safetensors file's header, checked: JSON of well-formed entries whose byte ranges the
+    safetensors library will accept (`check_data_offsets`), and every byte they describe present
+    in the file (a truncated file is refused here, before anything is written)."""
     try:
         size = os.path.getsize(path)
         with open(path, "rb") as f:
@@ -62,19 +64,52 @@ def read_safetensors_header(path: str) -> dict[str, dict[str, Any]]:
         raise RefitError(f"{path}: not a safetensors file (its header is not JSON: {str(e)[:80]})") from None
     if not isinstance(header, dict):
         raise RefitError(f"{path}: not a safetensors file (its header is not a JSON object)")
-    header.pop("__metadata__", None)
-    end = 0
+    metadata = header.pop("__metadata__", None)  # null or absent: none
+    if not (metadata is None or isinstance(metadata, dict) and all(isinstance(v, str) for v in metadata.values())):
+        raise RefitError(f"{path}: malformed header: __metadata__ must map names to strings")
     for name, info in header.items():
         ok = isinstance(info, dict) and isinstance(info.get("dtype"), str) and isinstance(info.get("shape"), list) \
             and isinstance(info.get("data_offsets"), list) and len(info["data_offsets"]) == 2 \
-            and all(isinstance(d, int) and d >= 0 for d in info["shape"] + info["data_offsets"]) \
+            and all(isinstance(d, int) and not isinstance(d, bool) and d >= 0
+                    for d in info["shape"] + info["data_offsets"]) \
             and info["data_offsets"][0] <= info["data_offsets"][1]
         if not ok:
             raise RefitError(f"{path}: malformed header entry for tensor {name[:80]!r}")
-        end = max(end, info["data_offsets"][1])
-    if 8 + n + end > size:
-        raise RefitError(f"{path}: truncated: its header describes {8 + n + end} bytes, the file holds {size}")
+    check_data_offsets(header, path, size - 8 - n)
     return header
+
+
+# Bits per element of every dtype code the safetensors format knows (F4, F6: packed sub-byte).
+SAFETENSORS_BITS = {"BOOL": 8, "U8": 8, "I8": 8, "F8_E5M2": 8, "F8_E4M3": 8, "F8_E8M0": 8, "F8_E4M3FNUZ": 8,
+                    "F8_E5M2FNUZ": 8, "I16": 16, "U16": 16, "F16": 16, "BF16": 16, "I32": 32, "U32": 32, "F32": 32,
+                    "I64": 64, "U64": 64, "F64": 64, "C64": 64, "F4": 4, "F6_E2M3": 6, "F6_E3M2": 6}
+
+
+def check_data_offsets(header: dict[str, dict[str, Any]], path: str, data_bytes: int) -> None:
+    """Refuse the byte ranges the safetensors library would refuse — with a `SafetensorError`
+    half-way through a reshard, after files were written — naming file and tensor: each range
+    exactly shape x dtype wide, the ranges back to back from byte 0 in offset order (none
+    overlapping, no gap), the last ending where the file does (``data_bytes`` after the header)."""
+    end, prev = 0, ""
+    for name, info in sorted(header.items(), key=lambda kv: tuple(kv[1]["data_offsets"])):
+        start, stop = info["data_offsets"]
+        what = f"{path}: tensor {name[:80]!r} (data_offsets [{start}, {stop}])"
+        bits = SAFETENSORS_BITS.get(info["dtype"])
+        if bits is None:
+            raise RefitError(f"{what} has dtype {info['dtype'][:20]!r}, not a safetensors dtype")
+        if start < end:
+            raise RefitError(f"{what} overlaps tensor {prev[:80]!r}, which ends at {end}")
+        if start > end:
+            raise RefitError(f"{what} leaves a gap of {start - end} bytes after byte {end}")
+        bits *= math.prod(info["shape"])
+        if bits % 8 or bits // 8 != stop - start:
+            raise RefitError(f"{what} holds {stop - start} bytes; {info['dtype']} {info['shape']} takes {bits / 8:g}")
+        end, prev = stop, name
+    if end > data_bytes:
+        raise RefitError(f"{path}: truncated: its header describes {end} bytes of data, the file holds {data_bytes}")
+    if end < data_bytes:
+        raise RefitError(f"{path}: {data_bytes - end} bytes after the last tensor's data_offsets: not a safetensors "
+                         f"file, or damaged")
 
 
 def checkpoint_tensors(directory: str) -> CheckpointTensors:

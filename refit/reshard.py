@@ -6,9 +6,12 @@ several ``*.safetensors`` plus ``config.json``).
 
 Outputs never lie: everything is written into a temporary directory beside ``out_dir``, each file
 fsynced, and published with a rename only once complete (an existing ``out_dir`` is replaced only
-with ``force``).  A run that dies leaves the old ``out_dir`` as it was (and a hidden
-``.<name>.refit-*`` directory to delete).  Inputs are checked — headers parsed and bounded, every
-byte they describe present — before anything is written.
+with ``force``).  A run that dies leaves the old ``out_dir`` as it was; a run that fails removes its
+temporary directory, and one killed outright (no ``finally`` runs) leaves it to the next run for
+the same ``out_dir``, which removes it once its creator is gone (`remove_stale_staging`).  The
+output is created as ``mkdir`` would, honoring the umask.  Inputs are checked — headers parsed and
+bounded, byte ranges as the safetensors library wants them, every byte present — before anything
+is written; an error the library raises anyway is one `RefitError` line, naming the file.
 
 Memory stays bounded by one output tensor plus the slices read for it: inputs are read lazily,
 slice by slice (``safe_open(...).get_slice``), and outputs are streamed to disk one tensor at a time
@@ -20,9 +23,11 @@ from __future__ import annotations
 import json
 import logging
 import os
+import re
+import secrets
 import shutil
+import socket
 import struct
-import tempfile
 from contextlib import ExitStack
 from typing import Any, Callable, Iterable
 
@@ -93,13 +98,18 @@ class ShardReader:
     def read(self, rank: int, local: str, start: tuple[int, ...], size: tuple[int, ...]) -> "Any":
         """Elements ``start/size`` of local tensor ``local`` on ``rank`` (coordinates on the
         tensor's own dimensions), as a torch tensor."""
-        from safetensors import safe_open
+        from safetensors import SafetensorError, safe_open
 
         path = self.locations[(rank, local)]
         key = (rank, path)
-        if key not in self._files:
-            self._files[key] = self._stack.enter_context(safe_open(path, framework="pt"))
-        return self._files[key].get_slice(local)[slices(start, size)]
+        try:
+            if key not in self._files:
+                self._files[key] = self._stack.enter_context(safe_open(path, framework="pt"))
+            return self._files[key].get_slice(local)[slices(start, size)]
+        except SafetensorError as e:  # the headers were checked: a file changed since, or a check missed
+            raise RefitError(f"{path}: safetensors cannot read tensor {local[:80]!r}: {str(e)[:200]}") from None
+        except OSError as e:
+            raise RefitError(f"{path}: cannot read: {e.strerror or e}") from None
 
     def close(self) -> None:
         self._stack.close()
@@ -207,6 +217,64 @@ def check_output(in_dir: str, out_dir: str, force: bool = False) -> None:
                          f"pass --force to replace it")
 
 
+STAGING_TAG = re.compile(r"(?P<host>.+)-(?P<pid>\d+)-[0-9a-f]{8}(?P<old>\.old)?")
+
+
+def staging_dir(out_dir: str) -> str:
+    """A new, empty directory beside ``out_dir`` to write into, named
+    ``.<name>.refit-<host>-<pid>-<random>``: host and pid let a later run tell whether the run that
+    made it is still alive.  Made as ``mkdir`` makes directories, honoring the umask
+    (`tempfile.mkdtemp` makes them 0700, and the published output kept that mode)."""
+    prefix = os.path.join(os.path.dirname(out_dir), f".{os.path.basename(out_dir)}.refit-{_host()}-{os.getpid()}-")
+    while True:
+        path = prefix + secrets.token_hex(4)
+        try:
+            os.mkdir(path)
+            return path
+        except FileExistsError:
+            continue
+
+
+def remove_stale_staging(out_dir: str) -> None:
+    """Remove the staging directories beside ``out_dir`` (`staging_dir`) of runs for it that were
+    killed mid-write — ``.partial`` files, up to a model's size, that nothing else removes.  A
+    directory whose process is alive (a concurrent run), or was made on another host (which we
+    cannot ask), is left alone; so is an old output a dead run had moved aside (``.old``) while
+    ``out_dir`` is missing: it may be the only copy."""
+    parent, name = os.path.split(out_dir)
+    stem = f".{name}.refit-"
+    try:
+        entries = sorted(e for e in os.listdir(parent) if e.startswith(stem))
+    except OSError:  # no parent yet, or not readable: nothing of ours there
+        return
+    for entry in entries:
+        path, m = os.path.join(parent, entry), STAGING_TAG.fullmatch(entry[len(stem):])
+        if m is None or m["host"] != _host():
+            log.warning("%s: left alone, made by a run refit cannot check (another host, or an older refit); "
+                        "delete it if no reshard into %s is running", path, out_dir)
+        elif _alive(int(m["pid"])):
+            continue
+        elif m["old"] and not os.path.isdir(out_dir):
+            log.warning("%s holds the output a killed run had moved aside from %s: rename it back", path, out_dir)
+        else:
+            log.warning("removing %s, left by a reshard (pid %s) that did not finish", path, m["pid"])
+            shutil.rmtree(path, ignore_errors=True)
+
+
+def _host() -> str:
+    return re.sub(r"[^A-Za-z0-9.-]", "_", socket.gethostname()) or "localhost"
+
+
+def _alive(pid: int) -> bool:
+    try:
+        os.kill(pid, 0)
+    except (ProcessLookupError, OverflowError):
+        return False
+    except PermissionError:  # another user's process
+        return True
+    return True
+
+
 def publish(tmp: str, out_dir: str) -> None:
     """Make the complete ``tmp`` directory ``out_dir`` with renames (and fsyncs): readers see the
     old directory or the new one, never a mix."""
@@ -241,6 +309,7 @@ def reshard(spec: ModelSpec, src: Layout, dst: Layout, in_dir: str, out_dir: str
     must be resolved.  ``force``: replace a non-empty ``out_dir``.  Returns a small report
     (files, tensors, bytes).  Raises `RefitError` (nothing published) on any bad input or I/O error."""
     out_dir = os.path.abspath(out_dir)
+    remove_stale_staging(out_dir)
     check_output(in_dir, out_dir, force)
     reader = ShardReader(spec, src, in_dir)  # checks every input file before writing anything
     index = source_index(spec, src)
@@ -248,7 +317,7 @@ def reshard(spec: ModelSpec, src: Layout, dst: Layout, in_dir: str, out_dir: str
     files, tensors, nbytes = [], 0, 0
     try:
         os.makedirs(os.path.dirname(out_dir), exist_ok=True)
-        tmp = tempfile.mkdtemp(prefix=f".{os.path.basename(out_dir)}.refit-", dir=os.path.dirname(out_dir))
+        tmp = staging_dir(out_dir)
         for rank in range(dst.world_size):
             locals_ = dst.local_tensors(spec, rank)
             name = "model.safetensors" if dst.framework == "hf" else os.path.basename(rank_file(out_dir, rank))

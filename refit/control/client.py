@@ -174,6 +174,11 @@ class Client:
         return out
 
     def list_workers(self, group: str = "", role: str | None = None) -> list[dict[str, Any]]:
+        """Every registered worker (of ``group`` / ``role`` when given), as a dict of
+        ``WorkerStatus``.  Two versions, not to be confused: ``version`` and ``stale`` are what
+        the worker holds *now* (an engine's weights, kept up to date by each refit; read these),
+        while ``info["version"]`` (and ``info["stale"]``) is what it reported when it registered,
+        never updated afterwards.  Rows of workers that left stay, with ``connected`` False."""
         if role and role not in ROLES:
             raise RefitError(f"role must be one of {', '.join(ROLES)} (or None for both), not {role!r}")
         req = pb.ListWorkersRequest(group=group, role=ROLES[role] if role else 0)

@@ -10,7 +10,7 @@ import time
 from dataclasses import dataclass, field
 from typing import Any, Awaitable, Callable
 
-from refit.control.common import ROLE_NAMES, Conflict, Exhausted, Precondition, config_difference, short, spec_from_registration, worker_id
+from refit.control.common import ROLE_NAMES, Conflict, Exhausted, Precondition, short, spec_from_registration, worker_id
 from refit.control.v1 import refit_pb2 as pb
 from refit.dtypes import DTYPE_BYTES
 from refit.errors import RefitError
@@ -194,7 +194,7 @@ def group_members(workers: dict[str, Worker], group: str, role: int) -> list[Wor
         if w.info.model_digest != ref.info.model_digest:
             raise RefitError(f"group {group!r}: {w.worker_id} holds model digest {w.info.model_digest}, "
                              f"{ref.worker_id} {ref.info.model_digest}")
-        diff = config_difference(ref.info.model_config_json, w.info.model_config_json)
+        diff = config_differences(ref.info.model_config_json, w.info.model_config_json, ref.worker_id, w.worker_id)
         if diff:
             raise RefitError(f"group {group!r}: {ref.worker_id} and {w.worker_id} hold different model configs: {diff}")
         if w.info.phase_layers != ref.info.phase_layers:  # phases are one plan's: every rank cuts alike
@@ -209,13 +209,29 @@ def group_members(workers: dict[str, Worker], group: str, role: int) -> list[Wor
 
 
 def check_same_model(src: Worker, dst: Worker) -> None:
+    """Refuse groups of different models, naming every config field that differs and both values
+    (digests alone tell a user nothing: an fp32 trainer and a bf16 engine look like two models)."""
     a, b = src.info, dst.info
+    diff = config_differences(a.model_config_json, b.model_config_json, a.group, b.group)
     if a.model_digest != b.model_digest:
-        raise RefitError(f"groups describe different models: {a.group!r} holds {a.model_name} (digest {a.model_digest}), "
-                         f"{b.group!r} holds {b.model_name} (digest {b.model_digest})")
-    diff = config_difference(a.model_config_json, b.model_config_json)
+        raise RefitError(f"groups {a.group!r} and {b.group!r} hold different models: " + (
+            diff or f"{a.model_name} (digest {a.model_digest}) vs {b.model_name} (digest {b.model_digest})"))
     if diff:
         raise RefitError(f"groups {a.group!r} and {b.group!r} hold models of equal tensors but different configs: {diff}")
+
+
+def config_differences(a: str, b: str, a_name: str, b_name: str) -> str:
+    """Every field on which two registered model configs differ, with both values, the first pair
+    labelled with whose it is: ``dtype 'float32' (trainer) vs 'bfloat16' (engine); vocab_size 300
+    vs 302``.  Empty if equal.  Values are cut short: a registration may be 64 KiB of JSON."""
+    da, db = json.loads(a), json.loads(b)
+    absent = object()  # a field one side lacks differs from every value
+    keys = [k for k in sorted(set(da) | set(db)) if da.get(k, absent) != db.get(k, absent)]
+    value = lambda d, key: short(d[key], 40) if key in d else "(absent)"  # noqa: E731
+    parts = [f"{k} {value(da, k)} vs {value(db, k)}" for k in keys]
+    if parts:
+        parts[0] = f"{keys[0]} {value(da, keys[0])} ({a_name}) vs {value(db, keys[0])} ({b_name})"
+    return "; ".join(parts)
 
 
 def plan_json(plan: Plan) -> bytes:

@@ -134,3 +134,51 @@ def test_serve_after_global_verbose_flag(capsys):
     with pytest.raises(SystemExit) as e:
         main(["-v", "serve", "--help"])
     assert e.value.code == 0 and "--token-file" in capsys.readouterr().out
+
+
+def test_serve_verbose_logs_each_refit():
+    """`refit serve -v` says it logs refits: it logged registrations and plans, and of refits only
+    the failed ones.  One refit (agents that move nothing) is logged with its id, plan, version,
+    outcome and seconds."""
+    import signal
+
+    from refit.control.agent import EngineAgent, TrainerAgent
+    from refit.control.client import Client
+    from refit.control.dataplane import NoopDataPlane
+    from tests.harness.tiny import tiny_spec
+
+    proc = subprocess.Popen([sys.executable, "-m", "refit.cli", "serve", "-v", "--port", "0"], stderr=subprocess.PIPE,
+                            text=True)
+    agents = []
+    try:
+        line = proc.stderr.readline()
+        while line and "listening on" not in line:
+            line = proc.stderr.readline()
+        assert line, "refit serve exited before listening"
+        address = line.split()[-1]
+        for cls, group, layout in ((TrainerAgent, "t", "megatron:tp1"), (EngineAgent, "e", "vllm:tp1")):
+            agents.append(cls(address, group=group, rank=0, spec=tiny_spec("tiny-qwen3-moe"), layout=layout,
+                              data_plane=NoopDataPlane()).start())
+        with Client(address) as client:
+            plan_id = client.create_plan("t", "e")["plan_id"]
+            result = client.refit(plan_id, version=1)
+    finally:
+        for a in agents:
+            a.stop()
+        proc.send_signal(signal.SIGINT)
+        err = proc.communicate(timeout=30)[1]
+    assert result.ok
+    assert f"refit {result.refit_id} of plan {plan_id} (version 1): committed in " in err, err
+
+
+def test_plan_out_honors_the_umask(capsys, tmp_path):
+    """`plan --out` wrote its file 0600 (tempfile.mkstemp), whatever the umask."""
+    import os
+
+    out_file = tmp_path / "plan.json"
+    old = os.umask(0o027)
+    try:
+        rc, _, _ = run(capsys, "plan", "--model", "qwen3-8b", "--src", "tp2", "--dst", "tp2", "--out", str(out_file))
+    finally:
+        os.umask(old)
+    assert rc == 0 and out_file.stat().st_mode & 0o777 == 0o640

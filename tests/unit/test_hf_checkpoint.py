@@ -159,3 +159,52 @@ def test_hf_config_for_an_output(tmp_path):
     assert "architectures" not in CATALOG["qwen3-30b-moe"]  # the catalog entry is not modified
     write_hf_checkpoint(str(tmp_path), "tiny-qwen2")
     assert hf_config(str(tmp_path), tiny_spec("tiny-qwen2")) == TINY_CONFIGS["tiny-qwen2"]
+
+
+def _hand_written(path: str, header: dict, data_bytes: int) -> None:
+    blob = json.dumps(header).encode()
+    with open(path, "wb") as f:
+        f.write(struct.pack("<Q", len(blob)) + blob + b"\0" * data_bytes)
+
+
+F32x2 = {"dtype": "F32", "shape": [2]}
+
+
+@pytest.mark.parametrize("header,data_bytes", [
+    ({"a": {**F32x2, "data_offsets": [0, 8]}, "b": {**F32x2, "data_offsets": [8, 16]}}, 16),
+    ({"b": {**F32x2, "data_offsets": [8, 16]}, "a": {**F32x2, "data_offsets": [0, 8]}}, 16),  # listed out of order
+    ({"e": {"dtype": "F32", "shape": [0], "data_offsets": [0, 0]}, "a": {**F32x2, "data_offsets": [0, 8]}}, 8),
+    ({"__metadata__": None, "a": {**F32x2, "data_offsets": [0, 8]}}, 8),
+    ({"a": {"dtype": "I64", "shape": [1], "data_offsets": [0, 8]}}, 8),
+    ({"a": {"dtype": "F4", "shape": [4], "data_offsets": [0, 2]}}, 2),
+    ({}, 0),
+    # refused by the library: overlapping, the same range twice, a gap, not starting at 0, bytes
+    # not matching shape x dtype, trailing bytes, an unknown dtype, odd F4, metadata not strings
+    ({"a": {**F32x2, "data_offsets": [0, 8]}, "b": {**F32x2, "data_offsets": [4, 12]}}, 16),
+    ({"a": {**F32x2, "data_offsets": [0, 8]}, "b": {**F32x2, "data_offsets": [0, 8]}}, 8),
+    ({"a": {**F32x2, "data_offsets": [0, 8]}, "b": {**F32x2, "data_offsets": [12, 20]}}, 20),
+    ({"a": {**F32x2, "data_offsets": [4, 12]}}, 12),
+    ({"a": {"dtype": "F32", "shape": [3], "data_offsets": [0, 8]}}, 8),
+    ({"a": {**F32x2, "data_offsets": [0, 8]}}, 12),
+    ({"a": {"dtype": "Q9", "shape": [2], "data_offsets": [0, 8]}}, 8),
+    ({"a": {"dtype": "F4", "shape": [3], "data_offsets": [0, 2]}}, 2),
+    ({"__metadata__": {"x": 1}, "a": {**F32x2, "data_offsets": [0, 8]}}, 8),
+], ids=["packed", "listed_out_of_order", "empty_tensor", "null_metadata", "i64", "f4", "no_tensors", "overlap",
+        "same_range", "gap", "not_from_0", "size", "trailing", "unknown_dtype", "odd_f4", "metadata_not_strings"])
+def test_header_check_refuses_what_the_library_refuses(tmp_path, header, data_bytes):
+    """Byte ranges the library refuses made `refit reshard` fail half-way with a SafetensorError
+    traceback: the header check refuses exactly those, before anything is read."""
+    from safetensors import SafetensorError
+
+    path = str(tmp_path / "x.safetensors")
+    _hand_written(path, header, data_bytes)
+    try:
+        with safe_open(path, framework="pt"):  # the library checks the header when it opens a file
+            library_ok = True
+    except SafetensorError:
+        library_ok = False
+    if library_ok:
+        assert set(read_safetensors_header(path)) == set(header) - {"__metadata__"}
+    else:
+        with pytest.raises(RefitError, match=r"x\.safetensors"):
+            read_safetensors_header(path)

@@ -3,6 +3,7 @@ anything is built, slots, versions, groups."""
 
 from __future__ import annotations
 
+import dataclasses
 import json
 import time
 from types import SimpleNamespace
@@ -11,9 +12,11 @@ import pytest
 
 from refit.control.common import Conflict, Exhausted, Precondition, config_json
 from refit.control.registry import (MAX_VERSION, MAX_VERSION_STEP, PlanEntry, Worker, build_registration,
-                                    check_info, check_slot, check_version, group_members, holds_version)
+                                    check_info, check_same_model, check_slot, check_version, group_members,
+                                    holds_version)
 from refit.control.v1 import refit_pb2 as pb
 from refit.errors import RefitError
+from refit.spec import build_spec
 from tests.harness.tiny import tiny_spec
 
 
@@ -125,3 +128,20 @@ def test_rows_of_workers_gone_before_the_group_came_back_in_another_layout_are_l
     old1.connected = True
     with pytest.raises(RefitError, match="registered layout"):
         group_members(ws, "e", pb.ROLE_ENGINE)
+
+
+def test_a_model_mismatch_names_every_field_that_differs_and_both_values() -> None:
+    """An fp32 trainer and a bf16 engine of two vocab sizes: the error named two digests
+    ("'trainer' holds tiny (digest 83cabb0b...)"), which told the user nothing."""
+    base = tiny_spec("tiny-qwen3-moe")
+    cfg = dataclasses.replace(base.config, dtype="float32", vocab_size=base.config.vocab_size + 2)
+    fp32 = build_spec(base.name, cfg)
+    trainer = worker(info(role=pb.ROLE_TRAINER, group="trainer", layout="megatron:tp1", model_digest=fp32.digest(),
+                          model_config_json=config_json(cfg)))
+    engine = worker(info(group="engine"))
+    with pytest.raises(RefitError) as e:
+        check_same_model(trainer, engine)
+    v = base.config.vocab_size
+    assert str(e.value) == (f"groups 'trainer' and 'engine' hold different models: dtype 'float32' (trainer) vs "
+                            f"'bfloat16' (engine); vocab_size {v + 2} vs {v}")
+    check_same_model(worker(info(role=pb.ROLE_TRAINER, group="trainer", layout="megatron:tp1")), engine)  # same model

@@ -360,3 +360,159 @@ def test_a_failed_run_closes_its_partial_file(tmp_path, monkeypatch):
         mod.reshard(spec, resolve_layout("megatron:tp2", spec, "src"), resolve_layout("vllm:tp2", spec, "dst"),
                     mdir, str(tmp_path / "out"))
     assert writers and all(w._file.closed for w in writers)
+
+
+# ---------------------------------------------------------------------------------------------
+# Headers the safetensors library refuses: one line naming file and tensor, exit 2 (an overlap
+# was a SafetensorError traceback, exit 1, after files had been written).
+
+
+def _edit_rank_file(path: str, damage: str) -> str:
+    """Rewrite ``path``'s header (and data length) by hand; returns the tensor the damage is on."""
+    import json
+    import struct
+
+    data = open(path, "rb").read()
+    n = struct.unpack("<Q", data[:8])[0]
+    header, body = json.loads(data[8:8 + n]), data[8 + n:]
+    names = sorted((k for k in header if k != "__metadata__"), key=lambda k: header[k]["data_offsets"])
+    second, last = header[names[1]], header[names[-1]]
+    if damage == "overlap":  # the second tensor starts 2 bytes inside the first
+        second["data_offsets"] = [o - 2 for o in second["data_offsets"]]
+    elif damage == "same_range":
+        second["data_offsets"] = list(header[names[0]]["data_offsets"])
+    elif damage == "gap":
+        last["data_offsets"] = [o + 2 for o in last["data_offsets"]]
+        body += b"\0\0"
+    elif damage == "size":  # offsets that do not match shape x dtype
+        last["data_offsets"][1] -= 2
+        body = body[:-2]
+    elif damage == "trailing":
+        body += b"\0" * 8
+    elif damage == "dtype":
+        last["dtype"] = "Q9"
+    blob = json.dumps(header).encode()
+    open(path, "wb").write(struct.pack("<Q", len(blob)) + blob + body)
+    return {"overlap": names[1], "same_range": names[1], "trailing": ""}.get(damage, names[-1])
+
+
+@pytest.mark.parametrize("damage,message", [
+    ("overlap", "overlaps tensor"),
+    ("same_range", "overlaps tensor"),
+    ("gap", "leaves a gap of 2 bytes"),
+    ("size", "takes"),
+    ("trailing", "8 bytes after the last tensor"),
+    ("dtype", "not a safetensors dtype"),
+])
+def test_a_header_the_library_refuses_is_one_line_naming_file_and_tensor(tmp_path, capsys, damage, message):
+    from safetensors import SafetensorError
+
+    src, mdir = _tp2(tmp_path)
+    path = os.path.join(mdir, "rank-00001.safetensors")
+    tensor = _edit_rank_file(path, damage)
+    with pytest.raises(SafetensorError):  # the library refuses the file: we must too, first
+        safe_open(path, framework="pt")
+    out = str(tmp_path / "out")
+    rc, err = _rc(capsys, "reshard", "--model", src, "--src", "megatron:tp2", "--dst", "vllm:tp2", "--in", mdir,
+                  "--out", out)
+    errors = [line for line in err.splitlines() if line.startswith("refit: error:")]
+    assert rc == 2 and len(errors) == 1 and message in errors[0] and "Traceback" not in err, err
+    assert path in errors[0] and repr(tensor)[1:-1] in errors[0], errors[0]
+    assert not os.path.exists(out)
+    _no_leftovers(tmp_path)
+
+
+def test_a_safetensors_error_raised_mid_run_is_one_line_and_leaves_nothing(tmp_path, capsys, monkeypatch):
+    """Whatever the header check misses (or a file changed after it): the library's
+    SafetensorError, raised while outputs are being written, is one line, exit 2, and the
+    staging directory is removed."""
+    from refit import hf_checkpoint
+
+    src, mdir = _tp2(tmp_path)
+    _edit_rank_file(os.path.join(mdir, "rank-00001.safetensors"), "overlap")
+    monkeypatch.setattr(hf_checkpoint, "check_data_offsets", lambda *a: None, raising=False)  # absent before it existed
+    out = str(tmp_path / "out")
+    rc, err = _rc(capsys, "reshard", "--model", src, "--src", "megatron:tp2", "--dst", "vllm:tp2", "--in", mdir,
+                  "--out", out)
+    errors = [line for line in err.splitlines() if line.startswith("refit: error:")]
+    assert rc == 2 and len(errors) == 1 and "safetensors cannot read tensor" in errors[0], err
+    assert "rank-00001.safetensors" in errors[0] and "Traceback" not in err
+    assert not os.path.exists(out)
+    _no_leftovers(tmp_path)
+
+
+# ---------------------------------------------------------------------------------------------
+# What killed runs leave behind is removed by the next run; outputs honor the umask.
+
+
+def _staging_dirs(tmp_path) -> list[str]:
+    return sorted(p.name for p in tmp_path.iterdir() if ".refit-" in p.name)
+
+
+def test_a_killed_runs_staging_directory_is_removed_by_the_next_run(tmp_path):
+    """A run killed mid-write (no `finally` runs) leaves .<out>.refit-* of .partial files; it was
+    never removed.  The next run for the same --out removes it."""
+    import subprocess
+    import sys
+
+    src, mdir = _tp2(tmp_path)
+    out = str(tmp_path / "out")
+    code = ("import os, sys; import refit.reshard as r; w = r.SafetensorsWriter.write\n"
+            "def write(self, name, t):\n    w(self, name, t)\n    os._exit(9)\n"
+            "r.SafetensorsWriter.write = write\nfrom refit.cli import main\n"
+            f"sys.exit(main(['reshard', '--model', {src!r}, '--src', 'megatron:tp2', '--dst', 'vllm:tp2', "
+            f"'--in', {mdir!r}, '--out', {out!r}]))")
+    proc = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120)
+    assert proc.returncode == 9, proc.stderr
+    left = _staging_dirs(tmp_path)
+    assert len(left) == 1 and any(f.endswith(".partial") for f in os.listdir(tmp_path / left[0])), left
+    reshard(src, "megatron:tp2", "vllm:tp2", mdir, out)
+    assert _staging_dirs(tmp_path) == [] and sorted(os.listdir(out)) == ["rank-00000.safetensors",
+                                                                          "rank-00001.safetensors"]
+
+
+def test_only_dead_runs_staging_directories_are_removed(tmp_path):
+    """A concurrent live run's directory (its pid alive) and another host's are left alone; a dead
+    run's, and the old output a dead run moved aside once --out exists again, are removed."""
+    import subprocess
+
+    from refit.reshard import _host
+
+    src, mdir = _tp2(tmp_path)
+    out = tmp_path / "out"
+    dead = subprocess.Popen(["true"])
+    dead.wait()
+    names = {"dead": f".out.refit-{_host()}-{dead.pid}-0123abcd", "dead_old": f".out.refit-{_host()}-{dead.pid}-4567abcd.old",
+             "live": f".out.refit-{_host()}-{os.getpid()}-89abcdef", "other_host": f".out.refit-elsewhere-{dead.pid}-0123abcd",
+             "other_out": f".out2.refit-{_host()}-{dead.pid}-0123abcd"}
+    for name in names.values():
+        (tmp_path / name).mkdir()
+        (tmp_path / name / "rank-00000.safetensors.partial").write_bytes(b"x" * 100)
+    out.mkdir()  # --out is there: the .old is a leftover, not the only copy
+    reshard(src, "megatron:tp2", "vllm:tp2", mdir, str(out))
+    assert _staging_dirs(tmp_path) == sorted([names["live"], names["other_host"], names["other_out"]])
+
+
+def test_an_old_output_moved_aside_by_a_killed_run_is_kept_while_out_is_missing(tmp_path):
+    from refit.reshard import _host, remove_stale_staging
+
+    dead = __import__("subprocess").Popen(["true"])
+    dead.wait()
+    old = tmp_path / f".out.refit-{_host()}-{dead.pid}-0123abcd.old"
+    old.mkdir()
+    remove_stale_staging(str(tmp_path / "out"))
+    assert old.is_dir()  # the only copy of the previous output: not ours to delete
+
+
+@pytest.mark.parametrize("umask", [0o022, 0o027])
+def test_outputs_honor_the_umask(tmp_path, umask):
+    """Output directories were created 0700 (tempfile.mkdtemp), whatever the umask."""
+    src, mdir = _tp2(tmp_path)
+    out = tmp_path / "new" / "out"
+    old = os.umask(umask)
+    try:
+        reshard(src, "megatron:tp2", "vllm:tp2", mdir, str(out))
+    finally:
+        os.umask(old)
+    assert (out.stat().st_mode & 0o777, out.parent.stat().st_mode & 0o777) == (0o777 & ~umask,) * 2
+    assert {f.stat().st_mode & 0o777 for f in out.iterdir()} == {0o666 & ~umask}
