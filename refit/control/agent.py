@@ -4,7 +4,13 @@ An agent registers its rank with the coordinator over one long-lived stream, the
 of every refit it is told to run, through a pluggable data plane (`refit.control.dataplane`):
 
     agent = TrainerAgent("127.0.0.1:50051", group="trainer", rank=r, spec=spec,
-                         layout="megatron:tp4ep8", tensors=local_tensors).start()
+                         layout="megatron:tp4ep8", tensors=lambda: local_tensors(model)).start()
+
+``tensors`` is read at every refit when it is a callable: the agent follows the model through
+casts, offload and reload (a member whose tensors moved is built again within the refit, see
+`refit.control.dataplane_executor`).  A plain mapping means *these exact tensors*, for as long as
+the agent runs: re-pointing a parameter (``model.float(); model.bfloat16()``) after passing it
+leaves the agent sending the memory it was given.
 
 The streams of all agents of a process live on one background thread and asyncio loop, so the
 host process (a training loop, a vLLM worker) is never blocked by the control plane; each agent's
@@ -30,13 +36,14 @@ import os
 import random
 import threading
 import time
-from typing import TYPE_CHECKING, Any, ClassVar, Mapping
+from typing import TYPE_CHECKING, Any, Callable, ClassVar, Mapping, Union
 
 import grpc
 
 from refit.control.common import (KEEPALIVE_MS, KEEPALIVE_TIMEOUT_MS, ROLES, auth_metadata, channel_options, config_json,
                                   new_event_loop, worker_id)
 from refit.control.dataplane import DataPlane, PhaseHook, Rendezvous, RunContext
+from refit.control.store_client import CoordinatorStore
 from refit.control.v1 import refit_pb2 as pb
 from refit.control.v1 import refit_pb2_grpc as pb_grpc
 from refit.errors import RefitError
@@ -48,6 +55,9 @@ if TYPE_CHECKING:
     import torch
 
 log = logging.getLogger(__name__)
+
+Tensors = Mapping[str, "torch.Tensor"]
+TensorSource = Union[Tensors, Callable[[], Tensors]]  # these exact tensors, or where to read them at each refit
 
 # Refusals that another try would only repeat: the agent stops and reports them.
 PERMANENT = {grpc.StatusCode.INVALID_ARGUMENT, grpc.StatusCode.UNAUTHENTICATED, grpc.StatusCode.PERMISSION_DENIED,
@@ -83,13 +93,14 @@ class Agent:
     role: ClassVar[str]
 
     def __init__(self, address: str, *, group: str, rank: int, spec: ModelSpec, layout: str | Layout,
-                 tensors: Mapping[str, "torch.Tensor"] | None = None, data_plane: DataPlane | None = None,
+                 tensors: TensorSource | None = None, data_plane: DataPlane | None = None,
                  host: str = "127.0.0.1", gpu: int = -1, token: str | None = None, version: int = 0,
                  reconnect: bool = True, backoff: tuple[float, float] = (0.1, 5.0),
                  keepalive_ms: int = KEEPALIVE_MS, keepalive_timeout_ms: int = KEEPALIVE_TIMEOUT_MS,
                  phase_layers: int = 0, phase_hook: PhaseHook | None = None) -> None:
-        """``tensors=None`` registers the rank without local tensors: only for data planes that
-        need none (tests, benches).  ``data_plane`` defaults to `refit.executor` (gloo on CPU, CUDA IPC / NCCL on GPUs).
+        """``tensors``: this rank's local tensors by local name, or a callable returning them,
+        called at every refit (see the module docstring); ``None`` registers the rank without
+        local tensors: only for data planes that need none (tests, benches).  ``data_plane`` defaults to `refit.executor` (gloo on CPU, CUDA IPC / NCCL on GPUs).
         ``reconnect``: register again by itself when the stream drops, waiting between tries from
         ``backoff[0]`` doubling up to ``backoff[1]`` seconds.  ``keepalive_ms``: ping interval
         (the coordinator's own must not be above it; tests shorten both).  ``phase_layers`` (engines):
@@ -100,9 +111,9 @@ class Agent:
             if isinstance(layout, str) else layout.resolve(spec)
         if not 0 <= rank < self.layout.world_size:
             raise RefitError(f"rank {rank} is outside {self.layout.describe()} (world size {self.layout.world_size})")
+        self._source: TensorSource = tensors if tensors is not None else {}
         if tensors is not None:
-            check_tensors(spec, self.layout, rank, tensors)
-        self.tensors: Mapping[str, Any] = tensors if tensors is not None else {}
+            self._read_tensors()  # a wrong tensor is refused before registering
         if data_plane is None:
             from refit.control.dataplane_executor import ExecutorDataPlane
 
@@ -115,6 +126,7 @@ class Agent:
         self.reconnect, self.backoff = reconnect, backoff
         self._options = channel_options(keepalive_ms, keepalive_timeout_ms)
         self._version, self._stale = version, False
+        self._stale_before = False  # an engine's staleness before the refit it runs now
         self._live = False  # registered on the current stream
         self._running = ""  # refit id whose share runs on our thread
         self._last_refit = ""  # the refit we were last told to run: outcomes of others are ignored
@@ -138,6 +150,16 @@ class Agent:
     @property
     def worker_id(self) -> str:
         return worker_id(self.group, self.rank)
+
+    @property
+    def tensors(self) -> Tensors:
+        """This rank's local tensors now (a callable source read, and checked against the layout)."""
+        return self._read_tensors() if callable(self._source) else self._source
+
+    def _read_tensors(self) -> Tensors:
+        tensors = self._source() if callable(self._source) else self._source
+        check_tensors(self.spec, self.layout, self.rank, tensors)
+        return tensors
 
     @property
     def version(self) -> int:
@@ -314,7 +336,8 @@ class Agent:
 
     async def _start(self, run: pb.RunRefit, deadline: float) -> None:
         if self.role == "engine":
-            self._stale = True  # from now on our weights are being overwritten
+            self._stale_before = self._stale
+            self._stale = True  # from now on our weights may be overwritten
         try:
             plan = await self._plan(run)
         except Exception as e:
@@ -325,7 +348,7 @@ class Agent:
         self._members = {r.prefix: members}
         ctx = RunContext(run.plan_id, run.refit_id, self.spec, self.layout,
                          Rendezvous(r.host, r.port, r.prefix, r.world_size, r.rank, members), deadline, self.host,
-                         phase_hook=self.phase_hook)
+                         phase_hook=self.phase_hook, store=self._open_store(r.prefix))
         self._cancel = {run.refit_id: ctx.cancelled}
         if self._abandoned == run.refit_id:  # the coordinator gave it up before it could start
             ctx.cancelled.set()
@@ -346,19 +369,31 @@ class Agent:
         except Exception as e:  # the stream is gone; the coordinator already counts us out
             log.info("%s: could not report refit %s: %s", self.worker_id, result.result.refit_id, e)
 
+    def _open_store(self, prefix: str) -> Callable[[float], CoordinatorStore]:
+        """The rendezvous store of ``prefix``: the coordinator's, reached like the coordinator."""
+        return lambda timeout_s: CoordinatorStore(self.address, prefix, self.token, timeout_s)
+
     def _execute(self, plan: Plan, version: int, ctx: RunContext) -> pb.WorkerMessage:
+        in_plane = False
         try:
             ctx.remaining()
             if self.phase_hook is not None:  # a refusal: nothing moves (we never reach the start barrier)
                 self.phase_hook.check(plan)
-            nbytes, seconds = self.data_plane(plan, self.role, self.rank, self.tensors, version, ctx)
+            tensors = self.tensors
+            in_plane = True
+            nbytes, seconds = self.data_plane(plan, self.role, self.rank, tensors, version, ctx)
         except Exception as e:
             log.warning("%s: refit %s failed: %s: %s", self.worker_id, ctx.refit_id, type(e).__name__, e)
-            return pb.WorkerMessage(result=pb.RunResult(refit_id=ctx.refit_id, ok=False, error=f"{type(e).__name__}: {e}"))
+            # Only a data plane that says when it reaches the start barrier can prove it did not.
+            before = not in_plane or (getattr(self.data_plane, "reports_start", False) and not ctx.reached_start.is_set())
+            return pb.WorkerMessage(result=pb.RunResult(refit_id=ctx.refit_id, ok=False, error=f"{type(e).__name__}: {e}",
+                                                        before_start=before))
         return pb.WorkerMessage(result=pb.RunResult(refit_id=ctx.refit_id, ok=True, bytes=nbytes, seconds=seconds))
 
     async def _reply(self, refit_id: str, ok: bool, error: str = "") -> None:
-        await self._write(pb.WorkerMessage(result=pb.RunResult(refit_id=refit_id, ok=ok, error=error)))
+        """Answer a command without running it (refused, or busy): nothing of it moved."""
+        await self._write(pb.WorkerMessage(result=pb.RunResult(refit_id=refit_id, ok=ok, error=error,
+                                                               before_start=not ok)))
 
     async def _plan(self, run: pb.RunRefit) -> Plan:
         """The plan of a command: sent along the first time, cached, else fetched with GetPlan."""
@@ -391,8 +426,8 @@ class Agent:
             return
         if out.committed:
             self._version, self._stale = out.version, False
-        else:
-            self._stale = True
+        else:  # moved nothing: we hold what we held
+            self._stale = self._stale_before if out.untouched else True
         log.info("%s: refit %s %s, holding version %d%s", self.worker_id, out.refit_id,
                  "committed" if out.committed else "failed", self._version, " (stale)" if self._stale else "")
 

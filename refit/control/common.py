@@ -76,6 +76,10 @@ class Conflict(RefitError):
     """A registration for a slot a live worker holds (ALREADY_EXISTS)."""
 
 
+class Aborted(RefitError):
+    """A call under a rendezvous the coordinator abandoned (ABORTED): its refit failed."""
+
+
 class Precondition(RefitError):
     """A well-formed request the current state refuses, e.g. a version that does not increase
     (FAILED_PRECONDITION)."""
@@ -126,12 +130,3 @@ def spec_from_registration(name: str, config: str, digest: str) -> ModelSpec:
         raise RefitError(f"model {short(name)}: model_config_json gives digest {spec.digest()}, "
                          f"the worker reported {short(digest or '(none)')}")
     return spec
-
-
-def config_difference(a: str, b: str) -> str | None:
-    """The first field on which two registered model configs differ, as text; None if equal."""
-    da, db = json.loads(a), json.loads(b)
-    for key in sorted(set(da) | set(db)):
-        if da.get(key) != db.get(key):
-            return f"{key} {da.get(key)!r} vs {db.get(key)!r}"
-    return None

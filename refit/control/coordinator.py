@@ -11,13 +11,17 @@ building a registration's model spec, planning — runs on threads).  A refit of
    one under way to end, then is checked again;
 3. fail at once (FAILED, nothing touched) when a member is not connected; wait, within the timeout,
    for members still busy with a refit of another plan, or still silent after an earlier failure;
-4. mark members busy and the engines stale, send every member ``RunRefit`` with a timeout a little
-   shorter than ours, so that a member blocked on a hung peer reports *which* peer before we give up;
+4. mark members busy and the engines stale, open the generation's rendezvous space
+   (`refit.control.rendezvous`), send every member ``RunRefit`` with a timeout a little shorter
+   than ours, so that a member blocked on a hung peer reports *which* peer before we give up;
 5. collect results: all OK → commit the version to the engines; the first failure → wait a short
    grace for the rest (a killed process shows up both as its own disconnect and as its peers'
-   errors; the disconnect is the cause and is named first), then report FAILED and tell the
-   members to abandon it.  Past the timeout, members without a result are TIMED_OUT, and named
-   before members that reported errors (theirs are the symptoms).
+   errors; the disconnect is the cause and is named first), then report FAILED, abort the
+   rendezvous space (members still waiting in it for a peer leave at once) and tell the members
+   to abandon it; the next refit meets under a new prefix.  Past the timeout, members without a
+   result are TIMED_OUT, and named before members that reported errors (theirs are the symptoms).
+   A refit that failed before some member reached the start barrier moved nothing (the barrier
+   needs every member): the engines keep the version and staleness they had.
 
 A member stays busy until the refit has ended *and* it answered (or left): a refit never starts on
 a worker that may still be writing a previous one, and an outcome only ever applies to its refit.
@@ -37,6 +41,7 @@ from planners import PLANNERS, make_plan
 from refit.control.common import PLACEMENT_NAMES, Exhausted, NotFound, Precondition, short
 from refit.control.events import EventHub
 from refit.control.refits import Run, failed_response, response, touched
+from refit.control.rendezvous import RendezvousStore
 from refit.control.registry import (MAX_VERSION, PlanEntry, Worker, absent_members, build_registration,
                                     check_group_role, check_info, check_plan_members, check_same_model, check_slot,
                                     check_version, control_plan_id, group_members, holds_version, plan_json)
@@ -53,12 +58,11 @@ MAX_PLANS = 1_024
 
 
 class Coordinator:
-    def __init__(self, store_host: str, store_port: int, default_timeout: float = 60.0, grace: float = 0.25) -> None:
-        """``store_host:store_port``: the TCPStore the members' data planes meet on (handed out in
-        every RunRefit); ``grace``: how long a failed refit waits for further failures to
-        arrive, so that the cause (a disconnect) is named before its symptoms (peers' errors)."""
-        self.store_host, self.store_port = store_host, store_port
+    def __init__(self, default_timeout: float = 60.0, grace: float = 0.25) -> None:
+        """``grace``: how long a failed refit waits for further failures to arrive, so that the
+        cause (a disconnect) is named before its symptoms (peers' errors)."""
         self.default_timeout, self.grace = default_timeout, grace
+        self.store = RendezvousStore()  # where members' data planes meet (the Store* calls)
         self.workers: dict[str, Worker] = {}
         self.plans: dict[str, PlanEntry] = {}
         self.events = EventHub()
@@ -123,6 +127,7 @@ class Coordinator:
             log.info("%s: late result for refit %s (ok=%s)", w.worker_id, short(res.refit_id), res.ok)
             return
         run.answered.add(w.worker_id)
+        run.before_start |= res.before_start and not res.ok
         outcome = pb.WORKER_OUTCOME_OK if res.ok else pb.WORKER_OUTCOME_ERROR
         self._resolve(run, w, pb.WorkerResult(outcome=outcome, bytes=res.bytes, seconds=res.seconds,
                                               error=res.error[:4096]))
@@ -265,7 +270,8 @@ class Coordinator:
             w.busy = run.refit_id
             run.by_id[w.worker_id] = w
             if w.info.role == pb.ROLE_ENGINE:
-                w.stale = True
+                run.stale_before[w.worker_id] = w.stale
+                w.stale = True  # while it runs: its weights may be half written
         self._runs[run.refit_id] = run
         try:
             await self._dispatch(run, deadline)
@@ -295,16 +301,18 @@ class Coordinator:
         if entry.broken or sessions != entry.sessions or not entry.prefix:
             entry.generation += 1
             entry.sessions, entry.broken = sessions, False
+            if entry.prefix:
+                self.store.drop(entry.prefix, f"plan {entry.plan_id} moved on to generation {entry.generation}")
             # Unguessable: only members (told over the authenticated stream) can name the keys.
             entry.prefix = f"{secrets.token_hex(16)}/{entry.generation}/"
+            self.store.open(entry.prefix)
         remaining = deadline - time.monotonic()
         # Members give up a little before we do, so that one blocked on a hung peer reports that peer.
         member_timeout = max(0.0, remaining - min(0.5, 0.2 * remaining))
         run.member_deadline = time.monotonic() + member_timeout
         sends = []
         for i, w in enumerate(run.members):
-            rdv = pb.Rendezvous(host=self.store_host, port=self.store_port, prefix=entry.prefix,
-                                world_size=len(run.members), rank=i)
+            rdv = pb.Rendezvous(prefix=entry.prefix, world_size=len(run.members), rank=i)
             if entry.prefix not in w.sent_prefixes:
                 rdv.members.extend(entry.members)  # names for error messages, once per generation
                 w.sent_prefixes = {entry.prefix}
@@ -345,8 +353,16 @@ class Coordinator:
     async def _finish(self, run: Run, results: dict[str, pb.WorkerResult], deadline: float) -> pb.RefitResponse:
         entry = run.entry
         if any(r.outcome != pb.WORKER_OUTCOME_OK for r in results.values()):
-            resp = self._failed(entry, run.refit_id, run.version, run.t0, results)
-            outcome = pb.Outcome(refit_id=run.refit_id, committed=False, version=run.version, error=resp.error[:4096])
+            resp = self._failed(entry, run.refit_id, run.version, run.t0, results, untouched=run.before_start)
+            # Members still waiting in the rendezvous for a peer that failed leave now, not at
+            # the deadline; whatever the space holds is half a set-up: the next refit starts over.
+            self.store.abort(entry.prefix, resp.error[:1024])
+            entry.broken = True
+            if run.before_start:  # nothing moved: the engines hold what they held
+                for w in run.members[entry.num_src:]:
+                    w.stale = run.stale_before.get(w.worker_id, w.stale)
+            outcome = pb.Outcome(refit_id=run.refit_id, committed=False, version=run.version, error=resp.error[:4096],
+                                 untouched=run.before_start)
             targets = run.members
         else:
             entry.version = run.version
@@ -356,6 +372,8 @@ class Coordinator:
             entry.committed = resp
             outcome = pb.Outcome(refit_id=run.refit_id, committed=True, version=run.version)
             targets = run.members[entry.num_src:]
+        log.info("refit %s of plan %s (version %d): %s in %.3f s, %d bytes", run.refit_id, entry.plan_id, run.version,
+                 "committed" if resp.status == pb.REFIT_STATUS_OK else "failed", resp.seconds, resp.total_bytes)
         # Members that answered are free; a silent one stays busy until it answers or leaves.
         for w in run.members:
             if w.busy == run.refit_id and w.worker_id in run.answered:
@@ -372,8 +390,8 @@ class Coordinator:
         return resp
 
     def _failed(self, entry: PlanEntry, refit_id: str, version: int, t0: float,
-                results: dict[str, pb.WorkerResult]) -> pb.RefitResponse:
-        if touched(results):  # some member ran: the engines' weights may be half written, and
+                results: dict[str, pb.WorkerResult], untouched: bool = False) -> pb.RefitResponse:
+        if touched(results) and not untouched:  # some member ran: the engines' weights may be half written, and
             entry.broken = True  # the communicator may be mid-collective: rebuild it
             for m in entry.members[entry.num_src:]:
                 if m in self.workers:
@@ -385,6 +403,7 @@ class Coordinator:
     async def close(self) -> None:
         """End what is still under way (refits, sends, waits for busy members): the server stopped."""
         self._notify()
+        self.store.close()
         tasks = list(self._tasks)
         for t in tasks:
             t.cancel()

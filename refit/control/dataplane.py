@@ -7,27 +7,34 @@ An agent receives ``RunRefit`` on its control stream and calls its data plane on
 * ``plan`` — the `refit.plan.Plan`, parsed once per plan and cached by the agent;
 * ``role`` — ``"trainer"`` (send your boxes) or ``"engine"`` (receive into your tensors);
 * ``rank`` — this worker's rank in its own layout; ``tensors`` — its local tensors by local name;
-* ``ctx`` — what the control plane adds: the rendezvous to build a communicator on, the deadline,
-  and a cancel flag set when the coordinator abandons the refit.
+* ``ctx`` — what the control plane adds: the rendezvous to build a communicator on (its store:
+  ``ctx.open_store(seconds)``, the coordinator's own, under its token), the deadline, and a cancel
+  flag set when the coordinator abandons the refit.
 
 A data plane must return by ``ctx.deadline`` (raise `TimeoutError` past it; bound every wait by
 ``ctx.remaining()``, never by a timeout fixed when a communicator was built), must raise rather
 than return on any failure (the agent reports the message, and the coordinator names the worker),
 and must not write into an engine's tensors once ``ctx.cancelled`` is set.  It may cache
 communicators per ``(plan_id, rendezvous.prefix)``: the prefix changes whenever they must be
-rebuilt.  With ``ctx.phase_hook`` set, it calls ``ctx.phase_hook.landed(plan, key)`` as each
+rebuilt.  A data plane that sets ``reports_start = True`` calls ``ctx.starting()`` right before
+its first wait on every member of the refit (the start barrier): a failure before that proves
+nothing moved, and the engines keep reporting what they held (without it, any failure marks
+them stale).  With ``ctx.phase_hook`` set, it calls ``ctx.phase_hook.landed(plan, key)`` as each
 phase of the plan has landed on every member (`PhaseHook`).  A data plane whose call never blocks may set ``inline = True``: the agent then calls it
 on its event loop instead of a thread (saves a thread hop; the no-op plane of the overhead bench).
 """
 
 from __future__ import annotations
 
+import datetime
 import threading
 import time
 from dataclasses import dataclass, field
-from typing import TYPE_CHECKING, Any, Mapping, Protocol
+from typing import TYPE_CHECKING, Any, Callable, Mapping, Protocol
 
 if TYPE_CHECKING:
+    import torch.distributed as dist
+
     from refit.layouts import Layout
     from refit.plan import Plan
     from refit.spec import ModelSpec
@@ -39,8 +46,10 @@ class Cancelled(RuntimeError):
 
 @dataclass(frozen=True)
 class Rendezvous:
-    """Where the members of a plan meet: a TCPStore at ``host:port``, keys under ``prefix``.
-    Members are ordered source ranks, then destination ranks; ``members`` names them."""
+    """Where the members of a plan meet: keys under ``prefix`` in the coordinator's store (an
+    agent's `RunContext.open_store`), or in a ``TCPStore`` at ``host:port`` for data planes driven
+    without a coordinator (tests).  Members are ordered source ranks, then destination ranks;
+    ``members`` names them."""
 
     host: str
     port: int
@@ -66,6 +75,26 @@ class RunContext:
     host: str = "127.0.0.1"
     cancelled: threading.Event = field(default_factory=threading.Event)
     phase_hook: "PhaseHook | None" = None  # an engine's: told as each phase of the plan lands
+    # The rendezvous store, its waits bounded by the seconds given; default: a TCPStore client
+    # at rendezvous.host:port.  Agents meet in the coordinator's store instead (authenticated).
+    store: "Callable[[float], dist.Store] | None" = None
+    reached_start: threading.Event = field(default_factory=threading.Event)  # see `starting`
+
+    def open_store(self, timeout_s: float) -> "dist.Store":
+        """The rendezvous store (keys under the rendezvous prefix)."""
+        if self.store is not None:
+            return self.store(timeout_s)
+        import torch.distributed as dist
+
+        r = self.rendezvous
+        base = dist.TCPStore(r.host, r.port, None, False, timeout=datetime.timedelta(seconds=timeout_s),
+                             wait_for_workers=False)
+        return dist.PrefixStore(r.prefix, base)
+
+    def starting(self) -> None:
+        """The data plane is about to wait on the other members at the start barrier: from
+        here on, bytes may move."""
+        self.reached_start.set()
 
     def remaining(self) -> float:
         """Seconds left; raises once the refit is cancelled or past its deadline, so that every

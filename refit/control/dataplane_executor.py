@@ -13,6 +13,13 @@ tensor, since a trainer's parameters are separate allocations); with every membe
 transport is ``ipc`` (each engine pulls its boxes out of the trainers' memory), otherwise NCCL.
 On CPU every member is its own device and boxes travel over gloo.
 
+Tensors that move.  An agent that follows its model (``tensors`` a callable, read at every refit)
+may hand over tensors whose storage changed since the member was built (``model.float();
+model.bfloat16()``, an offload and reload): the member's bound copies and its peers' maps would
+read the old memory.  The member then raises a flag in the refit's start barrier — the barrier is
+an all-reduce, so every member learns it in the same step, at no cost when nothing moved — and
+every member builds its member again (under a sub-prefix of the rendezvous) within the same refit.
+
 Deadlines.  Every wait of a refit — barriers, gloo transfers, the end of GPU work — is bounded by
 the refit's own ``ctx.remaining()``, which also raises as soon as the coordinator abandons the
 refit (``ctx.cancelled``): a barrier gives up within 50 ms.  A barrier that times out names the
@@ -26,18 +33,46 @@ ones the training step wrote; nothing is written into an engine after the end ba
 from __future__ import annotations
 
 import logging
+from dataclasses import dataclass
 from typing import Any, Callable, Mapping
 
 import torch
+import torch.distributed as dist
 
 from refit.control.dataplane import RunContext
 from refit.errors import RefitError
-from refit.executor.member import Member, connect, locate
+from refit.executor.member import Member, Rebuild, locate
 from refit.executor.topology import Endpoint
 from refit.layouts import Layout, resolve_layout
 from refit.plan import Plan
 
 log = logging.getLogger(__name__)
+
+
+Where = tuple[tuple[str, Any], ...]  # each tensor's place: name, (device, address, dtype, shape, strides)
+
+
+def where(tensors: Mapping[str, torch.Tensor]) -> Where:
+    return tuple((n, (t.device, t.data_ptr(), t.dtype, tuple(t.shape), t.stride())) for n, t in tensors.items())
+
+
+@dataclass
+class Held:
+    """A plan's member, as built for one rendezvous prefix and one set of tensors."""
+
+    prefix: str
+    store: dist.Store  # the rendezvous store: kept referenced while torch's wrappers of it live
+    member: Member
+    nbytes: int
+    tensors: Mapping[str, torch.Tensor]  # the mapping it was built from (the same one again: not moved)
+    where: Where  # where those tensors lay
+    rebuilds: int = 0
+
+    def close(self) -> None:
+        self.member.close()
+        close = getattr(self.store, "close", None)
+        if close is not None:
+            close()
 
 
 class ExecutorDataPlane:
@@ -47,30 +82,55 @@ class ExecutorDataPlane:
     first transfer of a refit is posted."""
 
     inline = False
+    reports_start = True  # calls ctx.starting() before the start barrier
     refit_hook: Callable[[], None] | None = None
 
     def __init__(self, transport: str = "auto") -> None:
         if transport not in ("auto", "ipc", "comm"):
             raise ValueError(f"transport must be auto, ipc or comm, not {transport!r}")
         self.transport = transport
-        self._members: dict[str, tuple[str, Member, int]] = {}  # plan_id -> (prefix, member, bytes)
+        self._members: dict[str, Held] = {}  # by plan_id
         self._layouts: dict[str, Layout] = {}  # plan_id -> the plan's other side, resolved once
 
     def __call__(self, plan: Plan, role: str, rank: int, tensors: Mapping[str, torch.Tensor], version: int,
                  ctx: RunContext) -> tuple[int, float]:
         held = self._members.get(ctx.plan_id)
-        if held is None or held[0] != ctx.rendezvous.prefix:
+        if held is None or held.prefix != ctx.rendezvous.prefix:
             if held is not None:  # an older generation: its peers have moved on
-                held[1].close()
+                held.close()
             self._members.pop(ctx.plan_id, None)
-            member = self._setup(plan, role, rank, tensors, ctx)
-            nbytes = sum(b.nbytes for b in plan.buckets if b.stage == 1 and (b.src if role == "trainer" else b.dst) == rank)
-            held = self._members[ctx.plan_id] = (ctx.rendezvous.prefix, member, nbytes)
+            held = self._build(plan, role, rank, tensors, ctx, 0)
+        moved = tensors is not held.tensors and where(tensors) != held.where
         hook = ctx.phase_hook
         on_phase = (lambda key: hook.landed(plan, key)) if hook is not None else None
-        return held[2], held[1].refit(ctx.remaining, self.refit_hook, on_phase=on_phase)
+        ctx.starting()
+        try:
+            return held.nbytes, held.member.refit(ctx.remaining, self.refit_hook, on_phase=on_phase, rebuild=moved)
+        except Rebuild:  # some member's tensors moved: every member builds again, in this refit
+            log.info("%s: rebuilding for plan %s: a member's tensors moved", rendezvous_name(ctx), ctx.plan_id)
+            held.close()
+            del self._members[ctx.plan_id]
+            held = self._build(plan, role, rank, tensors, ctx, held.rebuilds + 1)
+            return held.nbytes, held.member.refit(ctx.remaining, self.refit_hook, on_phase=on_phase)
 
-    def _setup(self, plan: Plan, role: str, rank: int, tensors: Mapping[str, torch.Tensor], ctx: RunContext) -> Member:
+    def _build(self, plan: Plan, role: str, rank: int, tensors: Mapping[str, torch.Tensor], ctx: RunContext,
+               rebuilds: int) -> Held:
+        base = ctx.open_store(ctx.remaining())
+        store = dist.PrefixStore(f"rebuild{rebuilds}/", base) if rebuilds else base
+        try:
+            member = self._setup(store, plan, role, rank, tensors, ctx)
+        except BaseException:
+            close = getattr(base, "close", None)
+            if close is not None:
+                close()
+            raise
+        nbytes = sum(b.nbytes for b in plan.buckets if b.stage == 1 and (b.src if role == "trainer" else b.dst) == rank)
+        held = self._members[ctx.plan_id] = Held(ctx.rendezvous.prefix, base, member, nbytes, tensors, where(tensors),
+                                                 rebuilds)
+        return held
+
+    def _setup(self, store: dist.Store, plan: Plan, role: str, rank: int, tensors: Mapping[str, torch.Tensor],
+               ctx: RunContext) -> Member:
         rdv = ctx.rendezvous
         me: Endpoint = ("src" if role == "trainer" else "dst", rank)
         eps = [("src", r) for r in range(len(plan.placement.src_gpus))] + \
@@ -79,7 +139,6 @@ class ExecutorDataPlane:
             raise RefitError(f"rendezvous says member {rdv.rank} of {rdv.world_size}; the plan has "
                              f"{len(eps)} ranks and this is {me[0]} rank {rank}")
         names = [rdv.member(i) for i in range(len(eps))]
-        store = connect(rdv.host, rdv.port, rdv.prefix, ctx.remaining())
         device = _device_name(tensors)
         topo, cuda, one_host = locate(store, rdv.rank, eps, device, ctx.host, names)
         ipc = cuda and one_host and self.transport != "comm"
@@ -104,9 +163,13 @@ class ExecutorDataPlane:
         return (ctx.layout, other) if role == "trainer" else (other, ctx.layout)
 
     def close(self) -> None:
-        for _, m, _ in self._members.values():
-            m.close()
+        for held in self._members.values():
+            held.close()
         self._members.clear()
+
+
+def rendezvous_name(ctx: RunContext) -> str:
+    return ctx.rendezvous.member(ctx.rendezvous.rank)
 
 
 def _device_name(tensors: Mapping[str, Any]) -> str:

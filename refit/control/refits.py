@@ -38,6 +38,8 @@ class Run:
     done: int = 0
     member_deadline: float = 0.0
     failed: bool = False
+    before_start: bool = False  # a member failed before the start barrier: nothing moved
+    stale_before: dict[str, bool] = field(default_factory=dict)  # engines' staleness before this refit
     dispatched: bool = False
     wake: asyncio.Future | None = None
 

@@ -1,22 +1,21 @@
 """`refit serve`: the coordinator as a gRPC server (grpc.aio, one event loop).
 
 This module is the gRPC glue: request validation, status codes, the bearer-token interceptor,
-the health service, and the TCPStore the workers' data planes meet on.  What a refit does is in
-`refit.control.coordinator`.
+the health service, and the rendezvous store the workers' data planes meet on (`Store*` calls,
+`refit.control.rendezvous`).  What a refit does is in `refit.control.coordinator`.
 
 Malformed requests never reach a handler as an exception: requests are parsed by deserializers
 that turn undecodable bytes into a marker, answered with INVALID_ARGUMENT.  `RefitError` (bad
-input) maps to INVALID_ARGUMENT, `NotFound` to NOT_FOUND, `Precondition` to FAILED_PRECONDITION,
-`Conflict` to ALREADY_EXISTS, `Exhausted` to RESOURCE_EXHAUSTED; anything else is a bug: logged
-with its traceback, INTERNAL to the caller.  Requests larger than `MAX_REQUEST_BYTES` are refused
+input) maps to INVALID_ARGUMENT, `NotFound` to NOT_FOUND, `Aborted` to ABORTED, `Precondition` to
+FAILED_PRECONDITION, `Conflict` to ALREADY_EXISTS, `Exhausted` to RESOURCE_EXHAUSTED; anything else
+is a bug: logged with its traceback, INTERNAL to the caller.  Requests larger than `MAX_REQUEST_BYTES` are refused
 by gRPC before they are read in full (RESOURCE_EXHAUSTED).
 
-What protects what.  With a token, every gRPC call needs it.  The rendezvous store (a plain
-torch TCPStore, which has no authentication) listens on the coordinator's host only, on the address
-workers reach it on, and its keys live under a random 128-bit prefix per plan generation that is
-told to members only over their authenticated streams: without the token one cannot name a key
-members read or write.  One *can* still connect to the store's port and fill it with junk keys
-(a denial of service, not a way in); values read from it are plain data, never unpickled.
+What protects what.  With a token, every gRPC call needs it, the rendezvous store's included:
+the store is part of this service, not a port of its own, so a process without the token can
+neither list, read nor write a key of any refit.  Its keys live under a random 128-bit prefix
+per plan generation, told to members over their streams; values read from it are plain data,
+never unpickled.  Traffic is not encrypted.
 """
 
 from __future__ import annotations
@@ -26,7 +25,6 @@ import asyncio
 import functools
 import logging
 import os
-import socket
 import sys
 import threading
 from typing import Any, Awaitable, Callable
@@ -35,7 +33,8 @@ import grpc
 from google.protobuf.message import DecodeError
 
 from refit.control.auth import TokenInterceptor
-from refit.control.common import (DEFAULT_PORT, KEEPALIVE_MS, KEEPALIVE_TIMEOUT_MS, SERVICE_NAME, Conflict, Exhausted,
+from refit.control.common import (DEFAULT_PORT, KEEPALIVE_MS, KEEPALIVE_TIMEOUT_MS, SERVICE_NAME, Aborted, Conflict,
+                                  Exhausted,
                                   NotFound, Precondition, new_event_loop, server_options)
 from refit.control.coordinator import Coordinator
 from refit.control.v1 import refit_pb2 as pb
@@ -71,8 +70,6 @@ def _rpc(fn: Callable[..., Awaitable[Any]]) -> Callable[..., Awaitable[Any]]:
             await context.abort(grpc.StatusCode.INVALID_ARGUMENT, f"{fn.__name__}: request does not parse")
         try:
             return await fn(self, request, context)
-        except NotFound as e:
-            await context.abort(grpc.StatusCode.NOT_FOUND, str(e))
         except RefitError as e:
             await context.abort(status_code(e), str(e))
         except grpc.aio.AbortError:
@@ -84,7 +81,8 @@ def _rpc(fn: Callable[..., Awaitable[Any]]) -> Callable[..., Awaitable[Any]]:
 
 
 def status_code(e: RefitError) -> grpc.StatusCode:
-    for cls, code in ((NotFound, grpc.StatusCode.NOT_FOUND), (Precondition, grpc.StatusCode.FAILED_PRECONDITION),
+    for cls, code in ((NotFound, grpc.StatusCode.NOT_FOUND), (Aborted, grpc.StatusCode.ABORTED),
+                      (Precondition, grpc.StatusCode.FAILED_PRECONDITION),
                       (Conflict, grpc.StatusCode.ALREADY_EXISTS), (Exhausted, grpc.StatusCode.RESOURCE_EXHAUSTED)):
         if isinstance(e, cls):
             return code
@@ -158,6 +156,26 @@ class Servicer:
             timeout = min(timeout, max(0.01, left - 0.05))
         return await self.coord.refit(req.plan_id, req.version, timeout)
 
+    @_rpc
+    async def StoreSet(self, req: pb.StoreSetRequest, context: Any) -> pb.StoreSetResponse:
+        self.coord.store.set(req.prefix, list(req.keys), list(req.values))
+        return pb.StoreSetResponse()
+
+    @_rpc
+    async def StoreGet(self, req: pb.StoreGetRequest, context: grpc.aio.ServicerContext) -> pb.StoreGetResponse:
+        wait = req.wait_seconds
+        if not 0 <= wait <= MAX_TIMEOUT:
+            raise RefitError(f"wait_seconds must be a number in [0, {MAX_TIMEOUT:g}], got {wait}")
+        left = context.time_remaining()
+        if left is not None:  # answer "not found" before the caller's own deadline cuts the call
+            wait = min(wait, max(0.0, left - 0.05))
+        values = await self.coord.store.get(req.prefix, list(req.keys), wait)
+        return pb.StoreGetResponse(found=values is not None, values=values or ())
+
+    @_rpc
+    async def StoreAdd(self, req: pb.StoreAddRequest, context: Any) -> pb.StoreAddResponse:
+        return pb.StoreAddResponse(value=self.coord.store.add(req.prefix, req.key, req.amount))
+
     async def WatchRefits(self, req: Any, context: grpc.aio.ServicerContext) -> None:
         if req is MALFORMED:
             await context.abort(grpc.StatusCode.INVALID_ARGUMENT, "WatchRefits: request does not parse")
@@ -184,57 +202,33 @@ def _handlers(s: Servicer) -> dict[str, grpc.RpcMethodHandler]:
         "ListWorkers": grpc.unary_unary_rpc_method_handler(s.ListWorkers, _parser(pb.ListWorkersRequest), ser(pb.ListWorkersResponse)),
         "Refit": grpc.unary_unary_rpc_method_handler(s.Refit, _parser(pb.RefitRequest), ser(pb.RefitResponse)),
         "WatchRefits": grpc.unary_stream_rpc_method_handler(s.WatchRefits, _parser(pb.WatchRefitsRequest), ser(pb.RefitEvent)),
+        "StoreSet": grpc.unary_unary_rpc_method_handler(s.StoreSet, _parser(pb.StoreSetRequest), ser(pb.StoreSetResponse)),
+        "StoreGet": grpc.unary_unary_rpc_method_handler(s.StoreGet, _parser(pb.StoreGetRequest), ser(pb.StoreGetResponse)),
+        "StoreAdd": grpc.unary_unary_rpc_method_handler(s.StoreAdd, _parser(pb.StoreAddRequest), ser(pb.StoreAddResponse)),
     }
 
 
-def _store(host: str) -> tuple[Any, int]:
-    """The TCPStore the data planes rendezvous on, listening on ``host`` only (an OS-chosen port,
-    bound before torch sees it: no race for a 'free' port).  Never a wildcard address.  The store
-    owns the listening socket from then on: dropping it closes the port."""
-    import datetime
-
-    import torch.distributed as dist
-
-    family = socket.AF_INET6 if ":" in host else socket.AF_INET
-    sock = socket.socket(family, socket.SOCK_STREAM)
-    sock.bind((host, 0))
-    sock.listen(1024)
-    port = sock.getsockname()[1]
-    try:
-        store = dist.TCPStore(host, port, None, True, timeout=datetime.timedelta(seconds=60), wait_for_workers=False,
-                              master_listen_fd=sock.fileno(), use_libuv=True)
-    except BaseException:
-        sock.close()
-        raise
-    sock.detach()  # the store closes the descriptor when it goes; a second close could hit a reused number
-    return store, port
-
-
 class CoordinatorServer:
-    """The coordinator, its gRPC server, health service and rendezvous store."""
+    """The coordinator, its gRPC server (the rendezvous store's calls included) and health service."""
 
     def __init__(self, host: str = "127.0.0.1", port: int = DEFAULT_PORT, token: str | None = None,
                  default_timeout: float = 60.0, grace: float = 0.25, advertise_host: str | None = None,
                  keepalive_ms: int = KEEPALIVE_MS, keepalive_timeout_ms: int = KEEPALIVE_TIMEOUT_MS) -> None:
-        """``advertise_host``: the address workers reach the rendezvous store on, and the only
-        one it listens on (default ``host``; required when ``host`` is a wildcard address)."""
+        """``advertise_host``: unused (it placed a separate rendezvous store, now part of the
+        gRPC service); accepted for compatibility."""
         self.host, self.port, self.token = host, port, token
         self.advertise_host = advertise_host or host
-        if _wildcard(self.advertise_host):
-            raise RefitError(f"--host {host} listens everywhere: give --advertise-host, the address workers reach "
-                             f"this host on (the rendezvous store listens there only)")
         if not 0 < default_timeout <= MAX_TIMEOUT:  # 0 would fail every refit that gives none, at once
             raise RefitError(f"--timeout must be a number of seconds in (0, {MAX_TIMEOUT:g}], got {default_timeout}")
         self.options = server_options(keepalive_ms, keepalive_timeout_ms)
         self.default_timeout, self.grace = default_timeout, grace
         self.server: grpc.aio.Server | None = None
         self.coord: Coordinator | None = None
-        self._store: Any = None
 
     async def start(self) -> int:
         from grpc_health.v1 import health, health_pb2, health_pb2_grpc
 
-        self.coord = Coordinator(self.advertise_host, 0, self.default_timeout, self.grace)
+        self.coord = Coordinator(self.default_timeout, self.grace)
         interceptors = [TokenInterceptor(self.token)] if self.token else []
         self.server = grpc.aio.server(options=self.options, interceptors=interceptors)
         handlers = _handlers(Servicer(self.coord))
@@ -249,23 +243,20 @@ class CoordinatorServer:
             raise RefitError(f"cannot listen on {self.host}:{self.port}: address in use (another coordinator?) "
                              f"or not an address of this host")
         self.port = bound
-        self._store, self.coord.store_port = _store(self.advertise_host)  # once the port is ours
         await self.server.start()
         for name in ("", SERVICE_NAME):
             await self.health.set(name, health_pb2.HealthCheckResponse.SERVING)
-        log.info("refit coordinator on %s:%d (rendezvous store on port %d%s)", self.host, self.port, self.coord.store_port,
-                 ", token required" if self.token else "")
+        log.info("refit coordinator on %s:%d%s", self.host, self.port, " (token required)" if self.token else "")
         return self.port
 
     async def stop(self, grace: float | None = 1.0) -> None:
-        """Stop serving (calls under way get ``grace`` seconds), end the refits and sends still
-        under way, and close the rendezvous store's port."""
+        """Stop serving (calls under way get ``grace`` seconds), end the refits, sends and
+        rendezvous waits still under way."""
         if self.server is not None:
             await self.health.enter_graceful_shutdown()
             await self.server.stop(grace)
         if self.coord is not None:
             await self.coord.close()
-        self._store = None
 
     @property
     def address(self) -> str:
@@ -316,10 +307,6 @@ class ThreadedServer:
         self.thread.join(10)
 
 
-def _wildcard(host: str) -> bool:
-    return host in ("", "0.0.0.0", "::", "[::]", "*")
-
-
 def read_token(args: argparse.Namespace) -> str | None:
     """The token: --token-file, else $REFIT_TOKEN, else --token (visible to every local user in
     /proc/PID/cmdline: prefer the other two)."""
@@ -343,8 +330,7 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
                    "file; or set $REFIT_TOKEN")
     p.add_argument("--token", help="the token on the command line (visible to other users in the process list: "
                    "prefer $REFIT_TOKEN or --token-file)")
-    p.add_argument("--advertise-host", help="address workers reach this host on, for the data planes' rendezvous "
-                   "store (default: --host; needed when --host is a wildcard such as 0.0.0.0)")
+    p.add_argument("--advertise-host", help=argparse.SUPPRESS)  # placed the old separate rendezvous store: unused
     p.add_argument("--timeout", type=float, default=60.0, help="refit timeout when a request gives none (seconds)")
     p.add_argument("-v", "--verbose", action="store_true", help="log registrations, plans and refits")
 

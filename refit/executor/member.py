@@ -52,6 +52,11 @@ log = logging.getLogger("refit.executor")
 Own = Union[Shards, Mapping[str, torch.Tensor]]  # an endpoint's tensors: an arena (bench) or separate tensors
 
 
+class Rebuild(Exception):
+    """Some member asked, at the refit's start barrier, for every member to be built again (its
+    tensors moved); raised on every member, before any byte moves."""
+
+
 class Budget:
     """Seconds left until a deadline fixed now: `Member`'s ``remaining`` for callers without a
     control plane (the bench)."""
@@ -278,11 +283,14 @@ class Member:
 
     # ------------------------------------------------------------------ per refit
     def refit(self, remaining: Remaining, hook: Callable[[], None] | None = None,
-              started: Callable[[], None] | None = None, on_phase: Callable[[int], None] | None = None) -> float:
+              started: Callable[[], None] | None = None, on_phase: Callable[[int], None] | None = None,
+              rebuild: bool = False) -> float:
         """One refit: per phase, start barrier, this member's share, end barrier, then
         ``on_phase(key)`` (an engine applies what landed; every member has finished writing the
         phase and none has started the next).  Returns the summed seconds of the shares alone.
-        ``hook`` (tests) runs once the first transfer is posted; ``started`` after the first barrier."""
+        ``hook`` (tests) runs once the first transfer is posted; ``started`` after the first barrier.
+        ``rebuild``: this member's tensors moved; then every member raises `Rebuild` after the first
+        barrier (which carries the flag), having moved nothing."""
         if not self.phases:  # else the barriers would pass and report a refit that moved nothing
             raise RefitError(f"{self.name}: no plan prepared (prepare failed or was never called)")
         phases = self.phases
@@ -292,7 +300,9 @@ class Member:
             if self.cuda:  # a trainer's step, or an engine's last use (its previous on_phase), is finished
                 self.device.synchronize()
             where = f"phase {key} " if phased else "refit "
-            self.barrier(where + "start", remaining)
+            asked = self.barrier(where + "start", remaining, flag=float(rebuild and i == 0))
+            if asked:
+                raise Rebuild(f"{self.name}: a member's tensors moved since the plan's members were built")
             if started and i == 0:
                 started()
             first_hook = hook if i == 0 else None
@@ -308,9 +318,9 @@ class Member:
                 on_phase(key)
         return seconds
 
-    def barrier(self, what: str, remaining: Remaining) -> None:
+    def barrier(self, what: str, remaining: Remaining, flag: float = 0.0) -> float:
         """Wait for every member, at most ``remaining()``, giving up as soon as ``remaining``
-        raises (the refit was abandoned).  Each member marks its arrival in the store first, so
+        raises (the refit was abandoned); returns the sum of the members' ``flag``.  Each member marks its arrival in the store first, so
         that a timeout names the members that never came.  A barrier given up stays posted in
         the control group until its own timeout (the refit's deadline): it is kept in
         ``self.abandoned`` so that `close` does not wait for it."""
@@ -320,8 +330,9 @@ class Member:
         self.store.set(f"arrived/{self.rounds % 3}/{self.member}", str(self.rounds))
         opts = dist.AllreduceOptions()
         opts.timeout = datetime.timedelta(seconds=max(remaining(), 0.001))
+        flags = torch.full((1,), flag)
         try:
-            work = self.ctl.allreduce([torch.zeros(1)], opts)
+            work = self.ctl.allreduce([flags], opts)
         except RuntimeError as e:
             raise PeerError(f"lost contact with another member at the {what} barrier: {first_line(e)}") from None
         try:
@@ -338,6 +349,7 @@ class Member:
             self._left(what, remaining)  # the group's own timeout (the same deadline) fired first
             raise PeerError(f"lost contact with another member at the {what} barrier (a worker died?): "
                             f"{first_line(e)}; {self._absent()}") from None
+        return float(flags.item())
 
     def _left(self, what: str, remaining: Remaining) -> None:
         try:

@@ -401,7 +401,7 @@ def test_stop_closes_the_data_plane(cluster: Cluster) -> None:
         assert c.refit(c.create_plan("stop-t", "stop-e")["plan_id"], version=1).ok
         want = fill(spec, dst, 0, 1)
         assert [n for n in want if not torch.equal(want[n].view(torch.int16), got[n].view(torch.int16))] == []
-        members = [m for dp in planes for _, m, _ in dp._members.values()]
+        members = [h.member for dp in planes for h in dp._members.values()]
         assert len(members) == 2 and all(m.ctl is not None for m in members)
     finally:
         for ag in agents:
@@ -472,17 +472,39 @@ def test_serve_main_refuses_a_taken_port_and_reads_the_token_file(tmp_path) -> N
         srv.stop()
 
 
-def test_stop_closes_the_rendezvous_port() -> None:
-    """A stopped coordinator closes its rendezvous store's port (the store owns the listening
-    socket: the server keeps no second handle whose close could hit a reused descriptor)."""
+def test_stop_ends_rendezvous_waits() -> None:
+    """A stopped coordinator ends the rendezvous waits under way (a member blocked on a peer's key
+    is told at once, not at its deadline), and its port closes."""
     import socket
 
+    from refit.control.dataplane import Cancelled
+    from refit.control.store_client import CoordinatorStore
+
     srv = ThreadedServer()
-    port = srv.server.coord.store_port
-    socket.create_connection(("127.0.0.1", port), timeout=5).close()
+    srv.call(lambda: srv.server.coord.store.open("p/"))
+    store = CoordinatorStore(srv.address, "p/", None, 60.0)
+    store.set("here", b"1")
+    assert store.get("here") == b"1" and store.check(["here"]) and not store.check(["absent"])
+    box: dict[str, BaseException] = {}
+    waiting = threading.Thread(target=lambda: box.setdefault("e", _raised(lambda: store.get("never"))))
+    waiting.start()
+    _settle(lambda: srv.call(lambda: srv.server.coord.store.spaces["p/"]._changed is not None))
+    t0 = time.monotonic()
     srv.stop()
+    waiting.join(10)
+    assert isinstance(box.get("e"), (Cancelled, ConnectionError)) and time.monotonic() - t0 < 5
+    port = int(srv.address.rsplit(":", 1)[1])
     with pytest.raises(ConnectionRefusedError):
         socket.create_connection(("127.0.0.1", port), timeout=5)
+    store.close()
+
+
+def _raised(fn) -> BaseException | None:
+    try:
+        fn()
+    except BaseException as e:  # noqa: BLE001 - the test inspects it
+        return e
+    return None
 
 
 def test_serve_refuses_a_default_timeout_that_is_not_positive(capsys) -> None:

@@ -224,13 +224,12 @@ def test_a_member_whose_prepare_fails_is_closed(monkeypatch: pytest.MonkeyPatch)
             closed.append(True)
 
     monkeypatch.setattr(dpe, "Member", RefusingMember)
-    monkeypatch.setattr(dpe, "connect", lambda *a: None)
     monkeypatch.setattr(dpe, "locate", lambda *a: (None, False, True))
     spec = tiny_spec(MODEL)
     plan = make_plan(spec, SRC, DST).plan
     layout = resolve_layout(SRC, spec, "src")
     ctx = RunContext(plan.plan_id, "r1", spec, layout, Rendezvous("127.0.0.1", 1, "p/", 4, 0, NAMES),
-                     time.monotonic() + 10)
+                     time.monotonic() + 10, store=lambda timeout_s: None)
     with pytest.raises(RefitError, match="another layout"):
         dpe.ExecutorDataPlane("comm")(plan, "trainer", 0, fill(spec, layout, 0, 1), 1, ctx)
     assert closed == [True]

@@ -22,7 +22,7 @@ import pytest
 from refit.control.agent import EngineAgent, TrainerAgent
 from refit.control.client import Client, VersionRefused
 from refit.control.dataplane import NoopDataPlane
-from refit.control.server import CoordinatorServer, ThreadedServer
+from refit.control.server import ThreadedServer
 from refit.errors import RefitError
 from tests.harness.control_cluster import DST, SRC, Worker
 from tests.harness.tiny import tiny_spec
@@ -148,8 +148,6 @@ def test_a_second_coordinator_on_a_taken_port_refuses_to_start() -> None:
             ThreadedServer(port=port)
     finally:
         srv.stop()
-    with pytest.raises(RefitError, match="advertise-host"):
-        CoordinatorServer(host="0.0.0.0", port=0)
 
 
 @bounded(30)
@@ -284,3 +282,162 @@ def test_member_killed_or_stopped_is_named_in_time(procs: ProcCluster, sig: str,
         os.kill(victim.proc.pid, signal.SIGCONT)
     procs.replace(wid)  # a restarted worker re-registers; the next refit recovers, bit-exact
     procs.refit_ok(v + 1)
+
+
+# ------------------------------------------------------------------------------------------------
+# A member that fails before the rendezvous: nobody waits for it, and nothing is said to have moved
+
+
+@pytest.fixture(scope="module")
+def attach_server():
+    srv = ThreadedServer(default_timeout=60.0)
+    client = Client(srv.address)
+    yield srv, client
+    client.close()
+    srv.stop()
+
+
+def _busy(client: Client) -> list[str]:
+    return [w["worker_id"] for w in client.list_workers() if w["busy_refit"]]
+
+
+def _until(cond: Callable[[], bool], timeout: float) -> float:
+    """Seconds until ``cond()`` held (polled every 5 ms); fails past ``timeout``."""
+    t0 = time.monotonic()
+    while not cond():
+        assert time.monotonic() - t0 < timeout, "condition not reached in time"
+        time.sleep(0.005)
+    return time.monotonic() - t0
+
+
+@bounded(120)
+def test_a_refit_refused_before_the_rendezvous_stalls_nobody(attach_server) -> None:
+    """The repro: attach, refit, re-point ``model.lm_head.weight.data`` (the trainer refuses before
+    it meets its peers), refit twice, attach again, refit — all with a 60 s timeout.  The engines
+    used to wait in the rendezvous for the trainer's record until that timeout, and the last refit
+    behind them (58.8 s measured).  Now the coordinator aborts the rendezvous as it reports the
+    failure: every member is free again at once, and the last refit takes well under 2 s.  The
+    refused refits moved nothing: the engines keep reporting version 1, not stale."""
+    from refit.control.client import RefitFailed
+    from refit.integrations import hf as refit_hf
+    from tests.harness.attach_cluster import Engines, make_hf_model
+
+    srv, client = attach_server
+    cfg = dict(hidden_size=64, num_hidden_layers=2, num_attention_heads=4, num_key_value_heads=4,
+               intermediate_size=96, vocab_size=129, tie_word_embeddings=False, dtype="bfloat16")
+    model = make_hf_model("LlamaForCausalLM", **cfg)
+    agent = refit_hf.attach(model, srv.address, group="early")
+    engines = Engines(srv.address, agent.spec, "vllm:tp2", group="early-engine")
+    try:
+        plan = client.create_plan("early", "early-engine")["plan_id"]
+        assert client.refit(plan, version=1, timeout=60).ok
+        model.lm_head.weight.data = model.lm_head.weight.data.clone()
+        for version in (2, 3):
+            t0 = time.monotonic()
+            with pytest.raises(RefitFailed, match="no longer lies where it did at attach"):
+                client.refit(plan, version=version, timeout=60)
+            # every member leaves within a moment of the failure (measured: a few ms)
+            left = _until(lambda: not _busy(client), 5.0)
+            assert time.monotonic() - t0 < 3.0 and left < 0.5, (time.monotonic() - t0, left)
+            _until(lambda: [(a.version, a.stale) for a in engines.agents] == [(1, False)] * 2, 5.0)
+            assert {(w["version"], w["stale"]) for w in client.list_workers(group="early-engine")} == {(1, False)}
+        agent.stop()
+        agent = refit_hf.attach(model, srv.address, group="early")
+        t0 = time.monotonic()
+        assert client.refit(plan, version=4, timeout=60).ok
+        assert time.monotonic() - t0 < 2.0
+        _until(lambda: [(a.version, a.stale) for a in engines.agents] == [(4, False)] * 2, 5.0)
+    finally:
+        agent.stop()
+        engines.close()
+
+
+class Refusing:
+    """An engine's phase hook that refuses plans while ``refuse`` is set (as a vLLM engine refuses
+    a refit it is not inside ``update_weights`` for), before any byte moves."""
+
+    def __init__(self) -> None:
+        self.refuse = False
+
+    def check(self, plan: Any) -> None:
+        if self.refuse:
+            raise RefitError("not inside update_weights for this plan")
+
+    def landed(self, plan: Any, phase: int) -> None:
+        pass
+
+
+@bounded(120)
+def test_a_refit_refused_by_an_engine_leaves_its_version_and_staleness(attach_server) -> None:
+    """A refit an engine refuses before any byte moves (here a phase hook's check, as vLLM's
+    backend refuses a refit outside ``update_weights``) used to mark every engine stale for good;
+    it must change nothing an engine is said to hold, on the engine and at the coordinator."""
+    from refit.control.client import RefitFailed
+    from refit.layouts import resolve_layout
+    from tests.harness.control_cluster import fill
+
+    srv, client = attach_server
+    spec = tiny_spec("tiny-qwen3-moe")
+    src, dst = resolve_layout("megatron:tp1", spec, "src"), resolve_layout("vllm:tp2", spec, "dst")
+    trainer_tensors = fill(spec, src, 0, 1)
+    got = [fill(spec, dst, r, 0) for r in range(2)]
+    hooks = [Refusing(), Refusing()]
+    agents = [TrainerAgent(srv.address, group="refuse-t", rank=0, spec=spec, layout=src,
+                           tensors=trainer_tensors).start()]
+    agents += [EngineAgent(srv.address, group="refuse-e", rank=r, spec=spec, layout=dst, tensors=got[r],
+                           phase_hook=hooks[r]).start() for r in range(2)]
+    try:
+        plan = client.create_plan("refuse-t", "refuse-e")["plan_id"]
+        assert client.refit(plan, version=1, timeout=30).ok
+        hooks[1].refuse = True
+        fill(spec, src, 0, 2, trainer_tensors)
+        with pytest.raises(RefitFailed, match="refuse-e/1 error: RefitError: not inside update_weights"):
+            client.refit(plan, version=2, timeout=30)
+        _until(lambda: not _busy(client), 5.0)
+        _until(lambda: [(a.version, a.stale) for a in agents[1:]] == [(1, False)] * 2, 5.0)
+        assert {(w["version"], w["stale"]) for w in client.list_workers(group="refuse-e")} == {(1, False)}
+        assert all(not [n for n in want if not want[n].equal(got[r][n])]
+                   for r, want in enumerate(fill(spec, dst, r, 1) for r in range(2)))  # untouched
+        hooks[1].refuse = False
+        assert client.refit(plan, version=3, timeout=30).ok  # (v2's bytes are the trainer's now)
+        _until(lambda: [(a.version, a.stale) for a in agents[1:]] == [(3, False)] * 2, 5.0)
+        assert {(w["version"], w["stale"]) for w in client.list_workers(group="refuse-e")} == {(3, False)}
+        assert all(not [n for n in want if not want[n].equal(got[r][n])]
+                   for r, want in enumerate(fill(spec, dst, r, 2) for r in range(2)))
+    finally:
+        for a in agents:
+            a.stop()
+
+
+@bounded(120)
+def test_a_raw_agent_follows_its_model_through_a_cast_and_a_step(attach_server, tmp_path) -> None:
+    """A `TrainerAgent` given ``tensors`` as a callable reads them at every refit: after
+    ``model.float(); model.bfloat16()`` (every parameter re-pointed to new storage) and a training
+    step, the engines hold the new weights bit for bit — they used to keep the old ones while
+    reporting the new version."""
+    from refit.integrations._common import spec_of_hf_config
+    from refit.layouts import HFLayout
+    from tests.harness.attach_cluster import Engines, expected_engine_tensors, make_hf_model, train_step
+
+    srv, client = attach_server
+    cfg = dict(hidden_size=64, num_hidden_layers=2, num_attention_heads=4, num_key_value_heads=4,
+               intermediate_size=96, vocab_size=129, tie_word_embeddings=False, dtype="bfloat16")
+    model = make_hf_model("LlamaForCausalLM", seed=3, **cfg)
+    spec = spec_of_hf_config(model.config, dict(model.named_parameters()))
+    agent = TrainerAgent(srv.address, group="follow", rank=0, spec=spec, layout=HFLayout(),
+                         tensors=lambda: {n: p.detach() for n, p in model.named_parameters()}).start()
+    engines = Engines(srv.address, spec, "vllm:tp2", group="follow-engine")
+    try:
+        plan = client.create_plan("follow", "follow-engine")["plan_id"]
+        for version in (1, 2, 3):
+            if version > 1:
+                model.float()
+                model.bfloat16()
+                train_step(model, seed=version)
+            assert client.refit(plan, version=version, timeout=60).ok
+            model.save_pretrained(tmp_path / f"v{version}")
+            bad = engines.mismatches(expected_engine_tensors(spec, "vllm:tp2", str(tmp_path / f"v{version}")))
+            assert not bad, (version, bad[:5])
+    finally:
+        agent.stop()
+        engines.close()

@@ -50,7 +50,7 @@ class Member:
 
 
 async def cluster(trainers: int = 1, engines: int = 1, **kw: Any) -> tuple[Coordinator, list[Member], str]:
-    coord = Coordinator("127.0.0.1", 1, **kw)
+    coord = Coordinator(**kw)
     members = [await Member(coord, pb.ROLE_TRAINER, "t", r, f"megatron:tp{trainers}").register() for r in range(trainers)]
     members += [await Member(coord, pb.ROLE_ENGINE, "e", r, f"vllm:tp{engines}").register() for r in range(engines)]
     entry, _ = await coord.create_plan("t", "e", pb.PlanOptions())
@@ -203,7 +203,7 @@ def test_disconnected_rows_are_pruned() -> None:
     async def main() -> None:
         from refit.control import coordinator as mod
 
-        coord = Coordinator("127.0.0.1", 1)
+        coord = Coordinator()
         for i in range(mod.MAX_GONE + 50):
             m = await Member(coord, pb.ROLE_TRAINER, f"g{i}", 0, "megatron:tp1").register()
             coord.disconnected(m.worker, "test")

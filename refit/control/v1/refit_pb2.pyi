@@ -87,18 +87,20 @@ class Register(_message.Message):
     def __init__(self, info: _Optional[_Union[WorkerInfo, _Mapping]] = ...) -> None: ...
 
 class RunResult(_message.Message):
-    __slots__ = ("refit_id", "ok", "error", "bytes", "seconds")
+    __slots__ = ("refit_id", "ok", "error", "bytes", "seconds", "before_start")
     REFIT_ID_FIELD_NUMBER: _ClassVar[int]
     OK_FIELD_NUMBER: _ClassVar[int]
     ERROR_FIELD_NUMBER: _ClassVar[int]
     BYTES_FIELD_NUMBER: _ClassVar[int]
     SECONDS_FIELD_NUMBER: _ClassVar[int]
+    BEFORE_START_FIELD_NUMBER: _ClassVar[int]
     refit_id: str
     ok: bool
     error: str
     bytes: int
     seconds: float
-    def __init__(self, refit_id: _Optional[str] = ..., ok: bool = ..., error: _Optional[str] = ..., bytes: _Optional[int] = ..., seconds: _Optional[float] = ...) -> None: ...
+    before_start: bool
+    def __init__(self, refit_id: _Optional[str] = ..., ok: bool = ..., error: _Optional[str] = ..., bytes: _Optional[int] = ..., seconds: _Optional[float] = ..., before_start: bool = ...) -> None: ...
 
 class WorkerMessage(_message.Message):
     __slots__ = ("register", "result")
@@ -149,16 +151,18 @@ class RunRefit(_message.Message):
     def __init__(self, refit_id: _Optional[str] = ..., plan_id: _Optional[str] = ..., plan_json: _Optional[bytes] = ..., version: _Optional[int] = ..., timeout_seconds: _Optional[float] = ..., rendezvous: _Optional[_Union[Rendezvous, _Mapping]] = ...) -> None: ...
 
 class Outcome(_message.Message):
-    __slots__ = ("refit_id", "committed", "version", "error")
+    __slots__ = ("refit_id", "committed", "version", "error", "untouched")
     REFIT_ID_FIELD_NUMBER: _ClassVar[int]
     COMMITTED_FIELD_NUMBER: _ClassVar[int]
     VERSION_FIELD_NUMBER: _ClassVar[int]
     ERROR_FIELD_NUMBER: _ClassVar[int]
+    UNTOUCHED_FIELD_NUMBER: _ClassVar[int]
     refit_id: str
     committed: bool
     version: int
     error: str
-    def __init__(self, refit_id: _Optional[str] = ..., committed: bool = ..., version: _Optional[int] = ..., error: _Optional[str] = ...) -> None: ...
+    untouched: bool
+    def __init__(self, refit_id: _Optional[str] = ..., committed: bool = ..., version: _Optional[int] = ..., error: _Optional[str] = ..., untouched: bool = ...) -> None: ...
 
 class CoordinatorMessage(_message.Message):
     __slots__ = ("registered", "run", "outcome")
@@ -189,6 +193,54 @@ class WorkerStatus(_message.Message):
     busy_refit: str
     registered_unix: float
     def __init__(self, worker_id: _Optional[str] = ..., info: _Optional[_Union[WorkerInfo, _Mapping]] = ..., session: _Optional[str] = ..., connected: bool = ..., version: _Optional[int] = ..., stale: bool = ..., busy_refit: _Optional[str] = ..., registered_unix: _Optional[float] = ...) -> None: ...
+
+class StoreSetRequest(_message.Message):
+    __slots__ = ("prefix", "keys", "values")
+    PREFIX_FIELD_NUMBER: _ClassVar[int]
+    KEYS_FIELD_NUMBER: _ClassVar[int]
+    VALUES_FIELD_NUMBER: _ClassVar[int]
+    prefix: str
+    keys: _containers.RepeatedScalarFieldContainer[str]
+    values: _containers.RepeatedScalarFieldContainer[bytes]
+    def __init__(self, prefix: _Optional[str] = ..., keys: _Optional[_Iterable[str]] = ..., values: _Optional[_Iterable[bytes]] = ...) -> None: ...
+
+class StoreSetResponse(_message.Message):
+    __slots__ = ()
+    def __init__(self) -> None: ...
+
+class StoreGetRequest(_message.Message):
+    __slots__ = ("prefix", "keys", "wait_seconds")
+    PREFIX_FIELD_NUMBER: _ClassVar[int]
+    KEYS_FIELD_NUMBER: _ClassVar[int]
+    WAIT_SECONDS_FIELD_NUMBER: _ClassVar[int]
+    prefix: str
+    keys: _containers.RepeatedScalarFieldContainer[str]
+    wait_seconds: float
+    def __init__(self, prefix: _Optional[str] = ..., keys: _Optional[_Iterable[str]] = ..., wait_seconds: _Optional[float] = ...) -> None: ...
+
+class StoreGetResponse(_message.Message):
+    __slots__ = ("found", "values")
+    FOUND_FIELD_NUMBER: _ClassVar[int]
+    VALUES_FIELD_NUMBER: _ClassVar[int]
+    found: bool
+    values: _containers.RepeatedScalarFieldContainer[bytes]
+    def __init__(self, found: bool = ..., values: _Optional[_Iterable[bytes]] = ...) -> None: ...
+
+class StoreAddRequest(_message.Message):
+    __slots__ = ("prefix", "key", "amount")
+    PREFIX_FIELD_NUMBER: _ClassVar[int]
+    KEY_FIELD_NUMBER: _ClassVar[int]
+    AMOUNT_FIELD_NUMBER: _ClassVar[int]
+    prefix: str
+    key: str
+    amount: int
+    def __init__(self, prefix: _Optional[str] = ..., key: _Optional[str] = ..., amount: _Optional[int] = ...) -> None: ...
+
+class StoreAddResponse(_message.Message):
+    __slots__ = ("value",)
+    VALUE_FIELD_NUMBER: _ClassVar[int]
+    value: int
+    def __init__(self, value: _Optional[int] = ...) -> None: ...
 
 class ListWorkersRequest(_message.Message):
     __slots__ = ("group", "role")

@@ -49,6 +49,21 @@ class CoordinatorStub(object):
                 request_serializer=refit_dot_v1_dot_refit__pb2.GetPlanRequest.SerializeToString,
                 response_deserializer=refit_dot_v1_dot_refit__pb2.GetPlanResponse.FromString,
                 _registered_method=True)
+        self.StoreSet = channel.unary_unary(
+                '/refit.v1.Coordinator/StoreSet',
+                request_serializer=refit_dot_v1_dot_refit__pb2.StoreSetRequest.SerializeToString,
+                response_deserializer=refit_dot_v1_dot_refit__pb2.StoreSetResponse.FromString,
+                _registered_method=True)
+        self.StoreGet = channel.unary_unary(
+                '/refit.v1.Coordinator/StoreGet',
+                request_serializer=refit_dot_v1_dot_refit__pb2.StoreGetRequest.SerializeToString,
+                response_deserializer=refit_dot_v1_dot_refit__pb2.StoreGetResponse.FromString,
+                _registered_method=True)
+        self.StoreAdd = channel.unary_unary(
+                '/refit.v1.Coordinator/StoreAdd',
+                request_serializer=refit_dot_v1_dot_refit__pb2.StoreAddRequest.SerializeToString,
+                response_deserializer=refit_dot_v1_dot_refit__pb2.StoreAddResponse.FromString,
+                _registered_method=True)
         self.ListWorkers = channel.unary_unary(
                 '/refit.v1.Coordinator/ListWorkers',
                 request_serializer=refit_dot_v1_dot_refit__pb2.ListWorkersRequest.SerializeToString,
@@ -98,6 +113,35 @@ class CoordinatorServicer(object):
 
     def GetPlan(self, request, context):
         """A plan's summary, and on request the full plan (NOT_FOUND for an unknown plan_id).
+        """
+        context.set_code(grpc.StatusCode.UNIMPLEMENTED)
+        context.set_details('Method not implemented!')
+        raise NotImplementedError('Method not implemented!')
+
+    def StoreSet(self, request, context):
+        """The rendezvous store: where the members of a refit meet to build their data plane (peer
+        addresses, device records, shared-memory handles).  One key space per Rendezvous.prefix,
+        opened by the coordinator when it hands the prefix out; NOT_FOUND for any other prefix (one
+        never handed out, or of a generation since replaced).  When the coordinator abandons a refit
+        it aborts its space: every call under way or to come there answers ABORTED with the reason,
+        so that no member waits out the refit's deadline for a peer that already failed.  Values are
+        plain data; members never unpickle what they read.  Keys at most 512 characters, a space at
+        most 64 MiB.
+        """
+        context.set_code(grpc.StatusCode.UNIMPLEMENTED)
+        context.set_details('Method not implemented!')
+        raise NotImplementedError('Method not implemented!')
+
+    def StoreGet(self, request, context):
+        """Every key's value once all exist, waiting at most `wait_seconds` (0: answer at once; then
+        `found` is false and no value is returned while a key is missing).
+        """
+        context.set_code(grpc.StatusCode.UNIMPLEMENTED)
+        context.set_details('Method not implemented!')
+        raise NotImplementedError('Method not implemented!')
+
+    def StoreAdd(self, request, context):
+        """Add `amount` to the integer held at `key` (0 when absent) and return the sum.
         """
         context.set_code(grpc.StatusCode.UNIMPLEMENTED)
         context.set_details('Method not implemented!')
@@ -162,6 +206,21 @@ def add_CoordinatorServicer_to_server(servicer, server):
                     servicer.GetPlan,
                     request_deserializer=refit_dot_v1_dot_refit__pb2.GetPlanRequest.FromString,
                     response_serializer=refit_dot_v1_dot_refit__pb2.GetPlanResponse.SerializeToString,
+            ),
+            'StoreSet': grpc.unary_unary_rpc_method_handler(
+                    servicer.StoreSet,
+                    request_deserializer=refit_dot_v1_dot_refit__pb2.StoreSetRequest.FromString,
+                    response_serializer=refit_dot_v1_dot_refit__pb2.StoreSetResponse.SerializeToString,
+            ),
+            'StoreGet': grpc.unary_unary_rpc_method_handler(
+                    servicer.StoreGet,
+                    request_deserializer=refit_dot_v1_dot_refit__pb2.StoreGetRequest.FromString,
+                    response_serializer=refit_dot_v1_dot_refit__pb2.StoreGetResponse.SerializeToString,
+            ),
+            'StoreAdd': grpc.unary_unary_rpc_method_handler(
+                    servicer.StoreAdd,
+                    request_deserializer=refit_dot_v1_dot_refit__pb2.StoreAddRequest.FromString,
+                    response_serializer=refit_dot_v1_dot_refit__pb2.StoreAddResponse.SerializeToString,
             ),
             'ListWorkers': grpc.unary_unary_rpc_method_handler(
                     servicer.ListWorkers,
@@ -260,6 +319,87 @@ class Coordinator(object):
             '/refit.v1.Coordinator/GetPlan',
             refit_dot_v1_dot_refit__pb2.GetPlanRequest.SerializeToString,
             refit_dot_v1_dot_refit__pb2.GetPlanResponse.FromString,
+            options,
+            channel_credentials,
+            insecure,
+            call_credentials,
+            compression,
+            wait_for_ready,
+            timeout,
+            metadata,
+            _registered_method=True)
+
+    @staticmethod
+    def StoreSet(request,
+            target,
+            options=(),
+            channel_credentials=None,
+            call_credentials=None,
+            insecure=False,
+            compression=None,
+            wait_for_ready=None,
+            timeout=None,
+            metadata=None):
+        return grpc.experimental.unary_unary(
+            request,
+            target,
+            '/refit.v1.Coordinator/StoreSet',
+            refit_dot_v1_dot_refit__pb2.StoreSetRequest.SerializeToString,
+            refit_dot_v1_dot_refit__pb2.StoreSetResponse.FromString,
+            options,
+            channel_credentials,
+            insecure,
+            call_credentials,
+            compression,
+            wait_for_ready,
+            timeout,
+            metadata,
+            _registered_method=True)
+
+    @staticmethod
+    def StoreGet(request,
+            target,
+            options=(),
+            channel_credentials=None,
+            call_credentials=None,
+            insecure=False,
+            compression=None,
+            wait_for_ready=None,
+            timeout=None,
+            metadata=None):
+        return grpc.experimental.unary_unary(
+            request,
+            target,
+            '/refit.v1.Coordinator/StoreGet',
+            refit_dot_v1_dot_refit__pb2.StoreGetRequest.SerializeToString,
+            refit_dot_v1_dot_refit__pb2.StoreGetResponse.FromString,
+            options,
+            channel_credentials,
+            insecure,
+            call_credentials,
+            compression,
+            wait_for_ready,
+            timeout,
+            metadata,
+            _registered_method=True)
+
+    @staticmethod
+    def StoreAdd(request,
+            target,
+            options=(),
+            channel_credentials=None,
+            call_credentials=None,
+            insecure=False,
+            compression=None,
+            wait_for_ready=None,
+            timeout=None,
+            metadata=None):
+        return grpc.experimental.unary_unary(
+            request,
+            target,
+            '/refit.v1.Coordinator/StoreAdd',
+            refit_dot_v1_dot_refit__pb2.StoreAddRequest.SerializeToString,
+            refit_dot_v1_dot_refit__pb2.StoreAddResponse.FromString,
             options,
             channel_credentials,
             insecure,

@@ -85,7 +85,7 @@ class WatchingEngineAgent(EngineAgent):
     def __init__(self, *args: Any, stale: bool = False, **kwargs: Any) -> None:
         super().__init__(*args, **kwargs)
         self._stale = stale  # registered again over an engine that holds a failed refit's mix
-        self._outcomes: dict[str, tuple[bool, str]] = {}
+        self._outcomes: dict[str, tuple[bool, str, bool]] = {}  # refit id -> (committed, error, untouched)
         self._cond = threading.Condition()
         self._armed: tuple[str, int] | None = None
         self._pinned = stale  # stale whatever the coordinator says, until a refit lands whole (`mark_stale`)
@@ -156,7 +156,7 @@ class WatchingEngineAgent(EngineAgent):
         if self._pinned:
             self._stale = True
         with self._cond:
-            self._outcomes[out.refit_id] = (out.committed, out.error)
+            self._outcomes[out.refit_id] = (out.committed, out.error, out.untouched)
             while len(self._outcomes) > self.KEEP:
                 self._outcomes.pop(next(iter(self._outcomes)))
             self._cond.notify_all()
@@ -165,7 +165,15 @@ class WatchingEngineAgent(EngineAgent):
         """(committed, error) of refit ``refit_id`` as this agent heard it, or None."""
         with self._cond:
             self._cond.wait_for(lambda: refit_id in self._outcomes, timeout)
-            return self._outcomes.get(refit_id)
+            heard = self._outcomes.get(refit_id)
+        return heard[:2] if heard else None
+
+    def moved_nothing(self, refit_id: str, timeout: float) -> bool:
+        """Whether the coordinator said refit ``refit_id`` failed before any byte moved."""
+        with self._cond:
+            self._cond.wait_for(lambda: refit_id in self._outcomes, timeout)
+            heard = self._outcomes.get(refit_id)
+        return heard is not None and not heard[0] and heard[2]
 
 
 class RefitWeightTransferEngine(WeightTransferEngine[RefitInitInfo, RefitUpdateInfo]):
@@ -245,7 +253,8 @@ class RefitWeightTransferEngine(WeightTransferEngine[RefitInitInfo, RefitUpdateI
                 return
             seconds = landing.apply(self.model_config)
         except BaseException:
-            if agent.last_refit != before:  # our share ran: the live weights may be partly new
+            # our share ran (unless the refit failed before any byte moved): the live weights may be partly new
+            if agent.last_refit != before and not agent.moved_nothing(agent.last_refit, 2.0):
                 log.error("refit: %s holds a partly written version %d; reporting it stale", agent.worker_id,
                           version)
                 try:
