@@ -61,7 +61,8 @@ class Held:
     """A plan's member, as built for one rendezvous prefix and one set of tensors."""
 
     prefix: str
-    store: dist.Store  # the rendezvous store: kept referenced while torch's wrappers of it live
+    store: dist.Store  # the member's rendezvous store, kept referenced while torch's groups built on
+    # it live (a Python store whose last reference went answers torch with "pure virtual function")
     member: Member
     nbytes: int
     tensors: Mapping[str, torch.Tensor]  # the mapping it was built from (the same one again: not moved)
@@ -115,17 +116,23 @@ class ExecutorDataPlane:
 
     def _build(self, plan: Plan, role: str, rank: int, tensors: Mapping[str, torch.Tensor], ctx: RunContext,
                rebuilds: int) -> Held:
-        base = ctx.open_store(ctx.remaining())
-        store = dist.PrefixStore(f"rebuild{rebuilds}/", base) if rebuilds else base
+        store = ctx.open_store(ctx.remaining())
+        if rebuilds:  # keys under a sub-prefix: the coordinator's store does it itself (see `Held.store`)
+            within = getattr(store, "within", None)
+            if within is None:
+                store = dist.PrefixStore(f"rebuild{rebuilds}/", store)
+            else:
+                base, store = store, within(f"rebuild{rebuilds}/")
+                base.close()
         try:
             member = self._setup(store, plan, role, rank, tensors, ctx)
         except BaseException:
-            close = getattr(base, "close", None)
+            close = getattr(store, "close", None)
             if close is not None:
                 close()
             raise
         nbytes = sum(b.nbytes for b in plan.buckets if b.stage == 1 and (b.src if role == "trainer" else b.dst) == rank)
-        held = self._members[ctx.plan_id] = Held(ctx.rendezvous.prefix, base, member, nbytes, tensors, where(tensors),
+        held = self._members[ctx.plan_id] = Held(ctx.rendezvous.prefix, store, member, nbytes, tensors, where(tensors),
                                                  rebuilds)
         return held
 

@@ -8,6 +8,7 @@ weights.  A wait the coordinator aborts (its refit was abandoned) raises `Cancel
 
 from __future__ import annotations
 
+import collections
 import datetime
 from typing import Sequence
 
@@ -29,16 +30,23 @@ def _text(value: str | bytes) -> bytes:
 
 
 class CoordinatorStore(dist.Store):
-    """Keys under ``prefix`` in the store of the coordinator at ``address``; waits last at most
-    ``timeout_s`` (``set_timeout`` changes it, as gloo does)."""
+    """Keys under ``prefix`` (a rendezvous prefix: one key space of the coordinator at
+    ``address``), each named with ``key_prefix`` first; waits last at most ``timeout_s``
+    (``set_timeout`` changes it, as gloo does)."""
 
-    def __init__(self, address: str, prefix: str, token: str | None, timeout_s: float) -> None:
+    def __init__(self, address: str, prefix: str, token: str | None, timeout_s: float, key_prefix: str = "") -> None:
         super().__init__()
-        self.address, self.prefix, self.token = address, prefix, token
+        self.address, self.prefix, self.token, self.key_prefix = address, prefix, token, key_prefix
         self.set_timeout(datetime.timedelta(seconds=max(timeout_s, 0.001)))
         self._channel = grpc.insecure_channel(address, options=channel_options())
         self._stub = pb_grpc.CoordinatorStub(self._channel)
         self._md = auth_metadata(token)
+        self._posted: collections.deque = collections.deque(maxlen=8)  # set_async calls in flight
+
+    def within(self, key_prefix: str) -> "CoordinatorStore":
+        """The same key space, keys under ``key_prefix`` (a store of its own, like a PrefixStore)."""
+        return CoordinatorStore(self.address, self.prefix, self.token, self.timeout.total_seconds(),
+                                self.key_prefix + key_prefix)
 
     # ------------------------------------------------------------------ torch.distributed.Store
     def set(self, key: str, value: str | bytes) -> None:
@@ -46,7 +54,7 @@ class CoordinatorStore(dist.Store):
 
     def multi_set(self, keys: Sequence[str], values: Sequence[str | bytes]) -> None:
         out_keys, out_values = [], []
-        for key, value in zip(keys, map(_text, values)):
+        for key, value in zip(map(self._key, keys), map(_text, values)):
             if len(value) > CHUNK_BYTES:  # parts first: the marker is what readers wait for
                 parts = [value[i:i + CHUNK_BYTES] for i in range(0, len(value), CHUNK_BYTES)]
                 for i, part in enumerate(parts):
@@ -60,26 +68,37 @@ class CoordinatorStore(dist.Store):
         return self.multi_get([key])[0]
 
     def multi_get(self, keys: Sequence[str]) -> list[bytes]:
-        values = self._get(list(keys), self.timeout.total_seconds())
-        return [self._whole(k, v) for k, v in zip(keys, values)]
+        full = [self._key(k) for k in keys]
+        values = self._get(full, self.timeout.total_seconds())
+        return [self._whole(k, v) for k, v in zip(full, values)]
 
     def wait(self, keys: Sequence[str], timeout: datetime.timedelta | None = None) -> None:
-        self._get(list(keys), (timeout or self.timeout).total_seconds())
+        self._get([self._key(k) for k in keys], (timeout or self.timeout).total_seconds())
 
     def check(self, keys: Sequence[str]) -> bool:
-        resp = self._call("StoreGet", pb.StoreGetRequest(prefix=self.prefix, keys=list(keys), wait_seconds=0.0))
+        resp = self._call("StoreGet", pb.StoreGetRequest(prefix=self.prefix, keys=[self._key(k) for k in keys],
+                                                         wait_seconds=0.0))
         return resp.found
 
     def add(self, key: str, amount: int) -> int:
-        return self._call("StoreAdd", pb.StoreAddRequest(prefix=self.prefix, key=key, amount=amount)).value
+        return self._call("StoreAdd", pb.StoreAddRequest(prefix=self.prefix, key=self._key(key), amount=amount)).value
 
     def clone(self) -> "CoordinatorStore":
-        return CoordinatorStore(self.address, self.prefix, self.token, self.timeout.total_seconds())
+        return self.within("")
+
+    def set_async(self, key: str, value: str | bytes) -> None:
+        """Set without waiting for the answer: for records only read after a failure (a
+        barrier's arrival marks), so that a refit does not pay a round trip for them."""
+        request = pb.StoreSetRequest(prefix=self.prefix, keys=[self._key(key)], values=[_text(value)])
+        self._posted.append(self._stub.StoreSet.future(request, metadata=self._md, timeout=SLACK_S))
 
     def close(self) -> None:
         self._channel.close()
 
     # ------------------------------------------------------------------ helpers
+    def _key(self, key: str) -> str:
+        return self.key_prefix + key
+
     def _get(self, keys: list[str], wait_s: float) -> list[bytes]:
         resp = self._call("StoreGet", pb.StoreGetRequest(prefix=self.prefix, keys=keys, wait_seconds=wait_s), wait_s)
         if not resp.found:
