@@ -320,15 +320,15 @@ class Member:
 
     def barrier(self, what: str, remaining: Remaining, flag: float = 0.0) -> float:
         """Wait for every member, at most ``remaining()``, giving up as soon as ``remaining``
-        raises (the refit was abandoned); returns the sum of the members' ``flag``.  Each member marks its arrival in the store first, so
-        that a timeout names the members that never came.  A barrier given up stays posted in
-        the control group until its own timeout (the refit's deadline): it is kept in
-        ``self.abandoned`` so that `close` does not wait for it."""
+        raises (the refit was abandoned); returns the sum of the members' ``flag``.  A member
+        still waiting after its first 50 ms marks its arrival in the store, so that a timeout
+        names the members that never came (a barrier over within 50 ms, the usual case of a
+        refit, costs no store call).  A barrier given up stays posted in the control group until
+        its own timeout (the refit's deadline): it is kept in ``self.abandoned`` so that `close`
+        does not wait for it."""
         if self.ctl is None:
             raise RefitError(f"{self.name}: barrier after close")
         self.rounds += 1
-        mark = getattr(self.store, "set_async", self.store.set)  # read only after a timeout: no round trip
-        mark(f"arrived/{self.rounds % 3}/{self.member}", str(self.rounds))
         opts = dist.AllreduceOptions()
         opts.timeout = datetime.timedelta(seconds=max(remaining(), 0.001))
         flags = torch.full((1,), flag)
@@ -339,7 +339,12 @@ class Member:
         try:
             # Wakes at once when every member arrived.  (Not a callback on the work's future: gloo
             # running it as the interpreter exits, a barrier abandoned, aborts the process.)
+            marked = False
             while not ended(work, 0.05):
+                if not marked:
+                    mark = getattr(self.store, "set_async", self.store.set)  # no round trip where the store can
+                    mark(f"arrived/{self.rounds % 3}/{self.member}", str(self.rounds))
+                    marked = True
                 self._left(what, remaining)  # raises when the refit is abandoned: give up now
         except BaseException:
             self.abandoned.append(work)  # still pending in gloo until its timeout
