@@ -26,7 +26,6 @@ on its event loop instead of a thread (saves a thread hop; the no-op plane of th
 
 from __future__ import annotations
 
-import datetime
 import threading
 import time
 from dataclasses import dataclass, field
@@ -84,12 +83,9 @@ class RunContext:
         """The rendezvous store (keys under the rendezvous prefix)."""
         if self.store is not None:
             return self.store(timeout_s)
-        import torch.distributed as dist
+        from refit.executor.member import connect
 
-        r = self.rendezvous
-        base = dist.TCPStore(r.host, r.port, None, False, timeout=datetime.timedelta(seconds=timeout_s),
-                             wait_for_workers=False)
-        return dist.PrefixStore(r.prefix, base)
+        return connect(self.rendezvous.host, self.rendezvous.port, self.rendezvous.prefix, timeout_s)
 
     def starting(self) -> None:
         """The data plane is about to wait on the other members at the start barrier: from

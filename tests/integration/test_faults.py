@@ -288,6 +288,10 @@ def test_member_killed_or_stopped_is_named_in_time(procs: ProcCluster, sig: str,
 # A member that fails before the rendezvous: nobody waits for it, and nothing is said to have moved
 
 
+LLAMA = dict(hidden_size=64, num_hidden_layers=2, num_attention_heads=4, num_key_value_heads=4, intermediate_size=96,
+             vocab_size=129, tie_word_embeddings=False, dtype="bfloat16")
+
+
 @pytest.fixture(scope="module")
 def attach_server():
     srv = ThreadedServer(default_timeout=60.0)
@@ -323,9 +327,7 @@ def test_a_refit_refused_before_the_rendezvous_stalls_nobody(attach_server) -> N
     from tests.harness.attach_cluster import Engines, make_hf_model
 
     srv, client = attach_server
-    cfg = dict(hidden_size=64, num_hidden_layers=2, num_attention_heads=4, num_key_value_heads=4,
-               intermediate_size=96, vocab_size=129, tie_word_embeddings=False, dtype="bfloat16")
-    model = make_hf_model("LlamaForCausalLM", **cfg)
+    model = make_hf_model("LlamaForCausalLM", **LLAMA)
     agent = refit_hf.attach(model, srv.address, group="early")
     engines = Engines(srv.address, agent.spec, "vllm:tp2", group="early-engine")
     try:
@@ -420,9 +422,7 @@ def test_a_raw_agent_follows_its_model_through_a_cast_and_a_step(attach_server, 
     from tests.harness.attach_cluster import Engines, expected_engine_tensors, make_hf_model, train_step
 
     srv, client = attach_server
-    cfg = dict(hidden_size=64, num_hidden_layers=2, num_attention_heads=4, num_key_value_heads=4,
-               intermediate_size=96, vocab_size=129, tie_word_embeddings=False, dtype="bfloat16")
-    model = make_hf_model("LlamaForCausalLM", seed=3, **cfg)
+    model = make_hf_model("LlamaForCausalLM", seed=3, **LLAMA)
     spec = spec_of_hf_config(model.config, dict(model.named_parameters()))
     agent = TrainerAgent(srv.address, group="follow", rank=0, spec=spec, layout=HFLayout(),
                          tensors=lambda: {n: p.detach() for n, p in model.named_parameters()}).start()

@@ -204,9 +204,14 @@ def test_refits_only_inside_update_weights(setups, coordinator) -> None:
     s.trainers.load(s.ckpts[s.model, 3 if s.holds != 3 else 2])
     with pytest.raises(RefitFailed, match="not inside vLLM's update_weights"):
         client.refit(s.plan_id, s.version + 1, timeout=20.0)
-    # (the coordinator lists the engine stale anyway: it marks engines stale when it sends a refit)
+    # Nothing moved: every member is free at once (the trainers used to wait out the timeout in
+    # the rendezvous, and the next refit behind them), and the engine is listed as it was, not stale.
+    t0 = time.monotonic()
+    while any(r["busy_refit"] for r in client.list_workers()):
+        assert time.monotonic() - t0 < 2.0, client.list_workers()
+        time.sleep(0.01)
     mine = [r for r in client.list_workers(role="engine") if r["info"]["group"] == s.engine.group]
-    assert mine and all(r["version"] == s.version for r in mine), mine
+    assert mine and all(r["version"] == s.version and not r["stale"] for r in mine), mine
     assert s.engine.ask("weight_version") == ("ok", str(s.version))
     assert s.engine.generate() == s.refs[s.holds]  # untouched
 

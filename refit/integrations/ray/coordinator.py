@@ -1,7 +1,7 @@
 """The refit coordinator as a named Ray actor, and where an actor sits (its host and GPU) as refit
 sees it.
 
-The coordinator actor runs `refit.control.server.CoordinatorServer` (gRPC, plus the TCPStore the
+The coordinator actor runs `refit.control.server.CoordinatorServer` (gRPC, the rendezvous store the
 data planes meet on) on a thread of its own, listening on the head node's IP so that every node
 reaches it.  It is named (`COORDINATOR_NAME`), so any actor or task of the same Ray job (same
 namespace) finds it with `coordinator_address()`.
