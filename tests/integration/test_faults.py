@@ -22,6 +22,7 @@ import pytest
 from refit.control.agent import EngineAgent, TrainerAgent
 from refit.control.client import Client, VersionRefused
 from refit.control.dataplane import NoopDataPlane
+from refit.control.dataplane_executor import ExecutorDataPlane
 from refit.control.server import ThreadedServer
 from refit.errors import RefitError
 from tests.harness.control_cluster import DST, SRC, Worker
@@ -441,3 +442,41 @@ def test_a_raw_agent_follows_its_model_through_a_cast_and_a_step(attach_server, 
     finally:
         agent.stop()
         engines.close()
+
+
+class FailsAfterLocating(ExecutorDataPlane):
+    """An engine data plane that fails once its peers know where it sits, before its control
+    group exists: the trainer is then inside gloo's group set-up, waiting for this member's
+    address in the rendezvous."""
+
+    def _sides(self, plan: Any, role: str, ctx: Any) -> Any:
+        raise RefitError("injected: refusing after locate")
+
+
+@bounded(60)
+def test_a_member_failing_inside_set_up_frees_its_peers_at_once(attach_server) -> None:
+    """The trainer waits in gloo's group set-up (a rendezvous wait inside torch's C++) for an
+    engine that failed after publishing its device: the coordinator's abort reaches into that
+    wait, and the trainer is free within a moment, not at the 60 s deadline."""
+    from refit.control.client import RefitFailed
+    from refit.layouts import resolve_layout
+    from tests.harness.control_cluster import fill
+
+    srv, client = attach_server
+    spec = tiny_spec("tiny-qwen3-moe")
+    src, dst = resolve_layout("megatron:tp1", spec, "src"), resolve_layout("vllm:tp1", spec, "dst")
+    agents = [TrainerAgent(srv.address, group="setup-t", rank=0, spec=spec, layout=src, tensors=fill(spec, src, 0, 1)),
+              EngineAgent(srv.address, group="setup-e", rank=0, spec=spec, layout=dst, tensors=fill(spec, dst, 0, 0),
+                          data_plane=FailsAfterLocating())]
+    for a in agents:
+        a.start()
+    try:
+        plan = client.create_plan("setup-t", "setup-e")["plan_id"]
+        t0 = time.monotonic()
+        with pytest.raises(RefitFailed, match="injected: refusing after locate"):
+            client.refit(plan, version=1, timeout=60)
+        freed = _until(lambda: not _busy(client), 5.0)
+        assert time.monotonic() - t0 < 3.0 and freed < 0.5, (time.monotonic() - t0, freed)
+    finally:
+        for a in agents:
+            a.stop()
