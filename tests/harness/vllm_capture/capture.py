@@ -9,6 +9,10 @@ or from the command line (repo root as cwd)::
 
     python -m tests.harness.vllm_capture.capture MODEL_DIR OUT_DIR --tp 2 [--ep]
 
+Layouts a live engine is too slow for here (tp 8, dp > 1) are captured by ``direct.py``: vLLM's
+own model construction and loaders run per rank in one process, with stand-in TP/DP/EP groups;
+the two agree bit for bit wherever both run (tests/integration/test_vllm_conventions.py).
+
 How it works
 ------------
 * ``capture_vllm_loaded_params`` runs a fresh ``python -m

@@ -37,7 +37,8 @@ def _save(model, cfg, out_dir: str) -> None:
         json.dump(gen_cfg, f)
 
 
-def make_tiny_qwen3_moe(dir: str, seed: int = 0) -> None:  # noqa: A002 (API name)
+def make_tiny_qwen3_moe(dir: str, seed: int = 0, num_experts: int = 4, num_attention_heads: int = 4,  # noqa: A002
+                        num_key_value_heads: int = 2, head_dim: int = 64) -> None:
     from transformers import Qwen3MoeConfig, Qwen3MoeForCausalLM
 
     cfg = Qwen3MoeConfig(
@@ -46,10 +47,10 @@ def make_tiny_qwen3_moe(dir: str, seed: int = 0) -> None:  # noqa: A002 (API nam
         intermediate_size=256,  # unused (no mlp_only_layers) but keep small
         moe_intermediate_size=64,
         num_hidden_layers=2,
-        num_attention_heads=4,
-        num_key_value_heads=2,
-        head_dim=64,
-        num_experts=4,
+        num_attention_heads=num_attention_heads,
+        num_key_value_heads=num_key_value_heads,
+        head_dim=head_dim,
+        num_experts=num_experts,
         num_experts_per_tok=2,
         norm_topk_prob=True,
         decoder_sparse_step=1,
@@ -65,6 +66,20 @@ def make_tiny_qwen3_moe(dir: str, seed: int = 0) -> None:  # noqa: A002 (API nam
     model = Qwen3MoeForCausalLM(cfg).to(torch.bfloat16)
     _randomize_(model, seed)
     _save(model, cfg, dir)
+
+
+def make_tiny_qwen3_moe_e7(dir: str, seed: int = 0) -> None:  # noqa: A002 (API name)
+    """A Qwen3-MoE of 7 experts: no expert-parallel size above 1 divides it (ep2 places 4 + 3,
+    ep4 2 + 2 + 2 + 1), so vLLM's placement of the remainder shows; 2 kv heads, so tp4 replicates
+    them."""
+    make_tiny_qwen3_moe(dir, seed, num_experts=7)
+
+
+def make_tiny_qwen3_moe_kv4(dir: str, seed: int = 0) -> None:  # noqa: A002 (API name)
+    """The headline ``qwen3-30b-moe -> vllm:tp8`` in small: 4 kv heads (each on two ranks of tp8),
+    16 q heads of head_dim 32 (two a rank), and 12 experts (ep8 places 2,2,2,2,1,1,1,1;
+    moe_intermediate 64 splits 8 ways without expert parallel)."""
+    make_tiny_qwen3_moe(dir, seed, num_experts=12, num_attention_heads=16, num_key_value_heads=4, head_dim=32)
 
 
 def make_tiny_qwen3(dir: str, seed: int = 0) -> None:  # noqa: A002 (API name)
@@ -164,8 +179,10 @@ if __name__ == "__main__":
     import argparse
 
     ap = argparse.ArgumentParser()
-    ap.add_argument("kind", choices=["qwen3_moe", "qwen3", "qwen2"])
+    makers = {"qwen3_moe": make_tiny_qwen3_moe, "qwen3_moe_e7": make_tiny_qwen3_moe_e7,
+              "qwen3_moe_kv4": make_tiny_qwen3_moe_kv4, "qwen3": make_tiny_qwen3, "qwen2": make_tiny_qwen2}
+    ap.add_argument("kind", choices=sorted(makers))
     ap.add_argument("dir")
     ap.add_argument("--seed", type=int, default=0)
     a = ap.parse_args()
-    {"qwen3_moe": make_tiny_qwen3_moe, "qwen3": make_tiny_qwen3, "qwen2": make_tiny_qwen2}[a.kind](a.dir, a.seed)
+    makers[a.kind](a.dir, a.seed)
