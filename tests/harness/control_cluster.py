@@ -19,10 +19,11 @@ import torch
 from refit.control.agent import EngineAgent, TrainerAgent
 from refit.control.dataplane_executor import ExecutorDataPlane
 from refit.layouts import Layout, resolve_layout
+from refit.plan import Plan
 from refit.regions import slices
 from refit.spec import ModelSpec
 from tests.harness.tiny import tiny_spec
-from tests.harness.procs import PipedProcess
+from tests.harness.procs import AfterFirstPhase, PipedProcess
 
 CTX = mp.get_context("spawn")
 MODEL, SRC, DST = "tiny-qwen3-moe", "megatron:tp2ep2", "vllm:tp2"
@@ -54,15 +55,22 @@ def fill(spec: ModelSpec, layout: Layout, rank: int, version: int, tensors: dict
 
 
 class HookedDataPlane(ExecutorDataPlane):
-    """The executor data plane (gloo on CPU) with a test hook: sleep before a given version's share."""
+    """The executor data plane (gloo on CPU) with test hooks for a given version's share: sleep
+    before it starts (``delays``: a fault at the start barrier), or strike once its first phase
+    landed on every member (``faults``: an `AfterFirstPhase` action — bytes of the refit have
+    landed, the refit is not over).  Either sets ``entered``."""
 
     def __init__(self, entered: Any) -> None:
         super().__init__()
         self.delays: dict[int, float] = {}
+        self.faults: dict[int, str] = {}
         self.entered = entered
 
     def __call__(self, plan, role, rank, tensors, version, ctx):  # type: ignore[no-untyped-def]
         delay = self.delays.pop(version, 0.0)
+        fault = self.faults.pop(version, None)
+        if fault:
+            ctx.phase_hook = AfterFirstPhase(ctx.phase_hook, self.entered, fault)
         if delay:
             self.entered.set()
             time.sleep(delay)
@@ -70,14 +78,14 @@ class HookedDataPlane(ExecutorDataPlane):
 
 
 def worker_main(conn: Any, entered: Any, address: str, role: str, group: str, rank: int, layout: str,
-                version: int) -> None:
+                version: int, phase_layers: int = 0) -> None:
     spec = tiny_spec(MODEL)
     lay = resolve_layout(layout, spec, "src" if role == "trainer" else "dst")
     tensors = fill(spec, lay, rank, version)
     dp = HookedDataPlane(entered)
     cls = TrainerAgent if role == "trainer" else EngineAgent
     agent = cls(address, group=group, rank=rank, spec=spec, layout=lay, tensors=tensors, data_plane=dp,
-                version=version if role == "engine" else 0).start()
+                version=version if role == "engine" else 0, phase_layers=phase_layers).start()
     conn.send(("ready", os.getpid()))
     while True:
         cmd, arg = conn.recv()
@@ -88,8 +96,18 @@ def worker_main(conn: Any, entered: Any, address: str, role: str, group: str, ra
             want = fill(spec, lay, rank, arg)
             bad = [n for n in want if not torch.equal(want[n].view(torch.int16), tensors[n].view(torch.int16))]
             conn.send(("ok", bad))
+        elif cmd == "mixed":  # local tensors that differ from the mix (old, new) of a phased refit half way
+            from tests.harness.phases import differing, mixed_canonical, rank_tensors
+
+            old, new, plan, landed = arg
+            mixed = mixed_canonical(spec, old, new, Plan.from_dict(plan), landed)
+            conn.send(("ok", differing(rank_tensors(spec, lay, rank, mixed), tensors)))
         elif cmd == "delay":
             dp.delays[arg[0]] = arg[1]
+            entered.clear()
+            conn.send(("ok", None))
+        elif cmd == "fault":  # (version, AfterFirstPhase action)
+            dp.faults[arg[0]] = arg[1]
             entered.clear()
             conn.send(("ok", None))
         elif cmd == "state":
@@ -109,12 +127,13 @@ def worker_main(conn: Any, entered: Any, address: str, role: str, group: str, ra
 class Worker(PipedProcess):
     """A spawned agent process and the pipe that drives it."""
 
-    def __init__(self, address: str, role: str, group: str, rank: int, layout: str, version: int = 0) -> None:
-        self.role, self.group, self.rank = role, group, rank
+    def __init__(self, address: str, role: str, group: str, rank: int, layout: str, version: int = 0,
+                 phase_layers: int = 0) -> None:
+        self.role, self.group, self.rank, self.phase_layers = role, group, rank, phase_layers
         self.conn, child = CTX.Pipe()
         self.entered = CTX.Event()
-        self.proc = CTX.Process(target=worker_main, args=(child, self.entered, address, role, group, rank, layout, version),
-                                daemon=True)
+        self.proc = CTX.Process(target=worker_main, daemon=True, args=(child, self.entered, address, role, group, rank,
+                                                                       layout, version, phase_layers))
         self.proc.start()
 
     @property

@@ -64,6 +64,12 @@ class RankActor:
         self.dp.delays[version] = seconds
         self.dp.entered.clear()
 
+    def fault(self, version: int, action: str) -> None:
+        """Strike this rank once the first phase of ``version``'s share landed on every member
+        (an `AfterFirstPhase` action; unphased plans: once the whole plan landed, before it answers)."""
+        self.dp.faults[version] = action
+        self.dp.entered.clear()
+
     def entered(self) -> bool:
         return self.dp.entered.is_set()
 

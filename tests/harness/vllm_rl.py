@@ -12,16 +12,18 @@ weights of an HF checkpoint in any source layout, and vLLM engines (offline `LLM
 from __future__ import annotations
 
 import contextlib
+import functools
 import logging
 import multiprocessing as mp
 import os
+import signal
 import time
 import traceback
 from typing import Any, Iterator
 
 import torch
 
-from tests.harness.procs import PipedProcess
+from tests.harness.procs import AfterFirstPhase, PipedProcess
 
 CTX = mp.get_context("spawn")
 
@@ -100,6 +102,18 @@ def _trainer_main(conn: Any, entered: Any, address: str, group: str, rank: int, 
                 time.sleep(_delay)
                 return _inner(*a)
             agent.data_plane = slow
+            conn.send(("ok", None))
+        elif cmd == "fault":  # strike inside the next share, once its first phase landed (AfterFirstPhase)
+            inner = agent.data_plane
+
+            def faulty(plan: Any, role: str, rank: int, tensors: Any, version: int, ctx: Any, _inner: Any = inner,
+                       _action: str = arg) -> Any:
+                agent.data_plane = _inner  # this share only
+                ctx.phase_hook = AfterFirstPhase(ctx.phase_hook, entered, _action)
+                return _inner(plan, role, rank, tensors, version, ctx)
+            faulty.reports_start = getattr(inner, "reports_start", False)  # type: ignore[attr-defined]
+            entered.clear()
+            agent.data_plane = faulty
             conn.send(("ok", None))
         elif cmd == "stop":
             agent.stop()
@@ -277,6 +291,8 @@ def _engine_main(conn: Any, model_dir: str, tp: int, ep: bool, coordinator: str 
                 conn.send(("ok", None))
             elif cmd == "fail_next_apply":  # the next landing after a commit raises (every worker)
                 conn.send(("ok", llm.collective_rpc(_fail_next_apply)))
+            elif cmd == "kill_after_first_phase":  # SIGKILL process ``arg`` once the next phase is applied
+                conn.send(("ok", llm.collective_rpc(functools.partial(_kill_after_first_phase, arg))))
             elif cmd == "weight_version":
                 conn.send(("ok", llm.get_weight_version()))
             elif cmd == "stop":
@@ -301,6 +317,21 @@ def _fail_next_apply(worker: Any) -> None:
         raise RuntimeError("injected: re-processing failed after the commit")
 
     landing.apply = fail
+
+
+def _kill_after_first_phase(pid: int, worker: Any) -> None:
+    """The worker's next `Landing.landed` (phased staging: the first phase of the next refit,
+    after that phase's end barrier) applies the phase into the live model as usual, then SIGKILLs
+    process ``pid`` — a trainer, which cannot have started the next phase: it waits for this engine
+    at that phase's start barrier.  The one after works as before."""
+    landing = worker.weight_transfer_engine.landing
+
+    def landed(plan: Any, phase: int) -> None:
+        del landing.landed  # back to the class's
+        type(landing).landed(landing, plan, phase)
+        os.kill(pid, signal.SIGKILL)
+
+    landing.landed = landed
 
 
 def _shutdown(llm: Any) -> None:

@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import json
 import os
+import signal
 import subprocess
 import sys
 import threading
@@ -54,7 +55,8 @@ class Cluster:
     def check_engines(self, version: int) -> None:
         for w in self.engines():
             assert w.ask("check", version) == [], f"{w.worker_id} does not hold version {version} bit-exactly"
-            assert w.ask("state") == (version, False, True)
+            # it hears the commit just after the refit returns
+            assert _settle(lambda w=w: w.ask("state") == (version, False, True)), (w.worker_id, w.ask("state"))
         rows = {r["worker_id"]: r for r in self.client.list_workers(role="engine") if r["info"]["group"] == "engine"}
         assert {k: (r["version"], r["stale"]) for k, r in rows.items()} == {w: (version, False) for w in rows}
 
@@ -105,6 +107,8 @@ def test_repeated_refits_bit_exact_with_events(cluster: Cluster) -> None:
     full = cluster.client.get_plan(cluster.plan_id, include_plan=True)
     assert full["plan"].plan_id == full["plan_hash"] and full["src_layout"] == "megatron:tp2ep2etp1dp1"
     events: list[dict] = []
+    coord = cluster.server.server.coord
+    assert not cluster.server.call(lambda: bool(coord.events))  # no watcher yet: the wait below means something
     stream = cluster.client.watch(cluster.plan_id)
 
     def watch() -> None:
@@ -115,7 +119,8 @@ def test_repeated_refits_bit_exact_with_events(cluster: Cluster) -> None:
 
     t = threading.Thread(target=watch, daemon=True)
     t.start()
-    time.sleep(0.2)  # the watch is registered
+    # the watch is registered (the coordinator has a watcher) before the first refit starts
+    assert _settle(lambda: cluster.server.call(lambda: bool(coord.events))), "the watch never registered"
     for v in (1, 2, 3):
         cluster.refit_ok(v)
     t.join(10)
@@ -182,7 +187,10 @@ def test_deadline_overrun_fails_in_time_then_recovers(cluster: Cluster) -> None:
 def test_worker_killed_mid_refit(cluster: Cluster) -> None:
     v = cluster.version + 1
     victim = cluster.workers["trainer/1"]
-    victim.ask("delay", (v, 10.0))
+    # trainer/1 kills itself (SIGKILL from its phase hook, no sleep) once every member finished
+    # writing the plan (unphased: the whole of it), before it answers: every byte of v is in the
+    # engines, and the coordinator must not commit it.
+    victim.ask("fault", (v, "kill"))
     cluster.fill(v)
     out: dict = {}
     t = threading.Thread(target=lambda: out.update(r=cluster.client.refit(cluster.plan_id, version=v, timeout=8.0,
@@ -190,13 +198,16 @@ def test_worker_killed_mid_refit(cluster: Cluster) -> None:
     t0 = time.monotonic()
     t.start()
     assert victim.entered.wait(10)
-    victim.kill()
+    victim.proc.join(10)
+    assert victim.proc.exitcode == -signal.SIGKILL, victim.proc.exitcode  # it died there, by its own hand
     t.join(10)
     result = out["r"]
     assert not result.ok and time.monotonic() - t0 < 8.0
     assert result.workers["trainer/1"].outcome == "disconnected"
     assert result.error.split(": ", 1)[1].startswith("trainer/1 disconnected"), result.error
     cluster.engines_stale()
+    for w in cluster.engines():  # every byte of v landed, yet no engine is said to hold v
+        assert w.ask("check", v) == [], w.worker_id
     # Without trainer/1 a refit fails at once, naming it.
     with pytest.raises(RefitFailed, match="trainer/1 not connected"):
         cluster.client.refit(cluster.plan_id, version=v, timeout=5.0)
@@ -332,13 +343,20 @@ def test_reregistration_replaces_old_stream(cluster: Cluster) -> None:
         ag.stop()
 
 
-class SlowDataPlane:
-    """Moves nothing, in a second, on the agent's thread (a refit long enough to cancel its call)."""
+class GatedDataPlane:
+    """Moves nothing, on the agent's thread, and holds its share until ``release`` is set (a refit
+    that runs until the test lets it end); records the refits it ran and sets ``entered``."""
 
     inline = False
 
+    def __init__(self, release: threading.Event) -> None:
+        self.release, self.entered, self.runs = release, threading.Event(), []
+
     def __call__(self, plan, role, rank, tensors, version, ctx):
-        time.sleep(min(1.0, ctx.remaining()))
+        self.runs.append(ctx.refit_id)
+        self.entered.set()
+        if not self.release.wait(ctx.remaining()):
+            raise TimeoutError("never released")
         return 0, 0.0
 
 
@@ -346,18 +364,37 @@ def test_a_cancelled_refit_call_leaves_the_refit_to_its_joiners(cluster: Cluster
     """The RL loop's first Refit call goes away (cancelled: its process died) while a second
     caller of the same version joined it: the joiner gets the refit's result, not CANCELLED, and
     the engine hears the commit."""
+    import asyncio
+
     a, c = cluster.address, cluster.client
     spec = tiny_spec(MODEL)
-    agents = [TrainerAgent(a, group="gone-t", rank=0, spec=spec, layout="megatron:tp1", data_plane=SlowDataPlane()),
-              EngineAgent(a, group="gone-e", rank=0, spec=spec, layout="vllm:tp1", data_plane=SlowDataPlane())]
+    release = threading.Event()
+    planes = [GatedDataPlane(release), GatedDataPlane(release)]
+    agents = [TrainerAgent(a, group="gone-t", rank=0, spec=spec, layout="megatron:tp1", data_plane=planes[0]),
+              EngineAgent(a, group="gone-e", rank=0, spec=spec, layout="vllm:tp1", data_plane=planes[1])]
     for ag in agents:
         ag.start()
+    # The coordinator's Refit calls, as they arrive and as they are cancelled (the servicer's
+    # task is cancelled with its RPC): what "the joiner joined" and "the first call went away" mean.
+    coord = cluster.server.server.coord
+    calls: list[int] = []
+    cancelled = threading.Event()
+
+    async def watched(plan_id: str, version: int, timeout: float):
+        calls.append(version)
+        try:
+            return await type(coord).refit(coord, plan_id, version, timeout)
+        except asyncio.CancelledError:
+            cancelled.set()
+            raise
+
+    coord.refit = watched
     ch = grpc.insecure_channel(a)
     try:
         plan = c.create_plan("gone-t", "gone-e")["plan_id"]
         first = pb_grpc.CoordinatorStub(ch).Refit.future(pb.RefitRequest(plan_id=plan, version=1, timeout_seconds=10),
                                                          timeout=20)
-        time.sleep(0.2)  # the refit is under way
+        assert all(p.entered.wait(10) for p in planes), "the refit never started"  # under way, held by the planes
         out: dict = {}
 
         def join() -> None:
@@ -368,13 +405,22 @@ def test_a_cancelled_refit_call_leaves_the_refit_to_its_joiners(cluster: Cluster
 
         joiner = threading.Thread(target=join)
         joiner.start()
-        time.sleep(0.1)  # the joiner has joined
+        # the joiner's call reached the coordinator (it joins in the same loop step, before the
+        # cancellation below can be processed)
+        assert _settle(lambda: len(calls) == 2), calls
         first.cancel()
+        assert cancelled.wait(10), "the coordinator never saw the first call cancelled"
+        assert not out and len(planes[0].runs) == 1 and planes[1].runs == planes[0].runs  # one refit, still held
+        release.set()
         joiner.join(15)
+        assert "r" in out, "the joiner got no answer"
         assert not isinstance(out["r"], grpc.RpcError), out["r"]
         assert out["r"].ok, out["r"].error
+        assert out["r"].refit_id == planes[0].runs[0] and [len(p.runs) for p in planes] == [1, 1]  # joined, not rerun
         assert _settle(lambda: (agents[1].version, agents[1].stale) == (1, False))
     finally:
+        del coord.refit  # back to the class's
+        release.set()
         ch.close()
         for ag in agents:
             ag.stop()

@@ -41,6 +41,19 @@ def _member_main(conn: Any, port: int, index: int, plan_dict: dict) -> None:
     from refit.layouts import resolve_layout
     from refit.plan import Plan
     from tests.harness.control_cluster import fill
+    from tests.harness.procs import strike_self
+
+    class Watched(RunContext):
+        """The refit's context, counting how often the data plane asks for the time left once it
+        reached the start barrier (`RunContext.starting`): a member waiting in a barrier asks every
+        50 ms (`Member.barrier`), so a few asks mean it is waiting there."""
+
+        polls = 0
+
+        def remaining(self) -> float:
+            if self.reached_start.is_set():
+                self.polls += 1
+            return super().remaining()
 
     torch.set_num_threads(1)
     spec = tiny_spec(MODEL)
@@ -67,9 +80,9 @@ def _member_main(conn: Any, port: int, index: int, plan_dict: dict) -> None:
         cmd, *args = conn.recv()
         if cmd == "refit":
             prefix, timeout, version, hang = args
-            dp.refit_hook = (lambda: os.kill(os.getpid(), signal.SIGSTOP)) if hang else None
-            ctx = RunContext(plan.plan_id, f"r{version}", spec, layout,
-                             Rendezvous("127.0.0.1", port, prefix, 4, index, NAMES), time.monotonic() + timeout)
+            dp.refit_hook = (lambda: strike_self(signal.SIGSTOP)) if hang else None
+            ctx = Watched(plan.plan_id, f"r{version}", spec, layout,
+                          Rendezvous("127.0.0.1", port, prefix, 4, index, NAMES), time.monotonic() + timeout)
             threading.Thread(target=run, args=(prefix, timeout, version), daemon=True).start()
         elif cmd == "cancel":
             ctx.cancelled.set()
@@ -80,6 +93,8 @@ def _member_main(conn: Any, port: int, index: int, plan_dict: dict) -> None:
             t0 = time.monotonic()
             dp.close()
             conn.send(("ok", (time.monotonic() - t0, retiring())))
+        elif cmd == "polls":
+            conn.send(("ok", ctx.polls))
         elif cmd == "retiring":
             conn.send(("ok", retiring()))
         elif cmd == "check":
@@ -144,12 +159,23 @@ def _ok_refit(m: Members, prefix: str, version: int) -> None:
     assert m.ask(2, "check", version) == [] and m.ask(3, "check", version) == []
 
 
+def _waiting_in_barrier(m: Members, which: list[int], timeout: float = 30.0) -> None:
+    """Return once each member of ``which`` waits in its start barrier: past `RunContext.starting`
+    and asking for the time left again and again (once for the barrier's timeout, then every
+    50 ms while it waits), not merely told to refit."""
+    end = time.monotonic() + timeout
+    for i in which:
+        while m.ask(i, "polls") < 3:
+            assert time.monotonic() < end, f"{NAMES[i]} never waited in its start barrier"
+            time.sleep(0.02)
+
+
 def test_cancelled_refit_leaves_the_barrier_at_once(members: Members) -> None:
     _ok_refit(members, "p/1/", 1)
     # trainer/1 never comes; the others wait at the start barrier of a 30 s refit until the
     # coordinator abandons it (ctx.cancelled): they must leave within a fraction of a second.
     members.refit([0, 2, 3], "p/1/", 30.0, 2)
-    time.sleep(1.0)
+    _waiting_in_barrier(members, [0, 2, 3])
     t0 = time.monotonic()
     for i in (0, 2, 3):
         members.conns[i].send(("cancel",))
@@ -163,7 +189,7 @@ def test_teardown_after_an_abandoned_barrier_does_not_wait_for_its_deadline(memb
     # trainer/1 never comes to a 60 s refit; the coordinator abandons it; the others leave at once
     # but their barrier stays posted in gloo until that deadline.
     members.refit([0, 2, 3], "p/t/", 60.0, 11)
-    time.sleep(0.5)
+    _waiting_in_barrier(members, [0, 2, 3])
     for i in (0, 2, 3):
         members.conns[i].send(("cancel",))
     res = members.results([0, 2, 3], 5)

@@ -5,7 +5,10 @@ Each trial is bounded (a hard per-test timeout through `bounded`) and asserts wh
 able to rely on: the right worker is named within the deadline, torn weights are never reported
 fresh, and the next refit recovers.  Agents in this process use the no-op data plane where only
 the control plane is under test; the kill/stop trials run real agent processes moving real
-weights over gloo (tests/harness/control_cluster.py) and check them bit for bit."""
+weights over gloo (tests/harness/control_cluster.py) and check them bit for bit.  Their engines
+stage by phases, so that a "mid" fault strikes inside the refit, deterministically: the victim
+signals itself once the plan's first phase has landed on every member (`AfterFirstPhase`), and
+the surviving engines must hold exactly that phase of the new version and the rest of the old."""
 
 from __future__ import annotations
 
@@ -204,13 +207,19 @@ def _settle(cond: Callable[[], bool], timeout: float = 5.0) -> bool:
 class ProcCluster:
     def __init__(self) -> None:
         self.server = ThreadedServer(default_timeout=20.0)
+        # the engines register with phase_layers=1: the plan runs in phases (one per non-layer
+        # tensor, then one per layer), and a fault can strike between two of them
         self.workers = {w.worker_id: w for w in
                         [Worker(self.server.address, "trainer", "trainer", r, SRC) for r in range(2)]
-                        + [Worker(self.server.address, "engine", "engine", r, DST) for r in range(2)]}
+                        + [Worker(self.server.address, "engine", "engine", r, DST, phase_layers=1) for r in range(2)]}
         for w in self.workers.values():
             w.ready()
         self.client = Client(self.server.address)
-        self.plan = self.client.create_plan("trainer", "engine", bucket_bytes=4096)["plan_id"]
+        summary = self.client.create_plan("trainer", "engine", bucket_bytes=4096)
+        self.plan = summary["plan_id"]
+        assert summary["num_phases"] > 1, summary
+        plan = self.client.get_plan(self.plan, include_plan=True)["plan"]
+        self.plan_dict, self.first_phase = plan.to_dict(), plan.phase_ranges()[0][0]
         self.version = 0
 
     def refit_ok(self, v: int) -> None:
@@ -220,15 +229,16 @@ class ProcCluster:
         assert self.client.refit(self.plan, v, timeout=20.0).ok
         self.version = v
         for w in self.workers.values():
-            if w.role == "engine":
-                assert w.ask("check", v) == [] and w.ask("state") == (v, False, True)
+            if w.role == "engine":  # it hears the commit just after the refit returns
+                assert w.ask("check", v) == [] and _settle(lambda w=w: w.ask("state") == (v, False, True)), \
+                    (w.worker_id, w.ask("state"))
 
     def replace(self, wid: str) -> None:
         old = self.workers[wid]
         old.kill()
         group, rank = wid.split("/")
         self.workers[wid] = Worker(self.server.address, old.role, group, int(rank), SRC if old.role == "trainer" else DST,
-                                   version=self.version if old.role == "engine" else 0)
+                                   version=self.version if old.role == "engine" else 0, phase_layers=old.phase_layers)
         self.workers[wid].ready()
 
     def close(self) -> None:
@@ -257,18 +267,22 @@ def test_member_killed_or_stopped_is_named_in_time(procs: ProcCluster, sig: str,
     for w in procs.workers.values():
         if w.role == "trainer":
             w.ask("fill", v)
-    # "start": the victim stalls before its share (the others wait at the start barrier);
-    # "mid": after the others are moving bytes (the victim's delay hook runs inside its share).
-    victim.ask("delay", (v, 30.0 if when == "start" else 0.3))
+    # "start": the victim stalls before its share (the others wait at the start barrier), and the
+    # test strikes it there.  "mid": the victim strikes itself (SIGKILL / SIGSTOP, from its phase
+    # hook) once the plan's first phase has landed on every member: part of version v is in the
+    # engines, the next phase has not started.  No sleep decides where the fault lands.
+    if when == "start":
+        victim.ask("delay", (v, 30.0))
+    else:
+        victim.ask("fault", (v, sig))
     out: dict = {}
     timeout = 4.0
     t = threading.Thread(target=lambda: out.update(r=procs.client.refit(procs.plan, v, timeout=timeout, check=False)))
     t0 = time.monotonic()
     t.start()
     assert victim.entered.wait(10)
-    if when == "mid":
-        time.sleep(0.25)
-    os.kill(victim.proc.pid, signal.SIGKILL if sig == "kill" else signal.SIGSTOP)
+    if when == "start":
+        os.kill(victim.proc.pid, signal.SIGKILL if sig == "kill" else signal.SIGSTOP)
     t.join(timeout + 5)
     r = out["r"]
     # named at the deadline, not after some longer wait (the margin is for a loaded 2-core machine)
@@ -279,6 +293,12 @@ def test_member_killed_or_stopped_is_named_in_time(procs: ProcCluster, sig: str,
     for e in (w for w in procs.workers.values() if w.role == "engine" and w is not victim):
         version, stale, _ = e.ask("state")
         assert stale, "torn weights reported fresh"
+        assert version == procs.version, (version, procs.version)
+        if when == "mid":  # torn for real: exactly the first phase of v landed, the rest is v - 1
+            assert e.ask("mixed", (procs.version, v, procs.plan_dict, procs.first_phase)) == [], e.worker_id
+            assert e.ask("check", procs.version) and e.ask("check", v), f"{e.worker_id} holds no mix"
+        else:  # nothing moved before the start barrier
+            assert e.ask("check", procs.version) == [], e.worker_id
     if sig == "stop":
         os.kill(victim.proc.pid, signal.SIGCONT)
     procs.replace(wid)  # a restarted worker re-registers; the next refit recovers, bit-exact

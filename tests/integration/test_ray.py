@@ -150,7 +150,9 @@ class RayJob:
 
     def check_engines(self, version: int) -> None:
         assert ray.get([a.check.remote(version) for a in self.engines], timeout=60) == [[], []]
-        assert ray.get([a.state.remote() for a in self.engines], timeout=60) == [(version, False, True)] * 2
+        # each engine hears the commit just after the refit returns
+        states = lambda: ray.get([a.state.remote() for a in self.engines], timeout=60)  # noqa: E731
+        wait_for(lambda: states() == [(version, False, True)] * 2, 10, f"the engines to hold version {version}")
         rows = self.client.list_workers(group=self.egroup)
         assert [(r["version"], r["stale"]) for r in rows] == [(version, False)] * 2
 
@@ -268,11 +270,13 @@ def test_actor_killed_mid_refit(ray_job: RayJob, role: str) -> None:
     group, actors = (ray_job.tgroup, ray_job.trainers) if role == "trainer" else (ray_job.egroup, ray_job.engines)
     victim, name = actors[1], f"{group}/1"
     before = ray_job.sessions(group)
-    ray.get(victim.delay.remote(v, 60.0), timeout=60)
+    # The victim holds in its phase hook once every member finished writing the plan (unphased:
+    # all of it), before it answers; killed there, by Ray, the refit must not commit.
+    ray.get(victim.fault.remote(v, "hold"), timeout=60)
     ray_job.fill(v)
     t0 = time.monotonic()
     t, out = ray_job.refit_in_background(v, timeout=REFIT_TIMEOUT)
-    wait_for(lambda: ray.get(victim.entered.remote(), timeout=30), 30, f"{name} to enter its share")
+    wait_for(lambda: ray.get(victim.entered.remote(), timeout=30), 30, f"{name} to finish writing its share")
     ray.kill(victim, no_restart=False)
     t.join(45)
     result = out["r"]
@@ -280,6 +284,8 @@ def test_actor_killed_mid_refit(ray_job: RayJob, role: str) -> None:
     assert result.workers[name].outcome == "disconnected", result
     assert result.error.split(": ", 1)[1].startswith(f"{name} disconnected"), result.error
     ray_job.engines_stale(dead=(1,) if role == "engine" else ())
+    live = ray_job.engines[:1] if role == "engine" else ray_job.engines
+    assert ray.get([a.check.remote(v) for a in live], timeout=60) == [[]] * len(live)  # all of v landed, uncommitted
     # Ray restarts the actor; its __init__ registers again (an engine with its initial weights)
     # and the plan works again.
     wait_for(lambda: ray_job.sessions(group).get(name, before[name]) != before[name], 180,
@@ -293,11 +299,14 @@ def test_node_removed_mid_refit(ray_job: RayJob) -> None:
     node_id = ray_job.endpoints(ray_job.trainers)[0].node_id
     node = next(n for n in ray_job.cluster.worker_nodes if n.node_id == node_id)
     before = ray_job.sessions("trainer")
-    ray.get(ray_job.trainers[0].delay.remote(v, 60.0), timeout=60)
+    # Both trainers hold in their phase hooks once every member finished writing the plan,
+    # before they answer; their node goes then.
+    ray.get([a.fault.remote(v, "hold") for a in ray_job.trainers], timeout=60)
     ray_job.fill(v)
     t0 = time.monotonic()
     t, out = ray_job.refit_in_background(v, timeout=REFIT_TIMEOUT)
-    wait_for(lambda: ray.get(ray_job.trainers[0].entered.remote(), timeout=30), 30, "trainer/0 to enter its share")
+    wait_for(lambda: all(ray.get([a.entered.remote() for a in ray_job.trainers], timeout=30)), 30,
+             "both trainers to finish writing their shares")
     ray_job.cluster.remove_node(node)  # the trainers' node: both trainer actors die with it
     try:
         t.join(45)

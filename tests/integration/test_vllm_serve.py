@@ -56,17 +56,27 @@ def test_serve_refits_over_http_while_requests_stream(served) -> None:
         http(base, "/init_weight_transfer_engine", {"init_info": {"coordinator": server.address, "group": "engine"}})
         plans = {w: client.create_plan(f"trainer-w{w}", "engine")["plan_id"] for w in (1, 2)}
         answers: list[list[list[int]]] = []
+        after: dict[int, list[list[int]]] = {}  # version -> the answer of a request sent after its /resume
         errors: list[BaseException] = []
         stop = threading.Event()
+        sent = [0]  # requests sent so far (the next one's index)
+        lock = threading.Lock()
 
         def stream() -> None:
             while not stop.is_set():
+                with lock:
+                    i, version = sent[0], serving[0]
+                    sent[0] += 1
                 try:
-                    answers.append(completions(base, dirs[1]))
+                    answer = completions(base, dirs[1])
                 except BaseException as e:  # noqa: BLE001 - reported by the test
                     errors.append(e)
                     return
+                answers.append(answer)
+                if i >= first_after[0]:  # sent after the last /resume returned: on one version's weights
+                    after.setdefault(version, answer)
 
+        serving, first_after = [0], [0]
         t = threading.Thread(target=stream, daemon=True)
         t.start()
         for version in range(1, 11):
@@ -76,7 +86,15 @@ def test_serve_refits_over_http_while_requests_stream(served) -> None:
             http(base, "/update_weights", {"update_info": {"plan_id": plans[w], "version": version}})
             http(base, "/finish_weight_update", {"weight_version": str(version)})
             http(base, "/resume", {})
-            time.sleep(0.5)  # let some requests run on these weights
+            with lock:
+                serving[0], first_after[0] = version, sent[0]
+            # some requests run on these weights: wait for one sent after /resume to come back
+            end = time.monotonic() + 60
+            while version not in after and not errors:
+                assert time.monotonic() < end and t.is_alive(), f"no request came back on version {version}"
+                time.sleep(0.02)
+            assert not errors, errors
+            assert after[version] == fresh[w], f"version {version} (W{w}) answers {after[version]}"
         stop.set()
         t.join(120)
         assert not errors, errors
