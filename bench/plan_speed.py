@@ -22,10 +22,10 @@ import time
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
-from planners import make_plan  # noqa: E402
 from refit.layouts import all_holdings  # noqa: E402
 from refit.hf_checkpoint import load_spec  # noqa: E402
 from refit.layouts.vllm import clear_caches  # noqa: E402
+from refit.planners import make_plan  # noqa: E402
 
 # (model, src, dst, placement, planner, target seconds or None)
 CASES = [

@@ -64,8 +64,8 @@ def timeline(logs: list[str], out: str, title: str) -> None:
 def matrix(model: str, src: str, dst: str, placement: str, out: str) -> None:
     import matplotlib.pyplot as plt
 
-    from planners import make_plan
     from refit.hf_checkpoint import load_spec
+    from refit.planners import make_plan
 
     spec = load_spec(model)
     plan = make_plan(spec, src, dst, placement).plan

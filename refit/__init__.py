@@ -5,8 +5,8 @@ lives in `refit.executor` (torch) and `refit.reshard` (offline files).
 
 The flow, each layer importing only those before it:
 ``refit.errors, refit.dtypes, refit.boxes`` → ``refit.spec`` (model) → ``refit.hf_checkpoint``
-(models on disk) → ``refit.layouts`` → ``refit.plan`` (plan data) → ``planners`` (the top-level
-package that computes plans) → ``refit.reshard``, ``refit.executor``, ``refit.control``, ``refit.cli``.
+(models on disk) → ``refit.layouts`` → ``refit.plan`` (plan data) → ``refit.planners`` (which
+compute plans) → ``refit.reshard``, ``refit.executor``, ``refit.control``, ``refit.cli``.
 """
 
 from __future__ import annotations
@@ -17,21 +17,10 @@ from refit.errors import RefitError
 from refit.hf_checkpoint import load_spec
 from refit.layouts import Layout, parse_layout, resolve_layout
 from refit.plan import DEFAULT_BUCKET_BYTES, Placement, Plan
+from refit.planners import PlanResult, make_plan
 from refit.spec import ModelSpec
 
-# Last, because the planners build on the modules above.  Bound as a module rather than
-# `from planners import make_plan`: `import planners` in a fresh interpreter runs this file while
-# planners/__init__ is still half-way (its first `refit.*` import got us here), and a module
-# reference needs nothing from it until `make_plan` is called.
-import planners  # noqa: E402
-
 __version__ = "0.1.0"
-
-
-def make_plan(spec: ModelSpec, src: str | Layout, dst: str | Layout, placement: str = "colocated",
-              planner: str = "p2p", bucket_bytes: int = DEFAULT_BUCKET_BYTES) -> "planners.PlanResult":
-    """Plan a refit: `planners.make_plan` (resolve both layouts, plan, summarise)."""
-    return planners.make_plan(spec, src, dst, placement, planner, bucket_bytes)
 
 
 def __getattr__(name: str) -> Any:
@@ -43,5 +32,5 @@ def __getattr__(name: str) -> Any:
     raise AttributeError(f"module 'refit' has no attribute {name!r}")
 
 
-__all__ = ["Client", "TrainerAgent", "EngineAgent", "RefitError", "ModelSpec", "Placement", "Plan", "load_spec",
-           "make_plan", "parse_layout", "resolve_layout"]
+__all__ = ["Client", "TrainerAgent", "EngineAgent", "RefitError", "ModelSpec", "Placement", "Plan", "PlanResult",
+           "load_spec", "make_plan", "parse_layout", "resolve_layout"]

@@ -13,7 +13,6 @@ import sys
 import tempfile
 from typing import Any, Callable
 
-from planners import make_plan
 from refit import __version__
 from refit.catalog import CATALOG
 from refit.dtypes import DTYPE_BYTES
@@ -22,6 +21,7 @@ from refit.errors import RefitError
 from refit.hf_checkpoint import hf_config, load_spec
 from refit.layouts import LAYOUT_HELP, resolve_layout
 from refit.plan import DEFAULT_BUCKET_BYTES
+from refit.planners import make_plan
 from refit.reshard import check_output, reshard
 from refit.units import MiB, fmt_bytes
 
@@ -118,7 +118,8 @@ def cmd_plan(args: argparse.Namespace) -> int:
     print(f"source   {result.src.describe():<36} {_degrees(result.src.details())}")
     print(f"dest     {result.dst.describe():<36} {_degrees(result.dst.details())}")
     print(f"planner  {s['planner']}, {s['placement']} on {s['num_gpus']} GPUs, buckets of {fmt_bytes(s['bucket_bytes'])}")
-    print(f"plan_id  {s['plan_id']}  ({s['plan_seconds'] * 1e3:.1f} ms to plan)")
+    print(f"plan_hash {s['plan_hash']}  ({s['plan_seconds'] * 1e3:.1f} ms to plan; the content hash, not the id "
+          f"`Refit` takes: that is create_plan's plan_id)")
     print()
     rows = [("destination weights", s["total_bytes"]), ("moved within a GPU", s["local_bytes"]),
             ("moved across GPUs", s["remote_bytes"]), ("largest send per GPU", s["max_send_bytes"]),

@@ -71,7 +71,7 @@ def phase_plan(plan: Plan, spec: ModelSpec, layers_per_phase: int) -> Plan:
         raise RefitError(f"a {plan.planner} plan gathers whole tensors on source roots and cannot be cut "
                          f"into phases (phase_layers={layers_per_phase}); use the p2p planner")
     if plan.phase_layers:
-        raise RefitError(f"plan {plan.plan_id} is already phased ({plan.phase_layers} layers per phase)")
+        raise RefitError(f"plan {plan.plan_hash} is already phased ({plan.phase_layers} layers per phase)")
     singles = _non_layer_index(spec)
     row_keys = {t.name: _tensor_keys(t, singles, layers_per_phase) for t in spec.tensors}
     by_phase: dict[int, list[Transfer]] = defaultdict(list)

@@ -14,6 +14,7 @@ from __future__ import annotations
 import functools
 import hashlib
 import json
+import warnings
 from dataclasses import dataclass, field
 from typing import Any, Literal, NamedTuple
 
@@ -213,9 +214,18 @@ class Plan:
             raise RefitError(f"malformed plan: phases {list(self.phases)[:4]} of {len(self.buckets)} buckets")
 
     @property
-    def plan_id(self) -> str:
-        """Stable hash of everything the plan says: equal plans, equal ids, on any machine."""
+    def plan_hash(self) -> str:
+        """Stable hash of everything the plan says: equal plans, equal hashes, on any machine.
+        (Not the control plane's ``plan_id``, which `Client.create_plan` returns and
+        `Client.refit` takes: that one also names the trainer and engine groups.)"""
         return self._id_and_size[0]
+
+    @property
+    def plan_id(self) -> str:
+        """Deprecated name of `plan_hash`."""
+        warnings.warn("Plan.plan_id is the plan's content hash: use Plan.plan_hash (the control plane's "
+                      "plan_id, from Client.create_plan, is another id)", DeprecationWarning, stacklevel=2)
+        return self.plan_hash
 
     @property
     def json_bytes(self) -> int:
@@ -322,7 +332,8 @@ def summarize(plan: Plan, spec: ModelSpec, dst_total_bytes: int, seconds: float 
             send[sg] += nbytes
             recv[dg] += nbytes
     out: dict[str, Any] = {
-        "plan_id": plan.plan_id,
+        "plan_hash": plan.plan_hash,
+        "plan_id": plan.plan_hash,  # deprecated key of the same hash, kept for `refit plan --json` readers
         "model": plan.model,
         "src": plan.src_layout,
         "dst": plan.dst_layout,

@@ -31,11 +31,11 @@ import struct
 from contextlib import ExitStack
 from typing import Any, Callable, Iterable
 
-from planners.base import SourceIndex, source_index, sources_for
 from refit.dtypes import DTYPE_BYTES, DTYPES, FROM_SAFETENSORS, TO_SAFETENSORS
 from refit.errors import RefitError
 from refit.hf_checkpoint import check_checkpoint, checkpoint_tensors, read_safetensors_header
 from refit.layouts import Layout, LocalTensor
+from refit.planners.base import SourceIndex, source_index, sources_for
 from refit.regions import PieceIndex, slices
 from refit.spec import ModelSpec, check_tensor_table
 

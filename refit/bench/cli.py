@@ -32,12 +32,11 @@ import json
 import sys
 from typing import Any
 
-from planners import make_plan
-from planners.registry import MIN_BUCKET_BYTES
 from refit.entrypoint import run_main, setup_logging
 from refit.errors import RefitError
 from refit.layouts import LAYOUT_HELP, resolve_layout
 from refit.hf_checkpoint import load_spec
+from refit.planners import MIN_BUCKET_BYTES, make_plan
 from refit.spec import ModelSpec, build_spec
 from refit.units import MiB
 

@@ -218,6 +218,7 @@ def run_grpc(args: argparse.Namespace, spec: ModelSpec, plan: Any, cuda: bool, t
         "via": "grpc", "model": spec.name, "src": plan.src.describe(), "dst": plan.dst.describe(),
         "placement": args.placement, "planner": args.planner, "device": "cuda" if cuda else "cpu",
         "transport": transport if cuda else "gloo", "reduced": reduced, "processes": len(ranks.procs), "plan_id": created["plan_id"],
+        "plan_hash": created["plan_hash"],
         "round_trip": _stats(trips), "data": _stats(data), "overhead": _stats(worst),
         "engine_bytes": result.total_bytes, "verified": verified, "alloc": args.alloc,
         "engine_allocation": ("one allocation per parameter (as vLLM), written in place" if args.alloc == "framework"

@@ -37,7 +37,7 @@ import time
 import uuid
 from typing import Any, Callable
 
-from planners import PLANNERS, make_plan
+from refit.planners import PLANNERS, make_plan
 from refit.control.common import PLACEMENT_NAMES, Exhausted, NotFound, Precondition, short
 from refit.control.events import EventHub
 from refit.control.refits import Run, failed_response, response, touched
@@ -172,7 +172,7 @@ class Coordinator:
         except Exception:  # not cached: a later request plans again
             self._plan_keys.pop(key, None)
             raise
-        plan_id = control_plan_id(result.plan.plan_id, src_group, dst_group)
+        plan_id = control_plan_id(result.plan.plan_hash, src_group, dst_group)
         if plan_id not in self.plans:
             members = tuple(w.worker_id for w in src + dst)
             self.plans[plan_id] = PlanEntry(plan_id, result.plan, result.summary, src_group, dst_group,
@@ -185,6 +185,10 @@ class Coordinator:
             raise RefitError("plan_id is required")
         entry = self.plans.get(plan_id)
         if entry is None:
+            hashed = [e.plan_id for e in self.plans.values() if e.plan.plan_hash == plan_id]
+            if hashed:  # what `refit plan` prints: say which id to pass instead
+                raise NotFound(f"{short(plan_id)} is a plan hash (what `refit plan` prints), not a plan id: Refit "
+                               f"takes the plan_id that CreatePlan returned ({', '.join(sorted(hashed))})")
             raise NotFound(f"unknown plan {short(plan_id)}")
         return entry
 

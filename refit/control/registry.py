@@ -80,7 +80,7 @@ class PlanEntry:
     def to_pb(self) -> pb.PlanSummary:
         s = self.summary
         return pb.PlanSummary(
-            plan_id=self.plan_id, plan_hash=s["plan_id"], model=s["model"], model_digest=self.plan.model_digest,
+            plan_id=self.plan_id, plan_hash=s["plan_hash"], model=s["model"], model_digest=self.plan.model_digest,
             src_group=self.src_group, dst_group=self.dst_group, src_layout=s["src"], dst_layout=s["dst"],
             placement=s["placement"], planner=s["planner"], num_gpus=s["num_gpus"], total_bytes=s["total_bytes"],
             local_bytes=s["local_bytes"], remote_bytes=s["remote_bytes"], max_send_bytes=s["max_send_bytes"],

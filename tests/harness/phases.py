@@ -68,9 +68,9 @@ class RecordingHook:
         self.calls: list[tuple[int, list[str]]] = []
 
     def check(self, plan: Plan) -> None:
-        self.checked.append(plan.plan_id)
+        self.checked.append(plan.plan_hash)
         if self.refuse:
-            raise RefitError(f"this engine cannot land plan {plan.plan_id} in phases of {plan.phase_layers} layers")
+            raise RefitError(f"this engine cannot land plan {plan.plan_hash} in phases of {plan.phase_layers} layers")
 
     def landed(self, plan: Plan, phase: int) -> None:
         mixed = mixed_canonical(self.spec, self.old, self.new, plan, phase)

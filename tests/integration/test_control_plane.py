@@ -105,7 +105,7 @@ def test_repeated_refits_bit_exact_with_events(cluster: Cluster) -> None:
     again = cluster.client.create_plan("trainer", "engine", bucket_bytes=4096)
     assert again["plan_id"] == cluster.plan_id and again["cached"] and again["num_buckets"] > 1
     full = cluster.client.get_plan(cluster.plan_id, include_plan=True)
-    assert full["plan"].plan_id == full["plan_hash"] and full["src_layout"] == "megatron:tp2ep2etp1dp1"
+    assert full["plan"].plan_hash == full["plan_hash"] and full["src_layout"] == "megatron:tp2ep2etp1dp1"
     events: list[dict] = []
     coord = cluster.server.server.coord
     assert not cluster.server.call(lambda: bool(coord.events))  # no watcher yet: the wait below means something

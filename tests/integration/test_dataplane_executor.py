@@ -24,7 +24,7 @@ from typing import Any
 import pytest
 import torch.distributed as dist
 
-from planners import make_plan
+from refit.planners import make_plan
 from tests.harness.control_cluster import DST, MODEL, SRC
 from tests.harness.tiny import tiny_spec
 
@@ -81,7 +81,7 @@ def _member_main(conn: Any, port: int, index: int, plan_dict: dict) -> None:
         if cmd == "refit":
             prefix, timeout, version, hang = args
             dp.refit_hook = (lambda: strike_self(signal.SIGSTOP)) if hang else None
-            ctx = Watched(plan.plan_id, f"r{version}", spec, layout,
+            ctx = Watched(plan.plan_hash, f"r{version}", spec, layout,
                           Rendezvous("127.0.0.1", port, prefix, 4, index, NAMES), time.monotonic() + timeout)
             threading.Thread(target=run, args=(prefix, timeout, version), daemon=True).start()
         elif cmd == "cancel":
@@ -254,7 +254,7 @@ def test_a_member_whose_prepare_fails_is_closed(monkeypatch: pytest.MonkeyPatch)
     spec = tiny_spec(MODEL)
     plan = make_plan(spec, SRC, DST).plan
     layout = resolve_layout(SRC, spec, "src")
-    ctx = RunContext(plan.plan_id, "r1", spec, layout, Rendezvous("127.0.0.1", 1, "p/", 4, 0, NAMES),
+    ctx = RunContext(plan.plan_hash, "r1", spec, layout, Rendezvous("127.0.0.1", 1, "p/", 4, 0, NAMES),
                      time.monotonic() + 10, store=lambda timeout_s: None)
     with pytest.raises(RefitError, match="another layout"):
         dpe.ExecutorDataPlane("comm")(plan, "trainer", 0, fill(spec, layout, 0, 1), 1, ctx)

@@ -19,7 +19,6 @@ from pathlib import Path
 import pytest
 import torch
 
-from planners import make_plan
 from refit.bench.launch import WorkerFailure, run_job
 from refit.bench.worker import Job, PlanRun, Refit
 from refit.executor.topology import Topology
@@ -27,6 +26,7 @@ from refit.executor.copies import CopyBatch, merge
 from refit.executor.shards import allocate, fill_sentinel, fill_source, verify
 from refit.executor.values import check_box, expected_bits, fill_box
 from refit.layouts import resolve_layout
+from refit.planners import make_plan
 from refit.spec import ModelConfig, build_spec
 
 ROOT = Path(__file__).resolve().parents[2]

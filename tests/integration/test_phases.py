@@ -21,7 +21,6 @@ import grpc
 import pytest
 import torch.distributed as dist
 
-from planners import make_plan
 from refit.control.agent import EngineAgent, TrainerAgent
 from refit.control.client import Client, RefitFailed
 from refit.control.dataplane import NoopDataPlane
@@ -31,6 +30,7 @@ from refit.executor.topology import Topology
 from refit.layouts import resolve_layout
 from refit.phases import WHOLE
 from refit.plan import Plan
+from refit.planners import make_plan
 from tests.harness.control_cluster import DST, MODEL, SRC, fill
 from tests.harness.phases import AgentProcess, RecordingHook, differing, mixed_canonical, rank_tensors
 from tests.harness.tiny import tiny_spec

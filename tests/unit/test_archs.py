@@ -12,9 +12,9 @@ from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 from safetensors import safe_open
 
-from planners import make_plan
 from refit.errors import RefitError
 from refit.layouts import resolve_layout
+from refit.planners import make_plan
 from refit.reshard import SafetensorsWriter, rank_file
 from refit.hf_checkpoint import load_spec, spec_from_dir
 from refit.spec import ModelConfig, build_spec

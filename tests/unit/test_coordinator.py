@@ -306,3 +306,21 @@ def test_close_ends_a_refit_waiting_on_silent_members() -> None:
         assert owner.cancelled()
 
     run(main())
+
+
+def test_a_plan_hash_given_as_a_plan_id_is_told_which_id_to_use() -> None:
+    """`refit plan` prints the plan's content hash; `Refit` takes the id `CreatePlan` returned.
+    Pasting the one for the other answered a bare NotFound: now the message names the plan id."""
+    from refit.control.common import NotFound
+
+    async def main() -> None:
+        coord, _, plan_id = await cluster()
+        plan_hash = coord.plans[plan_id].plan.plan_hash
+        assert plan_hash != plan_id
+        with pytest.raises(NotFound, match=f"is a plan hash .* not a plan id: Refit takes the plan_id that "
+                                           f"CreatePlan returned \\({plan_id}\\)"):
+            await coord.refit(plan_hash, 1, 1.0)
+        with pytest.raises(NotFound, match="unknown plan 'nope'"):
+            coord.get_plan("nope")
+
+    run(main())

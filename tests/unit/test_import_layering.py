@@ -1,5 +1,7 @@
-"""The import flow is one-way: spec -> layouts -> plan -> planners -> reshard / executor / control /
-cli, planning never imports torch, and nothing in refit/ imports `planners` inside a function."""
+"""The import flow is one-way: spec -> layouts -> plan -> refit.planners -> reshard / executor /
+control / cli; planning never imports torch; the planners import nothing above them; nothing in
+refit/ imports the planners inside a function; and the top-level `planners` package is only a
+deprecated alias of `refit.planners` that nothing in refit/ uses."""
 
 from __future__ import annotations
 
@@ -12,39 +14,96 @@ import pytest
 
 ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
-# Function-level `planners` imports still in files of branches not merged yet (refit/bench.py
-# belongs to the executor branch, refit/control/coordinator.py to the control branch).
-# Remove once those branches have merged.
+# What the planners (pure planning) may not import, directly or through what they import.
+ABOVE_PLANNING = ("torch", "safetensors", "grpc", "refit.executor", "refit.control", "refit.integrations",
+                  "refit.reshard", "refit.cli", "refit.bench", "refit.entrypoint")
+
+
 def fresh(code: str) -> None:
     """Run ``code`` in a new interpreter (imports cached in this one would hide a cycle)."""
     env = {**os.environ, "PYTHONPATH": ROOT + os.pathsep + os.environ.get("PYTHONPATH", "")}
     subprocess.run([sys.executable, "-c", code], check=True, env=env, cwd=ROOT, timeout=120)
 
 
-@pytest.mark.parametrize("first", ["planners", "refit", "refit.spec", "refit.layouts", "refit.plan",
-                                   "refit.hf_checkpoint", "refit.cli", "planners.p2p"])
+def _imports(path: str) -> list[tuple[ast.AST, str, bool]]:
+    """(node, module name, inside a function) for every import statement of a file."""
+    with open(path) as fh:
+        tree = ast.parse(fh.read())
+    in_function = {id(node) for fn in ast.walk(tree) if isinstance(fn, (ast.FunctionDef, ast.AsyncFunctionDef))
+                   for node in ast.walk(fn)}
+    found = []
+    for node in ast.walk(tree):
+        names = ([a.name for a in node.names] if isinstance(node, ast.Import)
+                 else [node.module or ""] if isinstance(node, ast.ImportFrom) and not node.level else [])
+        found.extend((node, n, id(node) in in_function) for n in names)
+    return found
+
+
+def _py_files(top: str):
+    for dirpath, _, files in os.walk(os.path.join(ROOT, top)):
+        for f in sorted(files):
+            if f.endswith(".py"):
+                path = os.path.join(dirpath, f)
+                yield path, os.path.relpath(path, ROOT)
+
+
+def _within(name: str, package: str) -> bool:
+    return name == package or name.startswith(package + ".")
+
+
+@pytest.mark.parametrize("first", ["refit.planners", "refit", "refit.spec", "refit.layouts", "refit.plan",
+                                   "refit.hf_checkpoint", "refit.cli", "refit.planners.p2p",
+                                   "refit.planners.registry", "refit.planners.base"])
 def test_any_module_imports_first_and_planning_needs_no_torch(first):
-    fresh(f"import sys, {first}, refit, planners\n"
+    fresh(f"import sys, inspect, {first}, refit, refit.planners\n"
+          "assert refit.make_plan is refit.planners.make_plan is refit.planners.registry.make_plan\n"
+          "assert 'phase_layers' in inspect.signature(refit.make_plan).parameters\n"
           "assert refit.make_plan(refit.load_spec('qwen3-8b'), 'tp2', 'tp4').summary['num_gpus'] == 4\n"
-          "assert planners.make_plan is not None and 'torch' not in sys.modules, sorted(sys.modules)")
+          "assert 'torch' not in sys.modules, sorted(sys.modules)\n"
+          "assert 'planners' not in sys.modules, 'refit imported the deprecated top-level planners'")
 
 
-def test_no_function_level_imports_of_planners_in_refit():
-    lazy = []
-    for dirpath, _, files in os.walk(os.path.join(ROOT, "refit")):
-        for f in files:
-            if not f.endswith(".py"):
-                continue
-            path = os.path.join(dirpath, f)
-            rel = os.path.relpath(path, ROOT)
-            with open(path) as fh:
-                tree = ast.parse(fh.read())
-            for fn in ast.walk(tree):
-                if not isinstance(fn, (ast.FunctionDef, ast.AsyncFunctionDef)):
-                    continue
-                for node in ast.walk(fn):
-                    names = ([a.name for a in node.names] if isinstance(node, ast.Import)
-                             else [node.module or ""] if isinstance(node, ast.ImportFrom) else [])
-                    if any(n == "planners" or n.startswith("planners.") for n in names):
-                        lazy.append(f"{rel}:{node.lineno}")
-    assert not lazy, f"import planners at module top instead: {lazy}"
+def test_the_planners_import_nothing_above_planning():
+    fresh("import sys, refit.planners\n"
+          f"above = [m for m in sys.modules if any(m == a or m.startswith(a + '.') for a in {ABOVE_PLANNING!r})]\n"
+          "assert not above, above")
+    bad = [f"{rel}:{node.lineno} {name}" for path, rel in _py_files(os.path.join("refit", "planners"))
+           for node, name, _ in _imports(path)
+           if any(_within(name, a) for a in ABOVE_PLANNING + ("planners",))]
+    assert not bad, f"refit.planners is pure planning: {bad}"
+
+
+def test_refit_imports_the_planners_at_module_top_and_never_the_deprecated_package():
+    lazy, old = [], []
+    for path, rel in _py_files("refit"):
+        for node, name, in_function in _imports(path):
+            if _within(name, "planners"):
+                old.append(f"{rel}:{node.lineno}")
+            if _within(name, "refit.planners") and in_function:
+                lazy.append(f"{rel}:{node.lineno}")
+    assert not old, f"import refit.planners, not the deprecated top-level planners: {old}"
+    assert not lazy, f"import refit.planners at module top instead: {lazy}"
+
+
+def test_the_top_level_planners_package_is_a_deprecated_alias():
+    fresh("import warnings\n"
+          "with warnings.catch_warnings(record=True) as caught:\n"
+          "    warnings.simplefilter('always')\n"
+          "    import planners\n"
+          "    import planners.base, planners.broadcast, planners.p2p, planners.registry\n"
+          "    from planners import make_plan, PLANNERS, P2PPlanner, BroadcastPlanner, Planner, PlanResult\n"
+          "    from planners.registry import MIN_BUCKET_BYTES\n"
+          "deprecations = [w for w in caught if issubclass(w.category, DeprecationWarning)]\n"
+          "assert len(deprecations) == 1, [str(w.message) for w in caught]\n"
+          "assert 'refit.planners' in str(deprecations[0].message), deprecations[0].message\n"
+          # shown by Python's default filters: attributed to the importing code, not to the shim
+          "assert deprecations[0].filename == '<string>', deprecations[0].filename\n"
+          "import refit, refit.planners\n"
+          "for name in ('base', 'broadcast', 'p2p', 'registry'):\n"
+          "    assert getattr(planners, name) is getattr(refit.planners, name), name\n"
+          "assert planners.make_plan is make_plan is refit.make_plan is refit.planners.make_plan\n"
+          "assert PLANNERS is refit.planners.PLANNERS and PlanResult is refit.planners.PlanResult\n"
+          "assert (P2PPlanner, BroadcastPlanner, Planner) == (refit.planners.P2PPlanner, "
+          "refit.planners.BroadcastPlanner, refit.planners.Planner)\n"
+          "assert MIN_BUCKET_BYTES == refit.planners.MIN_BUCKET_BYTES\n"
+          "assert planners.make_plan(refit.load_spec('qwen3-8b'), 'tp2', 'tp4').summary['num_gpus'] == 4\n")

@@ -14,11 +14,11 @@ import pytest
 import torch
 import torch.distributed as dist
 
-from planners import make_plan
 from refit.errors import RefitError
 from refit.executor.member import Budget, Member, connect, locate, shares
 from refit.executor.shards import allocate, fill_sentinel, fill_source, verify
 from refit.executor.topology import Topology
+from refit.planners import make_plan
 from refit.spec import ModelConfig, build_spec
 from tests.harness.procs import together
 

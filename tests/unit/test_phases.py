@@ -9,10 +9,10 @@ import pytest
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
-from planners import make_plan
 from refit.errors import RefitError
 from refit.phases import WHOLE, phase_key, phase_plan
 from refit.plan import Plan, summarize
+from refit.planners import make_plan
 from refit.spec import ModelConfig, build_spec
 from tests.harness.sim import canonical_ids, check_destination, run_plan
 from tests.harness.strategies import layouts, model_specs
@@ -58,7 +58,7 @@ def test_phased_plan_moves_the_same_elements_phase_by_phase(case):
     assert sum(b.nbytes for b in plan.buckets) == sum(b.nbytes for b in whole.buckets)
 
     again = Plan.from_dict(json.loads(json.dumps(plan.to_dict())))
-    assert again == plan and again.plan_id == plan.plan_id and again.phase_ranges() == ranges
+    assert again == plan and again.plan_hash == plan.plan_hash and again.phase_ranges() == ranges
     assert summarize(plan, spec, 0)["num_phases"] == len(ranges)
 
 
@@ -69,7 +69,7 @@ def test_unphased_plans_are_unchanged():
     assert result.plan.phase_ranges() == [(WHOLE, 0, len(result.plan.buckets))]
     assert "phase_layers" not in result.plan.to_dict() and "num_phases" not in result.summary
     phased = make_plan(spec, "megatron:tp2ep2", "vllm:tp2", "colocated", "p2p", 1 << 16, phase_layers=1)
-    assert phased.plan.plan_id != result.plan.plan_id and phased.summary["num_phases"] == len(phased.plan.phases)
+    assert phased.plan.plan_hash != result.plan.plan_hash and phased.summary["num_phases"] == len(phased.plan.phases)
 
 
 def test_phase_keys():

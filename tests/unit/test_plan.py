@@ -115,13 +115,13 @@ def test_summary_adds_up():
     assert s["local_bytes"] == 0  # disaggregated: stage 0 between GPUs 0 and 1, stage 1 across sides
     assert s["max_send_bytes"] == max(sum(b.nbytes for b in plan.buckets if plan.src_gpu(b) == g) for g in range(4))
     assert (s["num_gpus"], s["total_bytes"], s["plan_seconds"], s["bucket_bytes"]) == (4, 123, 0.5, 32)
-    assert s["plan_id"] == plan.plan_id
+    assert s["plan_hash"] == s["plan_id"] == plan.plan_hash
 
 
 def test_round_trip_through_json_keeps_the_plan_and_its_id():
     plan = small_plan()
     again = Plan.from_dict(json.loads(json.dumps(plan.to_dict())))
-    assert again == plan and again.plan_id == plan.plan_id
+    assert again == plan and again.plan_hash == plan.plan_hash
     assert again.to_dict()["format"] == PLAN_FORMAT
     bad = {**plan.to_dict(), "format": PLAN_FORMAT + 1}
     with pytest.raises(RefitError, match=f"plan format {PLAN_FORMAT + 1} is not {PLAN_FORMAT}"):
@@ -135,9 +135,9 @@ def test_plan_id_is_a_function_of_the_content(ts, bucket_bytes):
     out, buckets = pack_buckets(ts, TENSORS, bucket_bytes, place.src_gpus, place.dst_gpus)
     plan = Plan("m", "d", "s", "t", place, "p2p", bucket_bytes, dict(TENSORS), tuple(out), tuple(buckets))
     copy = Plan.from_dict(json.loads(json.dumps(plan.to_dict())))
-    assert copy == plan and copy.plan_id == plan.plan_id
+    assert copy == plan and copy.plan_hash == plan.plan_hash
     other = Plan("m", "d", "s", "t", place, "p2p", bucket_bytes + 1, dict(TENSORS), tuple(out), tuple(buckets))
-    assert other.plan_id != plan.plan_id
+    assert other.plan_hash != plan.plan_hash
 
 
 @pytest.mark.parametrize("model,src,dst,placement,planner,plan_id", [
@@ -148,24 +148,48 @@ def test_plan_id_is_a_function_of_the_content(ts, bucket_bytes):
     ("qwen3-30b-moe", "tp4ep8", "tp8dp2", "disaggregated", "p2p", "4487956ba7b428f4"),
 ])
 def test_plan_ids_are_stable(model, src, dst, placement, planner, plan_id):
-    from planners import make_plan
+    from refit.planners import make_plan
 
     result = make_plan(load_spec(model), src, dst, placement, planner, DEFAULT_BUCKET_BYTES)
-    assert result.plan.plan_id == plan_id
+    assert result.plan.plan_hash == plan_id
 
 
 def test_default_bucket_is_the_one_everyone_uses():
     import inspect
 
-    import planners
     import refit
+    import refit.planners
 
     assert DEFAULT_BUCKET_BYTES == 256 * 2**20
-    for fn in (planners.make_plan, refit.make_plan):
+    assert refit.make_plan is refit.planners.make_plan  # one make_plan, phase_layers and all
+    for fn in (refit.planners.make_plan, refit.make_plan):
         assert inspect.signature(fn).parameters["bucket_bytes"].default == DEFAULT_BUCKET_BYTES
     tiny = build_spec("t", ModelConfig.from_hf({"model_type": "llama", "hidden_size": 8, "num_attention_heads": 2,
                                                 "num_hidden_layers": 1, "vocab_size": 10, "intermediate_size": 8}))
     assert refit.make_plan(tiny, "tp1", "tp1").plan.bucket_bytes == DEFAULT_BUCKET_BYTES
+
+
+def test_planner_registry_is_like_the_layouts():
+    from refit.planners import PLANNERS, BroadcastPlanner, P2PPlanner, make_plan, register_planner
+
+    assert PLANNERS == {"p2p": P2PPlanner, "broadcast": BroadcastPlanner}
+    assert list(PLANNERS) == ["p2p", "broadcast"]  # the order errors list them in
+    with pytest.raises(ValueError, match="'p2p' is already registered"):
+        register_planner(type("Another", (P2PPlanner,), {}))
+    spec = load_spec("qwen3-8b")
+    with pytest.raises(RefitError, match="unknown planner 'mine': p2p, broadcast$"):
+        make_plan(spec, "tp2", "tp4", planner="mine")
+
+    class Mine(P2PPlanner):
+        name = "mine"
+
+    assert register_planner(Mine) is Mine
+    try:
+        assert PLANNERS["mine"] is Mine
+        mine = make_plan(spec, "tp2", "tp4", planner="mine").plan
+        assert mine.planner == "mine" and mine.buckets == make_plan(spec, "tp2", "tp4").plan.buckets
+    finally:
+        del PLANNERS["mine"]
 
 
 def _edited(edit) -> dict:
@@ -208,3 +232,13 @@ def test_gathers_is_answered_once_per_plan():
     assert plan.gathers  # it has stage-0 buckets
     object.__setattr__(plan, "buckets", ())  # a second scan would now answer False
     assert plan.gathers
+
+
+def test_plan_id_is_the_deprecated_name_of_plan_hash():
+    """`Plan.plan_id` was the content hash while the control plane's plan_id is another id: the
+    hash is `plan_hash` now, and the old name still answers it, with a DeprecationWarning."""
+    import refit
+
+    plan = refit.make_plan(load_spec("qwen3-8b"), "tp1", "tp2").plan
+    with pytest.warns(DeprecationWarning, match="use Plan.plan_hash"):
+        assert plan.plan_id == plan.plan_hash

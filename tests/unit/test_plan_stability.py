@@ -14,10 +14,10 @@ import json
 
 import pytest
 
-from planners import make_plan
 from refit.boxes import join_runs, merge_boxes
 from refit.hf_checkpoint import load_spec
 from refit.layouts import all_holdings, holdings, resolve_layout
+from refit.planners import make_plan
 
 # (model, src, dst, placement, planner, bucket bytes) -> (plan id, summary hash)
 PINNED = {
@@ -57,8 +57,9 @@ PINNED = {
 
 
 def summary_hash(summary: dict) -> str:
-    # plan_json_bytes was added to the summary after these were pinned (and is checked below)
-    kept = {k: v for k, v in summary.items() if k not in ("plan_seconds", "plan_json_bytes")}
+    # plan_json_bytes and plan_hash (plan_id's new name, the same value: checked below) were added
+    # to the summary after these were pinned
+    kept = {k: v for k, v in summary.items() if k not in ("plan_seconds", "plan_json_bytes", "plan_hash")}
     return hashlib.sha256(json.dumps(kept, sort_keys=True).encode()).hexdigest()[:16]
 
 
@@ -67,8 +68,8 @@ def test_plan_is_unchanged(case):
     model, src, dst, placement, planner, bucket = case
     result = make_plan(load_spec(model), src, dst, placement, planner, bucket)
     plan_id, summary = PINNED[case]
-    assert result.plan.plan_id == plan_id
-    assert result.summary["plan_id"] == plan_id
+    assert result.plan.plan_hash == plan_id
+    assert result.summary["plan_id"] == result.summary["plan_hash"] == plan_id
     assert summary_hash(result.summary) == summary
     if result.summary["num_transfers"] < 20000:
         assert result.summary["plan_json_bytes"] == len(json.dumps(result.plan.to_dict(), separators=(",", ":")))

@@ -8,11 +8,11 @@ import json
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
-from planners import make_plan
 from refit.boxes import volume
 from refit.layouts import all_holdings
 from refit.plan import Plan
 from refit.dtypes import DTYPE_BYTES
+from refit.planners import make_plan
 from tests.harness.sim import canonical_ids, check_destination, run_plan
 from tests.harness.strategies import layouts, model_specs
 
@@ -55,9 +55,9 @@ def test_plans_are_static_serialisable_and_bounded(case):
     a = make_plan(spec, src, dst, placement, "p2p", bucket)
     all_holdings.cache_clear()
     b = make_plan(spec, src, dst, placement, "p2p", bucket)
-    assert a.plan.plan_id == b.plan.plan_id
+    assert a.plan.plan_hash == b.plan.plan_hash
     again = Plan.from_dict(json.loads(json.dumps(a.plan.to_dict())))
-    assert again == a.plan and again.plan_id == a.plan.plan_id
+    assert again == a.plan and again.plan_hash == a.plan.plan_hash
     for bk in a.plan.buckets:
         ts = a.plan.transfers[bk.first:bk.first + bk.count]
         assert all((t.stage, t.src, t.dst) == (bk.stage, bk.src, bk.dst) for t in ts)

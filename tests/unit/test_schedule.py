@@ -8,10 +8,10 @@ from collections import Counter
 
 import pytest
 
-from planners import make_plan
 from refit.boxes import volume
 from refit.executor.schedule import compile_program, pullable
 from refit.executor.topology import Topology
+from refit.planners import make_plan
 from refit.spec import ModelConfig, build_spec
 
 MOE = build_spec("tiny-moe", ModelConfig(

@@ -290,14 +290,14 @@ class Landing:
         engine's window (its staged tensors alias one buffer: an unphased plan would write every
         window into it at once)."""
         if self.window is not None and plan.phase_layers != self.phase_layers:
-            raise RefitError(f"vllm: plan {plan.plan_id} is cut into phases of {plan.phase_layers} layers (0: not "
+            raise RefitError(f"vllm: the plan (hash {plan.plan_hash}) is cut into phases of {plan.phase_layers} layers (0: not "
                              f"phased) but this engine stages one window of {self.phase_layers} layers: create the "
                              f"plan after the engine registered with window_layers={self.phase_layers} (with a "
                              f"coordinator that cuts plans into phases), or register with window_layers=0")
-        if plan.plan_id not in self._logged_plans:
-            self._logged_plans.add(plan.plan_id)
-            log.info("refit landing: plan %s, %d phases of %d layers; staging window %.1f MiB (the whole shard "
-                     "staged: %.1f MiB)", plan.plan_id, len(plan.phase_ranges()), plan.phase_layers,
+        if plan.plan_hash not in self._logged_plans:
+            self._logged_plans.add(plan.plan_hash)
+            log.info("refit landing: plan hash %s, %d phases of %d layers; staging window %.1f MiB (the whole shard "
+                     "staged: %.1f MiB)", plan.plan_hash, len(plan.phase_ranges()), plan.phase_layers,
                      self.nbytes / 2**20, self.unphased_nbytes / 2**20)
 
     @torch.no_grad()

@@ -8,11 +8,13 @@ largest part, so the gather work is spread.
 
 from __future__ import annotations
 
-from planners.base import source_index, sources_for
+from typing import ClassVar
+
 from refit.boxes import Box, intersect, volume
 from refit.dtypes import DTYPE_BYTES
 from refit.layouts import Layout, all_holdings
 from refit.plan import Placement, Plan, Transfer, pack_buckets
+from refit.planners.base import source_index, sources_for
 from refit.spec import ModelSpec
 
 
@@ -26,7 +28,7 @@ def full_units(spec: ModelSpec, tensor: str) -> list[Box]:
 
 
 class BroadcastPlanner:
-    name = "broadcast"
+    name: ClassVar[str] = "broadcast"
 
     def plan(self, spec: ModelSpec, src: Layout, dst: Layout, placement: Placement, bucket_bytes: int) -> Plan:
         index = source_index(spec, src)

@@ -5,7 +5,7 @@ from __future__ import annotations
 import bisect
 import math
 from itertools import product
-from typing import NamedTuple, Protocol
+from typing import ClassVar, NamedTuple, Protocol
 
 from refit.boxes import Box, Index, intersect, volume
 from refit.dtypes import DTYPE_BYTES
@@ -16,7 +16,7 @@ from refit.spec import ModelSpec
 
 
 class Planner(Protocol):
-    name: str
+    name: ClassVar[str]  # its key in `refit.planners.PLANNERS`: ``p2p`` in ``refit plan --planner p2p``
 
     def plan(self, spec: ModelSpec, src: Layout, dst: Layout, placement: Placement, bucket_bytes: int) -> Plan:
         """Layouts are resolved (``layout.resolve(spec)``) before they are passed in."""

@@ -12,12 +12,13 @@ from __future__ import annotations
 from collections import defaultdict
 from math import prod
 from operator import itemgetter
+from typing import ClassVar
 
-from planners.base import source_index, source_parts
 from refit.boxes import Box, Index
 from refit.dtypes import DTYPE_BYTES
 from refit.layouts import Layout, all_holdings
 from refit.plan import Pairs, Placement, Plan, Transfer, pack_pairs
+from refit.planners.base import source_index, source_parts
 from refit.spec import ModelSpec
 
 
@@ -26,7 +27,7 @@ def _group() -> tuple[list[Transfer], list[int]]:
 
 
 class P2PPlanner:
-    name = "p2p"
+    name: ClassVar[str] = "p2p"
 
     def plan(self, spec: ModelSpec, src: Layout, dst: Layout, placement: Placement, bucket_bytes: int) -> Plan:
         index = source_index(spec, src)

@@ -1,4 +1,8 @@
-"""The planners by name, and `make_plan`: resolve both layouts, plan, summarise."""
+"""The planners by name, and `make_plan`: resolve both layouts, plan, summarise.
+
+Every planner is one class in its own module declaring its ``name``; `PLANNERS` maps names to
+those classes (as `refit.layouts.LAYOUTS` does frameworks), and `register_planner` adds one.
+"""
 
 from __future__ import annotations
 
@@ -8,17 +12,30 @@ import time
 from dataclasses import dataclass
 from typing import Any, Iterator
 
-from planners.base import Planner, total_bytes
-from planners.broadcast import BroadcastPlanner
-from planners.p2p import P2PPlanner
 from refit.errors import RefitError
 from refit.layouts import Layout, all_holdings, resolve_layout
 from refit.phases import phase_plan
 from refit.plan import DEFAULT_BUCKET_BYTES, Placement, Plan, summarize
+from refit.planners.base import Planner, total_bytes
+from refit.planners.broadcast import BroadcastPlanner
+from refit.planners.p2p import P2PPlanner
 from refit.spec import ModelSpec
 
-PLANNERS: dict[str, type[Planner]] = {"p2p": P2PPlanner, "broadcast": BroadcastPlanner}
+# planner name -> planner class (in the order errors list them)
+PLANNERS: dict[str, type[Planner]] = {}
 MIN_BUCKET_BYTES = 4096
+
+
+def register_planner(cls: type[Planner]) -> type[Planner]:
+    """Add a planner class to the registry (its ``name`` must be new)."""
+    if cls.name in PLANNERS:
+        raise ValueError(f"a planner named {cls.name!r} is already registered: {PLANNERS[cls.name]}")
+    PLANNERS[cls.name] = cls
+    return cls
+
+
+for _builtin in (P2PPlanner, BroadcastPlanner):
+    register_planner(_builtin)
 
 
 @dataclass(frozen=True)
