@@ -126,7 +126,7 @@ class Agent:
         self.reconnect, self.backoff = reconnect, backoff
         self._options = channel_options(keepalive_ms, keepalive_timeout_ms)
         self._version, self._stale = version, False
-        self._stale_before = False  # an engine's staleness before the refit it runs now
+        self._stale_before: tuple[str, bool] = ("", False)  # (refit id, staleness before it started here)
         self._live = False  # registered on the current stream
         self._running = ""  # refit id whose share runs on our thread
         self._last_refit = ""  # the refit we were last told to run: outcomes of others are ignored
@@ -336,7 +336,7 @@ class Agent:
 
     async def _start(self, run: pb.RunRefit, deadline: float) -> None:
         if self.role == "engine":
-            self._stale_before = self._stale
+            self._stale_before = (run.refit_id, self._stale)
             self._stale = True  # from now on our weights may be overwritten
         try:
             plan = await self._plan(run)
@@ -426,8 +426,10 @@ class Agent:
             return
         if out.committed:
             self._version, self._stale = out.version, False
-        else:  # moved nothing: we hold what we held
-            self._stale = self._stale_before if out.untouched else True
+        elif not out.untouched:
+            self._stale = True
+        elif self._stale_before[0] == out.refit_id:  # moved nothing: we hold what we held before it
+            self._stale = self._stale_before[1]
         log.info("%s: refit %s %s, holding version %d%s", self.worker_id, out.refit_id,
                  "committed" if out.committed else "failed", self._version, " (stale)" if self._stale else "")
 

@@ -66,3 +66,20 @@ def test_a_run_queued_behind_an_abandoned_share_is_dropped_with_its_stream() -> 
     """Its coordinator counted us out when the stream ended: started later, alone, it would only
     hold our thread at its rendezvous until its own timeout."""
     assert queued_run(stream_ends=True) == []
+
+
+def test_a_refit_that_moved_nothing_leaves_staleness_as_it_was() -> None:
+    """An outcome saying a failed refit moved nothing (`Outcome.untouched`) restores what the
+    engine held before that refit started here — and changes nothing for a refit this engine
+    never started (answered "busy" while an abandoned share still ran): it must not clear the
+    staleness an earlier, torn refit left."""
+    a = engine()
+    a._stale_before, a._stale, a._last_refit = ("A", False), True, "A"  # A started here, from fresh weights
+    a._on_outcome(pb.Outcome(refit_id="A", committed=False, version=4, untouched=True))
+    assert (a.version, a.stale) == (3, False)
+    a._stale_before, a._stale, a._last_refit = ("B", False), True, "B"  # B started, then tore the weights
+    a._on_outcome(pb.Outcome(refit_id="B", committed=False, version=5))
+    assert a.stale
+    a._last_refit = "C"  # C answered busy (B's share still runs): never started here
+    a._on_outcome(pb.Outcome(refit_id="C", committed=False, version=6, untouched=True))
+    assert (a.version, a.stale) == (3, True)
