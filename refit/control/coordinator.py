@@ -37,17 +37,17 @@ import time
 import uuid
 from typing import Any, Callable
 
-from refit.planners import PLANNERS, make_plan
 from refit.control.common import PLACEMENT_NAMES, Exhausted, NotFound, Precondition, short
 from refit.control.events import EventHub
 from refit.control.refits import Run, failed_response, response, touched
-from refit.control.rendezvous import RendezvousStore
 from refit.control.registry import (MAX_VERSION, PlanEntry, Worker, absent_members, build_registration,
                                     check_group_role, check_info, check_plan_members, check_same_model, check_slot,
                                     check_version, control_plan_id, group_members, holds_version, plan_json)
+from refit.control.rendezvous import RendezvousStore
 from refit.control.v1 import refit_pb2 as pb
 from refit.errors import RefitError
 from refit.plan import DEFAULT_BUCKET_BYTES
+from refit.planners import PLANNERS, make_plan
 from refit.spec import ModelSpec
 
 log = logging.getLogger(__name__)
