@@ -13,7 +13,7 @@ from __future__ import annotations
 
 from typing import Any
 
-from refit.errors import RefitError
+from refit.errors import InvalidInput, RefitError, RefitFailed
 from refit.hf_checkpoint import load_spec
 from refit.layouts import Layout, parse_layout, resolve_layout
 from refit.plan import DEFAULT_BUCKET_BYTES, Placement, Plan
@@ -32,5 +32,5 @@ def __getattr__(name: str) -> Any:
     raise AttributeError(f"module 'refit' has no attribute {name!r}")
 
 
-__all__ = ["Client", "TrainerAgent", "EngineAgent", "RefitError", "ModelSpec", "Placement", "Plan", "PlanResult",
+__all__ = ["Client", "TrainerAgent", "EngineAgent", "RefitError", "InvalidInput", "RefitFailed", "ModelSpec", "Placement", "Plan", "PlanResult",
            "load_spec", "make_plan", "parse_layout", "resolve_layout"]

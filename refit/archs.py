@@ -17,7 +17,7 @@ from __future__ import annotations
 import re
 from typing import Any, Callable
 
-from refit.errors import RefitError
+from refit.errors import InvalidInput
 
 DEEPSEEK_ARCHS = ("deepseek_v3", "kimi_k2")  # Kimi-K2 writes model_type kimi_k2 with DeepseekV3ForCausalLM
 FAMILY_ARCHS = DEEPSEEK_ARCHS + ("glm4_moe",)
@@ -28,7 +28,7 @@ PerLayer = Callable[..., None]  # per_layer(suffix, shape, layers=..., dtype=...
 def _int(cfg: dict[str, Any], key: str, default: int | None = None) -> int:
     v = cfg.get(key, default)
     if v is None:
-        raise RefitError(f"config.json lacks {key!r} (needed for model_type {cfg.get('model_type')!r})")
+        raise InvalidInput(f"config.json lacks {key!r} (needed for model_type {cfg.get('model_type')!r})")
     return int(v)
 
 

@@ -17,7 +17,7 @@ from refit import __version__
 from refit.catalog import CATALOG
 from refit.dtypes import DTYPE_BYTES
 from refit.entrypoint import run_main, setup_logging
-from refit.errors import RefitError
+from refit.errors import InvalidInput
 from refit.hf_checkpoint import hf_config, load_spec
 from refit.layouts import LAYOUT_HELP, resolve_layout
 from refit.plan import DEFAULT_BUCKET_BYTES
@@ -71,7 +71,7 @@ def cmd_layout(args: argparse.Namespace) -> int:
     spec = load_spec(args.model)
     layout = resolve_layout(args.layout, spec, args.role)
     if args.rank is not None and not 0 <= args.rank < layout.world_size:
-        raise RefitError(f"rank {args.rank} is outside {layout.describe()} (world size {layout.world_size})")
+        raise InvalidInput(f"rank {args.rank} is outside {layout.describe()} (world size {layout.world_size})")
     ranks = [args.rank] if args.rank is not None else list(range(layout.world_size))
     out: dict[str, Any] = {"layout": layout.describe(), "degrees": layout.details(), "ranks": {}}
     for r in ranks:
@@ -103,7 +103,7 @@ def _degrees(d: dict[str, int]) -> str:
 def cmd_plan(args: argparse.Namespace) -> int:
     spec = load_spec(args.model)
     if args.phase_layers < 0:
-        raise RefitError(f"--phase-layers must be >= 0, got {args.phase_layers}")
+        raise InvalidInput(f"--phase-layers must be >= 0, got {args.phase_layers}")
     result = make_plan(spec, args.src, args.dst, args.placement, args.planner, int(args.bucket_mb * MiB),
                        args.phase_layers)
     s = result.summary
@@ -146,9 +146,9 @@ def write_file_atomically(path: str, text: str) -> None:
     """Write ``path`` whole or not at all (a temporary file beside it, fsynced, then renamed)."""
     folder = os.path.dirname(os.path.abspath(path))
     if not os.path.isdir(folder):
-        raise RefitError(f"--out {path}: folder {folder} does not exist")
+        raise InvalidInput(f"--out {path}: folder {folder} does not exist")
     if os.path.isdir(path):
-        raise RefitError(f"--out {path} is a directory")
+        raise InvalidInput(f"--out {path} is a directory")
     fd, tmp = -1, ""
     try:
         fd, tmp = tempfile.mkstemp(prefix=f".{os.path.basename(path)}.", dir=folder)
@@ -159,7 +159,7 @@ def write_file_atomically(path: str, text: str) -> None:
             os.fsync(f.fileno())
         os.replace(tmp, path)
     except OSError as e:
-        raise RefitError(f"writing {path}: {e.strerror or e}") from None
+        raise InvalidInput(f"writing {path}: {e.strerror or e}") from None
     finally:
         if tmp and os.path.exists(tmp):
             os.unlink(tmp)
@@ -175,7 +175,7 @@ def _umask() -> int:
 
 def cmd_reshard(args: argparse.Namespace) -> int:
     if not os.path.isdir(args.in_dir):
-        raise RefitError(f"--in {args.in_dir} is not a directory")
+        raise InvalidInput(f"--in {args.in_dir} is not a directory")
     check_output(args.in_dir, args.out_dir, args.force)
     spec = load_spec(args.model)
     src = resolve_layout(args.src, spec, "src")

@@ -10,8 +10,9 @@ how a command ends.
 
 `run_main(fn, prog)` calls ``fn()`` and returns its exit status, mapping what may escape it:
 
-* `refit.errors.RefitError` (bad input) → its message as one line on stderr,
+* `refit.errors.InvalidInput` (bad input) → its message as one line on stderr,
   ``<prog>: error: ...``, status 2 (``EXIT_USAGE``), no traceback;
+* `refit.errors.RefitFailed` (a refit that started failed) → one line, status 3 (``EXIT_FAILED``);
 * Ctrl-C (`KeyboardInterrupt`) → status 130 (``EXIT_INTERRUPTED``), quietly;
 * `BrokenPipeError` (output piped into ``head``, the reader went away) → status 141
   (``EXIT_BROKEN_PIPE``, as a process killed by SIGPIPE), quietly;
@@ -25,9 +26,9 @@ import os
 import sys
 from typing import Callable
 
-from refit.errors import RefitError
+from refit.errors import RefitError, RefitFailed
 
-EXIT_USAGE, EXIT_INTERRUPTED, EXIT_BROKEN_PIPE = 2, 130, 141
+EXIT_USAGE, EXIT_FAILED, EXIT_INTERRUPTED, EXIT_BROKEN_PIPE = 2, 3, 130, 141
 LOG_FORMAT = "%(asctime)s %(name)s %(levelname)s %(message)s"
 
 
@@ -49,7 +50,7 @@ def run_main(fn: Callable[[], int], prog: str = "refit") -> int:
         return fn()
     except RefitError as e:
         _stderr(error_line(prog, e))
-        return EXIT_USAGE
+        return EXIT_FAILED if isinstance(e, RefitFailed) else EXIT_USAGE
     except KeyboardInterrupt:
         return EXIT_INTERRUPTED
     except BrokenPipeError:

@@ -18,7 +18,7 @@ from typing import Any
 
 from refit.catalog import CATALOG
 from refit.dtypes import FROM_SAFETENSORS
-from refit.errors import RefitError
+from refit.errors import InvalidInput, RefitError
 from refit.archs import mtp_layer_of
 from refit.spec import ModelConfig, ModelSpec, build_spec, check_tensor_table
 
@@ -51,22 +51,22 @@ def read_safetensors_header(path: str) -> dict[str, dict[str, Any]]:
         with open(path, "rb") as f:
             raw = f.read(8)
             if len(raw) != 8:
-                raise RefitError(f"{path}: not a safetensors file (too short: {size} bytes)")
+                raise InvalidInput(f"{path}: not a safetensors file (too short: {size} bytes)")
             (n,) = struct.unpack("<Q", raw)
             if n > MAX_HEADER_BYTES or 8 + n > size:
-                raise RefitError(f"{path}: not a safetensors file, or truncated (a header of {n} bytes in {size})")
+                raise InvalidInput(f"{path}: not a safetensors file, or truncated (a header of {n} bytes in {size})")
             header = json.loads(f.read(n))
     except RefitError:  # a ValueError too: not to be re-worded below
         raise
     except OSError as e:
-        raise RefitError(f"{path}: cannot read: {e.strerror or e}") from None
+        raise InvalidInput(f"{path}: cannot read: {e.strerror or e}") from None
     except (ValueError, RecursionError) as e:  # JSONDecodeError, UnicodeDecodeError, nesting
-        raise RefitError(f"{path}: not a safetensors file (its header is not JSON: {str(e)[:80]})") from None
+        raise InvalidInput(f"{path}: not a safetensors file (its header is not JSON: {str(e)[:80]})") from None
     if not isinstance(header, dict):
-        raise RefitError(f"{path}: not a safetensors file (its header is not a JSON object)")
+        raise InvalidInput(f"{path}: not a safetensors file (its header is not a JSON object)")
     metadata = header.pop("__metadata__", None)  # null or absent: none
     if not (metadata is None or isinstance(metadata, dict) and all(isinstance(v, str) for v in metadata.values())):
-        raise RefitError(f"{path}: malformed header: __metadata__ must map names to strings")
+        raise InvalidInput(f"{path}: malformed header: __metadata__ must map names to strings")
     for name, info in header.items():
         ok = isinstance(info, dict) and isinstance(info.get("dtype"), str) and isinstance(info.get("shape"), list) \
             and isinstance(info.get("data_offsets"), list) and len(info["data_offsets"]) == 2 \
@@ -74,7 +74,7 @@ def read_safetensors_header(path: str) -> dict[str, dict[str, Any]]:
                     for d in info["shape"] + info["data_offsets"]) \
             and info["data_offsets"][0] <= info["data_offsets"][1]
         if not ok:
-            raise RefitError(f"{path}: malformed header entry for tensor {name[:80]!r}")
+            raise InvalidInput(f"{path}: malformed header entry for tensor {name[:80]!r}")
     check_data_offsets(header, path, size - 8 - n)
     return header
 
@@ -96,19 +96,19 @@ def check_data_offsets(header: dict[str, dict[str, Any]], path: str, data_bytes:
         what = f"{path}: tensor {name[:80]!r} (data_offsets [{start}, {stop}])"
         bits = SAFETENSORS_BITS.get(info["dtype"])
         if bits is None:
-            raise RefitError(f"{what} has dtype {info['dtype'][:20]!r}, not a safetensors dtype")
+            raise InvalidInput(f"{what} has dtype {info['dtype'][:20]!r}, not a safetensors dtype")
         if start < end:
-            raise RefitError(f"{what} overlaps tensor {prev[:80]!r}, which ends at {end}")
+            raise InvalidInput(f"{what} overlaps tensor {prev[:80]!r}, which ends at {end}")
         if start > end:
-            raise RefitError(f"{what} leaves a gap of {start - end} bytes after byte {end}")
+            raise InvalidInput(f"{what} leaves a gap of {start - end} bytes after byte {end}")
         bits *= math.prod(info["shape"])
         if bits % 8 or bits // 8 != stop - start:
-            raise RefitError(f"{what} holds {stop - start} bytes; {info['dtype']} {info['shape']} takes {bits / 8:g}")
+            raise InvalidInput(f"{what} holds {stop - start} bytes; {info['dtype']} {info['shape']} takes {bits / 8:g}")
         end, prev = stop, name
     if end > data_bytes:
-        raise RefitError(f"{path}: truncated: its header describes {end} bytes of data, the file holds {data_bytes}")
+        raise InvalidInput(f"{path}: truncated: its header describes {end} bytes of data, the file holds {data_bytes}")
     if end < data_bytes:
-        raise RefitError(f"{path}: {data_bytes - end} bytes after the last tensor's data_offsets: not a safetensors "
+        raise InvalidInput(f"{path}: {data_bytes - end} bytes after the last tensor's data_offsets: not a safetensors "
                          f"file, or damaged")
 
 
@@ -135,20 +135,20 @@ def checkpoint_tensors(directory: str) -> CheckpointTensors:
                 weight_map = json.load(f)["weight_map"]
             assert isinstance(weight_map, dict)
         except (OSError, ValueError, KeyError, TypeError, AssertionError) as e:
-            raise RefitError(f"{index_path}: not an index with a weight_map ({type(e).__name__})") from None
+            raise InvalidInput(f"{index_path}: not an index with a weight_map ({type(e).__name__})") from None
         for name, fname in weight_map.items():
             if not isinstance(fname, str) or os.path.basename(fname) != fname or not fname.endswith(".safetensors"):
-                raise RefitError(f"{index_path}: {name!r} maps to {str(fname)[:80]!r}, not a file of this directory")
+                raise InvalidInput(f"{index_path}: {name!r} maps to {str(fname)[:80]!r}, not a file of this directory")
             if not os.path.exists(os.path.join(directory, fname)):
-                raise RefitError(f"{index_path}: {name!r} is in {fname}, which is missing")
+                raise InvalidInput(f"{index_path}: {name!r} is in {fname}, which is missing")
             if name not in header(fname):
-                raise RefitError(f"{index_path}: {name!r} is not in {fname}")
+                raise InvalidInput(f"{index_path}: {name!r} is not in {fname}")
             found[name] = entry(name, fname)
         return found
     for fname in sorted(f for f in os.listdir(directory) if f.endswith(".safetensors")):
         for name in header(fname):
             if name in found:
-                raise RefitError(f"{directory}: {name!r} is in both {os.path.basename(found[name][2])} and {fname}; "
+                raise InvalidInput(f"{directory}: {name!r} is in both {os.path.basename(found[name][2])} and {fname}; "
                                  f"remove the stray file or add model.safetensors.index.json")
             found[name] = entry(name, fname)
     return found
@@ -158,7 +158,7 @@ def config_from_headers(tensors: CheckpointTensors) -> dict[str, Any]:
     """Guess an HF config from tensor names and shapes (when a checkpoint has no config.json)."""
     def shape(name: str) -> tuple[int, ...]:
         if name not in tensors:
-            raise RefitError(f"checkpoint has no config.json and no {name!r} to infer it from")
+            raise InvalidInput(f"checkpoint has no config.json and no {name!r} to infer it from")
         return tensors[name][0]
 
     vocab, hidden = shape("model.embed_tokens.weight")
@@ -166,7 +166,7 @@ def config_from_headers(tensors: CheckpointTensors) -> dict[str, Any]:
     q_rows = shape("model.layers.0.self_attn.q_proj.weight")[0]
     kv_rows = shape("model.layers.0.self_attn.k_proj.weight")[0]
     if "model.layers.0.self_attn.q_norm.weight" not in tensors:
-        raise RefitError("checkpoint has no config.json; without q_norm the head size cannot be inferred")
+        raise InvalidInput("checkpoint has no config.json; without q_norm the head size cannot be inferred")
     head_dim = shape("model.layers.0.self_attn.q_norm.weight")[0]
     cfg: dict[str, Any] = {
         "hidden_size": hidden, "vocab_size": vocab, "num_hidden_layers": layers, "head_dim": head_dim,
@@ -209,7 +209,7 @@ def spec_from_dir(directory: str) -> ModelSpec:
     elif tensors:
         hf_cfg = config_from_headers(tensors)
     else:
-        raise RefitError(f"{directory}: neither config.json nor *.safetensors found")
+        raise InvalidInput(f"{directory}: neither config.json nor *.safetensors found")
     if tensors and "torch_dtype" not in hf_cfg and "dtype" not in hf_cfg:
         # the embedding's: safetensors writes wider dtypes first, so the first tensor may be a float32 router bias
         first = tensors.get("model.embed_tokens.weight") or next(iter(tensors.values()))
@@ -221,12 +221,13 @@ def spec_from_dir(directory: str) -> ModelSpec:
 
 
 def load_spec(model: str) -> ModelSpec:
-    """A catalog name (``qwen3-30b-moe``) or a directory with config.json and/or safetensors."""
+    """A catalog name (``qwen3-30b-moe``) or a directory with config.json and/or safetensors.
+    Raises `refit.InvalidInput` for an unknown name, or a directory refit cannot read a model from."""
     if model in CATALOG:
         return build_spec(model, ModelConfig.from_hf(CATALOG[model]))
     if os.path.isdir(model):
         return spec_from_dir(model)
-    raise RefitError(f"unknown model {model!r}: not a directory, and not one of {', '.join(CATALOG)}")
+    raise InvalidInput(f"unknown model {model!r}: not a directory, and not one of {', '.join(CATALOG)}")
 
 
 def hf_config(model: str, spec: ModelSpec) -> dict[str, Any]:
@@ -247,9 +248,9 @@ def _read_json(path: str) -> dict[str, Any]:
         with open(path) as f:
             data = json.load(f)
     except OSError as e:
-        raise RefitError(f"{path}: cannot read it: {e.strerror or e}") from None
+        raise InvalidInput(f"{path}: cannot read it: {e.strerror or e}") from None
     except (ValueError, RecursionError) as e:
-        raise RefitError(f"{path}: not JSON: {str(e)[:120]}") from None
+        raise InvalidInput(f"{path}: not JSON: {str(e)[:120]}") from None
     if not isinstance(data, dict):
-        raise RefitError(f"{path}: not a JSON object")
+        raise InvalidInput(f"{path}: not a JSON object")
     return data

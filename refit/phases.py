@@ -18,7 +18,7 @@ from __future__ import annotations
 import dataclasses
 from collections import defaultdict
 
-from refit.errors import RefitError
+from refit.errors import InvalidInput
 from refit.plan import WHOLE, Bucket, Plan, Transfer, pack_buckets
 from refit.spec import ModelSpec, TensorSpec
 
@@ -40,7 +40,7 @@ def phase_key(spec: ModelSpec, tensor: str, pos: int, layers_per_phase: int) -> 
     """The phase of row ``pos`` (index along dim 0) of canonical ``tensor``; ``pos`` is ignored
     for a tensor without layers."""
     if layers_per_phase <= 0:
-        raise RefitError(f"layers_per_phase must be positive, got {layers_per_phase}")
+        raise InvalidInput(f"layers_per_phase must be positive, got {layers_per_phase}")
     keys = _tensor_keys(spec[tensor], _non_layer_index(spec), layers_per_phase)
     return keys if isinstance(keys, int) else keys[pos]
 
@@ -68,10 +68,10 @@ def phase_plan(plan: Plan, spec: ModelSpec, layers_per_phase: int) -> Plan:
     if layers_per_phase <= 0:
         return plan
     if plan.gathers:
-        raise RefitError(f"a {plan.planner} plan gathers whole tensors on source roots and cannot be cut "
+        raise InvalidInput(f"a {plan.planner} plan gathers whole tensors on source roots and cannot be cut "
                          f"into phases (phase_layers={layers_per_phase}); use the p2p planner")
     if plan.phase_layers:
-        raise RefitError(f"plan {plan.plan_hash} is already phased ({plan.phase_layers} layers per phase)")
+        raise InvalidInput(f"plan {plan.plan_hash} is already phased ({plan.phase_layers} layers per phase)")
     singles = _non_layer_index(spec)
     row_keys = {t.name: _tensor_keys(t, singles, layers_per_phase) for t in spec.tensors}
     by_phase: dict[int, list[Transfer]] = defaultdict(list)

@@ -20,7 +20,7 @@ from typing import Any, Literal, NamedTuple
 
 from refit.boxes import Index, split_box, volume
 from refit.dtypes import DTYPE_BYTES
-from refit.errors import RefitError
+from refit.errors import InvalidInput
 from refit.spec import ModelSpec
 
 PLAN_FORMAT = 1
@@ -45,7 +45,7 @@ class Placement:
             return cls("colocated", tuple(range(num_src)), tuple(range(num_dst)))
         if kind == "disaggregated":
             return cls("disaggregated", tuple(range(num_src)), tuple(range(num_src, num_src + num_dst)))
-        raise RefitError(f"unknown placement {kind!r}: colocated or disaggregated")
+        raise InvalidInput(f"unknown placement {kind!r}: colocated or disaggregated")
 
     @property
     def num_gpus(self) -> int:
@@ -152,7 +152,7 @@ class Plan:
         """The plan ``to_dict`` wrote; a malformed one (a plan file edited or cut short, a
         message of another version) is refused with `RefitError` naming what is wrong."""
         if not isinstance(d, dict) or d.get("format") != PLAN_FORMAT:
-            raise RefitError(f"plan format {d.get('format') if isinstance(d, dict) else d!r} is not {PLAN_FORMAT}")
+            raise InvalidInput(f"plan format {d.get('format') if isinstance(d, dict) else d!r} is not {PLAN_FORMAT}")
         try:
             names = [n for n, _, _ in d["tensors"]]
             p = d["placement"]
@@ -169,7 +169,7 @@ class Plan:
                 phases=tuple((int(k), int(f)) for k, f in d.get("phases", ())),
             )
         except (KeyError, TypeError, ValueError, IndexError) as e:
-            raise RefitError(f"malformed plan: {type(e).__name__} {str(e)[:120]}") from None
+            raise InvalidInput(f"malformed plan: {type(e).__name__} {str(e)[:120]}") from None
         plan.check()
         return plan
 
@@ -179,18 +179,18 @@ class Plan:
         outside its tensor, a byte count that does not add up, phases out of order."""
         if self.placement.kind not in ("colocated", "disaggregated") or not self.placement.src_gpus \
                 or not self.placement.dst_gpus or min(self.placement.src_gpus + self.placement.dst_gpus) < 0:
-            raise RefitError(f"malformed plan: placement {self.placement}")
+            raise InvalidInput(f"malformed plan: placement {self.placement}")
         if self.bucket_bytes <= 0:
-            raise RefitError(f"malformed plan: bucket size {self.bucket_bytes}")
+            raise InvalidInput(f"malformed plan: bucket size {self.bucket_bytes}")
         for name, (dtype, shape) in self.tensors.items():
             if dtype not in DTYPE_BYTES or any(type(n) is not int or n < 0 for n in shape):
-                raise RefitError(f"malformed plan: tensor {name} of {dtype} {list(shape)}")
+                raise InvalidInput(f"malformed plan: tensor {name} of {dtype} {list(shape)}")
         ranks = {0: len(self.placement.src_gpus), 1: len(self.placement.dst_gpus)}
         nsrc, tensors, transfers = ranks[0], self.tensors, self.transfers
         end = 0
         for bi, (stage, src, dst, first, count, nbytes) in enumerate(self.buckets):
             if stage not in ranks or not (0 <= src < nsrc and 0 <= dst < ranks[stage]) or first != end or count < 1:
-                raise RefitError(f"malformed plan: bucket {bi} {list(self.buckets[bi])} (transfers so far {end}, "
+                raise InvalidInput(f"malformed plan: bucket {bi} {list(self.buckets[bi])} (transfers so far {end}, "
                                  f"{nsrc} source and {ranks[1]} destination ranks)")
             end = first + count
             total = 0
@@ -199,19 +199,19 @@ class Plan:
                 if (t.stage, t.src, t.dst) != (stage, src, dst) or len(t.start) != len(shape) \
                         or len(t.size) != len(shape) \
                         or not all(0 <= a and 0 <= n and a + n <= dim for a, n, dim in zip(t.start, t.size, shape)):
-                    raise RefitError(f"malformed plan: transfer {t} in bucket {bi} of ({stage}, {src}, {dst}), "
+                    raise InvalidInput(f"malformed plan: transfer {t} in bucket {bi} of ({stage}, {src}, {dst}), "
                                      f"tensor shape {list(shape)}")
                 total += volume(t.size) * DTYPE_BYTES[dtype]
             if total != nbytes:
-                raise RefitError(f"malformed plan: bucket {bi} says {nbytes} bytes, its transfers add up to {total}")
+                raise InvalidInput(f"malformed plan: bucket {bi} says {nbytes} bytes, its transfers add up to {total}")
         if end != len(transfers):
-            raise RefitError(f"malformed plan: buckets cover {end} of its {len(transfers)} transfers")
+            raise InvalidInput(f"malformed plan: buckets cover {end} of its {len(transfers)} transfers")
         keys, firsts = [k for k, _ in self.phases], [f for _, f in self.phases]
         if self.phase_layers < 0 or (self.phases and not self.phase_layers) \
                 or (self.phase_layers and self.buckets and not self.phases) \
                 or keys != sorted(set(keys)) or firsts != sorted(set(firsts)) \
                 or (firsts and (firsts[0] != 0 or firsts[-1] >= len(self.buckets))):
-            raise RefitError(f"malformed plan: phases {list(self.phases)[:4]} of {len(self.buckets)} buckets")
+            raise InvalidInput(f"malformed plan: phases {list(self.phases)[:4]} of {len(self.buckets)} buckets")
 
     @property
     def plan_hash(self) -> str:

@@ -32,7 +32,7 @@ from contextlib import ExitStack
 from typing import Any, Callable, Iterable
 
 from refit.dtypes import DTYPE_BYTES, DTYPES, FROM_SAFETENSORS, TO_SAFETENSORS
-from refit.errors import RefitError
+from refit.errors import InvalidInput
 from refit.hf_checkpoint import check_checkpoint, checkpoint_tensors, read_safetensors_header
 from refit.layouts import Layout, LocalTensor
 from refit.planners.base import SourceIndex, source_index, sources_for
@@ -60,11 +60,11 @@ class ShardReader:
         self.locations: dict[tuple[int, str], str] = {}  # (rank, local name) -> file
         self._indexes: dict[int, PieceIndex] = {}
         if not os.path.isdir(directory):
-            raise RefitError(f"input directory {directory} does not exist")
+            raise InvalidInput(f"input directory {directory} does not exist")
         if layout.framework == "hf":
             found = checkpoint_tensors(directory)
             if not found:
-                raise RefitError(f"{directory}: no *.safetensors files (expected an HF checkpoint)")
+                raise InvalidInput(f"{directory}: no *.safetensors files (expected an HF checkpoint)")
             check_checkpoint(spec, found, directory)
             self.locations = {(0, name): path for name, (_, _, path) in found.items()}
         else:
@@ -73,15 +73,15 @@ class ShardReader:
     def _check_rank_files(self) -> None:
         world = self.layout.world_size
         if not os.path.isdir(self.directory):
-            raise RefitError(f"input directory {self.directory} does not exist")
+            raise InvalidInput(f"input directory {self.directory} does not exist")
         extra = sorted(f for f in os.listdir(self.directory) if f.startswith("rank-") and f.endswith(".safetensors")
                        and f > os.path.basename(rank_file(self.directory, world - 1)))
         if extra:
-            raise RefitError(f"{self.directory}: {extra[0]} is beyond the {world} ranks of {self.layout.describe()}")
+            raise InvalidInput(f"{self.directory}: {extra[0]} is beyond the {world} ranks of {self.layout.describe()}")
         for rank in range(world):
             path = rank_file(self.directory, rank)
             if not os.path.exists(path):
-                raise RefitError(f"{self.directory}: missing {os.path.basename(path)} "
+                raise InvalidInput(f"{self.directory}: missing {os.path.basename(path)} "
                                  f"({self.layout.describe()} has {world} ranks)")
             header = read_safetensors_header(path)
             expected = self.layout.local_tensors(self.spec, rank)
@@ -107,9 +107,9 @@ class ShardReader:
                 self._files[key] = self._stack.enter_context(safe_open(path, framework="pt"))
             return self._files[key].get_slice(local)[slices(start, size)]
         except SafetensorError as e:  # the headers were checked: a file changed since, or a check missed
-            raise RefitError(f"{path}: safetensors cannot read tensor {local[:80]!r}: {str(e)[:200]}") from None
+            raise InvalidInput(f"{path}: safetensors cannot read tensor {local[:80]!r}: {str(e)[:200]}") from None
         except OSError as e:
-            raise RefitError(f"{path}: cannot read: {e.strerror or e}") from None
+            raise InvalidInput(f"{path}: cannot read: {e.strerror or e}") from None
 
     def close(self) -> None:
         self._stack.close()
@@ -205,15 +205,15 @@ def check_output(in_dir: str, out_dir: str, force: bool = False) -> None:
     """Refuse an output that would overwrite the input, a file, or (without ``force``) a
     directory that holds anything."""
     if os.path.islink(out_dir):
-        raise RefitError(f"--out {out_dir} is a symlink: give the directory itself")
+        raise InvalidInput(f"--out {out_dir} is a symlink: give the directory itself")
     if os.path.lexists(out_dir) and not os.path.isdir(out_dir):
-        raise RefitError(f"--out {out_dir} is a file, not a directory")
+        raise InvalidInput(f"--out {out_dir} is a file, not a directory")
     src, dst = os.path.realpath(in_dir), os.path.realpath(out_dir)
     if src == dst or dst.startswith(src + os.sep) or src.startswith(dst + os.sep):
-        raise RefitError(f"--in {in_dir} and --out {out_dir} overlap: write somewhere else")
+        raise InvalidInput(f"--in {in_dir} and --out {out_dir} overlap: write somewhere else")
     if os.path.isdir(out_dir) and os.listdir(out_dir) and not force:
         entries = sorted(os.listdir(out_dir))
-        raise RefitError(f"--out {out_dir} is not empty ({len(entries)} entries, e.g. {entries[0]}): "
+        raise InvalidInput(f"--out {out_dir} is not empty ({len(entries)} entries, e.g. {entries[0]}): "
                          f"pass --force to replace it")
 
 
@@ -307,7 +307,7 @@ def reshard(spec: ModelSpec, src: Layout, dst: Layout, in_dir: str, out_dir: str
             force: bool = False) -> dict[str, Any]:
     """Convert ``in_dir`` (layout ``src``) into ``out_dir`` (layout ``dst``), bit-exact.  Layouts
     must be resolved.  ``force``: replace a non-empty ``out_dir``.  Returns a small report
-    (files, tensors, bytes).  Raises `RefitError` (nothing published) on any bad input or I/O error."""
+    (files, tensors, bytes).  Raises `refit.InvalidInput` (nothing published) on any bad input or I/O error."""
     out_dir = os.path.abspath(out_dir)
     remove_stale_staging(out_dir)
     check_output(in_dir, out_dir, force)
@@ -343,7 +343,7 @@ def reshard(spec: ModelSpec, src: Layout, dst: Layout, in_dir: str, out_dir: str
             files.append("config.json")
         publish(tmp, out_dir)
     except OSError as e:
-        raise RefitError(f"writing {out_dir}: {e.strerror or e}{f' ({e.filename})' if e.filename else ''}") from None
+        raise InvalidInput(f"writing {out_dir}: {e.strerror or e}{f' ({e.filename})' if e.filename else ''}") from None
     finally:
         reader.close()
         if tmp and os.path.exists(tmp):

@@ -24,7 +24,7 @@ from typing import Any, Iterator, Mapping
 
 from refit.archs import FAMILY_ARCHS, family_fields, gqa_tensors, mla_tensors, moe_extra_tensors, not_moved
 from refit.dtypes import DTYPE_BYTES
-from refit.errors import RefitError
+from refit.errors import InvalidInput
 
 SUPPORTED_ARCHS = ("llama", "qwen2", "qwen3", "qwen3_moe", "deepseek_v3", "kimi_k2", "glm4_moe")
 
@@ -99,7 +99,7 @@ class ModelConfig:
         arch = cfg.get("model_type", "")
         if arch not in SUPPORTED_ARCHS:
             archs = cfg.get("architectures") or []
-            raise RefitError(
+            raise InvalidInput(
                 f"unsupported model_type {arch!r} (architectures {archs}); "
                 f"refit knows {', '.join(SUPPORTED_ARCHS)}"
             )
@@ -109,11 +109,11 @@ class ModelConfig:
             layers = int(cfg["num_hidden_layers"])
             vocab = int(cfg["vocab_size"])
         except KeyError as e:
-            raise RefitError(f"config.json lacks {e.args[0]!r}") from None
+            raise InvalidInput(f"config.json lacks {e.args[0]!r}") from None
         unstated = [k for k in MUST_STATE[arch] if not any(a in cfg for a in k.split("|"))]
         if unstated:
             names = ", ".join(" or ".join(map(repr, k.split("|"))) for k in unstated)
-            raise RefitError(f"config.json (model_type {arch!r}) lacks {names}: refit does "
+            raise InvalidInput(f"config.json (model_type {arch!r}) lacks {names}: refit does "
                              f"not guess them (transformers, and so vLLM, would take its config class's defaults, "
                              f"the full-size model's values); write them out")
         kv = int(cfg.get("num_key_value_heads") or heads)
@@ -131,7 +131,7 @@ class ModelConfig:
             )
         dtype = str(cfg.get("torch_dtype") or cfg.get("dtype") or "bfloat16")
         if dtype not in DTYPE_BYTES:
-            raise RefitError(f"unsupported dtype {dtype!r}; refit knows {', '.join(DTYPE_BYTES)}")
+            raise InvalidInput(f"unsupported dtype {dtype!r}; refit knows {', '.join(DTYPE_BYTES)}")
         if arch in FAMILY_ARCHS:
             fields = dict(arch=arch, hidden_size=hidden, num_layers=layers, num_heads=heads, num_kv_heads=kv,
                           head_dim=head_dim, intermediate_size=int(cfg.get("intermediate_size", 0)),
@@ -300,13 +300,13 @@ def check_tensor_table(found: TensorTable, expected: TensorTable, where: str, ex
     (unless ``extra_ok``) unexpected — naming the first difference."""
     for name, (shape, dtype) in expected.items():
         if name not in found:
-            raise RefitError(f"{where}: tensor {name!r} is missing")
+            raise InvalidInput(f"{where}: tensor {name!r} is missing")
         got_shape, got_dtype = found[name]
         if tuple(got_shape) != tuple(shape):
-            raise RefitError(f"{where}: {name!r} has shape {list(got_shape)}, expected {list(shape)}")
+            raise InvalidInput(f"{where}: {name!r} has shape {list(got_shape)}, expected {list(shape)}")
         if got_dtype != dtype:
-            raise RefitError(f"{where}: {name!r} is {got_dtype}, expected {dtype}")
+            raise InvalidInput(f"{where}: {name!r} is {got_dtype}, expected {dtype}")
     extra = [] if extra_ok else sorted(set(found) - set(expected))
     if extra:
         more = f" (and {len(extra) - 1} more)" if len(extra) > 1 else ""
-        raise RefitError(f"{where}: unexpected tensor {extra[0]!r}{more}")
+        raise InvalidInput(f"{where}: unexpected tensor {extra[0]!r}{more}")

@@ -33,7 +33,7 @@ import sys
 from typing import Any
 
 from refit.entrypoint import run_main, setup_logging
-from refit.errors import RefitError
+from refit.errors import InvalidInput, RefitError
 from refit.layouts import LAYOUT_HELP, resolve_layout
 from refit.hf_checkpoint import load_spec
 from refit.planners import MIN_BUCKET_BYTES, make_plan
@@ -71,7 +71,7 @@ def first_layers(spec: ModelSpec, layers: int) -> ModelSpec:
     beside their destination in two H200s)."""
     c = spec.config
     if not 1 <= layers <= c.num_layers:
-        raise RefitError(f"--layers {layers}: must be 1 to {c.num_layers} ({spec.name}'s decoder layers)")
+        raise InvalidInput(f"--layers {layers}: must be 1 to {c.num_layers} ({spec.name}'s decoder layers)")
     # MTP layers follow the last decoder layer (and are never moved): a cut model has none
     cfg = dataclasses.replace(c, num_layers=layers, moe_layers=tuple(l for l in c.moe_layers if l < layers),
                               num_mtp_layers=c.num_mtp_layers if layers == c.num_layers else 0)
@@ -207,7 +207,7 @@ def choose_transport(requested: str, device: str, gpus: int) -> str:
         return "ipc" if requested == "ipc" else comm
     peers = _peer_access(gpus)
     if requested == "ipc" and not peers:
-        raise RefitError(f"--transport ipc needs peer access between all {gpus} GPUs "
+        raise InvalidInput(f"--transport ipc needs peer access between all {gpus} GPUs "
                          "(torch.cuda.can_device_access_peer is false for some pair); use nccl")
     return "ipc" if peers else comm
 
@@ -239,10 +239,10 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
     first = plans[0]
     need = first.plan.placement.num_gpus
     if device == "cuda" and need > gpus:
-        raise RefitError(f"placement {args.placement} of {first.src.describe()} -> {first.dst.describe()} needs "
+        raise InvalidInput(f"placement {args.placement} of {first.src.describe()} -> {first.dst.describe()} needs "
                          f"{need} GPUs, this machine has {gpus} (use --cpu for a reduced-width CPU run)")
     if args.via == "grpc" and device == "cpu" and args.transport == "ipc":
-        raise RefitError("--via grpc on CPU runs its agents over gloo; --transport ipc is refused there "
+        raise InvalidInput("--via grpc on CPU runs its agents over gloo; --transport ipc is refused there "
                          "(the direct bench has it on CPU)")
     transport = choose_transport(args.transport, device, need)
     if args.via == "grpc":
@@ -263,7 +263,7 @@ def _run_ray(args: argparse.Namespace, spec: ModelSpec) -> dict[str, Any]:
     if args.bucket_mb is not None:
         _check_bucket(args.bucket_mb)
     if args.cpu and args.transport == "ipc":
-        raise RefitError("--ray on CPU runs over gloo: Ray nodes share no memory, so --transport ipc is refused")
+        raise InvalidInput("--ray on CPU runs over gloo: Ray nodes share no memory, so --transport ipc is refused")
     import ray
 
     started = connect(args.ray, ranks, args.timeout, args.verbose)
@@ -276,7 +276,7 @@ def _run_ray(args: argparse.Namespace, spec: ModelSpec) -> dict[str, Any]:
 
 def _check_bucket(bucket_mb: float) -> None:
     if int(bucket_mb * MiB) < MIN_BUCKET_BYTES:
-        raise RefitError(f"--bucket-mb {bucket_mb:g}: bucket size {int(bucket_mb * MiB)} bytes is too small "
+        raise InvalidInput(f"--bucket-mb {bucket_mb:g}: bucket size {int(bucket_mb * MiB)} bytes is too small "
                          f"(at least {MIN_BUCKET_BYTES})")
 
 

@@ -23,6 +23,7 @@ from typing import Any, Callable
 import torch.distributed as dist
 
 from refit.bench.worker import Job, WorkerResult, worker_main
+from refit.errors import RefitFailed
 
 log = logging.getLogger("refit.bench")
 
@@ -30,7 +31,7 @@ GRACE_S = 1.0  # how long survivors may take to report after the first death
 MAX_REPORTS = 4  # survivors' reports quoted in a failure message (the rest are echoes)
 
 
-class WorkerFailure(RuntimeError):
+class WorkerFailure(RefitFailed):
     """A run failed; the message names the worker(s) that died first, then what others saw."""
 
     def __init__(self, message: str, dead: list[str]) -> None:

@@ -33,7 +33,7 @@ import torch.distributed as dist
 
 from refit.bench.launch import WorkerFailure
 from refit.bench.worker import Job, PlanRun, Refit, Session, WorkerResult
-from refit.errors import RefitError
+from refit.errors import InvalidInput
 from refit.executor.topology import GpuSeat, Topology, all_visible, local_indices
 from refit.integrations.ray import coordinator as ray_coord
 from refit.integrations.ray.placement import STRATEGIES, RLPlacement, rl_placement, traffic
@@ -63,7 +63,7 @@ class BenchRank:
             from refit.executor.member import visible_gpus
 
             if ep.cuda_index < 0:
-                raise RefitError(f"a GPU rank actor on node {ep.node_ip} was given no GPU")
+                raise InvalidInput(f"a GPU rank actor on node {ep.node_ip} was given no GPU")
             visible = visible_gpus()
             out |= {"uuid": visible[ep.cuda_index], "visible": list(visible), "gpu": ep.gpu}
         return out
@@ -116,26 +116,26 @@ def _probe(address: str, what: str, timeout: float, required: bool) -> None:
     host, sep, port = address.rpartition(":")
     if not sep or not host or not port.isdigit() or "://" in address:
         if required:
-            raise RefitError(f"{what} {address}: expected host:port of a running Ray cluster's head, or auto")
+            raise InvalidInput(f"{what} {address}: expected host:port of a running Ray cluster's head, or auto")
         return
     host = host.strip("[]")
     try:
         socket.create_connection((host, int(port)), timeout=min(timeout, 30.0)).close()
     except OSError as e:
-        raise RefitError(f"{what} {address}: no Ray cluster answers there ({e.strerror or e})") from None
+        raise InvalidInput(f"{what} {address}: no Ray cluster answers there ({e.strerror or e})") from None
 
 
 def _refuse_early(need_gpus: int, ranks: int, cuda: bool, transport: str) -> None:
     """What cannot work on this cluster, said before anything starts."""
     res = ray.cluster_resources()
     if cuda and need_gpus > res.get("GPU", 0):
-        raise RefitError(f"this plan needs {need_gpus} GPUs and the Ray cluster has {res.get('GPU', 0):g} "
+        raise InvalidInput(f"this plan needs {need_gpus} GPUs and the Ray cluster has {res.get('GPU', 0):g} "
                          f"(use --cpu for a reduced-width CPU run)")
     if not cuda and ranks > res.get("CPU", 0):
-        raise RefitError(f"a CPU run puts {ranks} rank actors of one CPU each on the Ray cluster, which has "
+        raise InvalidInput(f"a CPU run puts {ranks} rank actors of one CPU each on the Ray cluster, which has "
                          f"{res.get('CPU', 0):g} CPUs")
     if not cuda and transport == "ipc":
-        raise RefitError("--ray on CPU runs over gloo: Ray nodes share no memory, so --transport ipc is refused")
+        raise InvalidInput("--ray on CPU runs over gloo: Ray nodes share no memory, so --transport ipc is refused")
 
 
 def _node_gpus() -> int:
@@ -157,7 +157,7 @@ def run_on_ray(args: argparse.Namespace, spec: ModelSpec, plans: list[Any], cuda
         _refuse_early(placement.num_gpus, ns + nd, cuda, args.transport)
         one_node = cuda and _node_gpus() >= placement.num_gpus
         if cuda and args.transport == "ipc" and not one_node:
-            raise RefitError(f"--transport ipc needs every rank on one Ray node, and no node has "
+            raise InvalidInput(f"--transport ipc needs every rank on one Ray node, and no node has "
                              f"{placement.num_gpus} GPUs; use nccl")
         strategy = args.ray_strategy or ("STRICT_PACK" if one_node else "PACK" if cuda else "SPREAD")
         visible = one_node and args.transport in ("auto", "ipc")  # ipc needs every GPU visible
@@ -214,8 +214,8 @@ def _where(actors: list[Any], topo: Topology, cuda: bool, timeout: float) -> lis
                                 f"{', '.join(late)}", []) from None
         except ray.exceptions.RayTaskError as e:
             cause = e.cause if e.cause is not None else e
-            if isinstance(cause, RefitError):
-                raise RefitError(f"{name}: {cause}") from None
+            if isinstance(cause, InvalidInput):
+                raise InvalidInput(f"{name}: {cause}") from None
             raise WorkerFailure(f"refit run on Ray failed: {name} failed starting: {_first_line(cause)}",
                                 []) from None
         except ray.exceptions.RayError as e:  # the actor died (or never came up)
@@ -236,12 +236,12 @@ def _seat(topo: Topology, where: list[dict[str, Any]], cuda: bool, requested: st
         by_device.setdefault(d, set()).add((s.host, s.uuid))
     gpus = [next(iter(v)) for v in by_device.values()]
     if any(len(v) > 1 for v in by_device.values()) or len(set(gpus)) != len(gpus):
-        raise RefitError(f"Ray placed the ranks on GPUs that do not match the plan's placement: "
+        raise InvalidInput(f"Ray placed the ranks on GPUs that do not match the plan's placement: "
                          f"{ {topo.describe_member(m): (s.host, s.uuid) for m, s in enumerate(seats)} }")
     ipc_ok = all_visible(seats) and ray.get(actors[0].peer_access.remote(sorted({s.uuid for s in seats})),
                                             timeout=timeout)
     if requested == "ipc" and not ipc_ok:
-        raise RefitError("--transport ipc needs every rank on one Ray node with every GPU visible and peer "
+        raise InvalidInput("--transport ipc needs every rank on one Ray node with every GPU visible and peer "
                          "access between them; use nccl")
     transport = "ipc" if ipc_ok and requested in ("auto", "ipc") else "nccl"
     return [dataclasses.replace(topo, local=local_indices(seats, ids, me)) for me in seats], transport

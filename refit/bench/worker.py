@@ -21,7 +21,7 @@ from typing import Any, Callable
 
 import torch
 
-from refit.errors import RefitError
+from refit.errors import InvalidInput, RefitError
 from refit.executor.member import Budget, Member, connect, ipc_direction, shares
 from refit.executor.shards import Shards, Verdict, allocate, fill_sentinel, fill_source, verify
 from refit.executor.topology import Endpoint, Topology, endpoint_name
@@ -123,9 +123,9 @@ class Session:
         job, topo = self.job, self.topo
         devices = topo.member_devices(self.member)
         if job.device == "cuda" and len(devices) != 1:
-            raise RefitError(f"a CUDA worker must sit on one GPU; {self.name} spans {devices}")
+            raise InvalidInput(f"a CUDA worker must sit on one GPU; {self.name} spans {devices}")
         if job.transport not in ("comm", "ipc"):
-            raise RefitError(f"unknown transport {job.transport!r} (comm or ipc)")
+            raise InvalidInput(f"unknown transport {job.transport!r} (comm or ipc)")
         ipc = job.transport == "ipc"
         index = topo.torch_index(devices[0])  # Ray: the topology's id of a GPU need not be its index here
         device = f"cuda:{index}" if job.device == "cuda" else "cpu"

@@ -46,7 +46,7 @@ from refit.control.dataplane import DataPlane, PhaseHook, Rendezvous, RunContext
 from refit.control.store_client import CoordinatorStore
 from refit.control.v1 import refit_pb2 as pb
 from refit.control.v1 import refit_pb2_grpc as pb_grpc
-from refit.errors import RefitError
+from refit.errors import InvalidInput
 from refit.layouts import Layout, resolve_layout
 from refit.plan import Plan
 from refit.spec import ModelSpec, check_tensor_table
@@ -110,7 +110,7 @@ class Agent:
         self.layout = resolve_layout(layout, spec, "src" if self.role == "trainer" else "dst") \
             if isinstance(layout, str) else layout.resolve(spec)
         if not 0 <= rank < self.layout.world_size:
-            raise RefitError(f"rank {rank} is outside {self.layout.describe()} (world size {self.layout.world_size})")
+            raise InvalidInput(f"rank {rank} is outside {self.layout.describe()} (world size {self.layout.world_size})")
         self._source: TensorSource = tensors if tensors is not None else {}
         if tensors is not None:
             self._read_tensors()  # a wrong tensor is refused before registering
@@ -121,7 +121,7 @@ class Agent:
         self.data_plane = data_plane
         self.host, self.gpu, self.token = host, gpu, token
         if phase_layers < 0:
-            raise RefitError(f"phase_layers must be >= 0, got {phase_layers}")
+            raise InvalidInput(f"phase_layers must be >= 0, got {phase_layers}")
         self.phase_layers, self.phase_hook = phase_layers, phase_hook
         self.reconnect, self.backoff = reconnect, backoff
         self._options = channel_options(keepalive_ms, keepalive_timeout_ms)
@@ -176,8 +176,10 @@ class Agent:
         return self._live and not self._closed.is_set()
 
     def start(self, timeout: float = 30.0) -> "Agent":
-        """Connect and register; returns once the coordinator accepted (raises if it refused for
-        good, or when no registration succeeded within ``timeout``)."""
+        """Connect and register; returns once the coordinator accepted.  Raises `ConnectionError`
+        when it refused for good (its reason: a bad registration, a wrong token, a slot a live
+        worker holds), or when no registration succeeded within ``timeout``.  (Bad tensors or
+        layouts were refused at construction, with `refit.InvalidInput`.)"""
         if self.connected:
             return self
         if self._main_future is None or self._main_future.done():  # else: it is reconnecting already
@@ -407,7 +409,7 @@ class Agent:
         plan = Plan.from_dict(json.loads(data))
         mine = plan.src_layout if self.role == "trainer" else plan.dst_layout
         if plan.model_digest != self.spec.digest() or mine != self.layout.describe():
-            raise RefitError(f"plan is for {plan.model_digest} {mine}, this worker holds "
+            raise InvalidInput(f"plan is for {plan.model_digest} {mine}, this worker holds "
                              f"{self.spec.digest()} {self.layout.describe()}")
         self._plans[run.plan_id] = plan
         return plan

@@ -25,7 +25,8 @@ from google.protobuf.descriptor import FieldDescriptor
 from refit.control.common import CHANNEL_OPTIONS, DEFAULT_PORT, PLACEMENTS, ROLES, auth_metadata
 from refit.control.v1 import refit_pb2 as pb
 from refit.control.v1 import refit_pb2_grpc as pb_grpc
-from refit.errors import RefitError
+from refit import errors
+from refit.errors import InvalidInput
 from refit.plan import Plan
 
 
@@ -137,8 +138,8 @@ class RefitResult:
                    r.total_bytes, workers)
 
 
-class RefitFailed(RuntimeError):
-    """A refit ran and failed; ``result`` says which workers and why."""
+class RefitFailed(errors.RefitFailed):
+    """A refit ran and failed (`refit.RefitFailed`); ``result`` says which workers and why."""
 
     def __init__(self, result: RefitResult) -> None:
         super().__init__(result.error)
@@ -156,7 +157,9 @@ class Client:
 
     def create_plan(self, src_group: str, dst_group: str, *, placement: str = "colocated", planner: str = "p2p",
                     bucket_bytes: int = 0) -> dict[str, Any]:
-        """Plan (or find the cached plan) from a trainer group to an engine group; its summary."""
+        """Plan (or find the cached plan) from a trainer group to an engine group; its summary
+        (``plan_id``: the id `refit` takes).  Raises `InvalidRequest` (groups incomplete or of
+        different models, naming the fields), or another `ControlError` for the call itself."""
         opts = pb.PlanOptions(placement=PLACEMENTS.get(placement, -1) if placement else 0, planner=planner,
                               bucket_bytes=bucket_bytes)
         resp = _call("CreatePlan", self._stub.CreatePlan,
@@ -180,7 +183,7 @@ class Client:
         while ``info["version"]`` (and ``info["stale"]``) is what it reported when it registered,
         never updated afterwards.  Rows of workers that left stay, with ``connected`` False."""
         if role and role not in ROLES:
-            raise RefitError(f"role must be one of {', '.join(ROLES)} (or None for both), not {role!r}")
+            raise InvalidInput(f"role must be one of {', '.join(ROLES)} (or None for both), not {role!r}")
         req = pb.ListWorkersRequest(group=group, role=ROLES[role] if role else 0)
         resp = _call("ListWorkers", self._stub.ListWorkers, req, metadata=self._md, timeout=self.timeout)
         return [to_dict(w) for w in resp.workers]
@@ -190,7 +193,10 @@ class Client:
         default, ``refit serve --timeout``).  ``check``: raise `RefitFailed` when it failed (the
         default: an RL loop should not go on silently).  Idempotent: asking again for the version
         of a refit under way joins it, and for the version last committed (still held by the
-        engines) returns its result again."""
+        engines) returns its result again.  Raises `RefitFailed` (a `refit.RefitFailed`: the refit
+        started and failed; call `refit` again with a higher version once the named worker is
+        back), `PlanNotFound`, `VersionRefused` (a version that does not increase) or another
+        `ControlError`."""
         resp = _call("Refit", self._stub.Refit, pb.RefitRequest(plan_id=plan_id, version=version,
                                                                 timeout_seconds=timeout),
                      metadata=self._md, timeout=timeout + 10.0 if timeout else None)  # the server answers in time

@@ -11,7 +11,7 @@ import os
 from typing import Any
 
 from refit.control.v1 import refit_pb2 as pb
-from refit.errors import RefitError
+from refit.errors import InvalidInput, RefitFailed
 from refit.spec import ModelConfig, ModelSpec, build_spec
 
 DEFAULT_PORT = 50051
@@ -64,23 +64,23 @@ CHANNEL_OPTIONS = channel_options()
 SERVER_OPTIONS = server_options()
 
 
-class NotFound(RefitError):
+class NotFound(InvalidInput):
     """An unknown plan (NOT_FOUND)."""
 
 
-class Exhausted(RefitError):
+class Exhausted(InvalidInput):
     """A limit of the coordinator is reached (too many workers or plans: RESOURCE_EXHAUSTED)."""
 
 
-class Conflict(RefitError):
+class Conflict(InvalidInput):
     """A registration for a slot a live worker holds (ALREADY_EXISTS)."""
 
 
-class Aborted(RefitError):
+class Aborted(RefitFailed):
     """A call under a rendezvous the coordinator abandoned (ABORTED): its refit failed."""
 
 
-class Precondition(RefitError):
+class Precondition(InvalidInput):
     """A well-formed request the current state refuses, e.g. a version that does not increase
     (FAILED_PRECONDITION)."""
 
@@ -125,8 +125,8 @@ def spec_from_registration(name: str, config: str, digest: str) -> ModelSpec:
         fields["moe_layers"] = tuple(fields.get("moe_layers", ()))
         spec = build_spec(name, ModelConfig(**fields))
     except (ValueError, TypeError) as e:
-        raise RefitError(f"model_config_json is not a refit ModelConfig: {short(str(e))}") from None
+        raise InvalidInput(f"model_config_json is not a refit ModelConfig: {short(str(e))}") from None
     if spec.digest() != digest:
-        raise RefitError(f"model {short(name)}: model_config_json gives digest {spec.digest()}, "
+        raise InvalidInput(f"model {short(name)}: model_config_json gives digest {spec.digest()}, "
                          f"the worker reported {short(digest or '(none)')}")
     return spec

@@ -45,7 +45,7 @@ from refit.control.registry import (MAX_VERSION, PlanEntry, Worker, absent_membe
                                     check_version, control_plan_id, group_members, holds_version, plan_json)
 from refit.control.rendezvous import RendezvousStore
 from refit.control.v1 import refit_pb2 as pb
-from refit.errors import RefitError
+from refit.errors import InvalidInput
 from refit.plan import DEFAULT_BUCKET_BYTES
 from refit.planners import PLANNERS, make_plan
 from refit.spec import ModelSpec
@@ -147,12 +147,12 @@ class Coordinator:
     # ------------------------------------------------------------------ plans
     async def create_plan(self, src_group: str, dst_group: str, opts: pb.PlanOptions) -> tuple[PlanEntry, bool]:
         if not src_group or not dst_group:
-            raise RefitError("src_group and dst_group are required")
+            raise InvalidInput("src_group and dst_group are required")
         if opts.placement not in PLACEMENT_NAMES:
-            raise RefitError(f"unknown placement {opts.placement}")
+            raise InvalidInput(f"unknown placement {opts.placement}")
         planner = opts.planner or "p2p"
         if planner not in PLANNERS:
-            raise RefitError(f"unknown planner {short(planner)}: {', '.join(PLANNERS)}")
+            raise InvalidInput(f"unknown planner {short(planner)}: {', '.join(PLANNERS)}")
         src = group_members(self.workers, src_group, pb.ROLE_TRAINER)
         dst = group_members(self.workers, dst_group, pb.ROLE_ENGINE)
         check_same_model(src[0], dst[0])
@@ -182,7 +182,7 @@ class Coordinator:
 
     def get_plan(self, plan_id: str) -> PlanEntry:
         if not plan_id:
-            raise RefitError("plan_id is required")
+            raise InvalidInput("plan_id is required")
         entry = self.plans.get(plan_id)
         if entry is None:
             hashed = [e.plan_id for e in self.plans.values() if e.plan.plan_hash == plan_id]
@@ -195,9 +195,9 @@ class Coordinator:
     # ------------------------------------------------------------------ refits
     async def refit(self, plan_id: str, version: int, timeout: float) -> pb.RefitResponse:
         if not 0 < version <= MAX_VERSION:
-            raise RefitError(f"version must be in [1, {MAX_VERSION}], got {version}")
+            raise InvalidInput(f"version must be in [1, {MAX_VERSION}], got {version}")
         if timeout < 0:
-            raise RefitError(f"timeout_seconds must be >= 0, got {timeout}")
+            raise InvalidInput(f"timeout_seconds must be >= 0, got {timeout}")
         entry = self.get_plan(plan_id)
         t0 = time.monotonic()
         deadline = t0 + (timeout or self.default_timeout)

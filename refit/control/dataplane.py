@@ -31,6 +31,8 @@ import time
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any, Callable, Mapping, Protocol
 
+from refit.errors import RefitFailed
+
 if TYPE_CHECKING:
     import torch.distributed as dist
 
@@ -39,7 +41,7 @@ if TYPE_CHECKING:
     from refit.spec import ModelSpec
 
 
-class Cancelled(RuntimeError):
+class Cancelled(RefitFailed):
     """The coordinator abandoned this refit (another member failed)."""
 
 

@@ -40,7 +40,7 @@ import torch
 import torch.distributed as dist
 
 from refit.control.dataplane import RunContext
-from refit.errors import RefitError
+from refit.errors import InvalidInput
 from refit.executor.member import Member, Rebuild, locate
 from refit.executor.topology import Endpoint
 from refit.layouts import Layout, resolve_layout
@@ -143,14 +143,14 @@ class ExecutorDataPlane:
         eps = [("src", r) for r in range(len(plan.placement.src_gpus))] + \
               [("dst", r) for r in range(len(plan.placement.dst_gpus))]
         if len(eps) != rdv.world_size or eps[rdv.rank] != me:
-            raise RefitError(f"rendezvous says member {rdv.rank} of {rdv.world_size}; the plan has "
+            raise InvalidInput(f"rendezvous says member {rdv.rank} of {rdv.world_size}; the plan has "
                              f"{len(eps)} ranks and this is {me[0]} rank {rank}")
         names = [rdv.member(i) for i in range(len(eps))]
         device = _device_name(tensors)
         topo, cuda, one_host = locate(store, rdv.rank, eps, device, ctx.host, names)
         ipc = cuda and one_host and self.transport != "comm"
         if self.transport == "ipc" and not ipc:
-            raise RefitError("transport ipc needs every member on GPUs of one host")
+            raise InvalidInput("transport ipc needs every member on GPUs of one host")
         src, dst = self._sides(plan, role, ctx)
         local = {lt.name: tensors[lt.name] for lt in ctx.layout.local_tensors(ctx.spec, rank)}
         member = Member(store, topo, rdv.rank, device, {me: local}, ctx.spec, src, dst, names, ctx.remaining,
@@ -182,6 +182,6 @@ def rendezvous_name(ctx: RunContext) -> str:
 def _device_name(tensors: Mapping[str, Any]) -> str:
     devices = {t.device for t in tensors.values()}
     if len(devices) > 1:
-        raise RefitError(f"local tensors sit on several devices ({sorted(map(str, devices))}); one device per rank")
+        raise InvalidInput(f"local tensors sit on several devices ({sorted(map(str, devices))}); one device per rank")
     dev = devices.pop() if devices else torch.device("cpu")
     return f"cuda:{dev.index}" if dev.type == "cuda" else "cpu"

@@ -13,7 +13,7 @@ from typing import Any, Awaitable, Callable
 from refit.control.common import ROLE_NAMES, Conflict, Exhausted, Precondition, short, spec_from_registration, worker_id
 from refit.control.v1 import refit_pb2 as pb
 from refit.dtypes import DTYPE_BYTES
-from refit.errors import RefitError
+from refit.errors import InvalidInput
 from refit.layouts import Layout, resolve_layout
 from refit.plan import Plan
 from refit.spec import ModelSpec
@@ -107,42 +107,42 @@ MAX_SPEC_TENSORS = 2_000_000
 def check_info(info: pb.WorkerInfo) -> None:
     """Cheap checks of a registration's fields: sizes, names, numbers (no spec built yet)."""
     if info.role not in ROLE_NAMES:
-        raise RefitError("register: role must be ROLE_TRAINER or ROLE_ENGINE")
+        raise InvalidInput("register: role must be ROLE_TRAINER or ROLE_ENGINE")
     for name, limit in (("group", MAX_NAME), ("layout", MAX_NAME), ("model_name", MAX_NAME),
                         ("model_digest", MAX_NAME), ("host", MAX_HOST), ("model_config_json", MAX_CONFIG_JSON)):
         value = getattr(info, name)
         if len(value) > limit:
-            raise RefitError(f"register: {name} has {len(value)} characters, at most {limit} allowed")
+            raise InvalidInput(f"register: {name} has {len(value)} characters, at most {limit} allowed")
     if not info.group or "/" in info.group or not info.group.isprintable():
-        raise RefitError(f"register: group must be a printable name without '/', got {short(info.group)}")
+        raise InvalidInput(f"register: group must be a printable name without '/', got {short(info.group)}")
     if not info.layout:
-        raise RefitError("register: layout is empty")
+        raise InvalidInput("register: layout is empty")
     if info.rank >= MAX_WORLD_SIZE:
-        raise RefitError(f"register: rank {info.rank} is beyond {MAX_WORLD_SIZE} ranks")
+        raise InvalidInput(f"register: rank {info.rank} is beyond {MAX_WORLD_SIZE} ranks")
     if info.version > MAX_VERSION:
-        raise RefitError(f"register: version {info.version} is above {MAX_VERSION}")
+        raise InvalidInput(f"register: version {info.version} is above {MAX_VERSION}")
     try:
         fields = json.loads(info.model_config_json)
     except ValueError as e:
-        raise RefitError(f"register: model_config_json is not JSON: {short(str(e))}") from None
+        raise InvalidInput(f"register: model_config_json is not JSON: {short(str(e))}") from None
     if not isinstance(fields, dict):
-        raise RefitError("register: model_config_json is not a JSON object")
+        raise InvalidInput("register: model_config_json is not a JSON object")
     for key, limit in CONFIG_BOUNDS.items():
         v = fields.get(key, 0)
         if not isinstance(v, int) or isinstance(v, bool) or not 0 <= v <= limit:
-            raise RefitError(f"register: model config {key} = {short(v)}; expected an integer in [0, {limit}]")
+            raise InvalidInput(f"register: model config {key} = {short(v)}; expected an integer in [0, {limit}]")
     dtype = fields.get("dtype", "bfloat16")
     if not isinstance(dtype, str) or dtype not in DTYPE_BYTES:  # planning sizes every tensor by it
-        raise RefitError(f"register: model config dtype = {short(dtype)}; expected one of {', '.join(DTYPE_BYTES)}")
+        raise InvalidInput(f"register: model config dtype = {short(dtype)}; expected one of {', '.join(DTYPE_BYTES)}")
     for key in () if fields.get("kv_lora_rank") else ("num_heads", "num_kv_heads", "head_dim"):
         if fields.get(key, 0) < 1:  # layouts split attention rows by kv groups of heads of head_dim rows
-            raise RefitError(f"register: model config {key} = {fields.get(key, 0)}; attention needs at least 1")
+            raise InvalidInput(f"register: model config {key} = {fields.get(key, 0)}; attention needs at least 1")
     moe = fields.get("moe_layers", [])
     if not isinstance(moe, list) or len(moe) > CONFIG_BOUNDS["num_layers"]:
-        raise RefitError("register: model config moe_layers must be a list of layer indices")
+        raise InvalidInput("register: model config moe_layers must be a list of layer indices")
     tensors = fields.get("num_layers", 0) * (3 * fields.get("num_experts", 0) + 16)
     if tensors > MAX_SPEC_TENSORS:
-        raise RefitError(f"register: model config of about {tensors} tensors, at most {MAX_SPEC_TENSORS} allowed")
+        raise InvalidInput(f"register: model config of about {tensors} tensors, at most {MAX_SPEC_TENSORS} allowed")
 
 
 def build_registration(info: pb.WorkerInfo, specs: dict[tuple[str, str], ModelSpec]) -> tuple[ModelSpec, Layout]:
@@ -156,20 +156,20 @@ def build_registration(info: pb.WorkerInfo, specs: dict[tuple[str, str], ModelSp
             specs.pop(next(iter(specs)))
         specs[key] = spec
     elif spec.digest() != info.model_digest:
-        raise RefitError(f"model {short(info.model_name)}: model_config_json gives digest {spec.digest()}, "
+        raise InvalidInput(f"model {short(info.model_name)}: model_config_json gives digest {spec.digest()}, "
                          f"the worker reported {short(info.model_digest or '(none)')}")
     layout = resolve_layout(info.layout, spec, "src" if info.role == pb.ROLE_TRAINER else "dst")
     if layout.world_size > MAX_WORLD_SIZE:
-        raise RefitError(f"register: {layout.describe()} has {layout.world_size} ranks, at most {MAX_WORLD_SIZE}")
+        raise InvalidInput(f"register: {layout.describe()} has {layout.world_size} ranks, at most {MAX_WORLD_SIZE}")
     if info.rank >= layout.world_size:
-        raise RefitError(f"register: rank {info.rank} is outside {layout.describe()} (world size {layout.world_size})")
+        raise InvalidInput(f"register: rank {info.rank} is outside {layout.describe()} (world size {layout.world_size})")
     return spec, layout
 
 
 def check_group_role(workers: dict[str, Worker], info: pb.WorkerInfo) -> None:
     for w in workers.values():
         if w.info.group == info.group and w.info.role != info.role and w.worker_id != worker_id(info.group, info.rank):
-            raise RefitError(f"register: group {info.group!r} holds {w.role}s ({w.worker_id}); "
+            raise InvalidInput(f"register: group {info.group!r} holds {w.role}s ({w.worker_id}); "
                              f"a {ROLE_NAMES[info.role]} cannot join it")
 
 
@@ -182,28 +182,28 @@ def group_members(workers: dict[str, Worker], group: str, role: int) -> list[Wor
         members = [w for w in members if w.connected or shape(w) == live[0]]
     want = ROLE_NAMES[role]
     if not members:
-        raise RefitError(f"no worker is registered in group {short(group)}")
+        raise InvalidInput(f"no worker is registered in group {short(group)}")
     ref = members[0]
     if ref.info.role != role:
-        raise RefitError(f"group {short(group)} holds {ref.role}s; a plan's {'source' if want == 'trainer' else 'destination'} "
+        raise InvalidInput(f"group {short(group)} holds {ref.role}s; a plan's {'source' if want == 'trainer' else 'destination'} "
                          f"must be a {want} group")
     for w in members[1:]:
         if w.layout_str != ref.layout_str:
-            raise RefitError(f"group {group!r}: {w.worker_id} registered layout {w.layout_str}, "
+            raise InvalidInput(f"group {group!r}: {w.worker_id} registered layout {w.layout_str}, "
                              f"{ref.worker_id} {ref.layout_str}")
         if w.info.model_digest != ref.info.model_digest:
-            raise RefitError(f"group {group!r}: {w.worker_id} holds model digest {w.info.model_digest}, "
+            raise InvalidInput(f"group {group!r}: {w.worker_id} holds model digest {w.info.model_digest}, "
                              f"{ref.worker_id} {ref.info.model_digest}")
         diff = config_differences(ref.info.model_config_json, w.info.model_config_json, ref.worker_id, w.worker_id)
         if diff:
-            raise RefitError(f"group {group!r}: {ref.worker_id} and {w.worker_id} hold different model configs: {diff}")
+            raise InvalidInput(f"group {group!r}: {ref.worker_id} and {w.worker_id} hold different model configs: {diff}")
         if w.info.phase_layers != ref.info.phase_layers:  # phases are one plan's: every rank cuts alike
-            raise RefitError(f"group {group!r}: {w.worker_id} declares phase_layers {w.info.phase_layers}, "
+            raise InvalidInput(f"group {group!r}: {w.worker_id} declares phase_layers {w.info.phase_layers}, "
                              f"{ref.worker_id} {ref.info.phase_layers}")
     ranks = {w.info.rank for w in members}
     for r in range(ref.layout.world_size):
         if r not in ranks:
-            raise RefitError(f"group {group!r}: rank {r} of {ref.layout.describe()} is not registered "
+            raise InvalidInput(f"group {group!r}: rank {r} of {ref.layout.describe()} is not registered "
                              f"(registered ranks: {sorted(ranks)})")
     return members
 
@@ -214,10 +214,10 @@ def check_same_model(src: Worker, dst: Worker) -> None:
     a, b = src.info, dst.info
     diff = config_differences(a.model_config_json, b.model_config_json, a.group, b.group)
     if a.model_digest != b.model_digest:
-        raise RefitError(f"groups {a.group!r} and {b.group!r} hold different models: " + (
+        raise InvalidInput(f"groups {a.group!r} and {b.group!r} hold different models: " + (
             diff or f"{a.model_name} (digest {a.model_digest}) vs {b.model_name} (digest {b.model_digest})"))
     if diff:
-        raise RefitError(f"groups {a.group!r} and {b.group!r} hold models of equal tensors but different configs: {diff}")
+        raise InvalidInput(f"groups {a.group!r} and {b.group!r} hold models of equal tensors but different configs: {diff}")
 
 
 def config_differences(a: str, b: str, a_name: str, b_name: str) -> str:
@@ -286,5 +286,5 @@ def check_version(workers: dict[str, Worker], entry: PlanEntry, version: int) ->
     if version <= top:
         raise Precondition(f"version {version} is not above {top}, the version {who} holds; versions must increase")
     if version - top > MAX_VERSION_STEP:
-        raise RefitError(f"version {version} jumps more than {MAX_VERSION_STEP} past {top}, the version {who} "
+        raise InvalidInput(f"version {version} jumps more than {MAX_VERSION_STEP} past {top}, the version {who} "
                          f"holds: versions count refits, not random numbers")

@@ -21,7 +21,7 @@ from __future__ import annotations
 import asyncio
 
 from refit.control.common import Aborted, NotFound, short
-from refit.errors import RefitError
+from refit.errors import InvalidInput
 
 MAX_KEY_CHARS = 512
 MAX_SPACE_BYTES = 64 * 2**20  # one generation's records: ~100 B per shared tensor handle, a few KiB per peer
@@ -81,14 +81,14 @@ class RendezvousStore:
     # ------------------------------------------------------------------ the members' calls
     def set(self, prefix: str, keys: list[str], values: list[bytes]) -> None:
         if len(keys) != len(values):
-            raise RefitError(f"StoreSet: {len(keys)} keys but {len(values)} values")
+            raise InvalidInput(f"StoreSet: {len(keys)} keys but {len(values)} values")
         space = self._space(prefix)
         for key in keys:
             _check_key(key)
         for key, value in zip(keys, values):
             grown = space.nbytes + len(key) + len(value) - _size(key, space.data.get(key))
             if grown > MAX_SPACE_BYTES:
-                raise RefitError(f"StoreSet: the rendezvous space would hold {grown} bytes, over its "
+                raise InvalidInput(f"StoreSet: the rendezvous space would hold {grown} bytes, over its "
                                  f"{MAX_SPACE_BYTES} limit")
             space.data[key] = bytes(value)
             space.nbytes = grown
@@ -115,7 +115,7 @@ class RendezvousStore:
         try:
             value = int(space.data.get(key, b"0")) + amount
         except ValueError:
-            raise RefitError(f"StoreAdd: key {short(key)} does not hold an integer") from None
+            raise InvalidInput(f"StoreAdd: key {short(key)} does not hold an integer") from None
         self.set(prefix, [key], [str(value).encode()])
         return value
 
@@ -130,7 +130,7 @@ class RendezvousStore:
 
 def _check_key(key: str) -> None:
     if not key or len(key) > MAX_KEY_CHARS:
-        raise RefitError(f"store keys must have 1 to {MAX_KEY_CHARS} characters, got {len(key)}")
+        raise InvalidInput(f"store keys must have 1 to {MAX_KEY_CHARS} characters, got {len(key)}")
 
 
 def _size(key: str, value: bytes | None) -> int:

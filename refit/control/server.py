@@ -39,7 +39,7 @@ from refit.control.common import (DEFAULT_PORT, KEEPALIVE_MS, KEEPALIVE_TIMEOUT_
 from refit.control.coordinator import Coordinator
 from refit.control.v1 import refit_pb2 as pb
 from refit.entrypoint import run_main, setup_logging
-from refit.errors import RefitError
+from refit.errors import InvalidInput, RefitError
 
 log = logging.getLogger(__name__)
 
@@ -141,15 +141,15 @@ class Servicer:
     @_rpc
     async def ListWorkers(self, req: pb.ListWorkersRequest, context: Any) -> pb.ListWorkersResponse:
         if req.role not in pb.Role.values():
-            raise RefitError(f"unknown role {req.role}")
+            raise InvalidInput(f"unknown role {req.role}")
         return pb.ListWorkersResponse(workers=self.coord.list_workers(req.group, req.role))
 
     @_rpc
     async def Refit(self, req: pb.RefitRequest, context: grpc.aio.ServicerContext) -> pb.RefitResponse:
         if not req.plan_id:
-            raise RefitError("plan_id is required")
+            raise InvalidInput("plan_id is required")
         if not 0 <= req.timeout_seconds <= MAX_TIMEOUT:  # beyond it, members' timers overflow (timedelta)
-            raise RefitError(f"timeout_seconds must be a number in [0, {MAX_TIMEOUT:g}], got {req.timeout_seconds}")
+            raise InvalidInput(f"timeout_seconds must be a number in [0, {MAX_TIMEOUT:g}], got {req.timeout_seconds}")
         timeout = req.timeout_seconds or self.coord.default_timeout
         left = context.time_remaining()
         if left is not None:  # answer FAILED before the caller's own deadline cuts the call
@@ -165,7 +165,7 @@ class Servicer:
     async def StoreGet(self, req: pb.StoreGetRequest, context: grpc.aio.ServicerContext) -> pb.StoreGetResponse:
         wait = req.wait_seconds
         if not 0 <= wait <= MAX_TIMEOUT:
-            raise RefitError(f"wait_seconds must be a number in [0, {MAX_TIMEOUT:g}], got {wait}")
+            raise InvalidInput(f"wait_seconds must be a number in [0, {MAX_TIMEOUT:g}], got {wait}")
         left = context.time_remaining()
         if left is not None:  # answer "not found" before the caller's own deadline cuts the call
             wait = min(wait, max(0.0, left - 0.05))
@@ -219,7 +219,7 @@ class CoordinatorServer:
         self.host, self.port, self.token = host, port, token
         self.advertise_host = advertise_host or host
         if not 0 < default_timeout <= MAX_TIMEOUT:  # 0 would fail every refit that gives none, at once
-            raise RefitError(f"--timeout must be a number of seconds in (0, {MAX_TIMEOUT:g}], got {default_timeout}")
+            raise InvalidInput(f"--timeout must be a number of seconds in (0, {MAX_TIMEOUT:g}], got {default_timeout}")
         self.options = server_options(keepalive_ms, keepalive_timeout_ms)
         self.default_timeout, self.grace = default_timeout, grace
         self.server: grpc.aio.Server | None = None
@@ -240,7 +240,7 @@ class CoordinatorServer:
         except RuntimeError:
             bound = 0
         if not bound:
-            raise RefitError(f"cannot listen on {self.host}:{self.port}: address in use (another coordinator?) "
+            raise InvalidInput(f"cannot listen on {self.host}:{self.port}: address in use (another coordinator?) "
                              f"or not an address of this host")
         self.port = bound
         await self.server.start()
@@ -315,9 +315,9 @@ def read_token(args: argparse.Namespace) -> str | None:
             with open(args.token_file) as f:
                 token = f.read().strip()
         except OSError as e:
-            raise RefitError(f"--token-file {args.token_file}: {e.strerror}") from None
+            raise InvalidInput(f"--token-file {args.token_file}: {e.strerror}") from None
         if not token:
-            raise RefitError(f"--token-file {args.token_file} is empty")
+            raise InvalidInput(f"--token-file {args.token_file} is empty")
         return token
     return os.environ.get("REFIT_TOKEN") or args.token
 

@@ -16,7 +16,7 @@ from typing import Any, Callable
 import torch
 
 from refit.boxes import volume
-from refit.errors import RefitError
+from refit.errors import InvalidInput
 from refit.executor.copies import CopyBatch, Pair, dma_enabled
 from refit.executor.device import Device
 from refit.executor.schedule import Program, Wire
@@ -87,7 +87,7 @@ def _buffer_pairs(wire: Wire, buf: torch.Tensor, views: _Views, into_buffer: boo
     for wt in wire.transfers:
         itemsize = DTYPE_BYTES[wt.dtype]
         if wt.offset % itemsize:
-            raise RefitError(f"bucket {wire.bucket}: transfer at byte {wt.offset} is not aligned for {wt.dtype}")
+            raise InvalidInput(f"bucket {wire.bucket}: transfer at byte {wt.offset} is not aligned for {wt.dtype}")
         region = int_view(buf[wt.offset:wt.offset + volume(wt.box) * itemsize].view(TORCH_DTYPES[wt.dtype])).view(wt.box)
         for blk in wt.blocks:
             on_wire = region[slices(blk.box_start, blk.size)]

@@ -25,7 +25,7 @@ import json
 import re
 from typing import Any, Callable
 
-from refit.errors import RefitError
+from refit.errors import InvalidInput
 from refit.executor import ipc_alias
 
 NCCL_ID_BYTES = 128
@@ -38,7 +38,7 @@ _DTYPES = ("bfloat16", "float16", "float32", "float64", "float8_e4m3fn", "float8
            "int16", "int32", "int64", "bool")
 
 
-class HandleError(RefitError):
+class HandleError(InvalidInput):
     """A value read from the rendezvous store is not what refit writes there."""
 
 

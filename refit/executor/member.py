@@ -35,7 +35,7 @@ from typing import Callable, Mapping, Sequence, Union
 import torch
 import torch.distributed as dist
 
-from refit.errors import RefitError
+from refit.errors import InvalidInput, RefitFailed
 from refit.executor.bound import Bound, Remaining, bind_all, run_refit
 from refit.executor.device import Device, enable_peer_access, make_device
 from refit.executor.schedule import compile_program
@@ -102,7 +102,7 @@ def locate(store: dist.Store, member: int, endpoints: Sequence[Endpoint], device
     where = [json.loads(store.get(f"device/{m}")) for m in range(len(endpoints))]
     cuda = all("uuid" in w for w in where)
     if not cuda and any("uuid" in w for w in where):
-        raise RefitError(f"members mix CPU and GPU tensors: "
+        raise InvalidInput(f"members mix CPU and GPU tensors: "
                          f"{ {n: 'cuda' if 'uuid' in w else 'cpu' for n, w in zip(names, where)} }")
     one_host = len({w["host"] for w in where}) == 1
     if not cuda:
@@ -122,7 +122,7 @@ def ipc_direction(cuda: bool, packed: bool = False) -> str:
     each); ``auto`` (default): push on GPUs, except between arenas ``packed`` by the bench
     (`--alloc arena`), whose blocks merge into a few big copies that the copy engines pull
     faster; pull on CPU.  Measured on H200s, qwen3-30b-moe with framework allocations
-    (`bench/RESULTS.md`, fifth session): 2 GPUs push 40.8 ms / pull 43.9; 4 GPUs push 30.9 /
+    (`bench/RESULTS.md`, 2026-11-22): 2 GPUs push 40.8 ms / pull 43.9; 4 GPUs push 30.9 /
     pull 34.2; arena on 2 GPUs pull 40.0 / push 52.6.  The value of member 0 holds for every
     member of a run (`Member` agrees on it through the store)."""
     value = os.environ.get("REFIT_IPC", "auto")
@@ -182,7 +182,7 @@ class Member:
                 for dev in sorted({d for ep, d in topology.devices if ep[0] in sides} - driven):
                     there = topology.torch_index(dev)
                     if there is None:
-                        raise RefitError(f"{self.name}: ipc needs every GPU visible in every member, and GPU "
+                        raise InvalidInput(f"{self.name}: ipc needs every GPU visible in every member, and GPU "
                                          f"{dev} is not visible here (CUDA_VISIBLE_DEVICES isolation?): use the "
                                          "communicator")
                     enable_peer_access(here, there)
@@ -223,7 +223,7 @@ class Member:
         if isinstance(tensors, Shards):
             return export_arena(tensors)
         if not self.cuda:
-            raise RefitError(f"{self.name}: CPU tensors are shared only as a /dev/shm arena (refit.executor.shards)")
+            raise InvalidInput(f"{self.name}: CPU tensors are shared only as a /dev/shm arena (refit.executor.shards)")
         return export_tensors(dict(tensors))
 
     def _import(self, ep: Endpoint) -> dict[str, torch.Tensor]:
@@ -239,7 +239,7 @@ class Member:
             try:
                 out = views(arena, list(layout.local_tensors(self.spec, ep[1])), self.scattered)
             except ValueError as e:
-                raise RefitError(f"{self.name}: {ep[0]} rank {ep[1]} of {layout.describe()} shared by "
+                raise InvalidInput(f"{self.name}: {ep[0]} rank {ep[1]} of {layout.describe()} shared by "
                                  f"{self.names[self.topo.member_of[ep]]}: {e}") from None
         if arena is not None and arena.is_cuda and arena.device != self.device.torch:
             self.peer_devices.add(arena.device.index)
@@ -292,7 +292,7 @@ class Member:
         ``rebuild``: this member's tensors moved; then every member raises `Rebuild` after the first
         barrier (which carries the flag), having moved nothing."""
         if not self.phases:  # else the barriers would pass and report a refit that moved nothing
-            raise RefitError(f"{self.name}: no plan prepared (prepare failed or was never called)")
+            raise RefitFailed(f"{self.name}: no plan prepared (prepare failed or was never called)")
         phases = self.phases
         phased = any(key != WHOLE for key, _ in phases)
         seconds = 0.0
@@ -327,7 +327,7 @@ class Member:
         its own timeout (the refit's deadline): it is kept in ``self.abandoned`` so that `close`
         does not wait for it."""
         if self.ctl is None:
-            raise RefitError(f"{self.name}: barrier after close")
+            raise RefitFailed(f"{self.name}: barrier after close")
         self.rounds += 1
         opts = dist.AllreduceOptions()
         opts.timeout = datetime.timedelta(seconds=max(remaining(), 0.001))

@@ -37,7 +37,7 @@ from collections import defaultdict
 from dataclasses import dataclass, field
 
 from refit.boxes import intersect, shift, volume
-from refit.errors import RefitError
+from refit.errors import InvalidInput
 from refit.executor.topology import Endpoint, Topology
 from refit.layouts import Layout, LocalTensor, Piece
 from refit.plan import Bucket, Plan, Transfer
@@ -195,18 +195,18 @@ def check_plan(plan: Plan, spec: ModelSpec, src: Layout, dst: Layout, topo: Topo
     anything is bound: such a plan may still name boxes every rank holds, and then leave parts
     of the destination unwritten with no error."""
     if plan.model_digest != spec.digest():
-        raise RefitError(f"plan is for model {plan.model} (digest {plan.model_digest}), this run holds "
+        raise InvalidInput(f"plan is for model {plan.model} (digest {plan.model_digest}), this run holds "
                          f"{spec.name} (digest {spec.digest()})")
     for side, layout, text in (("source", src, plan.src_layout), ("destination", dst, plan.dst_layout)):
         if layout.describe() != text:
-            raise RefitError(f"plan is for {side} layout {text}, this run's is {layout.describe()}")
+            raise InvalidInput(f"plan is for {side} layout {text}, this run's is {layout.describe()}")
     ranks = {"src": len(plan.placement.src_gpus), "dst": len(plan.placement.dst_gpus)}
     if (ranks["src"], ranks["dst"]) != (src.world_size, dst.world_size):
-        raise RefitError(f"plan places {ranks['src']} source and {ranks['dst']} destination ranks, the layouts "
+        raise InvalidInput(f"plan places {ranks['src']} source and {ranks['dst']} destination ranks, the layouts "
                          f"have {src.world_size} and {dst.world_size}")
     missing = [f"{side} rank {r}" for side, n in ranks.items() for r in range(n) if (side, r) not in topo.device_of]
     if missing:
-        raise RefitError(f"the topology places no device for {', '.join(missing[:4])} of the plan")
+        raise InvalidInput(f"the topology places no device for {', '.join(missing[:4])} of the plan")
 
 
 def pullable(plan: Plan, b: Bucket) -> bool:
@@ -238,7 +238,7 @@ def _blocks(index: PieceIndex, t: Transfer, ep: Endpoint, whole: bool, sending: 
     blocks = index.regions(t.tensor, (t.start, t.size))
     got = sum(volume(r.size) for r in blocks)
     if (whole and got != t.numel) or got > t.numel:
-        raise RefitError(f"plan does not match the layouts: {ep[0]} rank {ep[1]} holds {got} of the "
+        raise InvalidInput(f"plan does not match the layouts: {ep[0]} rank {ep[1]} holds {got} of the "
                          f"{t.numel} elements of {t.tensor} {list(t.start)}+{list(t.size)} it must "
                          f"{'send' if sending else 'receive'}")
     return blocks
@@ -254,7 +254,7 @@ def _wire(plan: Plan, bi: int, b: Bucket, transfers: tuple[Transfer, ...], index
         out.append(WireTransfer(offset, t.size, plan.tensors[t.tensor][0], tuple(blocks)))
         offset += plan.transfer_bytes(t)
     if offset != b.nbytes:
-        raise RefitError(f"bucket {bi} says {b.nbytes} bytes, its transfers add up to {offset}")
+        raise InvalidInput(f"bucket {bi} says {b.nbytes} bytes, its transfers add up to {offset}")
     return Wire(bi, peer, b.nbytes, ep, tuple(out))
 
 

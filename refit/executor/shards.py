@@ -16,7 +16,7 @@ from typing import Mapping, Sequence
 
 import torch
 
-from refit.errors import RefitError
+from refit.errors import InvalidInput
 from refit.executor.topology import Endpoint
 from refit.executor.values import TORCH_DTYPES, check_box, fill_box, int_view
 from refit.layouts import Layout
@@ -179,7 +179,7 @@ def check_own(ep: Endpoint, tensors: Shards | Mapping[str, torch.Tensor], layout
     for n, t in table.items():
         if device is not None and (t.device.type != device.type
                                    or (device.type == "cuda" and t.device.index != device.index)):
-            raise RefitError(f"{where}: {n!r} is on {t.device}, this member drives {device}")
+            raise InvalidInput(f"{where}: {n!r} is on {t.device}, this member drives {device}")
 
 
 def remove_file(path: str | None) -> None:

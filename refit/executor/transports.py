@@ -47,6 +47,7 @@ from typing import Any, Callable, Protocol, Sequence
 import torch
 import torch.distributed as dist
 
+from refit.errors import RefitFailed
 from refit.executor import handles
 from refit.executor.device import CudaDevice
 from refit.executor.shards import Shards
@@ -56,7 +57,7 @@ SendRecv = list[tuple[int, int, torch.Tensor]]  # (peer comm rank, tag, contiguo
 log = logging.getLogger("refit.executor")
 
 
-class PeerError(RuntimeError):
+class PeerError(RefitFailed):
     """A transfer with a named peer failed (it died, hung, or reported an error)."""
 
 

@@ -20,7 +20,7 @@ import torch
 from refit.control.agent import TrainerAgent
 from refit.control.dataplane import RunContext
 from refit.control.dataplane_executor import ExecutorDataPlane
-from refit.errors import RefitError
+from refit.errors import InvalidInput, RefitFailed
 from refit.layouts import Layout
 from refit.plan import Plan
 from refit.spec import ModelConfig, ModelSpec, build_spec
@@ -38,7 +38,7 @@ def spec_of_hf_config(config: Any, params: Mapping[str, torch.Tensor]) -> ModelS
     if dtype is None:
         dtypes = {p.dtype for p in params.values()}
         if len(dtypes) != 1:
-            raise RefitError(f"the model's parameters mix dtypes {sorted(map(str, dtypes))} "
+            raise InvalidInput(f"the model's parameters mix dtypes {sorted(map(str, dtypes))} "
                              f"and model.config names none")
         dtype = dtypes.pop()
     cfg["dtype"] = DTYPE_NAMES.get(dtype, str(dtype)) if isinstance(dtype, torch.dtype) else dtype
@@ -60,7 +60,7 @@ def refuse_unmapped(unmapped: list[str], where: str, why: str = "") -> None:
         return
     more = f" (and {len(unmapped) - 1} more: {', '.join(unmapped[1:4])}{'...' if len(unmapped) > 4 else ''})" \
         if len(unmapped) > 1 else ""
-    raise RefitError(f"{where}: parameter {unmapped[0]!r}{more} has no place in refit's tensors of this model"
+    raise InvalidInput(f"{where}: parameter {unmapped[0]!r}{more} has no place in refit's tensors of this model"
                      f"{'; ' + why if why else ''}; refusing to attach rather than leave it behind")
 
 
@@ -73,7 +73,7 @@ def check_dtypes(served: Mapping[str, "Served"], spec: ModelSpec, layout: Layout
         got = DTYPE_NAMES.get(s.view.dtype, str(s.view.dtype))
         if got != want:
             whose = "the model's config says" if want == spec.config.dtype else f"refit holds {name!r} in"
-            raise RefitError(f"parameter {s.param_name!r} is {got}, {whose} {want}: refit moves bits "
+            raise InvalidInput(f"parameter {s.param_name!r} is {got}, {whose} {want}: refit moves bits "
                              f"and does not cast; keep the trainer's tensor in {want} (or fix config.dtype)")
 
 
@@ -107,7 +107,7 @@ class LiveDataPlane(ExecutorDataPlane):
                  ctx: RunContext) -> tuple[int, float]:
         moved = [s.param_name for s in self.served.values() if s.moved()]
         if moved:
-            raise RefitError(f"parameter {moved[0]!r} ({len(set(moved))} in all) no longer lies where it did at "
+            raise RefitFailed(f"parameter {moved[0]!r} ({len(set(moved))} in all) no longer lies where it did at "
                              f"attach (model moved, re-wrapped or re-materialized after attach?): attach again")
         return super().__call__(plan, role, rank, tensors, version, ctx)
 

@@ -23,7 +23,7 @@ import torch
 import torch.distributed as dist
 
 from refit.control.agent import TrainerAgent
-from refit.errors import RefitError
+from refit.errors import InvalidInput
 from refit.integrations._common import global_rank, spec_of_hf_config, start_trainer
 from refit.integrations.hf import serve_hf_parameters
 from refit.layouts import FsdpLayout
@@ -35,12 +35,13 @@ __all__ = ["attach"]
 def attach(model: torch.nn.Module, address: str, *, group: str = "trainer", token: str | None = None,
            **agent_options: Any) -> TrainerAgent:
     """Register this rank's shard of an FSDP2-sharded transformers ``model`` as rank (global rank)
-    of ``group``; call it on every rank.  Returns the started agent."""
+    of ``group``; call it on every rank.  Returns the started agent.  Raises `refit.InvalidInput`,
+    before registering, for a mesh, placement or parameter refit cannot serve."""
     from torch.distributed.tensor import DTensor
 
     named = list(model.named_parameters(remove_duplicate=False))
     if not named:
-        raise RefitError("the model has no parameters")
+        raise InvalidInput("the model has no parameters")
     dp = _data_parallel_size(named, DTensor)
     rank = global_rank()
     spec = spec_of_hf_config(model.config, {n: p.to_local() for n, p in named})
@@ -61,23 +62,23 @@ def _data_parallel_size(named: list[tuple[str, torch.Tensor]], dtensor: type) ->
     mesh = None
     for name, p in named:
         if not isinstance(p, dtensor):
-            raise RefitError(f"parameter {name!r} is not a DTensor: fully_shard every module holding parameters "
+            raise InvalidInput(f"parameter {name!r} is not a DTensor: fully_shard every module holding parameters "
                              f"(the root module too) before attaching, or use refit_hf.attach for an unsharded model")
         if p.device_mesh.ndim != 1:
-            raise RefitError(f"parameter {name!r} lies on a {p.device_mesh.ndim}-D mesh {p.device_mesh.mesh_dim_names}"
+            raise InvalidInput(f"parameter {name!r} lies on a {p.device_mesh.ndim}-D mesh {p.device_mesh.mesh_dim_names}"
                              f": refit's fsdp layout is Shard(0) over one data-parallel dimension; HSDP and FSDP x "
                              f"TP (2-D) meshes are not supported")
         if tuple(p.placements) != (Shard(0),):
-            raise RefitError(f"parameter {name!r} is placed {tuple(p.placements)}, refit's fsdp layout needs "
+            raise InvalidInput(f"parameter {name!r} is placed {tuple(p.placements)}, refit's fsdp layout needs "
                              f"(Shard(dim=0),) (no shard_placement_fn)")
         if mesh is None:
             mesh = p.device_mesh
         elif p.device_mesh != mesh:
-            raise RefitError(f"parameter {name!r} lies on mesh {p.device_mesh}, others on {mesh}: one mesh only")
+            raise InvalidInput(f"parameter {name!r} lies on mesh {p.device_mesh}, others on {mesh}: one mesh only")
     assert mesh is not None
     world = dist.get_world_size()
     ranks = mesh.mesh.flatten().tolist()
     if ranks != list(range(world)):
-        raise RefitError(f"the FSDP mesh holds ranks {ranks} of a world of {world}: refit needs one mesh over the "
+        raise InvalidInput(f"the FSDP mesh holds ranks {ranks} of a world of {world}: refit needs one mesh over the "
                          f"whole world in rank order (mesh coordinate = global rank)")
     return len(ranks)

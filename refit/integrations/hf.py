@@ -29,7 +29,7 @@ from typing import Any, Callable, Iterable
 import torch
 
 from refit.control.agent import TrainerAgent
-from refit.errors import RefitError
+from refit.errors import InvalidInput
 from refit.integrations._common import Served, global_rank, refuse_unmapped, spec_of_hf_config, start_trainer
 from refit.layouts import HFLayout, Layout
 from refit.spec import ModelSpec
@@ -42,13 +42,15 @@ _FUSED = re.compile(r"^(?P<experts>.*\.mlp\.experts)\.(?P<kind>gate_up_proj|down
 def attach(model: torch.nn.Module, address: str, *, group: str = "trainer", token: str | None = None,
            **agent_options: Any) -> TrainerAgent:
     """Register this process's unsharded transformers ``model`` as rank (global rank) of ``group``
-    and serve its live parameters; returns the started agent."""
+    and serve its live parameters; returns the started agent.  Raises `refit.InvalidInput`, before
+    registering, for a parameter refit cannot place or a dtype the config does not name; a refit
+    after a parameter moved fails with `refit.RefitFailed` naming it (attach again)."""
     named = list(model.named_parameters(remove_duplicate=False))
     spec = spec_of_hf_config(model.config, dict(named))
     layout = HFLayout().resolve(spec)
     rank = global_rank()
     if rank != 0:
-        raise RefitError(f"refit_hf.attach serves an unsharded model as the one rank of layout hf, but this process "
+        raise InvalidInput(f"refit_hf.attach serves an unsharded model as the one rank of layout hf, but this process "
                          f"is global rank {rank}: use refit_fsdp.attach for a sharded model, or attach on rank 0 only")
     served = serve_hf_parameters(named, spec, layout, 0, local=lambda p: p.detach(), buffer=model.get_buffer)
     return start_trainer(address, group=group, rank=0, spec=spec, layout=layout, served=served, token=token,
@@ -76,7 +78,7 @@ def serve_hf_parameters(named: Iterable[tuple[str, torch.Tensor]], spec: ModelSp
         m = _FUSED.match(name)
         if m and f"{m['experts']}.0.gate_proj.weight" in expected:
             if not fused_experts:
-                raise RefitError(f"{name!r}: fused experts sharded by FSDP2 split the expert dimension, which refit's "
+                raise InvalidInput(f"{name!r}: fused experts sharded by FSDP2 split the expert dimension, which refit's "
                                  f"fsdp layout (every HF tensor Shard(0), per expert) cannot describe; shard the "
                                  f"per-expert form, or attach an unsharded copy with refit_hf")
             served.update(_split_fused(spec, m["experts"], m["kind"], name, live))
@@ -103,7 +105,7 @@ def _split_fused(spec: ModelSpec, experts: str, kind: str, name: str,
     w = live()
     want = (E, 2 * I, H) if kind == "gate_up_proj" else (E, H, I)
     if tuple(w.shape) != want:
-        raise RefitError(f"{name!r} has shape {list(w.shape)}, expected {list(want)} "
+        raise InvalidInput(f"{name!r} has shape {list(w.shape)}, expected {list(want)} "
                          f"(experts {E}, moe_intermediate_size {I}, hidden_size {H})")
     out = {}
     for e in range(E):

@@ -39,7 +39,7 @@ import torch
 
 from refit.control.agent import TrainerAgent
 from refit.archs import FAMILY_ARCHS
-from refit.errors import RefitError
+from refit.errors import InvalidInput
 from refit.integrations._common import Served, global_rank, refuse_unmapped, start_trainer
 from refit.layouts import MegatronLayout
 from refit.hf_checkpoint import load_spec
@@ -63,7 +63,8 @@ def attach(model: torch.nn.Module | Sequence[torch.nn.Module], address: str, *, 
            spec: str | ModelSpec, token: str | None = None, **agent_options: Any) -> TrainerAgent:
     """Register this rank of a megatron-core ``GPTModel`` (or list of model chunks, DDP-wrapped or
     not) as rank (global rank) of ``group``; ``spec``: an HF directory, a catalog name or a
-    `ModelSpec`.  Call on every rank.  Returns the started agent."""
+    `ModelSpec`.  Call on every rank.  Returns the started agent.  Raises `refit.InvalidInput`,
+    before registering, for a model, parallel state or parameter that does not match the spec."""
     spec = spec if isinstance(spec, ModelSpec) else load_spec(spec)
     wrappers = list(model) if isinstance(model, (list, tuple)) else [model]
     if any(getattr(getattr(w, "ddp_config", None), "overlap_param_gather", False) for w in wrappers):
@@ -87,7 +88,7 @@ def _unwrap(m: torch.nn.Module) -> torch.nn.Module:
     while not hasattr(m, "decoder") and isinstance(getattr(m, "module", None), torch.nn.Module):
         m = m.module
     if not hasattr(m, "decoder"):
-        raise RefitError(f"{type(m).__name__} is not a megatron-core GPTModel (no .decoder)")
+        raise InvalidInput(f"{type(m).__name__} is not a megatron-core GPTModel (no .decoder)")
     return m
 
 
@@ -96,13 +97,13 @@ def layout_from_parallel_state(spec: ModelSpec, chunks: Sequence[torch.nn.Module
     from megatron.core import parallel_state as ps
 
     if not ps.model_parallel_is_initialized():
-        raise RefitError("megatron.core.parallel_state is not initialized: call initialize_model_parallel first")
+        raise InvalidInput("megatron.core.parallel_state is not initialized: call initialize_model_parallel first")
     vpp = ps.get_virtual_pipeline_model_parallel_world_size() or 1
     if len(chunks) != vpp:
-        raise RefitError(f"got {len(chunks)} model chunks, parallel_state says virtual pipeline size {vpp}")
+        raise InvalidInput(f"got {len(chunks)} model chunks, parallel_state says virtual pipeline size {vpp}")
     cfg = chunks[0].config
     if getattr(cfg, "pipeline_model_parallel_layout", None) is not None:
-        raise RefitError("pipeline_model_parallel_layout is not supported; use num_layers_in_first/last_pipeline_stage")
+        raise InvalidInput("pipeline_model_parallel_layout is not supported; use num_layers_in_first/last_pipeline_stage")
     moe = spec.config.is_moe
     pp = ps.get_pipeline_model_parallel_world_size()
     first = getattr(cfg, "num_layers_in_first_pipeline_stage", None)
@@ -113,7 +114,7 @@ def layout_from_parallel_state(spec: ModelSpec, chunks: Sequence[torch.nn.Module
         # Megatron's get_num_layers_to_build: the embedding and/or the loss count as a layer each,
         # (L + emb + loss) / pp layers a stage, and the first / last stage builds one layer fewer
         if vpp > 1:
-            raise RefitError("account_for_embedding/loss_in_pipeline_split with a virtual pipeline is not supported; "
+            raise InvalidInput("account_for_embedding/loss_in_pipeline_split with a virtual pipeline is not supported; "
                              "use num_layers_in_first/last_pipeline_stage")
         per_stage = (cfg.num_layers + emb + loss) // pp
         first, last = (per_stage - 1 if emb else None), (per_stage - 1 if loss else None)
@@ -134,7 +135,7 @@ def _check_coords(layout: MegatronLayout, rank: int) -> None:
                edp=ps.get_expert_data_parallel_rank())
     want = layout.coords(rank)
     if got != want:
-        raise RefitError(f"global rank {rank} has parallel_state coordinates {got}, refit's {layout.describe()} "
+        raise InvalidInput(f"global rank {rank} has parallel_state coordinates {got}, refit's {layout.describe()} "
                          f"expects {want}: initialize_model_parallel with the default order tp-cp-ep-dp-pp")
 
 
@@ -142,7 +143,7 @@ def _check_config(chunks: Sequence[torch.nn.Module], spec: ModelSpec) -> None:
     """The megatron config against the spec, dimension by dimension, with the numbers."""
     cfg, c = chunks[0].config, spec.config
     if c.arch in FAMILY_ARCHS:  # said first: any dimension check below would blame a symptom
-        raise RefitError(f"refit's Megatron-Core attach serves Llama and Qwen models; {spec.name} is {c.arch} "
+        raise InvalidInput(f"refit's Megatron-Core attach serves Llama and Qwen models; {spec.name} is {c.arch} "
                          f"(shared experts, a router bias{', MLA' if c.is_mla else ''}), whose Megatron parameters "
                          f"it does not map yet. Attach that trainer with refit.integrations.hf or .fsdp, or give "
                          f"a TrainerAgent its tensors (megatron layouts of {c.arch} plan and reshard)")
@@ -166,7 +167,7 @@ def _check_config(chunks: Sequence[torch.nn.Module], spec: ModelSpec) -> None:
                        getattr(cfg, "moe_shared_expert_intermediate_size", None), None))
     for what, got, want in checks:
         if got != want:
-            raise RefitError(f"megatron config {what} is {got}, {spec.name} has {want}")
+            raise InvalidInput(f"megatron config {what} is {got}, {spec.name} has {want}")
 
 
 def _check_layers(layout: MegatronLayout, spec: ModelSpec, chunks: Sequence[torch.nn.Module], rank: int) -> None:
@@ -177,11 +178,11 @@ def _check_layers(layout: MegatronLayout, spec: ModelSpec, chunks: Sequence[torc
     for c, chunk in enumerate(chunks):
         built = [int(layer.layer_number) - 1 for layer in chunk.decoder.layers]
         if built != stages[(pp, c)]:
-            raise RefitError(f"pipeline rank {pp} chunk {c} built layers {built}, refit's {layout.describe()} "
+            raise InvalidInput(f"pipeline rank {pp} chunk {c} built layers {built}, refit's {layout.describe()} "
                              f"places layers {stages[(pp, c)]} there")
         for layer_id, layer in zip(built, chunk.decoder.layers):
             if hasattr(layer.mlp, "router") != (layer_id in moe):
-                raise RefitError(f"layer {layer_id} is {'MoE' if hasattr(layer.mlp, 'router') else 'dense'} in the "
+                raise InvalidInput(f"layer {layer_id} is {'MoE' if hasattr(layer.mlp, 'router') else 'dense'} in the "
                                  f"model, {'MoE' if layer_id in moe else 'dense'} in {spec.name}")
 
 

@@ -11,7 +11,7 @@ from __future__ import annotations
 import re
 from typing import Literal
 
-from refit.errors import RefitError
+from refit.errors import InvalidInput
 from refit.layouts.base import Layout, LocalTensor, Piece, all_holdings, holdings
 from refit.layouts.fsdp import FsdpLayout
 from refit.layouts.hf import HFLayout
@@ -68,7 +68,7 @@ def _degree_token() -> re.Pattern[str]:
 
 def parse_layout(text: str, role: Literal["src", "dst"] = "src") -> Layout:
     """Parse a layout string.  Without a framework prefix, a source is Megatron and a destination
-    vLLM (the RL refit direction)."""
+    vLLM (the RL refit direction).  Raises `refit.InvalidInput` for a string that is not a layout."""
     text = text.strip().lower()
     bare = LAYOUTS.get(text)
     if bare is not None and not bare.degrees:
@@ -78,7 +78,7 @@ def parse_layout(text: str, role: Literal["src", "dst"] = "src") -> Layout:
         framework = DEFAULT_FRAMEWORK[role]
     cls = LAYOUTS.get(framework)
     if cls is None:
-        raise RefitError(f"unknown framework {framework!r} in layout {text!r}; {layout_help()}")
+        raise InvalidInput(f"unknown framework {framework!r} in layout {text!r}; {layout_help()}")
     values: dict[str, int] = {}
     pos = 0
     for m in _degree_token().finditer(degrees):
@@ -86,18 +86,20 @@ def parse_layout(text: str, role: Literal["src", "dst"] = "src") -> Layout:
             break
         key, val = m.group(1), int(m.group(2))
         if key not in cls.degrees:
-            raise RefitError(f"{framework} layouts have no {key!r} degree (layout {text!r}); {layout_help()}")
+            raise InvalidInput(f"{framework} layouts have no {key!r} degree (layout {text!r}); {layout_help()}")
         if key in values:
-            raise RefitError(f"{key} given twice in layout {text!r}")
+            raise InvalidInput(f"{key} given twice in layout {text!r}")
         values[key] = val
         pos = m.end()
     if pos != len(degrees) or (cls.degrees and not degrees):
-        raise RefitError(f"cannot parse layout {text!r} (stopped at {degrees[pos:]!r}); {layout_help()}")
+        raise InvalidInput(f"cannot parse layout {text!r} (stopped at {degrees[pos:]!r}); {layout_help()}")
     if not cls.degrees:
-        raise RefitError(f"{framework} layouts take no degrees: {text!r}")
+        raise InvalidInput(f"{framework} layouts take no degrees: {text!r}")
     return cls(**values)  # type: ignore[call-arg]
 
 
 def resolve_layout(text: str | Layout, spec: ModelSpec, role: Literal["src", "dst"] = "src") -> Layout:
+    """The layout, resolved against the model (every degree derived, the split checked).  Raises
+    `refit.InvalidInput` when the model cannot be split that way, with the numbers."""
     layout = parse_layout(text, role) if isinstance(text, str) else text
     return layout.resolve(spec)

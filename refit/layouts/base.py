@@ -28,7 +28,7 @@ from typing import ClassVar, Hashable, Iterable, NamedTuple, Protocol
 
 from refit.boxes import Box, Index, join_runs, merge_boxes
 from refit.dtypes import DTYPE_BYTES
-from refit.errors import RefitError
+from refit.errors import InvalidInput
 from refit.spec import ModelSpec
 
 
@@ -82,7 +82,7 @@ class Layout(Protocol):
 def divides(what: str, n: int, by_what: str, d: int) -> None:
     """Refuse with the numbers when ``d`` does not divide ``n``."""
     if d <= 0 or n % d:
-        raise RefitError(f"{what} ({n}) is not divisible by {by_what} ({d})")
+        raise InvalidInput(f"{what} ({n}) is not divisible by {by_what} ({d})")
 
 
 def pad_to(n: int, multiple: int) -> int:

@@ -5,7 +5,7 @@ from __future__ import annotations
 from dataclasses import dataclass, replace
 from typing import ClassVar
 
-from refit.errors import RefitError
+from refit.errors import InvalidInput
 from refit.layouts.base import LocalTensor, Piece
 from refit.spec import ModelSpec
 
@@ -41,7 +41,7 @@ class FsdpLayout:
 
     def resolve(self, spec: ModelSpec) -> "FsdpLayout":
         if self.dp < 1:
-            raise RefitError(f"fsdp: dp must be at least 1, got {self.dp}")
+            raise InvalidInput(f"fsdp: dp must be at least 1, got {self.dp}")
         return replace(self)
 
     def local_tensors(self, spec: ModelSpec, rank: int) -> list[LocalTensor]:

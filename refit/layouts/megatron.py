@@ -28,7 +28,7 @@ import math
 from dataclasses import dataclass, replace
 from typing import ClassVar
 
-from refit.errors import RefitError
+from refit.errors import InvalidInput
 from refit.layouts.base import LocalTensor, Piece, divides, pad_to, vocab_pieces
 from refit.spec import ModelSpec
 
@@ -101,9 +101,9 @@ class MegatronLayout:
         c = spec.config
         for k in ("tp", "pp", "vpp", "ep", "cp"):
             if getattr(self, k) < 1:
-                raise RefitError(f"megatron: {k} must be at least 1, got {getattr(self, k)}")
+                raise InvalidInput(f"megatron: {k} must be at least 1, got {getattr(self, k)}")
         if (self.tp * self.cp * self.dp_) % (self.etp_ * self.ep):
-            raise RefitError(
+            raise InvalidInput(
                 f"megatron: tp*cp*dp ({self.tp}*{self.cp}*{self.dp_}={self.tp * self.cp * self.dp_}) is not "
                 f"divisible by etp*ep ({self.etp_}*{self.ep}={self.etp_ * self.ep})"
             )
@@ -113,7 +113,7 @@ class MegatronLayout:
             divides("megatron: linear_qkv rows ((heads + 2*kv heads) * head_dim)", qkv_rows, "tp", self.tp)
             G = c.num_kv_heads
             if G % self.tp and self.tp % G:  # TransformerConfig's own check (attention splits whole groups)
-                raise RefitError(f"megatron: query groups (kv heads, {G}) must be a multiple or a divisor of "
+                raise InvalidInput(f"megatron: query groups (kv heads, {G}) must be a multiple or a divisor of "
                                  f"tp ({self.tp})")
         if c.num_shared_experts:
             divides("megatron: shared experts' intermediate size", c.shared_intermediate_size, "tp", self.tp)
@@ -121,12 +121,12 @@ class MegatronLayout:
             divides("megatron: intermediate_size", c.intermediate_size, "tp", self.tp)
         if self.ep > 1 or self.etp is not None:
             if not c.is_moe:
-                raise RefitError(f"megatron: ep{self.ep}/etp given but {spec.name} has no experts")
+                raise InvalidInput(f"megatron: ep{self.ep}/etp given but {spec.name} has no experts")
         if c.is_moe:
             divides("megatron: experts", c.num_experts, "ep", self.ep)
             divides("megatron: moe_intermediate_size", c.moe_intermediate_size, "etp", self.etp_)
         if self.vpp > 1 and self.pp == 1:
-            raise RefitError("megatron: vpp > 1 needs pp > 1")
+            raise InvalidInput("megatron: vpp > 1 needs pp > 1")
         resolved = replace(self, etp=self.etp_ if c.is_moe else self.etp, dp=self.dp_)
         return resolved._resolve_pipeline(c.num_layers)
 
@@ -142,7 +142,7 @@ class MegatronLayout:
             if V == 1 and (L + 2) % P == 0:
                 n = (L + 2) // P
                 return replace(self, first=n - 1, last=n - 1)._resolve_pipeline(L)
-            raise RefitError(
+            raise InvalidInput(
                 f"megatron: layers ({L}) are not divisible by pp*vpp ({P}*{V}={P * V}); "
                 f"give first<N>/last<N> (layers on the first/last pipeline stage)"
             )
@@ -157,7 +157,7 @@ class MegatronLayout:
         middle = L - sum(ends)
         if middle < 0 or middle_stages < 0 or (middle_stages == 0 and middle) or \
                 (middle_stages and middle % (middle_stages * V)):
-            raise RefitError(
+            raise InvalidInput(
                 f"megatron: {L} layers cannot be split as first={self.first}, last={self.last} over "
                 f"{middle_stages} middle stages x vpp {V}"
             )

@@ -30,7 +30,7 @@ from dataclasses import dataclass, field, replace
 from typing import ClassVar
 
 from refit.archs import DEEPSEEK_ARCHS
-from refit.errors import RefitError
+from refit.errors import InvalidInput
 from refit.layouts.base import LocalTensor, Piece, divides, pad_to, vocab_pieces
 from refit.spec import ModelSpec
 
@@ -105,20 +105,20 @@ class VllmLayout:
     def resolve(self, spec: ModelSpec) -> "VllmLayout":
         c = spec.config
         if self.tp < 1 or self.dp_ < 1:
-            raise RefitError(f"vllm: tp and dp must be at least 1, got tp{self.tp} dp{self.dp_}")
+            raise InvalidInput(f"vllm: tp and dp must be at least 1, got tp{self.tp} dp{self.dp_}")
         if self.ep is not None and self.ep != self.tp * self.dp_:
-            raise RefitError(
+            raise InvalidInput(
                 f"vllm: the expert-parallel size is tp*dp ({self.tp}*{self.dp_}={self.tp * self.dp_}); "
                 f"ep{self.ep} cannot be served"
             )
         if self.ep is not None and not c.is_moe:
-            raise RefitError(f"vllm: ep{self.ep} given but {spec.name} has no experts")
+            raise InvalidInput(f"vllm: ep{self.ep} given but {spec.name} has no experts")
         divides("vllm: attention heads", c.num_heads, "tp", self.tp)
         if c.num_shared_experts and not replicated_shared_experts(c.arch, self.tp, self.dp_, self.expert_parallel):
             divides("vllm: shared experts' intermediate size", c.shared_intermediate_size, "tp", self.tp)
         if c.arch == "qwen2" and c.head_dim * c.num_heads != c.hidden_size:
             # vLLM's Qwen2Attention ignores config.head_dim and would load narrowed q/k/v silently.
-            raise RefitError(f"vllm: qwen2 with head_dim {c.head_dim} != hidden_size/heads "
+            raise InvalidInput(f"vllm: qwen2 with head_dim {c.head_dim} != hidden_size/heads "
                              f"({c.hidden_size}/{c.num_heads}) is loaded wrongly by vLLM")
         divides(f"vllm: vocab padded to a multiple of {VOCAB_PADDING}", pad_to(c.vocab_size, VOCAB_PADDING), "tp",
                 self.tp)
@@ -134,7 +134,7 @@ class VllmLayout:
             divides("vllm: moe_intermediate_size", c.moe_intermediate_size, "tp*dp (experts are split over the "
                     "flattened dp x tp group without expert parallel)", self.tp * self.dp_)
         if c.is_moe and self.ep is not None and c.num_experts < self.ep:
-            raise RefitError(f"vllm: {c.num_experts} experts cannot fill ep{self.ep}")
+            raise InvalidInput(f"vllm: {c.num_experts} experts cannot fill ep{self.ep}")
         return replace(self, dp=self.dp_, _moe_model=c.is_moe)
 
     def replica_key(self, rank: int) -> tuple[int, ...]:

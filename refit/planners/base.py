@@ -9,7 +9,7 @@ from typing import ClassVar, NamedTuple, Protocol
 
 from refit.boxes import Box, Index, intersect, volume
 from refit.dtypes import DTYPE_BYTES
-from refit.errors import RefitError
+from refit.errors import InvalidInput
 from refit.layouts import Layout, all_holdings
 from refit.plan import Placement, Plan
 from refit.spec import ModelSpec
@@ -172,7 +172,7 @@ def source_parts(index: SourceIndex, tensor: str, box: Box, where: str) -> list[
                     found.append((inter[0], inter[1], ranks))
                     covered += volume(inter[1])
     if covered != volume(box[1]):
-        raise RefitError(f"source layout does not hold all of {tensor} {list(box[0])}+{list(box[1])} needed by {where}")
+        raise InvalidInput(f"source layout does not hold all of {tensor} {list(box[0])}+{list(box[1])} needed by {where}")
     return found
 
 

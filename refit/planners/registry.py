@@ -12,7 +12,7 @@ import time
 from dataclasses import dataclass
 from typing import Any, Iterator
 
-from refit.errors import RefitError
+from refit.errors import InvalidInput
 from refit.layouts import Layout, all_holdings, resolve_layout
 from refit.phases import phase_plan
 from refit.plan import DEFAULT_BUCKET_BYTES, Placement, Plan, summarize
@@ -49,11 +49,12 @@ class PlanResult:
 def make_plan(spec: ModelSpec, src: str | Layout, dst: str | Layout, placement: str = "colocated",
               planner: str = "p2p", bucket_bytes: int = DEFAULT_BUCKET_BYTES, phase_layers: int = 0) -> PlanResult:
     """Resolve both layouts, plan, and summarise — the whole of `refit plan`.  ``phase_layers``
-    > 0: the plan cut into phases of that many layers (`refit.phases.phase_plan`)."""
+    > 0: the plan cut into phases of that many layers (`refit.phases.phase_plan`).  Raises
+    `refit.InvalidInput` for layouts, a planner or a bucket size that cannot serve; pure: no I/O."""
     if planner not in PLANNERS:
-        raise RefitError(f"unknown planner {planner!r}: {', '.join(PLANNERS)}")
+        raise InvalidInput(f"unknown planner {planner!r}: {', '.join(PLANNERS)}")
     if bucket_bytes < MIN_BUCKET_BYTES:
-        raise RefitError(f"bucket size {bucket_bytes} bytes is too small (at least {MIN_BUCKET_BYTES})")
+        raise InvalidInput(f"bucket size {bucket_bytes} bytes is too small (at least {MIN_BUCKET_BYTES})")
     t0 = time.perf_counter()
     with _gc_paused():
         src_l = resolve_layout(src, spec, "src")

@@ -111,6 +111,31 @@ def test_entrypoint_maps_errors():
     assert run_main(bad) == 2 and run_main(interrupted) == 130 and run_main(lambda: 0) == 0
 
 
+def test_one_error_base_with_bad_input_and_failed_refits_under_it(capsys):
+    """`refit.RefitError` is the base of what refit raises on purpose; bad input is an
+    `InvalidInput` (a ValueError, exit 2) raised before any byte moves, a refit that started and
+    failed a `RefitFailed` (a RuntimeError, exit 3) — the client's, the executor's peer errors and
+    the agents' cancellations among them."""
+    import refit
+    from refit.control.client import RefitFailed as ClientRefitFailed
+    from refit.control.dataplane import Cancelled
+    from refit.entrypoint import run_main
+    from refit.executor.transports import PeerError
+
+    assert issubclass(refit.InvalidInput, refit.RefitError) and issubclass(refit.InvalidInput, ValueError)
+    assert issubclass(refit.RefitFailed, refit.RefitError) and issubclass(refit.RefitFailed, RuntimeError)
+    for cls in (ClientRefitFailed, PeerError, Cancelled):
+        assert issubclass(cls, refit.RefitFailed), cls
+    with pytest.raises(refit.InvalidInput, match="unknown model"):
+        refit.load_spec("no-such-model")
+
+    def failed() -> int:
+        raise PeerError("engine/1 died")
+
+    assert run_main(failed, "refit") == 3
+    assert capsys.readouterr().err.strip() == "refit: error: engine/1 died"
+
+
 def test_plan_in_phases(capsys, tmp_path):
     # Qwen3-8B: 36 layers in windows of 4, plus embeddings, final norm and LM head: 12 phases.
     out_file = tmp_path / "plan.json"

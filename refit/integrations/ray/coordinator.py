@@ -17,7 +17,7 @@ from typing import Any
 
 import ray
 
-from refit.errors import RefitError
+from refit.errors import InvalidInput
 
 log = logging.getLogger(__name__)
 
@@ -56,7 +56,7 @@ _CoordinatorActor = ray.remote(num_cpus=0, max_concurrency=8)(_Coordinator)
 
 def _require_ray() -> None:
     if not ray.is_initialized():
-        raise RefitError("Ray is not initialized: call ray.init() (or run inside a Ray actor or task) first")
+        raise InvalidInput("Ray is not initialized: call ray.init() (or run inside a Ray actor or task) first")
 
 
 def start_coordinator(token: str | None = None, *, name: str = COORDINATOR_NAME, detached: bool = False,
@@ -80,9 +80,9 @@ def start_coordinator(token: str | None = None, *, name: str = COORDINATOR_NAME,
     try:
         address, running_token = ray.get([actor.address.remote(), actor.token.remote()], timeout=timeout)
     except ray.exceptions.GetTimeoutError:
-        raise RefitError(f"the refit coordinator actor {name!r} did not start within {timeout:g} s") from None
+        raise InvalidInput(f"the refit coordinator actor {name!r} did not start within {timeout:g} s") from None
     if running_token != token:
-        raise RefitError(f"a refit coordinator {name!r} already runs at {address} with "
+        raise InvalidInput(f"a refit coordinator {name!r} already runs at {address} with "
                          f"{'another token' if running_token else 'no token'}; stop it first")
     return address
 
@@ -93,7 +93,7 @@ def _actor(name: str) -> Any:
         return ray.get_actor(name)
     except ValueError:
         namespace = ray.get_runtime_context().namespace
-        raise RefitError(f"no refit coordinator actor {name!r} in Ray namespace {namespace!r}: "
+        raise InvalidInput(f"no refit coordinator actor {name!r} in Ray namespace {namespace!r}: "
                          f"call refit.integrations.ray.start_coordinator() in the driver first") from None
 
 
@@ -163,7 +163,7 @@ def cuda_index(gpu: int) -> int:
     if not visible:
         return gpu
     if str(gpu) not in visible:
-        raise RefitError(f"GPU {gpu} is not in CUDA_VISIBLE_DEVICES={','.join(visible)}")
+        raise InvalidInput(f"GPU {gpu} is not in CUDA_VISIBLE_DEVICES={','.join(visible)}")
     return visible.index(str(gpu))
 
 
@@ -175,14 +175,14 @@ def endpoint(gpu: int | None = None) -> RayEndpoint:
     node_id, node_ip = ctx.get_node_id(), ray.util.get_node_ip_address()
     ids = ctx.get_accelerator_ids().get("GPU", [])
     if not all(str(g).isdigit() for g in ids):
-        raise RefitError(f"Ray assigned GPUs {ids}: refit needs numeric GPU ids (not UUIDs in CUDA_VISIBLE_DEVICES)")
+        raise InvalidInput(f"Ray assigned GPUs {ids}: refit needs numeric GPU ids (not UUIDs in CUDA_VISIBLE_DEVICES)")
     gpus = tuple(int(g) for g in ids)
     if gpu is None:
         if len(gpus) > 1:
-            raise RefitError(f"this actor holds {len(gpus)} GPUs {list(gpus)}: say which one the rank uses (gpu=)")
+            raise InvalidInput(f"this actor holds {len(gpus)} GPUs {list(gpus)}: say which one the rank uses (gpu=)")
         gpu = gpus[0] if gpus else -1
     elif gpu not in gpus:
-        raise RefitError(f"gpu={gpu} is not one of the GPUs Ray assigned this actor: {list(gpus)}")
+        raise InvalidInput(f"gpu={gpu} is not one of the GPUs Ray assigned this actor: {list(gpus)}")
     return RayEndpoint(node_id, node_ip, host_for(node_id, node_ip, _one_machine()), gpu, gpus, cuda_index(gpu))
 
 

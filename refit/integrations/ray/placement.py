@@ -17,7 +17,7 @@ import ray
 from ray.util.placement_group import PlacementGroup, placement_group, remove_placement_group
 from ray.util.scheduling_strategies import PlacementGroupSchedulingStrategy
 
-from refit.errors import RefitError
+from refit.errors import InvalidInput
 
 if TYPE_CHECKING:
     from refit.control.client import Client
@@ -44,7 +44,7 @@ class RLPlacement:
 
     def _options(self, group: PlacementGroup, rank: int, count: int, what: str) -> dict[str, Any]:
         if not 0 <= rank < count:
-            raise RefitError(f"{what} rank {rank} is outside 0..{count - 1}")
+            raise InvalidInput(f"{what} rank {rank} is outside 0..{count - 1}")
         share = 0.5 if self.placement == "colocated" else 1.0  # colocated: two actors per GPU
         opts: dict[str, Any] = {"num_cpus": self.cpus_per_rank, "num_gpus": self.gpus_per_rank * share,
                                 "scheduling_strategy": PlacementGroupSchedulingStrategy(
@@ -81,7 +81,7 @@ def _ready(group: PlacementGroup, bundles: list[dict[str, float]], timeout: floa
     try:
         ray.get(group.ready(), timeout=timeout)
     except ray.exceptions.GetTimeoutError:
-        raise RefitError(f"a placement group of {len(bundles)} bundles {bundles[0]} was not placed within "
+        raise InvalidInput(f"a placement group of {len(bundles)} bundles {bundles[0]} was not placed within "
                          f"{timeout:g} s; the cluster has {ray.available_resources()} available") from None
 
 
@@ -98,15 +98,15 @@ def rl_placement(num_trainers: int, num_engines: int, *, colocated: bool = True,
     refit's data plane, which tells GPUs of one host apart by that index, sees distinct GPUs as
     distinct; each rank must then ``torch.cuda.set_device(refit_ray.endpoint().cuda_index)``."""
     if num_trainers < 1 or num_engines < 1:
-        raise RefitError(f"need at least one trainer and one engine rank, got {num_trainers} and {num_engines}")
+        raise InvalidInput(f"need at least one trainer and one engine rank, got {num_trainers} and {num_engines}")
     if gpus_per_rank < 0 or cpus_per_rank < 0 or gpus_per_rank + cpus_per_rank == 0:
-        raise RefitError(f"a rank needs some resources, got gpus_per_rank={gpus_per_rank} "
+        raise InvalidInput(f"a rank needs some resources, got gpus_per_rank={gpus_per_rank} "
                          f"cpus_per_rank={cpus_per_rank}")
     if colocated and gpus_per_rank > 1:
-        raise RefitError(f"colocated ranks share one GPU per bundle: gpus_per_rank must be at most 1, "
+        raise InvalidInput(f"colocated ranks share one GPU per bundle: gpus_per_rank must be at most 1, "
                          f"got {gpus_per_rank}")
     if strategy not in STRATEGIES:
-        raise RefitError(f"unknown placement group strategy {strategy!r}: one of {', '.join(STRATEGIES)}")
+        raise InvalidInput(f"unknown placement group strategy {strategy!r}: one of {', '.join(STRATEGIES)}")
     if colocated:
         # Both actors of a bundle ask half its GPU; CPUs are counted per actor.
         bundles = [_bundle(gpus_per_rank, cpus_per_rank * ((i < num_trainers) + (i < num_engines)))
@@ -137,7 +137,7 @@ def check_placement(client: "Client", trainer_group: str, engine_group: str, pla
     """Refuse (`RefitError`) registered workers that contradict ``placement``: colocated pairs
     (trainer i, engine i) on different hosts or GPUs; disaggregated ranks sharing a GPU."""
     if placement not in ("colocated", "disaggregated"):
-        raise RefitError(f"unknown placement {placement!r}: colocated or disaggregated")
+        raise InvalidInput(f"unknown placement {placement!r}: colocated or disaggregated")
     where: dict[tuple[str, int], tuple[str, int]] = {}
     for group in (trainer_group, engine_group):
         for row in client.list_workers(group=group):
@@ -150,13 +150,13 @@ def check_placement(client: "Client", trainer_group: str, engine_group: str, pla
         for r in sorted(set(trainers) & set(engines)):
             (th, tg), (eh, eg) = trainers[r], engines[r]
             if th != eh or tg != eg:
-                raise RefitError(f"colocated placement, but {trainer_group}/{r} is on host {th} GPU {tg} and "
+                raise InvalidInput(f"colocated placement, but {trainer_group}/{r} is on host {th} GPU {tg} and "
                                  f"{engine_group}/{r} on host {eh} GPU {eg}")
         return
     engine_gpus = {w: r for r, w in engines.items() if w[1] >= 0}
     for r, w in sorted(trainers.items()):
         if w in engine_gpus:
-            raise RefitError(f"disaggregated placement, but {trainer_group}/{r} and {engine_group}/{engine_gpus[w]} "
+            raise InvalidInput(f"disaggregated placement, but {trainer_group}/{r} and {engine_group}/{engine_gpus[w]} "
                              f"share GPU {w[1]} on host {w[0]}")
 
 

@@ -20,7 +20,7 @@ from dataclasses import dataclass
 from typing import Any
 
 from refit.archs import DEEPSEEK_ARCHS
-from refit.errors import RefitError
+from refit.errors import InvalidInput
 from refit.layouts import Layout, resolve_layout
 from refit.layouts.vllm import replicated_shared_experts
 from refit.spec import ModelConfig, ModelSpec, build_spec
@@ -56,7 +56,7 @@ def dp_rank_and_size(pc: Any) -> tuple[int, int]:
     index = getattr(pc, "data_parallel_index", 0) or 0
     size = getattr(pc, "elastic_ep_max_dp_size", None) or 1
     if not 0 <= index < size:
-        raise RefitError(f"vllm: data-parallel replica {index} of {size}: vLLM's parallel config disagrees with itself")
+        raise InvalidInput(f"vllm: data-parallel replica {index} of {size}: vLLM's parallel config disagrees with itself")
     return index, size
 
 
@@ -66,23 +66,23 @@ def identify(vllm_config: Any) -> WorkerIdentity:
 
     mc, pc = vllm_config.model_config, vllm_config.parallel_config
     if pc.pipeline_parallel_size > 1:
-        raise RefitError(f"vllm: pipeline parallel (pp{pc.pipeline_parallel_size}) is not supported by refit yet")
+        raise InvalidInput(f"vllm: pipeline parallel (pp{pc.pipeline_parallel_size}) is not supported by refit yet")
     if getattr(pc, "decode_context_parallel_size", 1) > 1:
-        raise RefitError("vllm: decode context parallel is not supported by refit yet")
+        raise InvalidInput("vllm: decode context parallel is not supported by refit yet")
     if getattr(pc, "prefill_context_parallel_size", 1) > 1:  # its ranks would share refit ranks
-        raise RefitError(f"vllm: prefill context parallel (pcp{pc.prefill_context_parallel_size}) is not supported "
+        raise InvalidInput(f"vllm: prefill context parallel (pcp{pc.prefill_context_parallel_size}) is not supported "
                          f"by refit yet")
     if getattr(pc, "enable_elastic_ep", False):
-        raise RefitError("vllm: elastic expert parallel is not supported by refit yet")
+        raise InvalidInput("vllm: elastic expert parallel is not supported by refit yet")
     if getattr(pc, "enable_eplb", False):
         # EPLB adds redundant experts and moves experts between ranks while serving; refit's
         # layout places them where vLLM's loader first put them
-        raise RefitError("vllm: expert-parallel load balancing (enable_eplb) is not supported by refit yet: it "
+        raise InvalidInput("vllm: expert-parallel load balancing (enable_eplb) is not supported by refit yet: it "
                          "moves experts between ranks while serving")
     quantized = getattr(mc.hf_config, "quantization_config", None)
     if quantized:  # its layers hold quantized weights and scales, which refit's tensors do not carry
         method = quantized.get("quant_method", "?") if isinstance(quantized, dict) else type(quantized).__name__
-        raise RefitError(f"vllm: the checkpoint is quantized ({method}); refit moves the trainer's unquantized "
+        raise InvalidInput(f"vllm: the checkpoint is quantized ({method}); refit moves the trainer's unquantized "
                          f"weights, which vLLM's layers for a quantized checkpoint cannot take: serve an "
                          f"unquantized checkpoint")
     tp = pc.tensor_parallel_size
@@ -96,7 +96,7 @@ def identify(vllm_config: Any) -> WorkerIdentity:
             bool(getattr(pc, "use_sequence_parallel_moe", False)) != replicated_shared_experts(c.arch, tp, dp, ep_on):
         # DeepseekV2MoE builds its shared experts with disable_tp=use_sequence_parallel_moe; refit's
         # layout follows vLLM's default all2all backends, which other backends can contradict
-        raise RefitError(f"vllm: {c.arch}'s shared experts are "
+        raise InvalidInput(f"vllm: {c.arch}'s shared experts are "
                          f"{'replicated' if getattr(pc, 'use_sequence_parallel_moe', False) else 'split over tp'} "
                          f"under all2all backend {getattr(pc, 'all2all_backend', '?')} (tp{tp} dp{dp}, expert "
                          f"parallel {ep_on}), not as refit's vllm layout places them: use the default backend "

@@ -42,7 +42,7 @@ from vllm.distributed.weight_transfer.base import (
 )
 
 from refit.control.agent import EngineAgent
-from refit.errors import RefitError
+from refit.errors import InvalidInput
 from refit.integrations.vllm.config import identify
 from refit.integrations.vllm.landing import Landing, check_options
 
@@ -295,12 +295,12 @@ class RefitWeightTransferEngine(WeightTransferEngine[RefitInitInfo, RefitUpdateI
     # ------------------------------------------------------------------ helpers
     def _require_target(self) -> None:
         if self.model is not self._default_model:
-            raise RefitError("refit: only the target model can be refitted (its landing was set up at "
+            raise InvalidInput("refit: only the target model can be refitted (its landing was set up at "
                              "init_weight_transfer_engine), not a speculative draft model")
 
     def _require_init(self) -> tuple[WatchingEngineAgent, Landing, RefitInitInfo]:
         if self.agent is None or self.landing is None or self.init_info is None:
-            raise RefitError("refit: call init_weight_transfer_engine({'init_info': {'coordinator': ...}}) first")
+            raise InvalidInput("refit: call init_weight_transfer_engine({'init_info': {'coordinator': ...}}) first")
         if not self.agent.connected:
             log.warning("refit: %s lost its coordinator stream (%s); reconnecting", self.agent.worker_id,
                         self.agent.error)

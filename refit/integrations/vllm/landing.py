@@ -55,7 +55,7 @@ from typing import TYPE_CHECKING, Any, Iterable, Iterator
 
 import torch
 
-from refit.errors import RefitError
+from refit.errors import InvalidInput
 from refit.integrations.vllm.coverage import left_behind, loaded_shape
 from refit.integrations.vllm.window import Window
 from refit.layouts import Layout, LocalTensor
@@ -98,7 +98,7 @@ def landing_dtype(name: str, module: torch.nn.Module, attr: str, live: torch.Ten
     exact = want == staged or (want.is_floating_point and staged.is_floating_point
                                and torch.promote_types(staged, want) == want)
     if not exact:
-        raise RefitError(f"vllm: {name} is {want} in the live model but {staged} in the loader layout; "
+        raise InvalidInput(f"vllm: {name} is {want} in the live model but {staged} in the loader layout; "
                          f"casting it would lose bits")
     return want
 
@@ -118,9 +118,9 @@ def landing_path(module: torch.nn.Module, live: torch.Tensor, shape: tuple[int, 
 def check_options(staging: Any, window_layers: Any) -> None:
     """Refuse bad ``init_info`` staging options (RefitError, one line)."""
     if staging not in STAGING_MODES:
-        raise RefitError(f"vllm: staging must be one of {', '.join(STAGING_MODES)}, not {staging!r}")
+        raise InvalidInput(f"vllm: staging must be one of {', '.join(STAGING_MODES)}, not {staging!r}")
     if isinstance(window_layers, bool) or not isinstance(window_layers, int) or window_layers < 0:
-        raise RefitError(f"vllm: window_layers must be an integer >= 0 (0: stage the whole shard), "
+        raise InvalidInput(f"vllm: window_layers must be an integer >= 0 (0: stage the whole shard), "
                          f"not {window_layers!r}")
 
 
@@ -165,21 +165,21 @@ class Landing:
             try:
                 module = model.get_submodule(module_name)
             except AttributeError:
-                raise RefitError(f"vllm: the model has no module {module_name!r} for refit tensor {lt.name!r}") \
+                raise InvalidInput(f"vllm: the model has no module {module_name!r} for refit tensor {lt.name!r}") \
                     from None
             live = getattr(module, attr, None)
             if not isinstance(live, torch.Tensor):
-                raise RefitError(f"vllm: {module_name} has no tensor {attr!r} for refit tensor {lt.name!r}")
+                raise InvalidInput(f"vllm: {module_name} has no tensor {attr!r} for refit tensor {lt.name!r}")
             written.add(id(live))
             dtype = getattr(torch, lt.dtype)  # the loader layout's (what the data plane writes)
             self.dtypes[lt.name] = landing_dtype(lt.name, module, attr, live, dtype, device)
             path = landing_path(module, live, lt.shape, self.dtypes[lt.name], device)
             if path is None:
-                raise RefitError(f"vllm: {lt.name} is {list(live.shape)} {live.dtype} in the live model, the loader "
+                raise InvalidInput(f"vllm: {lt.name} is {list(live.shape)} {live.dtype} in the live model, the loader "
                                  f"layout is {list(lt.shape)} {lt.dtype}, and {type(module).__name__} declares no "
                                  f"post-load processing to re-run")
             if path == REPROCESS and (built := loaded_shape(module, attr)) not in (None, tuple(lt.shape)):
-                raise RefitError(f"vllm: {lt.name} is built {list(built)} by vLLM's loader, refit's layout has "
+                raise InvalidInput(f"vllm: {lt.name} is built {list(built)} by vLLM's loader, refit's layout has "
                                  f"{list(lt.shape)}")
             self.paths[lt.name] = path
             if path == INPLACE:
@@ -222,7 +222,7 @@ class Landing:
         self.aliases.sort(key=lambda a: is_deferred_attention_layer(a[1]))
         left = left_behind(model, {id(g.module) for g in self.groups} | {id(m) for _, m in self.aliases}, written)
         if left:  # the engine would report a version it does not fully hold
-            raise RefitError(f"vllm: {len(left)} parameters of the live model get no refit tensor ({', '.join(left[:3])}"
+            raise InvalidInput(f"vllm: {len(left)} parameters of the live model get no refit tensor ({', '.join(left[:3])}"
                              f"{', ...' if len(left) > 3 else ''}): refit's {spec.config.arch} layout does not know them, "
                              f"and after a refit they would keep the weights loaded at start")
         self._by_phase = self._split_by_phase() if self.window else {}
@@ -241,7 +241,7 @@ class Landing:
         for g in self.groups:
             keys = {self.window.phase_of[name] for name, _ in g.params}
             if len(keys) != 1:
-                raise RefitError(f"vllm: {g.module_name} has parameters in {len(keys)} phases ({sorted(keys)}); it "
+                raise InvalidInput(f"vllm: {g.module_name} has parameters in {len(keys)} phases ({sorted(keys)}); it "
                                  f"is re-processed as a whole: use window_layers=0")
             out[keys.pop()][1].append(g)
         return out
@@ -290,7 +290,7 @@ class Landing:
         engine's window (its staged tensors alias one buffer: an unphased plan would write every
         window into it at once)."""
         if self.window is not None and plan.phase_layers != self.phase_layers:
-            raise RefitError(f"vllm: the plan (hash {plan.plan_hash}) is cut into phases of {plan.phase_layers} layers (0: not "
+            raise InvalidInput(f"vllm: the plan (hash {plan.plan_hash}) is cut into phases of {plan.phase_layers} layers (0: not "
                              f"phased) but this engine stages one window of {self.phase_layers} layers: create the "
                              f"plan after the engine registered with window_layers={self.phase_layers} (with a "
                              f"coordinator that cuts plans into phases), or register with window_layers=0")
@@ -322,7 +322,7 @@ class Landing:
         if self.window is not None:
             missing = [k for k in self.window.keys if k not in self._landed]
             if missing:  # the executor calls `landed` for every phase of a phased plan
-                raise RefitError(f"vllm: phases {missing} of this rank were never landed; the engine is stale")
+                raise InvalidInput(f"vllm: phases {missing} of this rank were never landed; the engine is stale")
         else:
             self._apply(self.copies, self.groups, model_config)
         for _, module in self.aliases:

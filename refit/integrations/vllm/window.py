@@ -18,7 +18,7 @@ from collections import defaultdict
 
 import torch
 
-from refit.errors import RefitError
+from refit.errors import InvalidInput
 from refit.layouts import LocalTensor
 from refit.spec import ModelSpec
 
@@ -37,7 +37,7 @@ def local_phase(spec: ModelSpec, lt: LocalTensor, window_layers: int) -> int:
     keys = {phase_key(spec, p.tensor, row, window_layers) for p in lt.pieces
             for row in (range(p.start[0], p.start[0] + p.size[0]) if spec[p.tensor].layers else (0,))}
     if len(keys) != 1:
-        raise RefitError(f"vllm: {lt.name} holds rows of {len(keys)} phases ({sorted(keys)}) with window_layers="
+        raise InvalidInput(f"vllm: {lt.name} holds rows of {len(keys)} phases ({sorted(keys)}) with window_layers="
                          f"{window_layers}: it cannot be staged one window at a time; use window_layers=0")
     return keys.pop()
 
