@@ -60,10 +60,10 @@ def run_direct(args: argparse.Namespace, spec: ModelSpec, plans: list[Any], devi
 
 
 def _measure_a2a(gpus: int, pair_mb: float, ce_pair_mb: float | None) -> dict[str, Any]:
-    """The all-to-all primitives among the run's GPUs (`refit.a2a_floor`), ``pair_mb`` (NCCL) and
+    """The all-to-all primitives among the run's GPUs (`refit.bench.a2a_floor`), ``pair_mb`` (NCCL) and
     ``ce_pair_mb`` (copy engines; None: `a2a_floor.ce_pair_bytes`) from every GPU to every other,
     measured in this process before the workers start; empty on one GPU or without cupy."""
-    from refit.a2a_floor import REPS, ce_pair_bytes, measure
+    from refit.bench.a2a_floor import REPS, ce_pair_bytes, measure
 
     nbytes = int(pair_mb * MiB)
     ce_nbytes = int(ce_pair_mb * MiB) if ce_pair_mb is not None else ce_pair_bytes(nbytes)

@@ -284,7 +284,7 @@ class CopyBatch:
     def table(self) -> bool:
         """Whether the memcpys run as one table kernel (`refit.executor.table_copy`).  A push
         always does: copy engines writing a peer's memory measured 13x slower than SM stores
-        (2x H200, qwen3-30b-moe arena: 530 vs 41 ms; `bench/RESULTS.md`, fifth session)."""
+        (2x H200, qwen3-30b-moe arena: 530 vs 41 ms; `bench/RESULTS.md`, 2026-11-22)."""
         if self._use_table is None:
             self._use_table = bool(self.memcpys) and (
                 self.pushes or table_copy.enabled(self.memcpys, self.beside_kernel, self.beside))

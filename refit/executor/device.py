@@ -139,7 +139,7 @@ class CudaDevice:
         driving its GPU): 46.5 ms of data without them, the same with events that do not time,
         40.5 ms with timing events (the direct bench: 40.4 either way).  46.5 ms is what the
         same-GPU table kernel running in the gaps of the peer kernel cost when launched after it
-        (sixth session), so our reading is that timing events keep the launch order on the GPU;
+        (`bench/RESULTS.md`, 2026-11-22), so our reading is that timing events keep the launch order on the GPU;
         the mechanism is not established.  They cost microseconds."""
         ev = torch.cuda.Event(enable_timing=True)
         ev.record(stream)

@@ -89,7 +89,7 @@ extern "C" __global__ void copy_table(const unsigned long long* __restrict__ t, 
 
 def kernel_source(unroll: int = 4, index: str = "unsigned long long") -> str:
     """The kernel's CUDA source: ``unroll`` loads in flight per thread, ``index`` the type of word
-    indices.  The defaults are the package's; `bench/probe_table_kernel.py` measures variants
+    indices.  The defaults are the package's; `bench/probes/probe_table_kernel.py` measures variants
     (32-bit indices made same-GPU copies 7% faster alone but a 2-GPU refit slower: they took HBM
     from the peer copies beside them)."""
     return _TEMPLATE % {"unroll": unroll, "index": index}

@@ -48,7 +48,7 @@ def test_pieces_copy_what_the_memcpys_copy(case: tuple[list[Memcpy], int], piece
 
 
 def test_grid_gives_peer_pulls_the_gpu_and_same_gpu_copies_a_slice(monkeypatch) -> None:
-    """Measured on 2x H200 (bench/RESULTS.md, fifth session): a same-GPU table kernel on a full
+    """Measured on 2x H200 (bench/RESULTS.md, 2026-11-22): a same-GPU table kernel on a full
     grid beside a peer pull costs 5 ms per refit; the default keeps it to one block per SM."""
     import pytest
 
@@ -69,7 +69,7 @@ def test_grid_gives_peer_pulls_the_gpu_and_same_gpu_copies_a_slice(monkeypatch) 
 
 
 def test_kernel_source_defaults_are_the_packages_kernel() -> None:
-    """The probe of variants (bench/probe_table_kernel.py) and the package compile one template."""
+    """The probe of variants (bench/probes/probe_table_kernel.py) and the package compile one template."""
     from refit.executor.table_copy import kernel_source
 
     src = kernel_source()

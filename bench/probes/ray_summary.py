@@ -1,7 +1,7 @@
-"""Summarise bench/gpu_ray.sh's JSON files: (a) `refit-bench` direct vs ``--ray`` on one node,
+"""Summarise bench/probes/gpu_ray.sh's JSON files: (a) `refit-bench` direct vs ``--ray`` on one node,
 (b) refit over NCCL between two Ray nodes vs NCCL's own send/recv of the same bytes.
 
-    python3 bench/ray_summary.py $OUT      # prints the comparison, writes $OUT/summary.json
+    python3 bench/probes/ray_summary.py $OUT      # prints the comparison, writes $OUT/summary.json
 """
 
 from __future__ import annotations

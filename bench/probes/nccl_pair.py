@@ -2,7 +2,7 @@
 (CUDA_VISIBLE_DEVICES set per process, as on two Ray nodes of one host): the reference for the
 bytes `refit-bench --ray` moves across nodes.
 
-    python3 bench/nccl_pair.py --gpus 0,1 --bytes 16384000000 --chunk-mb 256 --iters 10 --json
+    python3 bench/probes/nccl_pair.py --gpus 0,1 --bytes 16384000000 --chunk-mb 256 --iters 10 --json
 
 Rank 0 sends ``--bytes`` to rank 1 in messages of ``--chunk-mb`` (refit's bucket size), one
 buffer reused; a transfer's time is rank 1's, from a barrier to its stream being done.

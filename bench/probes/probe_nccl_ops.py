@@ -2,7 +2,7 @@
 cut into many messages in one group (the shape a wire takes when it is sent from and received into
 tensors directly, piece by piece).  Two processes, cupy NCCL, like refit's transport.
 
-Run: python bench/probe_nccl_ops.py [--gib 13.5]
+Run: python bench/probes/probe_nccl_ops.py [--gib 13.5]
 """
 
 from __future__ import annotations

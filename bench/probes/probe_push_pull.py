@@ -11,7 +11,7 @@ pulled in one ``cudaMemcpyBatchAsync`` per GPU, and the two split — the source
 pushes a share while the destination's copy engines pull the rest in one batch call, on a second
 stream (whether SM stores and copy-engine reads together go past what either reaches alone).
 
-Run: python bench/probe_push_pull.py [--blocks 3072] [--json]
+Run: python bench/probes/probe_push_pull.py [--blocks 3072] [--json]
 """
 
 from __future__ import annotations

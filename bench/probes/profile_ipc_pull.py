@@ -6,7 +6,7 @@ GPU 0, imports and pulls 4 GiB contiguous and 2 GiB of pitched rows (768 B of ev
   memcpy2DAsync on the destination's or the source's stream — with the handle opened by torch
   (under the source device) and by cupy under the destination device.
 
-Run: python bench/profile_ipc_pull.py   (needs 2 GPUs and cupy)
+Run: python bench/probes/profile_ipc_pull.py   (needs 2 GPUs and cupy)
 """
 
 from __future__ import annotations
@@ -15,7 +15,7 @@ import pickle
 
 import torch
 import torch.multiprocessing as mp
-from profile_copies import timed  # bench/ is on sys.path when run as a script
+from profile_copies import timed  # bench/probes/ is on sys.path when run as a script
 
 GiB = 2**30
 N = 2 * GiB  # int16 elements: 4 GiB

@@ -1,12 +1,12 @@
 #!/usr/bin/env bash
-# The H200 measurements of bench/RESULTS.md since the third session, in one go; 2- and 1-GPU cases
+# The H200 measurements of bench/RESULTS.md from 2026-11-22 (pulls in rounds onwards), in one go; 2- and 1-GPU cases
 # restrict CUDA_VISIBLE_DEVICES (on a 2-GPU machine run only those).  Writes each run's JSON and log
-# under ${OUT:-bench/out}.  Cases: four, two, one (third session); bulk, trace, moon, nccl (fourth:
+# under ${OUT:-bench/out}.  Cases: four, two, one (pulls in rounds, merged main); bulk, trace, moon, nccl (then:
 # batched copy-engine pulls against the table kernel alone and the arena, moonlight-16b, the NCCL
 # transport with direct wires).
 set -u
 export NCCL_NVLS_ENABLE=0 TORCH_SYMM_MEM_DISABLE_MULTICAST=1 NVSHMEM_DISABLE_NVLS=1 PYTHONUNBUFFERED=1
-export PYTHONPATH="$(cd "$(dirname "$0")/.." && pwd)${PYTHONPATH:+:$PYTHONPATH}"
+export PYTHONPATH="$(cd "$(dirname "$0")/../.." && pwd)${PYTHONPATH:+:$PYTHONPATH}"
 OUT=${OUT:-bench/out}; mkdir -p "$OUT"
 nvidia-smi --query-gpu=name,memory.total --format=csv,noheader | head -1
 run() {  # name, time limit, then refit-bench arguments

@@ -5,7 +5,7 @@ Times, on two GPUs (one process each, NCCL through torch.distributed on a privat
   2. both directions at once                          (what a colocated refit does)
   3. both directions + concurrent same-GPU copies of the size a refit packs, unpacks and copies
      locally (HBM and SM contention with NCCL)
-Run:  torchrun-free: python bench/profile_floor.py  (spawns 2 processes; needs 2 GPUs)
+Run:  torchrun-free: python bench/probes/profile_floor.py  (spawns 2 processes; needs 2 GPUs)
 """
 
 from __future__ import annotations

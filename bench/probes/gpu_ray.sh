@@ -11,7 +11,7 @@
 #      two hosts to refit: no IPC, no peer access) -> b-ray.json; then NCCL's own send/recv of the
 #      same bytes in the same message size between the same two GPUs, each process seeing only its
 #      own GPU as the Ray actors do -> b-nccl.json.
-#  summary.json / summary.txt: the comparisons (bench/ray_summary.py).
+#  summary.json / summary.txt: the comparisons (bench/probes/ray_summary.py).
 #
 # Ray is not installed on the device: carry a ray wheel and its deps in .whl/ and first
 #   python3 -m pip install -q --no-index --no-deps --target /tmp/site .whl/*.whl && export PYTHONPATH=$PWD:/tmp/site
@@ -20,7 +20,7 @@ set -u
 export NCCL_NVLS_ENABLE=0 TORCH_SYMM_MEM_DISABLE_MULTICAST=1 NVSHMEM_DISABLE_NVLS=1 PYTHONUNBUFFERED=1
 # Token auth off: a closed machine, and `ray start` and drivers would otherwise disagree on it.
 export RAY_USAGE_STATS_ENABLED=0 RAY_DEDUP_LOGS=0 RAY_AUTH_MODE=disabled
-ROOT=$(cd "$(dirname "$0")/.." && pwd)
+ROOT=$(cd "$(dirname "$0")/../.." && pwd)
 export PYTHONPATH="$ROOT${PYTHONPATH:+:$PYTHONPATH}"
 OUT=${OUT:-$ROOT/bench/out}; mkdir -p "$OUT"
 PY=${PYTHON:-python3}
@@ -49,7 +49,7 @@ if [[ $STEPS == *a* ]]; then
   bench a-direct 120 "${A[@]}"
   bench a-ray 150 "${A[@]}" --ray auto
 fi
-[[ $STEPS == *b* ]] || { $PY "$ROOT/bench/ray_summary.py" "$OUT" | tee "$OUT/summary.txt"; exit 0; }
+[[ $STEPS == *b* ]] || { $PY "$ROOT/bench/probes/ray_summary.py" "$OUT" | tee "$OUT/summary.txt"; exit 0; }
 
 # (b) two Ray nodes on this host, one GPU each; started with --block in process groups of their
 # own, so that only they are stopped at the end (never `ray stop`, which stops every Ray on the host).
@@ -90,11 +90,11 @@ r = json.load(open(sys.argv[1]))
 print(r['ray']['runs'][0]['across_nodes'], r['runs'][0]['bucket_bytes'] / 2**20)" "$OUT/b-ray.json" 2>/dev/null || echo "0 0")
 if [ "${BYTES:-0}" -gt 0 ]; then
   echo "=== b-nccl: $BYTES bytes in ${CHUNK_MB} MiB messages"
-  timeout 45 $PY "$ROOT/bench/nccl_pair.py" "${PAIR[@]}" --gpus 0,1 --bytes "$BYTES" --chunk-mb "$CHUNK_MB" \
+  timeout 45 $PY "$ROOT/bench/probes/nccl_pair.py" "${PAIR[@]}" --gpus 0,1 --bytes "$BYTES" --chunk-mb "$CHUNK_MB" \
     --iters 10 --json >"$OUT/b-nccl.json" 2>"$OUT/b-nccl.log"
   echo "b-nccl rc=$?"; tail -3 "$OUT/b-nccl.log"
 else
   echo "b-nccl skipped: b-ray.json has no cross-node bytes"
 fi
 
-$PY "$ROOT/bench/ray_summary.py" "$OUT" | tee "$OUT/summary.txt"
+$PY "$ROOT/bench/probes/ray_summary.py" "$OUT" | tee "$OUT/summary.txt"

@@ -11,7 +11,7 @@ directions at once, 1 GiB per step (refit's NCCL bucket), cupy NCCL like refit's
 Also the same-GPU copy engines beside each (HBM contention is what slowed the wire in a refit):
 ``--beside-gib`` of local copies issued on another stream while the steps run.
 
-Run: python bench/probe_nccl_reg.py [--gib 13.5] [--beside-gib 0]
+Run: python bench/probes/probe_nccl_reg.py [--gib 13.5] [--beside-gib 0]
 """
 
 from __future__ import annotations
@@ -23,7 +23,7 @@ import time
 
 import torch
 
-from probe_nccl_ops import run_pair  # bench/ is on the path when run as a script
+from probe_nccl_ops import run_pair  # bench/probes/ is on the path when run as a script
 
 GiB = 2**30
 STEP = GiB

@@ -9,7 +9,7 @@ process that sees all of them, before the refit's workers start:
   GPU) — what the ipc transport does;
 * ``nccl``: NCCL send/recv of every pair in one group — what the nccl transport does.
 
-Measured on 4x H200 (`bench/a2a_probe.py`, 1 GiB per pair): 389 GB/s per GPU in rounds, 349 over
+Measured on 4x H200 (`bench/probes/a2a_probe.py`, 1 GiB per pair): 389 GB/s per GPU in rounds, 349 over
 NCCL, 197 for copy engines pulling from all peers at once.
 """
 

@@ -1,6 +1,6 @@
 #!/usr/bin/env bash
-# The GPU measurements of the fifth to eighth sessions (bench/RESULTS.md), one case per argument:
-#   bash bench/gpu_run5.sh CASE [CASE ...]      JSON (and trace lines) under ${OUT:-bench/out}, logs in /tmp
+# The GPU measurements of bench/RESULTS.md from 2026-11-22 (push instead of pull) to 2026-11-23, one case per argument:
+#   bash bench/probes/gpu_run5.sh CASE [CASE ...]      JSON (and trace lines) under ${OUT:-bench/out}, logs in /tmp
 # Checks: check-table (the table kernel against torch's copy, one GPU and from a peer).
 # Probes: nccl-reg (NCCL out of/into registered ncclMemAlloc buffers vs torch's), nccl-ops (NCCL message shapes, both ways), nccl-oneway, nccl-chunk (NCCL_P2P_NVL_CHUNKSIZE), nccl-env (channels, buffer size, copy engines),
 #   push-pull (SM loads vs stores, copy engines, across two GPUs), kernels (table-kernel variants: probe_table_kernel.py).
@@ -37,22 +37,22 @@ T4="$Q --src megatron:tp4ep4 --dst vllm:tp4"
 two() { CUDA_VISIBLE_DEVICES=0,1 "$@"; }
 Q235_2="--model qwen3-235b-moe --layers 20 --src megatron:tp2ep2 --dst vllm:tp2"  # what fits in two H200s
 for what in "$@"; do case "$what" in
-  nccl-ops) timeout 150 python3 bench/probe_nccl_ops.py 2>&1 | tail -8 ;;
-  nccl-oneway) PROBE_ONE_WAY=1 PROBE_CASES=256:256,1024:1024,1024:256 timeout 100 python3 bench/probe_nccl_ops.py 2>&1 | tail -4 ;;
+  nccl-ops) timeout 150 python3 bench/probes/probe_nccl_ops.py 2>&1 | tail -8 ;;
+  nccl-oneway) PROBE_ONE_WAY=1 PROBE_CASES=256:256,1024:1024,1024:256 timeout 100 python3 bench/probes/probe_nccl_ops.py 2>&1 | tail -4 ;;
   nccl-chunk) for chunk in 1048576 4194304 16777216; do
                 echo "NCCL_P2P_NVL_CHUNKSIZE=$chunk"
-                NCCL_P2P_NVL_CHUNKSIZE=$chunk PROBE_CASES=256:256,1024:1024 timeout 100 python3 bench/probe_nccl_ops.py 2>&1 | tail -2
+                NCCL_P2P_NVL_CHUNKSIZE=$chunk PROBE_CASES=256:256,1024:1024 timeout 100 python3 bench/probes/probe_nccl_ops.py 2>&1 | tail -2
               done ;;
   nccl-env) for env in "" NCCL_MIN_P2P_NCHANNELS=32 "NCCL_MIN_NCHANNELS=32 NCCL_MIN_P2P_NCHANNELS=32" \
                   NCCL_BUFFSIZE=16777216 NCCL_P2P_USE_CUDA_MEMCPY=1 NCCL_NTHREADS=512; do
               echo "env: ${env:-(defaults)}"
-              env $env PROBE_CASES=256:256,1024:1024 timeout 100 python3 bench/probe_nccl_ops.py 2>&1 | tail -2
+              env $env PROBE_CASES=256:256,1024:1024 timeout 100 python3 bench/probes/probe_nccl_ops.py 2>&1 | tail -2
             done ;;
-  kernels) CUDA_VISIBLE_DEVICES=0,1 timeout 300 python3 bench/probe_table_kernel.py 2>&1 | tail -40 ;;
-  check-table) timeout 120 python3 bench/check_table_copy.py ;;
-  nccl-reg) timeout 200 python3 bench/probe_nccl_reg.py 2>&1 | tail -8
-            timeout 200 python3 bench/probe_nccl_reg.py --beside-gib 16 2>&1 | tail -8 ;;
-  push-pull) timeout 200 python3 bench/probe_push_pull.py 2>&1 | tail -16 ;;
+  kernels) CUDA_VISIBLE_DEVICES=0,1 timeout 300 python3 bench/probes/probe_table_kernel.py 2>&1 | tail -40 ;;
+  check-table) timeout 120 python3 bench/probes/check_table_copy.py ;;
+  nccl-reg) timeout 200 python3 bench/probes/probe_nccl_reg.py 2>&1 | tail -8
+            timeout 200 python3 bench/probes/probe_nccl_reg.py --beside-gib 16 2>&1 | tail -8 ;;
+  push-pull) timeout 200 python3 bench/probes/probe_push_pull.py 2>&1 | tail -16 ;;
   pull2) REFIT_IPC=pull two run pull2-fw $T2 --iters 10 ;;
   push2) REFIT_IPC=push two run push2-fw $T2 --iters 10 ;;
   auto2) two run auto2-fw $T2 --iters 10 ;;

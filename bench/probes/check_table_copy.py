@@ -1,5 +1,5 @@
 """GPU check of `refit.executor.table_copy`: random views copied by the table kernel equal torch's
-copy, on one GPU and from a peer.  PYTHONPATH=. python3 bench/check_table_copy.py"""
+copy, on one GPU and from a peer.  PYTHONPATH=. python3 bench/probes/check_table_copy.py"""
 from __future__ import annotations
 
 import torch

@@ -3,7 +3,7 @@
 # CUDA_VISIBLE_DEVICES).  Writes each run's JSON and log under ${OUT:-bench/out}.
 set -u
 export NCCL_NVLS_ENABLE=0 TORCH_SYMM_MEM_DISABLE_MULTICAST=1 NVSHMEM_DISABLE_NVLS=1 PYTHONUNBUFFERED=1
-export PYTHONPATH="$(cd "$(dirname "$0")/.." && pwd)${PYTHONPATH:+:$PYTHONPATH}"
+export PYTHONPATH="$(cd "$(dirname "$0")/../.." && pwd)${PYTHONPATH:+:$PYTHONPATH}"
 OUT=${OUT:-bench/out}; mkdir -p "$OUT"
 nvidia-smi --query-gpu=name,memory.total,driver_version --format=csv,noheader
 nvidia-smi topo -m 2>/dev/null | head -4
@@ -24,7 +24,7 @@ for what in "$@"; do case "$what" in
        run q30-tp2ep2-tp2-nccl 300 --model qwen3-30b-moe --src megatron:tp2ep2 --dst vllm:tp2 --iters 10 --transport nccl ;;
   ipc8) run q8-tp1-tp1-disagg-ipc 240 --model qwen3-8b --src tp1 --dst tp1 --placement disaggregated --iters 10 --transport ipc
         run q8-tp1-tp2-ipc 240 --model qwen3-8b --src tp1 --dst tp2 --vs broadcast --iters 10 --transport ipc ;;
-  copies) timeout 240 python3 bench/profile_copies.py 4 2>&1 | tee "$OUT/profile_copies.txt" ;;
+  copies) timeout 240 python3 bench/probes/profile_copies.py 4 2>&1 | tee "$OUT/profile_copies.txt" ;;
   dma) run q30-tp2ep2-tp2-ipc-dma 300 --model qwen3-30b-moe --src megatron:tp2ep2 --dst vllm:tp2 --vs broadcast --iters 10 --transport ipc
        REFIT_COPY=torch run q30-tp2ep2-tp2-ipc-torchcopy 300 --model qwen3-30b-moe --src megatron:tp2ep2 --dst vllm:tp2 --iters 10 --transport ipc
        run q30-tp2ep2-tp2-nccl-dma 300 --model qwen3-30b-moe --src megatron:tp2ep2 --dst vllm:tp2 --iters 10 --transport nccl

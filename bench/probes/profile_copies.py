@@ -10,7 +10,7 @@ halves are rows of 768 bytes, 1536 bytes apart):
   (pull), on the *source's* stream (push), and torch's cross-device ``copy_``; then both
   directions at once.
 
-Run: python bench/profile_copies.py [GiB per case, default 4]
+Run: python bench/probes/profile_copies.py [GiB per case, default 4]
 """
 
 from __future__ import annotations

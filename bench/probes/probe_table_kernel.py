@@ -7,7 +7,7 @@ A variant is (loads in flight per thread, index width, threads per block, grid):
 the package is ``unroll 4, 64-bit, 512 threads``.  The 32-bit variants do the per-word row /
 column division in 32 bits, which a table row allows (pieces are at most `PIECE_BYTES`).
 
-Run: python bench/probe_table_kernel.py [--blocks 3072] [--json]
+Run: python bench/probes/probe_table_kernel.py [--blocks 3072] [--json]
 """
 
 from __future__ import annotations
@@ -16,7 +16,7 @@ import json
 
 import torch
 
-from probe_push_pull import PITCH, ROWS, WIDTH, copies, setup, timed  # bench/ is the script's folder
+from probe_push_pull import PITCH, ROWS, WIDTH, copies, setup, timed  # bench/probes/ is the script's folder
 from refit.executor.table_copy import cupy_stream, kernel_source, table_rows
 
 # (unroll, index type, threads, push grid, local grid)
