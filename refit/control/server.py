@@ -25,6 +25,7 @@ import asyncio
 import functools
 import logging
 import os
+import signal
 import sys
 import threading
 from typing import Any, Awaitable, Callable
@@ -342,13 +343,27 @@ def build_parser() -> argparse.ArgumentParser:
 
 
 async def serve(host: str, port: int, token: str | None, timeout: float, advertise_host: str | None = None) -> None:
+    """Serve until SIGINT or SIGTERM, then stop gracefully.  The signals are handled on the event
+    loop: a KeyboardInterrupt raised wherever the main thread happens to be can land inside one of
+    grpc's callbacks, which swallows it, and the server would serve on."""
     server = CoordinatorServer(host, port, token, timeout, advertise_host=advertise_host)
     bound = await server.start()
     print(f"refit coordinator listening on {host}:{bound}", file=sys.stderr, flush=True)
+    loop, stopping = asyncio.get_running_loop(), asyncio.Event()
+    for sig in (signal.SIGINT, signal.SIGTERM):
+        loop.add_signal_handler(sig, stopping.set)
+    waits = [asyncio.ensure_future(stopping.wait()),
+             asyncio.ensure_future(server.server.wait_for_termination())]  # type: ignore[union-attr]
     try:
-        await server.server.wait_for_termination()  # type: ignore[union-attr]
+        await asyncio.wait(waits, return_when=asyncio.FIRST_COMPLETED)
     finally:
+        for w in waits:
+            w.cancel()
+        for sig in (signal.SIGINT, signal.SIGTERM):
+            loop.remove_signal_handler(sig)
         await server.stop()
+    if stopping.is_set():
+        log.info("refit coordinator stopped by a signal")
 
 
 def serve_main(argv: list[str] | None = None) -> int:
