@@ -7,15 +7,21 @@ skip among hundreds of passes goes unseen.  So the session starts by importing e
 exactly as those guards do (the same module names, into this process: an import that worked here
 cannot make a later ``importorskip`` skip), and stops with the package to install when one fails.
 Set ``REFIT_ALLOW_MISSING_DEPS=1`` to run without them on purpose; the skips are then listed with
-their reasons (``-rs`` in pyproject.toml's addopts).
+their reasons (``-rfEs`` in pyproject.toml's addopts).
+
+The fixtures shared by the test files are here too (below): a coordinator on loopback and a client
+of it, one per module (``server``, its timeout ``coordinator_timeout``) or made by the test
+(``make_coordinator``).  tests/README.md says which test file covers each library module.
 """
 
 from __future__ import annotations
 
+import contextlib
 import importlib
 import importlib.util
 import os
 import warnings
+from typing import Any, Callable, Iterator
 
 import pytest
 
@@ -62,3 +68,36 @@ def pytest_sessionstart(session: pytest.Session) -> None:
             f"without them: the tests that need them are then skipped, each listed with its reason.",
             returncode=pytest.ExitCode.USAGE_ERROR,
         )
+
+
+# ------------------------------------------------------------------------------------------------
+# Shared fixtures: a coordinator on loopback (tests/harness/loopback.py).  Imported inside the
+# fixtures, so that the dependency check above runs before anything of refit.control is imported.
+
+
+@pytest.fixture(scope="module")
+def coordinator_timeout() -> float:
+    """The ``default_timeout`` of the module's ``server``: a module whose refits need longer
+    overrides this fixture (``@pytest.fixture(scope="module") def coordinator_timeout(): return 60.0``)."""
+    return 30.0
+
+
+@pytest.fixture(scope="module")
+def server(coordinator_timeout: float) -> Iterator[tuple[Any, Any]]:
+    """One coordinator on loopback for the whole test module, and a client of it: ``(server, client)``.
+    Module scope: the tests of a file share it (each registers its own groups)."""
+    from tests.harness.loopback import loopback
+
+    with loopback(default_timeout=coordinator_timeout) as both:
+        yield both
+
+
+@pytest.fixture
+def make_coordinator() -> Iterator[Callable[..., tuple[Any, Any]]]:
+    """A factory of coordinators on loopback for one test: ``make_coordinator(**server_kw)`` starts
+    one (``ThreadedServer(**server_kw)``) and returns ``(server, client)``; each is closed after
+    the test (the client, then the server), after the test's own ``finally`` stopped its agents."""
+    from tests.harness.loopback import loopback
+
+    with contextlib.ExitStack() as stack:
+        yield lambda **server_kw: stack.enter_context(loopback(**server_kw))

@@ -9,8 +9,6 @@ from __future__ import annotations
 import pytest
 import torch
 
-from refit.control.client import Client
-from refit.control.server import ThreadedServer
 from tests.harness.attach_cluster import Engines, Trainers, expected_engine_tensors, make_hf_model, train_step, write_hf
 
 pytest.importorskip("transformers")
@@ -78,15 +76,6 @@ def refusals(world: int, address: str) -> list[str]:
         except RefitError as e:
             messages.append(str(e))
     return messages
-
-
-@pytest.fixture(scope="module")
-def server():
-    s = ThreadedServer(default_timeout=30.0)
-    client = Client(s.address)
-    yield s, client
-    client.close()
-    s.stop()
 
 
 @pytest.mark.parametrize("dp,cls_name,cfg", [(2, "LlamaForCausalLM", LLAMA), (3, "Qwen2ForCausalLM", QWEN2_TIED)],

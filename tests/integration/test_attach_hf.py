@@ -10,8 +10,6 @@ import warnings
 import pytest
 import torch
 
-from refit.control.client import Client
-from refit.control.server import ThreadedServer
 from refit.errors import RefitError
 from refit.integrations import hf as refit_hf
 from refit.layouts import HFLayout
@@ -39,15 +37,6 @@ GLM4_MOE = dict(hidden_size=32, num_hidden_layers=3, num_attention_heads=4, num_
                 moe_intermediate_size=16, n_routed_experts=4, n_shared_experts=1, first_k_dense_replace=1,
                 num_experts_per_tok=2, n_group=1, topk_group=1, vocab_size=280, tie_word_embeddings=False,
                 dtype="bfloat16")
-
-
-@pytest.fixture(scope="module")
-def server():
-    s = ThreadedServer(default_timeout=30.0)
-    client = Client(s.address)
-    yield s, client
-    client.close()
-    s.stop()
 
 
 def refit_and_check(client, model, agent, engines_by_layout, plans, version, tmp_path) -> None:

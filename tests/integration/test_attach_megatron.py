@@ -12,8 +12,6 @@ from __future__ import annotations
 
 import pytest
 
-from refit.control.client import Client
-from refit.control.server import ThreadedServer
 from tests.harness.attach_cluster import Engines, Trainers, expected_engine_tensors, write_hf
 from tests.harness.tiny import tiny_spec
 
@@ -61,12 +59,9 @@ def megatron_trainer(rank: int, world: int, model: str, par: dict, address: str,
 
 
 @pytest.fixture(scope="module")
-def server():
-    s = ThreadedServer(default_timeout=60.0)
-    client = Client(s.address)
-    yield s, client
-    client.close()
-    s.stop()
+def coordinator_timeout() -> float:
+    """The shared ``server`` (tests/conftest.py), with 60 s for refits: Megatron trainers are slow here."""
+    return 60.0
 
 
 @pytest.mark.parametrize("model,par,layout,engine_layout", [

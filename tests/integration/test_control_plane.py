@@ -24,6 +24,7 @@ from refit.control.server import ThreadedServer
 from refit.control.v1 import refit_pb2 as pb
 from refit.control.v1 import refit_pb2_grpc as pb_grpc
 from tests.harness.control_cluster import DST, MODEL, SRC, Worker
+from tests.harness.loopback import close_all
 from tests.harness.tiny import tiny_spec
 
 ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
@@ -75,10 +76,7 @@ class Cluster:
             assert stale and version == self.version
 
     def close(self) -> None:
-        for w in self.workers.values():
-            w.close()
-        self.client.close()
-        self.server.stop()
+        close_all(self.workers.values(), self.client, self.server)
 
 
 @pytest.fixture(scope="module")

@@ -29,6 +29,7 @@ from refit.control.dataplane_executor import ExecutorDataPlane
 from refit.control.server import ThreadedServer
 from refit.errors import RefitError
 from tests.harness.control_cluster import DST, SRC, Worker
+from tests.harness.loopback import close_all
 from tests.harness.tiny import tiny_spec
 
 FAST = dict(keepalive_ms=200, keepalive_timeout_ms=1000)  # pings 5x a second: idle faults show in seconds
@@ -242,10 +243,7 @@ class ProcCluster:
         self.workers[wid].ready()
 
     def close(self) -> None:
-        for w in self.workers.values():
-            w.close()
-        self.client.close()
-        self.server.stop()
+        close_all(self.workers.values(), self.client, self.server)
 
 
 @pytest.fixture(scope="module")
@@ -314,12 +312,9 @@ LLAMA = dict(hidden_size=64, num_hidden_layers=2, num_attention_heads=4, num_key
 
 
 @pytest.fixture(scope="module")
-def attach_server():
-    srv = ThreadedServer(default_timeout=60.0)
-    client = Client(srv.address)
-    yield srv, client
-    client.close()
-    srv.stop()
+def coordinator_timeout() -> float:
+    """The shared ``server`` (tests/conftest.py) of the attach trials, with 60 s for refits."""
+    return 60.0
 
 
 def _busy(client: Client) -> list[str]:
@@ -336,7 +331,7 @@ def _until(cond: Callable[[], bool], timeout: float) -> float:
 
 
 @bounded(120)
-def test_a_refit_refused_before_the_rendezvous_stalls_nobody(attach_server) -> None:
+def test_a_refit_refused_before_the_rendezvous_stalls_nobody(server) -> None:
     """The repro: attach, refit, re-point ``model.lm_head.weight.data`` (the trainer refuses before
     it meets its peers), refit twice, attach again, refit — all with a 60 s timeout.  The engines
     used to wait in the rendezvous for the trainer's record until that timeout, and the last refit
@@ -347,7 +342,7 @@ def test_a_refit_refused_before_the_rendezvous_stalls_nobody(attach_server) -> N
     from refit.integrations import hf as refit_hf
     from tests.harness.attach_cluster import Engines, make_hf_model
 
-    srv, client = attach_server
+    srv, client = server
     model = make_hf_model("LlamaForCausalLM", **LLAMA)
     agent = refit_hf.attach(model, srv.address, group="early")
     engines = Engines(srv.address, agent.spec, "vllm:tp2", group="early-engine")
@@ -391,7 +386,7 @@ class Refusing:
 
 
 @bounded(120)
-def test_a_refit_refused_by_an_engine_leaves_its_version_and_staleness(attach_server) -> None:
+def test_a_refit_refused_by_an_engine_leaves_its_version_and_staleness(server) -> None:
     """A refit an engine refuses before any byte moves (here a phase hook's check, as vLLM's
     backend refuses a refit outside ``update_weights``) used to mark every engine stale for good;
     it must change nothing an engine is said to hold, on the engine and at the coordinator."""
@@ -399,7 +394,7 @@ def test_a_refit_refused_by_an_engine_leaves_its_version_and_staleness(attach_se
     from refit.layouts import resolve_layout
     from tests.harness.control_cluster import fill
 
-    srv, client = attach_server
+    srv, client = server
     spec = tiny_spec("tiny-qwen3-moe")
     src, dst = resolve_layout("megatron:tp1", spec, "src"), resolve_layout("vllm:tp2", spec, "dst")
     trainer_tensors = fill(spec, src, 0, 1)
@@ -433,7 +428,7 @@ def test_a_refit_refused_by_an_engine_leaves_its_version_and_staleness(attach_se
 
 
 @bounded(120)
-def test_a_raw_agent_follows_its_model_through_a_cast_and_a_step(attach_server, tmp_path) -> None:
+def test_a_raw_agent_follows_its_model_through_a_cast_and_a_step(server, tmp_path) -> None:
     """A `TrainerAgent` given ``tensors`` as a callable reads them at every refit: after
     ``model.float(); model.bfloat16()`` (every parameter re-pointed to new storage) and a training
     step, the engines hold the new weights bit for bit — they used to keep the old ones while
@@ -442,7 +437,7 @@ def test_a_raw_agent_follows_its_model_through_a_cast_and_a_step(attach_server, 
     from refit.layouts import HFLayout
     from tests.harness.attach_cluster import Engines, expected_engine_tensors, make_hf_model, train_step
 
-    srv, client = attach_server
+    srv, client = server
     model = make_hf_model("LlamaForCausalLM", seed=3, **LLAMA)
     spec = spec_of_hf_config(model.config, dict(model.named_parameters()))
     agent = TrainerAgent(srv.address, group="follow", rank=0, spec=spec, layout=HFLayout(),
@@ -474,7 +469,7 @@ class FailsAfterLocating(ExecutorDataPlane):
 
 
 @bounded(60)
-def test_a_member_failing_inside_set_up_frees_its_peers_at_once(attach_server) -> None:
+def test_a_member_failing_inside_set_up_frees_its_peers_at_once(server) -> None:
     """The trainer waits in gloo's group set-up (a rendezvous wait inside torch's C++) for an
     engine that failed after publishing its device: the coordinator's abort reaches into that
     wait, and the trainer is free within a moment, not at the 60 s deadline."""
@@ -482,7 +477,7 @@ def test_a_member_failing_inside_set_up_frees_its_peers_at_once(attach_server) -
     from refit.layouts import resolve_layout
     from tests.harness.control_cluster import fill
 
-    srv, client = attach_server
+    srv, client = server
     spec = tiny_spec("tiny-qwen3-moe")
     src, dst = resolve_layout("megatron:tp1", spec, "src"), resolve_layout("vllm:tp1", spec, "dst")
     agents = [TrainerAgent(srv.address, group="setup-t", rank=0, spec=spec, layout=src, tensors=fill(spec, src, 0, 1)),

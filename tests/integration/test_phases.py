@@ -22,9 +22,8 @@ import pytest
 import torch.distributed as dist
 
 from refit.control.agent import EngineAgent, TrainerAgent
-from refit.control.client import Client, RefitFailed
+from refit.control.client import RefitFailed
 from refit.control.dataplane import NoopDataPlane
-from refit.control.server import ThreadedServer
 from refit.executor.member import Budget, Member, connect
 from refit.executor.topology import Topology
 from refit.layouts import resolve_layout
@@ -120,9 +119,8 @@ def test_member_refits_a_phased_plan_phase_by_phase_over_shared_staging() -> Non
 # ------------------------------------------------------------------ through the control plane
 
 
-def test_phased_refit_through_the_control_plane() -> None:
-    server = ThreadedServer(default_timeout=30.0)
-    client = Client(server.address)
+def test_phased_refit_through_the_control_plane(make_coordinator) -> None:
+    server, client = make_coordinator(default_timeout=30.0)
     trainer_tensors = [fill(SPEC, LAYOUTS["src"], r, 1) for r in range(2)]
     engine_tensors = [fill(SPEC, LAYOUTS["dst"], r, 0) for r in range(2)]
     hooks = [RecordingHook(SPEC, LAYOUTS["dst"], r, engine_tensors[r]) for r in range(2)]
@@ -185,13 +183,10 @@ def test_phased_refit_through_the_control_plane() -> None:
         for a in agents:
             a.stop()
             a.data_plane.close()
-        client.close()
-        server.stop()
 
 
-def test_phase_layers_must_agree_and_key_the_plan_cache() -> None:
-    server = ThreadedServer(default_timeout=10.0)
-    client = Client(server.address)
+def test_phase_layers_must_agree_and_key_the_plan_cache(make_coordinator) -> None:
+    server, client = make_coordinator(default_timeout=10.0)
 
     def agent(cls: type, group: str, rank: int, layout: str, phase_layers: int = 0) -> Any:
         return cls(server.address, group=group, rank=rank, spec=SPEC, layout=layout, data_plane=NoopDataPlane(),
@@ -222,13 +217,10 @@ def test_phase_layers_must_agree_and_key_the_plan_cache() -> None:
     finally:
         for a in agents:
             a.stop()
-        client.close()
-        server.stop()
 
 
-def test_phased_refit_with_an_agent_per_process() -> None:
-    server = ThreadedServer(default_timeout=30.0)
-    client = Client(server.address)
+def test_phased_refit_with_an_agent_per_process(make_coordinator) -> None:
+    server, client = make_coordinator(default_timeout=30.0)
     procs = [AgentProcess(server.address, "trainer", r) for r in range(2)]
     procs += [AgentProcess(server.address, "engine", r, phase_layers=2) for r in range(2)]
     try:
@@ -249,5 +241,3 @@ def test_phased_refit_with_an_agent_per_process() -> None:
     finally:
         for p in procs:
             p.close()
-        client.close()
-        server.stop()

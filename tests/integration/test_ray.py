@@ -75,14 +75,13 @@ def test_bad_placement_requests_are_refused() -> None:
         refit_ray.rl_placement(2, 2, strategy="TIGHT")
 
 
-def test_check_placement_against_registered_workers() -> None:
+def test_check_placement_against_registered_workers(make_coordinator) -> None:
     """Against a real coordinator with (data-plane-less) agents registered where we say they are."""
     from refit.control.agent import EngineAgent, TrainerAgent
     from refit.control.dataplane import NoopDataPlane
-    from refit.control.server import ThreadedServer
     from tests.harness.tiny import tiny_spec
 
-    srv = ThreadedServer()
+    srv, c = make_coordinator()
     agents = []
 
     def register(cls: type, group: str, rank: int, layout: str, host: str, gpu: int) -> None:
@@ -94,27 +93,25 @@ def test_check_placement_against_registered_workers() -> None:
             register(TrainerAgent, "t", r, "megatron:tp2", "10.0.0.1", r)
             register(EngineAgent, "e", r, "vllm:tp2", "10.0.0.1", r)  # colocated: same host and GPU
             register(EngineAgent, "d", r, "vllm:tp2", "10.0.0.2", r)  # another host
-        with Client(srv.address) as c:
-            refit_ray.check_placement(c, "t", "e", "colocated")
-            refit_ray.check_placement(c, "t", "d", "disaggregated")
-            with pytest.raises(RefitError, match="t/0 and e/0 share GPU 0 on host 10.0.0.1"):
-                refit_ray.check_placement(c, "t", "e", "disaggregated")
-            with pytest.raises(RefitError, match="t/0 is on host 10.0.0.1 GPU 0 and d/0 on host 10.0.0.2 GPU 0"):
-                refit_ray.check_placement(c, "t", "d", "colocated")
-            with pytest.raises(RefitError, match="unknown placement 'sideways'"):
-                refit_ray.check_placement(c, "t", "d", "sideways")
-            # Traffic by host: the broadcast planner's stage 0 stays among the trainers' host.
-            plan = c.create_plan("t", "d", placement="disaggregated", planner="broadcast")
-            buckets = c.get_plan(plan["plan_id"], include_plan=True)["plan"].buckets
-            stage0, stage1 = (sum(b.nbytes for b in buckets if b.stage == s) for s in (0, 1))
-            assert stage0 > 0 and refit_ray.plan_traffic(c, plan["plan_id"]) == \
-                refit_ray.Traffic({"10.0.0.1": stage0}, stage1)
-            plan = c.create_plan("t", "e", placement="colocated")
-            assert refit_ray.plan_traffic(c, plan["plan_id"]) == refit_ray.Traffic({"10.0.0.1": plan["total_bytes"]}, 0)
+        refit_ray.check_placement(c, "t", "e", "colocated")
+        refit_ray.check_placement(c, "t", "d", "disaggregated")
+        with pytest.raises(RefitError, match="t/0 and e/0 share GPU 0 on host 10.0.0.1"):
+            refit_ray.check_placement(c, "t", "e", "disaggregated")
+        with pytest.raises(RefitError, match="t/0 is on host 10.0.0.1 GPU 0 and d/0 on host 10.0.0.2 GPU 0"):
+            refit_ray.check_placement(c, "t", "d", "colocated")
+        with pytest.raises(RefitError, match="unknown placement 'sideways'"):
+            refit_ray.check_placement(c, "t", "d", "sideways")
+        # Traffic by host: the broadcast planner's stage 0 stays among the trainers' host.
+        plan = c.create_plan("t", "d", placement="disaggregated", planner="broadcast")
+        buckets = c.get_plan(plan["plan_id"], include_plan=True)["plan"].buckets
+        stage0, stage1 = (sum(b.nbytes for b in buckets if b.stage == s) for s in (0, 1))
+        assert stage0 > 0 and refit_ray.plan_traffic(c, plan["plan_id"]) == \
+            refit_ray.Traffic({"10.0.0.1": stage0}, stage1)
+        plan = c.create_plan("t", "e", placement="colocated")
+        assert refit_ray.plan_traffic(c, plan["plan_id"]) == refit_ray.Traffic({"10.0.0.1": plan["total_bytes"]}, 0)
     finally:
         for a in agents:
             a.stop()
-        srv.stop()
 
 
 def test_needs_ray_init() -> None:
