@@ -6,16 +6,11 @@ of every refit it is told to run, through a pluggable data plane (`refit.control
     agent = TrainerAgent("127.0.0.1:50051", group="trainer", rank=r, spec=spec,
                          layout="megatron:tp4ep8", tensors=lambda: local_tensors(model)).start()
 
-``tensors`` is read at every refit when it is a callable: the agent follows the model through
-casts, offload and reload (a member whose tensors moved is built again within the refit, see
-`refit.control.dataplane_executor`).  A plain mapping means *these exact tensors*, for as long as
-the agent runs: re-pointing a parameter (``model.float(); model.bfloat16()``) after passing it
-leaves the agent sending the memory it was given.
-
-The streams of all agents of a process live on one background thread and asyncio loop, so the
-host process (a training loop, a vLLM worker) is never blocked by the control plane; each agent's
-data plane runs on a thread of its own (one refit at a time: a new command while one is still running is answered
-"busy", so a stale share can never overwrite a newer one).  An `EngineAgent` knows the version
+``tensors``: the rank's local tensors, or a callable read at every refit that follows the model
+(`refit.control.dataplane.TensorSource`).  The streams of all agents of a process live on one
+background thread and asyncio loop, so the host process (a training loop, a vLLM worker) is never
+blocked by the control plane; each agent's data plane runs on a thread of its own (one refit at a
+time: a command while one still runs is answered "busy": a stale share never overwrites a newer one).  An `EngineAgent` knows the version
 of the weights it holds: stale from the moment a refit starts writing until the coordinator says
 it was committed.
 
@@ -36,57 +31,27 @@ import os
 import random
 import threading
 import time
-from typing import TYPE_CHECKING, Any, Callable, ClassVar, Mapping, Union
+from typing import Any, Callable, ClassVar
 
 import grpc
 
-from refit.control.common import (KEEPALIVE_MS, KEEPALIVE_TIMEOUT_MS, ROLES, auth_metadata, channel_options, config_json,
-                                  new_event_loop, worker_id)
-from refit.control.dataplane import DataPlane, PhaseHook, Rendezvous, RunContext
+from refit.control.common import (KEEPALIVE_MS, KEEPALIVE_TIMEOUT_MS, ROLES, agent_loop, auth_metadata, channel_options,
+                                  config_json, on_agent_loop, worker_id)
+from refit.control.dataplane import (DataPlane, PhaseHook, Rendezvous, RunContext, Tensors, TensorSource,
+                                     check_tensors)
 from refit.control.store_client import CoordinatorStore
 from refit.control.v1 import refit_pb2 as pb
 from refit.control.v1 import refit_pb2_grpc as pb_grpc
 from refit.errors import InvalidInput
 from refit.layouts import Layout, resolve_layout
 from refit.plan import Plan
-from refit.spec import ModelSpec, check_tensor_table
-
-if TYPE_CHECKING:
-    import torch
+from refit.spec import ModelSpec
 
 log = logging.getLogger(__name__)
-
-Tensors = Mapping[str, "torch.Tensor"]
-TensorSource = Union[Tensors, Callable[[], Tensors]]  # these exact tensors, or where to read them at each refit
 
 # Refusals that another try would only repeat: the agent stops and reports them.
 PERMANENT = {grpc.StatusCode.INVALID_ARGUMENT, grpc.StatusCode.UNAUTHENTICATED, grpc.StatusCode.PERMISSION_DENIED,
              grpc.StatusCode.ABORTED, grpc.StatusCode.UNIMPLEMENTED}
-
-
-def check_tensors(spec: ModelSpec, layout: Layout, rank: int, tensors: Mapping[str, "torch.Tensor"]) -> None:
-    """Refuse local tensors that are not the ones ``layout`` gives ``rank``: name the first
-    difference (a missing tensor, a wrong shape or dtype).  Extra tensors are ignored."""
-    found = {n: (tuple(t.shape), str(t.dtype).removeprefix("torch.")) for n, t in tensors.items()}
-    expected = {lt.name: (lt.shape, lt.dtype) for lt in layout.local_tensors(spec, rank)}
-    check_tensor_table(found, expected, f"rank {rank} of {layout.describe()}", extra_ok=True)
-
-
-_LOOP: asyncio.AbstractEventLoop | None = None
-_LOOP_THREAD: threading.Thread | None = None
-_LOOP_LOCK = threading.Lock()
-
-
-def _agent_loop() -> asyncio.AbstractEventLoop:
-    """The one event loop (on a daemon thread) that every agent of this process runs on: grpc.aio
-    wants one loop per process, and one thread for all streams keeps the host process quiet."""
-    global _LOOP, _LOOP_THREAD
-    with _LOOP_LOCK:
-        if _LOOP is None:
-            _LOOP = new_event_loop()
-            _LOOP_THREAD = threading.Thread(target=_LOOP.run_forever, name="refit-agents", daemon=True)
-            _LOOP_THREAD.start()
-        return _LOOP
 
 
 class Agent:
@@ -98,9 +63,9 @@ class Agent:
                  reconnect: bool = True, backoff: tuple[float, float] = (0.1, 5.0),
                  keepalive_ms: int = KEEPALIVE_MS, keepalive_timeout_ms: int = KEEPALIVE_TIMEOUT_MS,
                  phase_layers: int = 0, phase_hook: PhaseHook | None = None) -> None:
-        """``tensors``: this rank's local tensors by local name, or a callable returning them,
-        called at every refit (see the module docstring); ``None`` registers the rank without
-        local tensors: only for data planes that need none (tests, benches).  ``data_plane`` defaults to `refit.executor` (gloo on CPU, CUDA IPC / NCCL on GPUs).
+        """``tensors``: this rank's local tensors by local name, or a callable returning them at
+        every refit (`TensorSource`); ``None``: none, for data planes that need none (tests,
+        benches).  ``data_plane`` defaults to `refit.executor` (gloo on CPU, CUDA IPC / NCCL on GPUs).
         ``reconnect``: register again by itself when the stream drops, waiting between tries from
         ``backoff[0]`` doubling up to ``backoff[1]`` seconds.  ``keepalive_ms``: ping interval
         (the coordinator's own must not be above it; tests shorten both).  ``phase_layers`` (engines):
@@ -186,7 +151,7 @@ class Agent:
             self._registered.clear()
             self._closed.clear()
             self.error = None
-            self._loop = _agent_loop()
+            self._loop = agent_loop()
             self._main_future = asyncio.run_coroutine_threadsafe(self._guarded_main(), self._loop)
         end = time.monotonic() + timeout
         while not self.connected:
@@ -205,7 +170,7 @@ class Agent:
         if loop is None or self._main_future is None:
             return
         self._main_future.cancel()  # thread-safe: cancels the task, which ends the stream
-        waits = threading.current_thread() is not _LOOP_THREAD
+        waits = not on_agent_loop()
         if waits:
             self._closed.wait(10)
         close = getattr(self.data_plane, "close", None)

@@ -8,6 +8,7 @@ import asyncio
 import dataclasses
 import json
 import os
+import threading
 from typing import Any
 
 from refit.control.v1 import refit_pb2 as pb
@@ -83,6 +84,28 @@ class Aborted(RefitFailed):
 class Precondition(InvalidInput):
     """A well-formed request the current state refuses, e.g. a version that does not increase
     (FAILED_PRECONDITION)."""
+
+
+_AGENT_LOOP: asyncio.AbstractEventLoop | None = None
+_AGENT_THREAD: threading.Thread | None = None
+_AGENT_LOCK = threading.Lock()
+
+
+def agent_loop() -> asyncio.AbstractEventLoop:
+    """The one event loop (on a daemon thread) that every agent of this process runs on: grpc.aio
+    wants one loop per process, and one thread for all streams keeps the host process quiet."""
+    global _AGENT_LOOP, _AGENT_THREAD
+    with _AGENT_LOCK:
+        if _AGENT_LOOP is None:
+            _AGENT_LOOP = new_event_loop()
+            _AGENT_THREAD = threading.Thread(target=_AGENT_LOOP.run_forever, name="refit-agents", daemon=True)
+            _AGENT_THREAD.start()
+        return _AGENT_LOOP
+
+
+def on_agent_loop() -> bool:
+    """Whether the calling thread is the agents' event loop thread (which must never wait on itself)."""
+    return threading.current_thread() is _AGENT_THREAD
 
 
 def new_event_loop() -> asyncio.AbstractEventLoop:

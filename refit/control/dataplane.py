@@ -29,16 +29,35 @@ from __future__ import annotations
 import threading
 import time
 from dataclasses import dataclass, field
-from typing import TYPE_CHECKING, Any, Callable, Mapping, Protocol
+from typing import TYPE_CHECKING, Any, Callable, Mapping, Protocol, Union
 
 from refit.errors import RefitFailed
+from refit.spec import check_tensor_table
 
 if TYPE_CHECKING:
+    import torch
     import torch.distributed as dist
 
     from refit.layouts import Layout
     from refit.plan import Plan
     from refit.spec import ModelSpec
+
+
+Tensors = Mapping[str, "torch.Tensor"]
+# An agent's tensors.  A callable is read at every refit: the agent follows the model through casts,
+# offload and reload (a member whose tensors moved is built again within the refit, see
+# `refit.control.dataplane_executor`).  A plain mapping means *these exact tensors* for as long as
+# the agent runs: a parameter re-pointed afterwards (``model.float(); model.bfloat16()``) is not
+# followed, and the agent goes on sending the memory it was given.
+TensorSource = Union[Tensors, Callable[[], Tensors]]
+
+
+def check_tensors(spec: "ModelSpec", layout: "Layout", rank: int, tensors: Tensors) -> None:
+    """Refuse local tensors that are not the ones ``layout`` gives ``rank``: name the first
+    difference (a missing tensor, a wrong shape or dtype).  Extra tensors are ignored."""
+    found = {n: (tuple(t.shape), str(t.dtype).removeprefix("torch.")) for n, t in tensors.items()}
+    expected = {lt.name: (lt.shape, lt.dtype) for lt in layout.local_tensors(spec, rank)}
+    check_tensor_table(found, expected, f"rank {rank} of {layout.describe()}", extra_ok=True)
 
 
 class Cancelled(RefitFailed):
