@@ -137,7 +137,7 @@ def test_phased_refit_through_the_control_plane(make_coordinator) -> None:
         assert plan.phase_layers == 1 and summary["num_phases"] == len(keys) == 3 + SPEC.config.num_layers
         assert client.refit(summary["plan_id"], version=1, timeout=30.0).ok
         for h in hooks:
-            assert h.checked == [plan.plan_id] and h.calls == [(k, []) for k in keys], h.calls
+            assert h.checked == [plan.plan_hash] and h.calls == [(k, []) for k in keys], h.calls
             assert not differing(fill(SPEC, LAYOUTS["dst"], h.rank, 1), h.tensors)
 
         # A hook refusing the plan: the refit fails naming that engine, before any byte moves.

@@ -228,7 +228,7 @@ class FakePlan:
     """Only what `Landing.check` / `landed` read of a `refit.plan.Plan`."""
 
     def __init__(self, phase_layers: int, keys: list[int]) -> None:
-        self.plan_id, self.phase_layers, self.keys = f"plan-{phase_layers}", phase_layers, keys
+        self.plan_hash, self.phase_layers, self.keys = f"plan-{phase_layers}", phase_layers, keys
 
     def phase_ranges(self) -> list[tuple[int, int, int]]:
         return [(k, i, i + 1) for i, k in enumerate(self.keys)] if self.phase_layers else [(-1, 0, 1)]
