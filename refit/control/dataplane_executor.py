@@ -71,9 +71,7 @@ class Held:
 
     def close(self) -> None:
         self.member.close()
-        close = getattr(self.store, "close", None)
-        if close is not None:
-            close()
+        close_store(self.store)
 
 
 class ExecutorDataPlane:
@@ -127,9 +125,7 @@ class ExecutorDataPlane:
         try:
             member = self._setup(store, plan, role, rank, tensors, ctx)
         except BaseException:
-            close = getattr(store, "close", None)
-            if close is not None:
-                close()
+            close_store(store)
             raise
         nbytes = sum(b.nbytes for b in plan.buckets if b.stage == 1 and (b.src if role == "trainer" else b.dst) == rank)
         held = self._members[ctx.plan_id] = Held(ctx.rendezvous.prefix, store, member, nbytes, tensors, where(tensors),
@@ -173,6 +169,14 @@ class ExecutorDataPlane:
         for held in self._members.values():
             held.close()
         self._members.clear()
+
+
+def close_store(store: dist.Store) -> None:
+    """Close a rendezvous store that holds a connection of its own (the coordinator's; torch's
+    TCPStore clients close when dropped)."""
+    close = getattr(store, "close", None)
+    if close is not None:
+        close()
 
 
 def rendezvous_name(ctx: RunContext) -> str:
