@@ -4,7 +4,8 @@ The parent hosts the rendezvous store (a ``TCPStore`` on an ephemeral port: no f
 environment contract) and never touches a device.  It is also the watchdog that makes failures
 fast and legible: the first worker that exits without reporting (killed, ``os._exit``, crash)
 is named as the cause, the others get a moment to report what they saw, then every remaining
-worker is killed.  A run with no progress for ``timeout`` seconds is killed the same way.
+worker is killed.  A run with no progress for ``timeout`` seconds (and a grace for the workers to
+report their own timeouts first) is killed the same way.
 """
 
 from __future__ import annotations
@@ -146,7 +147,9 @@ def _watch(job: Job, procs: list[Any], conns: list[Any], names: list[str],
             failed_at = now
         if failed_at is not None and (now - failed_at > GRACE_S or all(p.exitcode is not None for p in procs)):
             raise _failure(procs, names, dead, errors, last)
-        if failed_at is None and now - progress_at > job.timeout_s:
+        # Workers give up at their own deadline (``timeout_s`` after the step they last reported)
+        # and say whom they waited on: GRACE_S more for that report before the watchdog speaks.
+        if failed_at is None and now - progress_at > job.timeout_s + GRACE_S:
             waiting = [m for m in range(len(procs)) if m not in results]
             seen = "; ".join(f"{names[m]}: {last.get(m, 'nothing')}" for m in waiting)
             raise WorkerFailure(f"refit run made no progress for {job.timeout_s:.0f} s; still waiting on "
