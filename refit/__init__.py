@@ -32,5 +32,6 @@ def __getattr__(name: str) -> Any:
     raise AttributeError(f"module 'refit' has no attribute {name!r}")
 
 
-__all__ = ["Client", "TrainerAgent", "EngineAgent", "RefitError", "InvalidInput", "RefitFailed", "ModelSpec", "Placement", "Plan", "PlanResult",
-           "load_spec", "make_plan", "parse_layout", "resolve_layout"]
+__all__ = ["Client", "TrainerAgent", "EngineAgent", "RefitError", "InvalidInput", "RefitFailed", "ModelSpec", "Layout",
+           "Placement", "Plan", "PlanResult", "DEFAULT_BUCKET_BYTES", "load_spec", "make_plan", "parse_layout",
+           "resolve_layout"]

@@ -163,17 +163,18 @@ class WatchingEngineAgent(EngineAgent):
 
     def wait_outcome(self, refit_id: str, timeout: float) -> tuple[bool, str] | None:
         """(committed, error) of refit ``refit_id`` as this agent heard it, or None."""
-        with self._cond:
-            self._cond.wait_for(lambda: refit_id in self._outcomes, timeout)
-            heard = self._outcomes.get(refit_id)
+        heard = self._heard(refit_id, timeout)
         return heard[:2] if heard else None
 
     def moved_nothing(self, refit_id: str, timeout: float) -> bool:
         """Whether the coordinator said refit ``refit_id`` failed before any byte moved."""
+        heard = self._heard(refit_id, timeout)
+        return heard is not None and not heard[0] and heard[2]
+
+    def _heard(self, refit_id: str, timeout: float) -> tuple[bool, str, bool] | None:
         with self._cond:
             self._cond.wait_for(lambda: refit_id in self._outcomes, timeout)
-            heard = self._outcomes.get(refit_id)
-        return heard is not None and not heard[0] and heard[2]
+            return self._outcomes.get(refit_id)
 
 
 class RefitWeightTransferEngine(WeightTransferEngine[RefitInitInfo, RefitUpdateInfo]):
