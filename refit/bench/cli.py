@@ -32,6 +32,7 @@ import json
 import sys
 from typing import Any
 
+from refit import settings
 from refit.entrypoint import run_main, setup_logging
 from refit.errors import InvalidInput, RefitError
 from refit.layouts import LAYOUT_HELP, resolve_layout
@@ -215,10 +216,9 @@ def choose_transport(requested: str, device: str, gpus: int) -> str:
 def _kill_hook() -> tuple[tuple[str, int, int] | None, bool]:
     """``REFIT_TEST_KILL=dst2@1``: destination rank 2 dies during refit 1; ``dst2@1:stop``: it
     stops itself (SIGSTOP) instead, a hung worker (tests of failure paths)."""
-    import os
     import re
 
-    m = re.fullmatch(r"(src|dst)(\d+)@(\d+)(:stop)?", os.environ.get("REFIT_TEST_KILL", ""))
+    m = re.fullmatch(r"(src|dst)(\d+)@(\d+)(:stop)?", settings.current().test_kill)
     return ((m.group(1), int(m.group(2)), int(m.group(3))), bool(m.group(4))) if m else (None, False)
 
 

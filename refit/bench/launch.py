@@ -23,6 +23,7 @@ from typing import Any, Callable
 
 import torch.distributed as dist
 
+from refit import settings
 from refit.bench.worker import Job, WorkerResult, worker_main
 from refit.errors import RefitFailed
 
@@ -60,7 +61,7 @@ def run_job(job: Job, start_method: str | None = None,
     (no per-worker ``import torch``), but forked from a process without threads — forking the
     parent itself, whose store server thread may hold a lock at fork time, can deadlock a child.
     ``REFIT_START_METHOD=spawn`` is the slow, most conservative alternative."""
-    start_method = start_method or os.environ.get("REFIT_START_METHOD", "forkserver")
+    start_method = start_method or settings.current().start_method
     session = job.session or uuid.uuid4().hex[:12]
     store = dist.TCPStore("127.0.0.1", 0, is_master=True, wait_for_workers=False)
     job = dataclasses.replace(job, session=session, store_port=store.port)

@@ -60,7 +60,7 @@ class BenchRank:
         ep = ray_coord.endpoint()
         out: dict[str, Any] = {"node_id": ep.node_id, "node_ip": ep.node_ip, "host": ep.host}
         if cuda:
-            from refit.executor.member import visible_gpus
+            from refit.executor.seating import visible_gpus
 
             if ep.cuda_index < 0:
                 raise InvalidInput(f"a GPU rank actor on node {ep.node_ip} was given no GPU")
@@ -72,7 +72,7 @@ class BenchRank:
         """Whether every pair of these GPUs (all visible here) can access each other."""
         import torch
 
-        from refit.executor.member import visible_gpus
+        from refit.executor.seating import visible_gpus
 
         visible = visible_gpus()
         idx = [visible.index(u) for u in uuids]

@@ -42,25 +42,26 @@ def _agent_main(conn: Any, address: str, spec: ModelSpec, role: str, rank: int, 
     import torch
 
     from refit.control import EngineAgent, TrainerAgent
+    from refit.control.common import Side
     from refit.control.dataplane_executor import ExecutorDataPlane
     from refit.executor.shards import allocate, allocate_each, fill_sentinel, fill_source, verify
     from refit.layouts import resolve_layout
 
     torch.set_num_threads(1)
     try:
-        side = "src" if role == "trainer" else "dst"
-        lay = resolve_layout(layout, spec, side)
+        side = Side.named(role)
+        lay = resolve_layout(layout, spec, side.end)
         device = torch.device("cuda", gpu) if gpu >= 0 else torch.device("cpu")
         if gpu >= 0:
             torch.cuda.set_device(gpu)
         locals_ = list(lay.local_tensors(spec, rank))
-        if role == "engine" and alloc == "framework":
+        if side is Side.ENGINE and alloc == "framework":
             shards = allocate_each(locals_, device)  # one allocation per parameter, as vLLM
         else:
             shards = allocate(locals_, device, scattered=alloc == "framework")
         fill_sentinel(shards)
         addresses = {n: t.data_ptr() for n, t in shards.tensors.items()}
-        cls = TrainerAgent if role == "trainer" else EngineAgent
+        cls = TrainerAgent if side is Side.TRAINER else EngineAgent
         agent = cls(address, group=role, rank=rank, spec=spec, layout=lay, tensors=shards.tensors, gpu=gpu,
                     data_plane=ExecutorDataPlane(transport)).start()
         conn.send(("ready", None))

@@ -21,8 +21,10 @@ from typing import Any, Callable
 
 import torch
 
+from refit import settings
 from refit.errors import InvalidInput, RefitError
-from refit.executor.member import Budget, Member, connect, ipc_direction, shares
+from refit.executor.member import Budget, Member, ipc_direction, shares
+from refit.executor.seating import connect
 from refit.executor.shards import Shards, Verdict, allocate, fill_sentinel, fill_source, verify
 from refit.executor.topology import Endpoint, Topology, endpoint_name
 from refit.executor.transports import PeerError
@@ -134,7 +136,7 @@ class Session:
         self.shards: dict[Endpoint, Shards] = {}
         for ep in self.mine:  # a CPU shard another process reads lives in /dev/shm
             shm = self.shm_path(ep) if job.device == "cpu" and shares(topo, self.member, ep, ipc,
-                                                                        ipc_direction(cuda=False) == "push") else None
+                                                                        ipc_direction(settings.current().ipc, cuda=False) == "push") else None
             self.shards[ep] = allocate(self.locals_of(ep), torch.device(device), shm, job.alloc == "framework")
         names = [topo.describe_member(m) for m in range(len(topo.members))]
         store = connect(job.store_host, job.store_port, job.session, job.timeout_s)

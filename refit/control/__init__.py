@@ -7,7 +7,8 @@ Data never flows through gRPC: the coordinator registers workers, creates plans,
 * `refit.control.coordinator` — what a refit does (`registry`: workers and plans, `refits`: one
   refit's bookkeeping and response, `events`: WatchRefits);
 * `refit.control.client` — `Client` for the RL loop;
-* `refit.control.agent` — `TrainerAgent`, `EngineAgent` inside trainer and engine ranks;
+* `refit.control.agent` — `TrainerAgent`, `EngineAgent` inside trainer and engine ranks (their
+  stream to the coordinator: `agent_stream`; what they share with host threads: `agent_state`);
 * `refit.control.dataplane` — the data-plane contract; `dataplane_executor` runs `refit.executor` under it.
 
 The API itself is proto/refit/v1/refit.proto (stubs in `refit.control.v1`).

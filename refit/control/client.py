@@ -22,11 +22,11 @@ from typing import Any, Callable, Iterator
 import grpc
 from google.protobuf.descriptor import FieldDescriptor
 
-from refit.control.common import CHANNEL_OPTIONS, DEFAULT_PORT, PLACEMENTS, ROLES, auth_metadata
+from refit.control.common import (CHANNEL_OPTIONS, PLACEMENTS, Side, auth_metadata, coordinator_address,
+                                  coordinator_token)
 from refit.control.v1 import refit_pb2 as pb
 from refit.control.v1 import refit_pb2_grpc as pb_grpc
 from refit import errors
-from refit.errors import InvalidInput
 from refit.plan import Plan
 
 
@@ -131,7 +131,7 @@ class RefitResult:
     @classmethod
     def from_pb(cls, r: pb.RefitResponse) -> "RefitResult":
         workers = {w.worker_id: WorkerResult(
-            w.worker_id, pb.Role.Name(w.role).removeprefix("ROLE_").lower(),
+            w.worker_id, Side.of_role(w.role).value,
             pb.WorkerOutcome.Name(w.outcome).removeprefix("WORKER_OUTCOME_").lower(), w.bytes, w.seconds, w.error)
             for w in r.workers}
         return cls(r.refit_id, r.plan_id, r.version, r.status == pb.REFIT_STATUS_OK, r.error, r.seconds,
@@ -147,12 +147,13 @@ class RefitFailed(errors.RefitFailed):
 
 
 class Client:
-    def __init__(self, address: str = f"127.0.0.1:{DEFAULT_PORT}", token: str | None = None,
-                 timeout: float = 30.0) -> None:
-        """``timeout``: seconds for calls other than `refit` (which has its own)."""
-        self.address, self.timeout = address, timeout
-        self._md = auth_metadata(token)
-        self._channel = grpc.insecure_channel(address, options=CHANNEL_OPTIONS)
+    def __init__(self, address: str | None = None, token: str | None = None, timeout: float = 30.0) -> None:
+        """``address``: the coordinator (default ``$REFIT_ADDRESS``, else 127.0.0.1:50051);
+        ``token``: default ``$REFIT_TOKEN``; ``timeout``: seconds for calls other than `refit`
+        (which has its own)."""
+        self.address, self.timeout = coordinator_address(address), timeout
+        self._md = auth_metadata(coordinator_token(token))
+        self._channel = grpc.insecure_channel(self.address, options=CHANNEL_OPTIONS)
         self._stub = pb_grpc.CoordinatorStub(self._channel)
 
     def create_plan(self, src_group: str, dst_group: str, *, placement: str = "colocated", planner: str = "p2p",
@@ -182,9 +183,7 @@ class Client:
         the worker holds *now* (an engine's weights, kept up to date by each refit; read these),
         while ``info["version"]`` (and ``info["stale"]``) is what it reported when it registered,
         never updated afterwards.  Rows of workers that left stay, with ``connected`` False."""
-        if role and role not in ROLES:
-            raise InvalidInput(f"role must be one of {', '.join(ROLES)} (or None for both), not {role!r}")
-        req = pb.ListWorkersRequest(group=group, role=ROLES[role] if role else 0)
+        req = pb.ListWorkersRequest(group=group, role=Side.named(role).role if role else pb.ROLE_UNSPECIFIED)
         resp = _call("ListWorkers", self._stub.ListWorkers, req, metadata=self._md, timeout=self.timeout)
         return [to_dict(w) for w in resp.workers]
 

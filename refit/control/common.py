@@ -6,19 +6,77 @@ from __future__ import annotations
 
 import asyncio
 import dataclasses
+import enum
 import json
-import os
 import threading
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
+from refit import settings
 from refit.control.v1 import refit_pb2 as pb
 from refit.errors import InvalidInput, RefitFailed
 from refit.spec import ModelConfig, ModelSpec, build_spec
 
+if TYPE_CHECKING:
+    from refit.plan import Bucket, Plan
+
 DEFAULT_PORT = 50051
 SERVICE_NAME = "refit.v1.Coordinator"
-ROLES = {"trainer": pb.ROLE_TRAINER, "engine": pb.ROLE_ENGINE}
-ROLE_NAMES = {v: k for k, v in ROLES.items()}
+
+
+class Side(str, enum.Enum):
+    """The two sides of a refit, one word for each under every name a layer gives it: a trainer
+    sends, as a plan's source (``src``, its layout read as Megatron's) and the proto's
+    ``ROLE_TRAINER``; an engine receives, as ``dst`` (read as vLLM's) and ``ROLE_ENGINE``.  A
+    `str`: ``Side.TRAINER == "trainer"``."""
+
+    TRAINER = "trainer"
+    ENGINE = "engine"
+
+    @property
+    def end(self) -> str:
+        """The plan's and the layouts' word: ``src`` or ``dst``."""
+        return "src" if self is Side.TRAINER else "dst"
+
+    @property
+    def role(self) -> "pb.Role":
+        return pb.ROLE_TRAINER if self is Side.TRAINER else pb.ROLE_ENGINE
+
+    @property
+    def other(self) -> "Side":
+        return Side.ENGINE if self is Side.TRAINER else Side.TRAINER
+
+    @property
+    def plural(self) -> str:
+        return f"{self.value}s"
+
+    @property
+    def with_article(self) -> str:
+        return "a trainer" if self is Side.TRAINER else "an engine"
+
+    @classmethod
+    def of_role(cls, role: int) -> "Side":
+        """The side of a proto ``Role``; InvalidInput for ``ROLE_UNSPECIFIED`` or an unknown one."""
+        if role == pb.ROLE_TRAINER:
+            return Side.TRAINER
+        if role == pb.ROLE_ENGINE:
+            return Side.ENGINE
+        raise InvalidInput(f"role must be ROLE_TRAINER or ROLE_ENGINE, not {role}")
+
+    @classmethod
+    def named(cls, name: str) -> "Side":
+        """``trainer`` or ``engine``; InvalidInput otherwise."""
+        try:
+            return cls(name)
+        except ValueError:
+            raise InvalidInput(f"role must be one of {', '.join(s.value for s in cls)}, not {name!r}") from None
+
+    def layout_of(self, plan: "Plan") -> str:
+        """This side's layout in ``plan``."""
+        return plan.src_layout if self is Side.TRAINER else plan.dst_layout
+
+    def rank_in(self, bucket: "Bucket") -> int:
+        """This side's rank in a bucket of a plan."""
+        return bucket.src if self is Side.TRAINER else bucket.dst
 
 # Placement names as refit's planners spell them, and their proto enum (the one map of both).
 PLACEMENTS = {"colocated": pb.PLACEMENT_COLOCATED, "disaggregated": pb.PLACEMENT_DISAGGREGATED}
@@ -111,7 +169,7 @@ def on_agent_loop() -> bool:
 def new_event_loop() -> asyncio.AbstractEventLoop:
     """uvloop when installed (about a fifth less CPU per message here), else asyncio's own loop;
     REFIT_UVLOOP=0 forces asyncio's."""
-    if os.environ.get("REFIT_UVLOOP", "1") != "0":
+    if settings.current().uvloop:
         try:
             import uvloop
 
@@ -123,6 +181,16 @@ def new_event_loop() -> asyncio.AbstractEventLoop:
 
 def worker_id(group: str, rank: int) -> str:
     return f"{group}/{rank}"
+
+
+def coordinator_address(address: str | None) -> str:
+    """The coordinator to reach: ``address``, else ``REFIT_ADDRESS``, else the loopback default."""
+    return address or settings.current().address or f"127.0.0.1:{DEFAULT_PORT}"
+
+
+def coordinator_token(token: str | None) -> str | None:
+    """The bearer token to send: ``token``, else ``REFIT_TOKEN``, else none."""
+    return token or settings.current().token or None
 
 
 def auth_metadata(token: str | None) -> tuple[tuple[str, str], ...]:

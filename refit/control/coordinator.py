@@ -37,12 +37,12 @@ import time
 import uuid
 from typing import Any, Callable
 
-from refit.control.common import PLACEMENT_NAMES, Exhausted, NotFound, Precondition, short
+from refit.control.common import PLACEMENT_NAMES, Exhausted, NotFound, Precondition, Side, short
 from refit.control.events import EventHub
-from refit.control.refits import Run, failed_response, response, touched
+from refit.control.refits import Run, commands, failed_response, response
 from refit.control.registry import (MAX_VERSION, PlanEntry, Worker, absent_members, build_registration,
-                                    check_group_role, check_info, check_plan_members, check_same_model, check_slot,
-                                    check_version, control_plan_id, group_members, holds_version, plan_json)
+                                    check_info, check_joinable, check_plan_members, check_same_model, check_version,
+                                    control_plan_id, group_members, holds_version, plan_json, prune_gone)
 from refit.control.rendezvous import RendezvousStore
 from refit.control.v1 import refit_pb2 as pb
 from refit.errors import InvalidInput
@@ -80,11 +80,9 @@ class Coordinator:
         """Check and record a registration.  Raises `RefitError` (bad fields), `Conflict` (a live
         worker of another process holds the slot) or `Exhausted` (too many workers)."""
         check_info(info)
-        check_group_role(self.workers, info)
-        check_slot(self.workers, info, MAX_WORKERS)
+        check_joinable(self.workers, info, MAX_WORKERS)
         spec, layout = await asyncio.to_thread(build_registration, info, self._specs)
-        check_group_role(self.workers, info)  # the world may have changed while the spec was built
-        check_slot(self.workers, info, MAX_WORKERS)
+        check_joinable(self.workers, info, MAX_WORKERS)  # the world may have changed while the spec was built
         w = Worker(info, uuid.uuid4().hex[:12], spec, layout, send, task, version=info.version, stale=info.stale)
         old = self.workers.get(w.worker_id)
         if old is not None and old.connected:
@@ -111,11 +109,7 @@ class Coordinator:
         log.warning("%s disconnected: %s", w.worker_id, why)
         if self.workers.get(w.worker_id) is w:
             self._gone[w.worker_id] = None
-            while len(self._gone) > MAX_GONE:  # prune the oldest rows of workers that left
-                gone = next(iter(self._gone))
-                del self._gone[gone]
-                if gone in self.workers and not self.workers[gone].connected:
-                    del self.workers[gone]
+            prune_gone(self.workers, self._gone, MAX_GONE)
         self._notify()
 
     def result(self, w: Worker, res: pb.RunResult) -> None:
@@ -153,8 +147,8 @@ class Coordinator:
         planner = opts.planner or "p2p"
         if planner not in PLANNERS:
             raise InvalidInput(f"unknown planner {short(planner)}: {', '.join(PLANNERS)}")
-        src = group_members(self.workers, src_group, pb.ROLE_TRAINER)
-        dst = group_members(self.workers, dst_group, pb.ROLE_ENGINE)
+        src = group_members(self.workers, src_group, Side.TRAINER)
+        dst = group_members(self.workers, dst_group, Side.ENGINE)
         check_same_model(src[0], dst[0])
         spec, placement = src[0].spec, PLACEMENT_NAMES[opts.placement]
         bucket = opts.bucket_bytes or DEFAULT_BUCKET_BYTES
@@ -216,7 +210,7 @@ class Coordinator:
                 break
             await asyncio.wait((run.ended,), timeout=max(0.0, deadline - time.monotonic()))
             if not run.ended.done():
-                return self._failed(entry, f"{plan_id[:8]}-{self.epoch}-{next(self._ids)}", version, t0, {
+                return failed_response(entry, f"{plan_id[:8]}-{self.epoch}-{next(self._ids)}", version, t0, {
                     m: pb.WorkerResult(outcome=pb.WORKER_OUTCOME_BUSY, error=f"still running refit {run.refit_id}")
                     for m in entry.members})
         run = entry.running = Run(f"{plan_id[:8]}-{self.epoch}-{next(self._ids)}", entry, version, t0,
@@ -259,23 +253,18 @@ class Coordinator:
         entry = run.entry
         absent = absent_members(self.workers, entry)
         if absent:
-            return self._failed(entry, run.refit_id, run.version, run.t0, absent)
+            return failed_response(entry, run.refit_id, run.version, run.t0, absent)
         if not await self._wait_free(entry, deadline):
             busy = {m: pb.WorkerResult(outcome=pb.WORKER_OUTCOME_BUSY, error=f"still running refit {self.workers[m].busy}")
                     for m in entry.members if m in self.workers and self.workers[m].busy}
-            return self._failed(entry, run.refit_id, run.version, run.t0, busy or absent_members(self.workers, entry))
+            return failed_response(entry, run.refit_id, run.version, run.t0, busy or absent_members(self.workers, entry))
         absent = absent_members(self.workers, entry)
         if absent:
-            return self._failed(entry, run.refit_id, run.version, run.t0, absent)
+            return failed_response(entry, run.refit_id, run.version, run.t0, absent)
         check_version(self.workers, entry, run.version)  # an engine may have re-registered meanwhile
-        run.members = [self.workers[m] for m in entry.members]
-        check_plan_members(entry, run.members)
-        for w in run.members:
-            w.busy = run.refit_id
-            run.by_id[w.worker_id] = w
-            if w.info.role == pb.ROLE_ENGINE:
-                run.stale_before[w.worker_id] = w.stale
-                w.stale = True  # while it runs: its weights may be half written
+        members = [self.workers[m] for m in entry.members]
+        check_plan_members(entry, members)
+        run.reserve(members)
         self._runs[run.refit_id] = run
         try:
             await self._dispatch(run, deadline)
@@ -314,17 +303,7 @@ class Coordinator:
         # Members give up a little before we do, so that one blocked on a hung peer reports that peer.
         member_timeout = max(0.0, remaining - min(0.5, 0.2 * remaining))
         run.member_deadline = time.monotonic() + member_timeout
-        sends = []
-        for i, w in enumerate(run.members):
-            rdv = pb.Rendezvous(prefix=entry.prefix, world_size=len(run.members), rank=i)
-            if entry.prefix not in w.sent_prefixes:
-                rdv.members.extend(entry.members)  # names for error messages, once per generation
-                w.sent_prefixes = {entry.prefix}
-            msg = pb.CoordinatorMessage(run=pb.RunRefit(
-                refit_id=run.refit_id, plan_id=entry.plan_id, version=run.version, timeout_seconds=member_timeout,
-                rendezvous=rdv, plan_json=b"" if entry.plan_id in w.sent_plans else entry.plan_json))
-            w.sent_plans.add(entry.plan_id)
-            sends.append(self._spawn(self._send(w, msg)))
+        sends = [self._spawn(self._send(w, msg)) for w, msg in commands(run, member_timeout)]
         self.events.publish(pb.RefitEvent(kind=pb.RefitEvent.KIND_STARTED, refit_id=run.refit_id,
                                           plan_id=entry.plan_id, version=run.version, total=len(run.members)))
         # A stopped worker's full flow-control window blocks the write until keepalive drops it: _collect names it.
@@ -357,21 +336,19 @@ class Coordinator:
     async def _finish(self, run: Run, results: dict[str, pb.WorkerResult], deadline: float) -> pb.RefitResponse:
         entry = run.entry
         if any(r.outcome != pb.WORKER_OUTCOME_OK for r in results.values()):
-            resp = self._failed(entry, run.refit_id, run.version, run.t0, results, untouched=run.before_start)
+            resp = failed_response(entry, run.refit_id, run.version, run.t0, results)
             # Members still waiting in the rendezvous for a peer that failed leave now, not at
-            # the deadline; whatever the space holds is half a set-up: the next refit starts over.
+            # the deadline; whatever the space holds is half a set-up (and a communicator may be
+            # mid-collective): the next refit starts over.
             self.store.abort(entry.prefix, resp.error[:1024])
             entry.broken = True
-            if run.before_start:  # nothing moved: the engines hold what they held
-                for w in run.members[entry.num_src:]:
-                    w.stale = run.stale_before.get(w.worker_id, w.stale)
+            run.settle(committed=False, registered=self.workers)
             outcome = pb.Outcome(refit_id=run.refit_id, committed=False, version=run.version, error=resp.error[:4096],
                                  untouched=run.before_start)
             targets = run.members
         else:
             entry.version = run.version
-            for w in run.members[entry.num_src:]:
-                w.version, w.stale = run.version, False
+            run.settle(committed=True, registered=self.workers)
             resp = response(entry, run.refit_id, run.version, run.t0, results, pb.REFIT_STATUS_OK, "")
             entry.committed = resp
             outcome = pb.Outcome(refit_id=run.refit_id, committed=True, version=run.version)
@@ -391,17 +368,6 @@ class Coordinator:
         self.events.publish(pb.RefitEvent(kind=pb.RefitEvent.KIND_FINISHED, refit_id=run.refit_id,
                                           plan_id=entry.plan_id, version=run.version, done=run.done,
                                           total=len(run.members), result=resp))
-        return resp
-
-    def _failed(self, entry: PlanEntry, refit_id: str, version: int, t0: float,
-                results: dict[str, pb.WorkerResult], untouched: bool = False) -> pb.RefitResponse:
-        if touched(results) and not untouched:  # some member ran: the engines' weights may be half written, and
-            entry.broken = True  # the communicator may be mid-collective: rebuild it
-            for m in entry.members[entry.num_src:]:
-                if m in self.workers:
-                    self.workers[m].stale = True
-        resp = failed_response(entry, refit_id, version, t0, results)
-        log.warning("%s", resp.error)
         return resp
 
     async def close(self) -> None:

@@ -1,15 +1,21 @@
 """The contract between a worker agent and the data plane that moves its share of a refit.
 
-An agent receives ``RunRefit`` on its control stream and calls its data plane once::
+A data plane serves one agent, bound to it once, then told each plan once and run per refit::
 
-    bytes_moved, seconds = data_plane(plan, role, rank, tensors, version, ctx)
+    plane.open(seat)                          # when the agent is built: who it moves bytes for
+    plane.prepare(plan)                       # the first time the agent is told to run ``plan``
+    bytes_moved, seconds = plane.run(plan, tensors, ctx)   # every refit of it
+    plane.close()                             # when the agent stops
 
-* ``plan`` — the `refit.plan.Plan`, parsed once per plan and cached by the agent;
-* ``role`` — ``"trainer"`` (send your boxes) or ``"engine"`` (receive into your tensors);
-* ``rank`` — this worker's rank in its own layout; ``tensors`` — its local tensors by local name;
-* ``ctx`` — what the control plane adds: the rendezvous to build a communicator on (its store:
-  ``ctx.open_store(seconds)``, the coordinator's own, under its token), the deadline, and a cancel
-  flag set when the coordinator abandons the refit.
+* ``seat`` (`Seat`) — the agent's side (`refit.control.common.Side`: a trainer sends its boxes,
+  an engine receives into its tensors), its rank in its own layout, the model, and its host;
+* ``plan`` — the `refit.plan.Plan`, parsed once per plan and cached by the agent; ``prepare``
+  may refuse it (`InvalidInput`) before any byte of it moves;
+* ``tensors`` — the agent's local tensors by local name, read afresh at every refit;
+* ``ctx`` (`RunContext`) — what the control plane adds per refit: its id and version, the
+  rendezvous to build a communicator on (its store: ``ctx.open_store(seconds)``, the
+  coordinator's own, under its token), the deadline, and a cancel flag set when the coordinator
+  abandons the refit.
 
 A data plane must return by ``ctx.deadline`` (raise `TimeoutError` past it; bound every wait by
 ``ctx.remaining()``, never by a timeout fixed when a communicator was built), must raise rather
@@ -22,6 +28,7 @@ nothing moved, and the engines keep reporting what they held (without it, any fa
 them stale).  With ``ctx.phase_hook`` set, it calls ``ctx.phase_hook.landed(plan, key)`` as each
 phase of the plan has landed on every member (`PhaseHook`).  A data plane whose call never blocks may set ``inline = True``: the agent then calls it
 on its event loop instead of a thread (saves a thread hop; the no-op plane of the overhead bench).
+`BaseDataPlane` holds the defaults.
 """
 
 from __future__ import annotations
@@ -29,8 +36,9 @@ from __future__ import annotations
 import threading
 import time
 from dataclasses import dataclass, field
-from typing import TYPE_CHECKING, Any, Callable, Mapping, Protocol, Union
+from typing import TYPE_CHECKING, Callable, Mapping, Protocol, Union
 
+from refit.control.common import Side
 from refit.errors import RefitFailed
 from refit.spec import check_tensor_table
 
@@ -84,15 +92,32 @@ class Rendezvous:
         return f"member {group_rank}"
 
 
-@dataclass
-class RunContext:
-    plan_id: str
-    refit_id: str
+@dataclass(frozen=True)
+class Seat:
+    """Whom a data plane moves bytes for: rank ``rank`` of ``layout`` on ``side``, holding
+    ``spec``; ``host`` is the address its sockets bind to."""
+
+    side: Side
+    rank: int
     spec: "ModelSpec"
     layout: "Layout"
+    host: str = "127.0.0.1"
+
+    @property
+    def endpoint(self) -> tuple[str, int]:
+        """The plan's name of this seat: (``src`` or ``dst``, rank)."""
+        return self.side.end, self.rank
+
+
+@dataclass
+class RunContext:
+    """One refit, as one agent runs its share of it."""
+
+    plan_id: str
+    refit_id: str
+    version: int
     rendezvous: Rendezvous
     deadline: float  # time.monotonic() on this worker
-    host: str = "127.0.0.1"
     cancelled: threading.Event = field(default_factory=threading.Event)
     phase_hook: "PhaseHook | None" = None  # an engine's: told as each phase of the plan lands
     # The rendezvous store, its waits bounded by the seconds given; default: a TCPStore client
@@ -104,7 +129,7 @@ class RunContext:
         """The rendezvous store (keys under the rendezvous prefix)."""
         if self.store is not None:
             return self.store(timeout_s)
-        from refit.executor.member import connect
+        from refit.executor.seating import connect
 
         return connect(self.rendezvous.host, self.rendezvous.port, self.rendezvous.prefix, timeout_s)
 
@@ -138,15 +163,51 @@ class PhaseHook(Protocol):
 
 
 class DataPlane(Protocol):
-    def __call__(self, plan: "Plan", role: str, rank: int, tensors: Mapping[str, Any], version: int,
-                 ctx: RunContext) -> tuple[int, float]: ...
+    inline: bool
+    reports_start: bool
+
+    def open(self, seat: Seat) -> None: ...
+
+    def prepare(self, plan: "Plan") -> None: ...
+
+    def run(self, plan: "Plan", tensors: Tensors, ctx: RunContext) -> tuple[int, float]: ...
+
+    def close(self) -> None: ...
 
 
-class NoopDataPlane:
+class BaseDataPlane:
+    """The defaults of a `DataPlane`: remembers its seat, accepts every plan, holds nothing."""
+
+    inline = False
+    reports_start = False
+    _seat: Seat | None = None
+
+    def open(self, seat: Seat) -> None:
+        if self._seat is not None and self._seat != seat:
+            raise RefitFailed(f"this data plane already serves {self._seat.side.value} rank {self._seat.rank}; "
+                              "one data plane per agent")
+        self._seat = seat
+
+    @property
+    def seat(self) -> Seat:
+        if self._seat is None:
+            raise RefitFailed("the data plane was not opened: an agent opens it (`open(seat)`) before any refit")
+        return self._seat
+
+    def prepare(self, plan: "Plan") -> None:
+        pass
+
+    def run(self, plan: "Plan", tensors: Tensors, ctx: RunContext) -> tuple[int, float]:
+        raise NotImplementedError
+
+    def close(self) -> None:
+        pass
+
+
+class NoopDataPlane(BaseDataPlane):
     """Moves nothing: for control-plane tests and the coordination-overhead bench."""
 
     inline = True
 
-    def __call__(self, plan: "Plan", role: str, rank: int, tensors: Mapping[str, Any], version: int,
-                 ctx: RunContext) -> tuple[int, float]:
+    def run(self, plan: "Plan", tensors: Tensors, ctx: RunContext) -> tuple[int, float]:
         return 0, 0.0

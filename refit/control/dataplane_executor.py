@@ -7,7 +7,7 @@ a new one whenever a member re-registered or a refit failed) the agent builds, o
 replays it: barrier, run, barrier.
 
 Where members sit.  Each member publishes its device (``cuda:<index>@<host>`` or ``cpu``) in the
-rendezvous store (`refit.executor.member.locate`).  On CUDA, endpoints on the same GPU share a
+rendezvous store (`refit.executor.seating.locate`).  On CUDA, endpoints on the same GPU share a
 device (the engine drives it and maps its colocated trainer's tensors through CUDA IPC, tensor by
 tensor, since a trainer's parameters are separate allocations); with every member on one host the
 transport is ``ipc`` (each engine pulls its boxes out of the trainers' memory), otherwise NCCL.
@@ -39,9 +39,10 @@ from typing import Any, Callable, Mapping
 import torch
 import torch.distributed as dist
 
-from refit.control.dataplane import RunContext
+from refit.control.dataplane import BaseDataPlane, RunContext, Tensors
 from refit.errors import InvalidInput
-from refit.executor.member import Member, Rebuild, locate
+from refit.executor.member import Member, Rebuild
+from refit.executor.seating import locate
 from refit.executor.topology import Endpoint
 from refit.layouts import Layout, resolve_layout
 from refit.plan import Plan
@@ -74,31 +75,41 @@ class Held:
         close_store(self.store)
 
 
-class ExecutorDataPlane:
+class ExecutorDataPlane(BaseDataPlane):
     """`refit.control.dataplane.DataPlane` over `refit.executor` (gloo on CPU; CUDA IPC and NCCL
     on GPUs).  ``transport``: ``auto`` (ipc when every member is on one host with GPUs, else the
     communicator), ``ipc`` or ``comm``.  ``refit_hook`` (tests only) runs on a driver once its
     first transfer of a refit is posted."""
 
-    inline = False
     reports_start = True  # calls ctx.starting() before the start barrier
     refit_hook: Callable[[], None] | None = None
 
     def __init__(self, transport: str = "auto") -> None:
         if transport not in ("auto", "ipc", "comm"):
-            raise ValueError(f"transport must be auto, ipc or comm, not {transport!r}")
+            raise InvalidInput(f"transport must be auto, ipc or comm, not {transport!r}")
         self.transport = transport
         self._members: dict[str, Held] = {}  # by plan_id
-        self._layouts: dict[str, Layout] = {}  # plan_id -> the plan's other side, resolved once
+        self._resolved: dict[str, tuple[Layout, Layout]] = {}  # plan_id -> (src, dst) resolved (`prepare`)
 
-    def __call__(self, plan: Plan, role: str, rank: int, tensors: Mapping[str, torch.Tensor], version: int,
-                 ctx: RunContext) -> tuple[int, float]:
+    def prepare(self, plan: Plan) -> None:
+        """Resolve the plan's other side once, and check that this seat is in it."""
+        seat = self.seat
+        ranks = len(plan.placement.src_gpus if seat.side.end == "src" else plan.placement.dst_gpus)
+        if seat.rank >= ranks:
+            raise InvalidInput(f"plan {plan.plan_hash} has {ranks} {seat.side.plural}; this is rank {seat.rank}")
+        other_side = seat.side.other
+        other = resolve_layout(other_side.layout_of(plan), seat.spec, other_side.end)
+        self._resolved[plan.plan_hash] = (seat.layout, other) if seat.side.end == "src" else (other, seat.layout)
+
+    def run(self, plan: Plan, tensors: Tensors, ctx: RunContext) -> tuple[int, float]:
+        if plan.plan_hash not in self._resolved:
+            self.prepare(plan)
         held = self._members.get(ctx.plan_id)
         if held is None or held.prefix != ctx.rendezvous.prefix:
             if held is not None:  # an older generation: its peers have moved on
                 held.close()
             self._members.pop(ctx.plan_id, None)
-            held = self._build(plan, role, rank, tensors, ctx, 0)
+            held = self._build(plan, tensors, ctx, 0)
         moved = tensors is not held.tensors and where(tensors) != held.where
         hook = ctx.phase_hook
         on_phase = (lambda key: hook.landed(plan, key)) if hook is not None else None
@@ -109,11 +120,10 @@ class ExecutorDataPlane:
             log.info("%s: rebuilding for plan %s: a member's tensors moved", rendezvous_name(ctx), ctx.plan_id)
             held.close()
             del self._members[ctx.plan_id]
-            held = self._build(plan, role, rank, tensors, ctx, held.rebuilds + 1)
+            held = self._build(plan, tensors, ctx, held.rebuilds + 1)
             return held.nbytes, held.member.refit(ctx.remaining, self.refit_hook, on_phase=on_phase)
 
-    def _build(self, plan: Plan, role: str, rank: int, tensors: Mapping[str, torch.Tensor], ctx: RunContext,
-               rebuilds: int) -> Held:
+    def _build(self, plan: Plan, tensors: Tensors, ctx: RunContext, rebuilds: int) -> Held:
         store = ctx.open_store(ctx.remaining())
         if rebuilds:  # keys under a sub-prefix: the coordinator's store does it itself (see `Held.store`)
             within = getattr(store, "within", None)
@@ -123,47 +133,43 @@ class ExecutorDataPlane:
                 base, store = store, within(f"rebuild{rebuilds}/")
                 base.close()
         try:
-            member = self._setup(store, plan, role, rank, tensors, ctx)
+            member = self._setup(store, plan, tensors, ctx)
         except BaseException:
             close_store(store)
             raise
-        nbytes = sum(b.nbytes for b in plan.buckets if b.stage == 1 and (b.src if role == "trainer" else b.dst) == rank)
+        side, rank = self.seat.side, self.seat.rank
+        nbytes = sum(b.nbytes for b in plan.buckets if b.stage == 1 and side.rank_in(b) == rank)
         held = self._members[ctx.plan_id] = Held(ctx.rendezvous.prefix, store, member, nbytes, tensors, where(tensors),
                                                  rebuilds)
         return held
 
-    def _setup(self, store: dist.Store, plan: Plan, role: str, rank: int, tensors: Mapping[str, torch.Tensor],
-               ctx: RunContext) -> Member:
-        rdv = ctx.rendezvous
-        me: Endpoint = ("src" if role == "trainer" else "dst", rank)
+    def _setup(self, store: dist.Store, plan: Plan, tensors: Tensors, ctx: RunContext) -> Member:
+        rdv, seat = ctx.rendezvous, self.seat
+        me: Endpoint = seat.endpoint
         eps = [("src", r) for r in range(len(plan.placement.src_gpus))] + \
               [("dst", r) for r in range(len(plan.placement.dst_gpus))]
         if len(eps) != rdv.world_size or eps[rdv.rank] != me:
             raise InvalidInput(f"rendezvous says member {rdv.rank} of {rdv.world_size}; the plan has "
-                             f"{len(eps)} ranks and this is {me[0]} rank {rank}")
+                             f"{len(eps)} ranks and this is {me[0]} rank {seat.rank}")
         names = [rdv.member(i) for i in range(len(eps))]
         device = _device_name(tensors)
-        topo, cuda, one_host = locate(store, rdv.rank, eps, device, ctx.host, names)
+        topo, cuda, one_host = locate(store, rdv.rank, eps, device, seat.host, names)
         ipc = cuda and one_host and self.transport != "comm"
         if self.transport == "ipc" and not ipc:
             raise InvalidInput("transport ipc needs every member on GPUs of one host")
-        src, dst = self._sides(plan, role, ctx)
-        local = {lt.name: tensors[lt.name] for lt in ctx.layout.local_tensors(ctx.spec, rank)}
-        member = Member(store, topo, rdv.rank, device, {me: local}, ctx.spec, src, dst, names, ctx.remaining,
-                        ipc=ipc, host=ctx.host)
+        src, dst = self._layouts(plan)
+        local = {lt.name: tensors[lt.name] for lt in seat.layout.local_tensors(seat.spec, seat.rank)}
+        member = Member(store, topo, rdv.rank, device, {me: local}, seat.spec, src, dst, names, ctx.remaining,
+                        ipc=ipc, host=seat.host)
         try:
             return member.prepare(plan)
         except BaseException:  # nobody else holds it: its groups and peers' maps go now, not never
             member.close()
             raise
 
-    def _sides(self, plan: Plan, role: str, ctx: RunContext) -> tuple[Layout, Layout]:
-        """(src, dst) resolved: this agent's own (``ctx.layout``) and the other, resolved once per plan."""
-        other = self._layouts.get(ctx.plan_id)
-        if other is None:
-            text, side = (plan.dst_layout, "dst") if role == "trainer" else (plan.src_layout, "src")
-            other = self._layouts[ctx.plan_id] = resolve_layout(text, ctx.spec, side)
-        return (ctx.layout, other) if role == "trainer" else (other, ctx.layout)
+    def _layouts(self, plan: Plan) -> tuple[Layout, Layout]:
+        """The plan's (src, dst) layouts, as `prepare` resolved them."""
+        return self._resolved[plan.plan_hash]
 
     def close(self) -> None:
         for held in self._members.values():

@@ -1,14 +1,19 @@
 """One refit as the coordinator tracks it (`Run`), and how its outcome becomes a `RefitResponse`.
-Pure bookkeeping on protobuf messages: no I/O, no event loop."""
+Pure bookkeeping on protobuf messages: no I/O, no event loop (failures are logged)."""
 
 from __future__ import annotations
 
 import asyncio
+import logging
 import time
 from dataclasses import dataclass, field
+from typing import Mapping
 
+from refit.control.common import Side
 from refit.control.registry import PlanEntry, Worker
 from refit.control.v1 import refit_pb2 as pb
+
+log = logging.getLogger("refit.control.coordinator")  # a refit's story reads in one logger
 
 # Worst first: the cause of a failure before its consequences.  A member that never answered
 # (TIMED_OUT) ranks above members that reported an error: when one member hangs, its peers
@@ -56,6 +61,33 @@ class Run:
             self.wake.set_result(None)
         return True
 
+    def reserve(self, members: list[Worker]) -> None:
+        """These workers run this refit: busy with it, and its engines stale while it runs (their
+        weights may be half written), what they held remembered (`settle`)."""
+        self.members = members
+        for w in members:
+            w.busy = self.refit_id
+            self.by_id[w.worker_id] = w
+            if w.role is Side.ENGINE:
+                self.stale_before[w.worker_id] = w.stale
+                w.stale = True
+
+    def settle(self, committed: bool, registered: Mapping[str, Worker]) -> None:
+        """What each engine of this refit holds once it ended — the one place that decides it.
+        Committed: the new version, whole.  Failed before any byte moved (`before_start`): what it
+        held before.  Failed after: stale, also under a registration that replaced it meanwhile
+        (``registered``: the coordinator's workers by id), until a refit lands whole."""
+        engines = self.members[self.entry.num_src:]
+        if committed:
+            for w in engines:
+                w.version, w.stale = self.version, False
+        elif self.before_start:
+            for w in engines:
+                w.stale = self.stale_before.get(w.worker_id, w.stale)
+        else:
+            for w in engines + [registered[m] for m in self.entry.members[self.entry.num_src:] if m in registered]:
+                w.stale = True
+
     def final_results(self, timed_out: bool) -> dict[str, pb.WorkerResult]:
         """Every member's result; those without one timed out, or were abandoned after a failure."""
         out = {}
@@ -78,25 +110,37 @@ def response(entry: PlanEntry, refit_id: str, version: int, t0: float, results: 
         if not r.worker_id:
             group, _, rank = m.rpartition("/")
             r.worker_id, r.rank = m, int(rank)
-            r.role = pb.ROLE_TRAINER if group == entry.src_group else pb.ROLE_ENGINE
+            r.role = (Side.TRAINER if group == entry.src_group else Side.ENGINE).role
         workers.append(r)
-    received = sum(r.bytes for r in workers if r.role == pb.ROLE_ENGINE)
+    received = sum(r.bytes for r in workers if r.role == Side.ENGINE.role)
     return pb.RefitResponse(refit_id=refit_id, plan_id=entry.plan_id, version=version, status=status,
                             error=error, seconds=time.monotonic() - t0, total_bytes=received, workers=workers)
 
 
+def commands(run: Run, member_timeout: float) -> list[tuple[Worker, pb.CoordinatorMessage]]:
+    """The ``RunRefit`` each member of ``run`` is sent; a member is sent the plan and the members'
+    names (for its error messages) once per plan and generation."""
+    entry, out = run.entry, []
+    for i, w in enumerate(run.members):
+        rdv = pb.Rendezvous(prefix=entry.prefix, world_size=len(run.members), rank=i)
+        if entry.prefix not in w.sent_prefixes:
+            rdv.members.extend(entry.members)
+            w.sent_prefixes = {entry.prefix}
+        out.append((w, pb.CoordinatorMessage(run=pb.RunRefit(
+            refit_id=run.refit_id, plan_id=entry.plan_id, version=run.version, timeout_seconds=member_timeout,
+            rendezvous=rdv, plan_json=b"" if entry.plan_id in w.sent_plans else entry.plan_json))))
+        w.sent_plans.add(entry.plan_id)
+    return out
+
+
 def failed_response(entry: PlanEntry, refit_id: str, version: int, t0: float,
                     results: dict[str, pb.WorkerResult]) -> pb.RefitResponse:
-    """FAILED, naming the members at fault, worst first (then in plan order)."""
+    """FAILED, naming the members at fault, worst first (then in plan order); logged."""
     bad = sorted((r for r in results.items() if r[1].outcome != pb.WORKER_OUTCOME_OK),
                  key=lambda kv: (SEVERITY.index(kv[1].outcome), entry.members.index(kv[0])))
     names = "; ".join(f"{wid} {OUTCOME_TEXT[r.outcome]}: {r.error}" for wid, r in bad)
     error = f"refit {refit_id} of plan {entry.plan_id} (version {version}) failed: {names}"
     full = {m: results.get(m, pb.WorkerResult(outcome=pb.WORKER_OUTCOME_UNSPECIFIED, error="not started"))
             for m in entry.members}
+    log.warning("%s", error)
     return response(entry, refit_id, version, t0, full, pb.REFIT_STATUS_FAILED, error)
-
-
-def touched(results: dict[str, pb.WorkerResult]) -> bool:
-    """Whether some member may have started writing (the engines' weights may be torn)."""
-    return any(r.outcome not in (pb.WORKER_OUTCOME_NOT_CONNECTED, pb.WORKER_OUTCOME_BUSY) for r in results.values())

@@ -10,7 +10,7 @@ import time
 from dataclasses import dataclass, field
 from typing import Any, Awaitable, Callable
 
-from refit.control.common import ROLE_NAMES, Conflict, Exhausted, Precondition, short, spec_from_registration, worker_id
+from refit.control.common import Conflict, Exhausted, Precondition, Side, short, spec_from_registration, worker_id
 from refit.control.v1 import refit_pb2 as pb
 from refit.dtypes import DTYPE_BYTES
 from refit.errors import InvalidInput
@@ -47,8 +47,8 @@ class Worker:
         self.layout_str = self.layout.describe()
 
     @property
-    def role(self) -> str:
-        return ROLE_NAMES[self.info.role]
+    def role(self) -> Side:
+        return Side.of_role(self.info.role)
 
     def status(self) -> pb.WorkerStatus:
         return pb.WorkerStatus(worker_id=self.worker_id, info=self.info, session=self.session,
@@ -106,7 +106,7 @@ MAX_SPEC_TENSORS = 2_000_000
 
 def check_info(info: pb.WorkerInfo) -> None:
     """Cheap checks of a registration's fields: sizes, names, numbers (no spec built yet)."""
-    if info.role not in ROLE_NAMES:
+    if info.role not in (pb.ROLE_TRAINER, pb.ROLE_ENGINE):
         raise InvalidInput("register: role must be ROLE_TRAINER or ROLE_ENGINE")
     for name, limit in (("group", MAX_NAME), ("layout", MAX_NAME), ("model_name", MAX_NAME),
                         ("model_digest", MAX_NAME), ("host", MAX_HOST), ("model_config_json", MAX_CONFIG_JSON)):
@@ -158,7 +158,7 @@ def build_registration(info: pb.WorkerInfo, specs: dict[tuple[str, str], ModelSp
     elif spec.digest() != info.model_digest:
         raise InvalidInput(f"model {short(info.model_name)}: model_config_json gives digest {spec.digest()}, "
                          f"the worker reported {short(info.model_digest or '(none)')}")
-    layout = resolve_layout(info.layout, spec, "src" if info.role == pb.ROLE_TRAINER else "dst")
+    layout = resolve_layout(info.layout, spec, Side.of_role(info.role).end)
     if layout.world_size > MAX_WORLD_SIZE:
         raise InvalidInput(f"register: {layout.describe()} has {layout.world_size} ranks, at most {MAX_WORLD_SIZE}")
     if info.rank >= layout.world_size:
@@ -166,27 +166,41 @@ def build_registration(info: pb.WorkerInfo, specs: dict[tuple[str, str], ModelSp
     return spec, layout
 
 
+def check_joinable(workers: dict[str, Worker], info: pb.WorkerInfo, max_workers: int) -> None:
+    """A registration's group holds its role, and its slot is free (`check_slot`)."""
+    check_group_role(workers, info)
+    check_slot(workers, info, max_workers)
+
+
+def prune_gone(workers: dict[str, Worker], gone: dict[str, None], limit: int) -> None:
+    """Drop the oldest rows of workers that left (``gone``, oldest first) beyond ``limit``."""
+    while len(gone) > limit:
+        wid = next(iter(gone))
+        del gone[wid]
+        if wid in workers and not workers[wid].connected:
+            del workers[wid]
+
+
 def check_group_role(workers: dict[str, Worker], info: pb.WorkerInfo) -> None:
     for w in workers.values():
         if w.info.group == info.group and w.info.role != info.role and w.worker_id != worker_id(info.group, info.rank):
-            raise InvalidInput(f"register: group {info.group!r} holds {w.role}s ({w.worker_id}); "
-                             f"a {ROLE_NAMES[info.role]} cannot join it")
+            raise InvalidInput(f"register: group {info.group!r} holds {w.role.plural} ({w.worker_id}); "
+                             f"{Side.of_role(info.role).with_article} cannot join it")
 
 
-def group_members(workers: dict[str, Worker], group: str, role: int) -> list[Worker]:
+def group_members(workers: dict[str, Worker], group: str, side: Side) -> list[Worker]:
     """Every rank of ``group``, checked: right role, one layout, one model, no rank missing."""
     members = sorted((w for w in workers.values() if w.info.group == group), key=lambda w: w.info.rank)
     shape = lambda w: (w.layout_str, w.info.model_digest, w.info.phase_layers)  # noqa: E731
     live = [shape(w) for w in members if w.connected]
     if live:  # rows of workers gone before the group came back in another shape (tp2 -> tp1) are none of it
         members = [w for w in members if w.connected or shape(w) == live[0]]
-    want = ROLE_NAMES[role]
     if not members:
         raise InvalidInput(f"no worker is registered in group {short(group)}")
     ref = members[0]
-    if ref.info.role != role:
-        raise InvalidInput(f"group {short(group)} holds {ref.role}s; a plan's {'source' if want == 'trainer' else 'destination'} "
-                         f"must be a {want} group")
+    if ref.role is not side:
+        raise InvalidInput(f"group {short(group)} holds {ref.role.plural}; a plan's "
+                           f"{'source' if side is Side.TRAINER else 'destination'} must be {side.with_article} group")
     for w in members[1:]:
         if w.layout_str != ref.layout_str:
             raise InvalidInput(f"group {group!r}: {w.worker_id} registered layout {w.layout_str}, "

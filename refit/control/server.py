@@ -24,7 +24,6 @@ import argparse
 import asyncio
 import functools
 import logging
-import os
 import signal
 import sys
 import threading
@@ -33,6 +32,7 @@ from typing import Any, Awaitable, Callable
 import grpc
 from google.protobuf.message import DecodeError
 
+from refit import settings
 from refit.control.auth import TokenInterceptor
 from refit.control.common import (DEFAULT_PORT, KEEPALIVE_MS, KEEPALIVE_TIMEOUT_MS, SERVICE_NAME, Aborted, Conflict,
                                   Exhausted,
@@ -320,7 +320,7 @@ def read_token(args: argparse.Namespace) -> str | None:
         if not token:
             raise InvalidInput(f"--token-file {args.token_file} is empty")
         return token
-    return os.environ.get("REFIT_TOKEN") or args.token
+    return settings.current().token or args.token
 
 
 def add_arguments(p: argparse.ArgumentParser) -> None:

@@ -5,7 +5,8 @@ Frameworks allocate a tensor per parameter (vLLM) or per expert (Megatron's Sequ
 grouped linear), so a pull from a peer GPU is thousands of separate contiguous blocks.  One
 ``cudaMemcpyAsync`` each costs more host time than the wire takes (`refit.executor.table_copy`
 says how much); an SM kernel over a table issues them all at once but its loads from a single
-peer reach ~300 GB/s where copy engines reach ~375 (measured on 2x H200).  The batch APIs hand
+peer are a fifth slower than copy engines (bench/RESULTS.md, "2026-11-22 — batched copy-engine
+pulls for framework-style allocations").  The batch APIs hand
 the driver all copies of a batch in one call each (plain runs of bytes, and pitched blocks such as
 an expert's column slice) and let it run them on the copy engines.
 
@@ -19,8 +20,9 @@ from __future__ import annotations
 
 import ctypes
 import logging
-import os
 from typing import Sequence
+
+from refit import settings
 
 log = logging.getLogger(__name__)
 
@@ -91,15 +93,11 @@ def _function_3d() -> "ctypes._CFuncPtr | None":
 
 
 def mode() -> str:
-    """``REFIT_BATCH_MEMCPY``: ``off`` (default: the table kernel alone), ``flat`` (1-D copies
-    batched beside it) or ``all`` (pitched ones batched too).  Measured on H200s, qwen3-30b-moe with
-    framework allocations: 2 GPUs (tp2ep2 -> tp2) flat 48.2-48.8 ms, off 49.3-49.6, all 66.9; 4 GPUs
-    (tp4ep4 -> tp4, pulls in rounds) flat 50.2-51.7 ms, off 35.2: a small gain on 2 GPUs, a large
-    loss on 4, so batching is opt-in."""
-    value = os.environ.get("REFIT_BATCH_MEMCPY", "off")
-    if value not in ("flat", "all", "off"):
-        raise ValueError(f"REFIT_BATCH_MEMCPY must be flat, all or off, not {value!r}")
-    return value
+    """``REFIT_BATCH_MEMCPY``: ``off`` (the table kernel alone), ``flat`` (1-D copies batched
+    beside it) or ``all`` (pitched ones batched too).  A small gain on 2 GPUs and a large loss on 4,
+    so batching is opt-in: bench/RESULTS.md, "2026-11-22 — 4x H200: batched copy-engine pulls
+    turned off by default"."""
+    return settings.current().batch_memcpy
 
 
 def available(pitched: bool = False) -> bool:

@@ -17,7 +17,7 @@ import torch
 
 from refit.boxes import volume
 from refit.errors import InvalidInput
-from refit.executor.copies import CopyBatch, Pair, dma_enabled
+from refit.executor.copies import CopyBatch, Pair
 from refit.executor.device import Device
 from refit.executor.schedule import Program, Wire
 from refit.executor.topology import Endpoint
@@ -143,7 +143,7 @@ def bind_all(programs: list[Program], tensors: dict[Endpoint, dict[str, torch.Te
     `refit.phases`), over ONE set of staging buffers sized for the largest: staging does not grow
     with the number of phases.  Each `Bound` lists the shared buffers."""
     views = _Views(tensors)
-    dma = device.type == "cuda" and dma_enabled()
+    dma = device.type == "cuda"  # the copy engines take what they can express
     width_s = max((len(p.send_slots) for p in programs), default=0)
     width_r = max((len(p.recv_slots) for p in programs), default=0)
     staged_s, staged_r = [0] * width_s, [0] * width_r
@@ -237,12 +237,12 @@ def run_refit(bound: Bound, comm: Comm | None, device: Device, remaining: Remain
     if hook and not any(st.steps for st in bound.stages):
         hook()
     for stage in bound.stages:
-        # Order of issue (2x H200, qwen3-30b-moe at TP2): the same-GPU moves' table kernel goes
-        # first — launched after a peer kernel, whose blocks fill every SM, it ran in the gaps
-        # and ended 5 ms later; then the peer copies; then the rest of the moves (copy-engine
-        # memcpys, which went faster after the peer pulls: packed arenas 39.8 -> 38.5 ms; and small
-        # copies torch issues one by one, which held the peer copies back 0.9 ms when first),
-        # beside the table kernel on a stream of their own.
+        # Order of issue: the same-GPU moves' table kernel goes first (launched after a peer
+        # kernel, whose blocks fill every SM, it runs in the gaps and ends late); then the peer
+        # copies; then the rest of the moves (copy-engine memcpys, faster after the peer pulls,
+        # and small copies torch issues one by one, which hold the peer copies back when first),
+        # beside the table kernel on a stream of their own.  Measured: bench/RESULTS.md,
+        # "2026-11-22 — the NCCL pipeline no longer waits for the same-GPU copies; order of issue".
         launched = not stage.steps and stage.moves.table
         if launched:
             device.copy(stage.moves, part="launch")

@@ -28,7 +28,6 @@ device (`refit.executor.device.CudaDevice.pull` gives it a pair of streams of it
 from __future__ import annotations
 
 import math
-import os
 from collections import defaultdict
 from typing import NamedTuple
 
@@ -166,11 +165,6 @@ def _memcpy_pairs(pairs: list[Pair]) -> tuple[list[Memcpy], list[Pair]]:
 DMA_MIN_BYTES = 1 << 20  # below this per copy, one multi-tensor kernel beats a memcpy call each
 
 
-def dma_enabled() -> bool:
-    """``REFIT_COPY=torch`` turns the copy-engine path off (torch copies only), for comparison."""
-    return os.environ.get("REFIT_COPY", "dma") != "torch"
-
-
 BULK_MIN_BYTES = 256 << 10  # 1-D pulls from this size on go to the copy engines in one batch call
 
 
@@ -206,9 +200,10 @@ def _split_bulk(memcpys: list[Memcpy], src_device: int, dst_device: int) -> tupl
 def engine_split(pairs: list[Pair], peer: bool) -> tuple[list[Memcpy], list[Pair]]:
     """Of a CUDA batch, the memcpys (copy engines, or one table kernel when there are many: see
     `CopyBatch.table`) and the pairs left to torch.  Every pull goes to memcpys; same-GPU copies
-    when big (`DMA_MIN_BYTES`), or all of them when they are only small ones and many: a pack of
-    one expert's 768 KiB blocks of 384-byte rows (TP4) took 8 ms for 1.2 GB as torch's launch per
-    strided copy (4x H200, NCCL transport: 56.7 -> 36.2 ms per refit once a table)."""
+    when big (`DMA_MIN_BYTES`), or all of them when they are only small ones and many (a pack of
+    an expert's blocks of 384-byte rows at TP4, one torch launch per strided copy, was most of a
+    4-GPU NCCL refit: bench/RESULTS.md, "2026-11-22 — the NCCL pipeline no longer waits for the
+    same-GPU copies; order of issue")."""
     def big(p: Pair) -> bool:
         return peer or p[0].numel() * p[0].element_size() >= DMA_MIN_BYTES
     memcpys, rest = _memcpy_pairs([p for p in pairs if big(p)])
@@ -264,8 +259,6 @@ class CopyBatch:
         the peer."""
         if self._table is not None:
             return self._table.index == self.device_index
-        if os.environ.get("REFIT_TABLE_PULL", "here") != "here":
-            return False
         try:
             self._table = self._make_table(self.device_index)
         except LookupError:
@@ -283,8 +276,8 @@ class CopyBatch:
     @property
     def table(self) -> bool:
         """Whether the memcpys run as one table kernel (`refit.executor.table_copy`).  A push
-        always does: copy engines writing a peer's memory measured 13x slower than SM stores
-        (2x H200, qwen3-30b-moe arena: 530 vs 41 ms; `bench/RESULTS.md`, 2026-11-22)."""
+        always does: copy engines writing a peer's memory were 10x slower than SM stores
+        (bench/RESULTS.md, "2026-11-22 — push instead of pull")."""
         if self._use_table is None:
             self._use_table = bool(self.memcpys) and (
                 self.pushes or table_copy.enabled(self.memcpys, self.beside_kernel, self.beside))

@@ -25,12 +25,12 @@ ipc, the local stream takes the part of the moves issued after the peer copies
 
 from __future__ import annotations
 
-import os
 import time
 from typing import Callable, Protocol
 
 import torch
 
+from refit import settings
 from refit.executor.copies import CopyBatch
 
 
@@ -100,20 +100,14 @@ class CudaDevice:
         self.local_stream = torch.cuda.Stream(self.torch)  # `beside`
         self.pull_streams: dict[int, tuple[torch.cuda.Stream, torch.cuda.Stream]] = {}  # peer -> (here, there)
         self._bulk_streams: dict[int, torch.cuda.Stream] = {}  # id(pull stream) -> its batched-memcpy twin
-        # How pulls from several peers share this device's inbound link.  "rounds" (default): one
-        # stream for all of them, issued in round order (`refit.executor.bound.bind` sorts them
-        # by ring distance), so at any time each GPU reads one peer and is read by one.  "all":
-        # a stream per peer, all at once.  Measured on 4x H200 (a2a_probe): pulling from all
-        # peers at once halves the per-GPU inbound bandwidth (197 vs 383 GB/s in rounds).
-        self.pull_order = os.environ.get("REFIT_PULL_ORDER", "rounds")
-        if self.pull_order not in ("rounds", "all"):
-            raise ValueError(f"REFIT_PULL_ORDER must be rounds or all, not {self.pull_order!r}")
+        # Pulls from several peers share one stream, issued in round order (`refit.executor.bound.bind`
+        # sorts them by ring distance), so at any time each GPU reads one peer and is read by one:
+        # pulling from all peers at once halves the inbound bandwidth (bench/RESULTS.md,
+        # "2026-11-22 — pulls in rounds").
         self._round_stream: torch.cuda.Stream | None = None
-        # Which device's stream issues a pull's memcpys: "dst" (ours) or "src" (the peer's), for measurement.
-        self.pull_on = os.environ.get("REFIT_PULL_ON", "dst")
         # REFIT_TRACE=1: time every batch with CUDA events and log the timeline after each refit.
         self.trace: list[tuple[str, object, torch.cuda.Event, torch.cuda.Event]] | None = \
-            [] if os.environ.get("REFIT_TRACE") else None
+            [] if settings.current().trace else None
         self._t0: torch.cuda.Event | None = None
 
     def copy(self, batch: CopyBatch, part: str = "all") -> None:
@@ -135,12 +129,10 @@ class CudaDevice:
 
     def _mark(self, stream: torch.cuda.Stream) -> torch.cuda.Event:
         """A timing event on ``stream`` (before each batch, at `begin`), whether or not we trace.
-        Measured on 2x H200, `refit-bench --via grpc` (qwen3-30b-moe tp2ep2 -> tp2, each engine
-        driving its GPU): 46.5 ms of data without them, the same with events that do not time,
-        40.5 ms with timing events (the direct bench: 40.4 either way).  46.5 ms is what the
-        same-GPU table kernel running in the gaps of the peer kernel cost when launched after it
-        (`bench/RESULTS.md`, 2026-11-22), so our reading is that timing events keep the launch order on the GPU;
-        the mechanism is not established.  They cost microseconds."""
+        Without them the agents' path ran 15% slower than the bench, as if the same-GPU table
+        kernel were launched after the peer kernel; our reading is that timing events keep the
+        launch order on the GPU (the mechanism is not established).  They cost microseconds.
+        Measured: bench/RESULTS.md, "2026-11-23, from 1ba1ade"."""
         ev = torch.cuda.Event(enable_timing=True)
         ev.record(stream)
         return ev
@@ -167,12 +159,9 @@ class CudaDevice:
         streams = self.pull_streams.get(batch.peer.index)
         if streams is None:
             enable_peer_access(self.index, batch.peer.index)
-            if self.pull_order == "rounds":  # one stream: the peers take turns, in issue order
-                if self._round_stream is None:
-                    self._round_stream = torch.cuda.Stream(self.torch)
-                here = self._round_stream
-            else:
-                here = torch.cuda.Stream(self.torch)
+            if self._round_stream is None:  # one stream: the peers take turns, in issue order
+                self._round_stream = torch.cuda.Stream(self.torch)
+            here = self._round_stream
             here.wait_stream(self.copy_stream)  # begin() has ordered the copy stream after the fills
             streams = self.pull_streams[batch.peer.index] = (here, torch.cuda.Stream(batch.peer))
         here, there = streams
@@ -185,7 +174,7 @@ class CudaDevice:
         if batch.bulk is not None:  # the batched 1-D copies run on the copy engines beside the table kernel
             bulk = self._bulk_streams.setdefault(id(here), torch.cuda.Stream(self.torch))
             bulk.wait_event(_record(here))
-        if self.pull_on == "src" or (batch.table and not batch.table_pulls_here()):  # the peer pushes
+        if batch.table and not batch.table_pulls_here():  # the peer pushes
             there.wait_event(_record(here))
             batch.run_memcpys(there.cuda_stream, batch.peer.index)
             here.wait_event(_record(there))
@@ -268,9 +257,9 @@ def _record(stream: torch.cuda.Stream) -> torch.cuda.Event:
 
 def enable_peer_access(index: int, peer: int) -> None:
     """Let ``index`` access ``peer``'s memory directly (NVLink / PCIe P2P) for copy-engine pulls;
-    torch enables it lazily for its own copies, which pulls through cupy bypass.  Measured on 2×
-    H200: with access enabled one way only, a pull out of a peer's IPC-mapped memory was staged
-    through the host (27 GB/s, blocking the host); so the executor enables both ways, before it
+    torch enables it lazily for its own copies, which pulls through cupy bypass.  With access
+    enabled one way only, a pull out of a peer's IPC-mapped memory was staged through the host
+    (a tenth of NVLink's speed, blocking the host); so the executor enables both ways, before it
     opens the peer's handles."""
     try:
         from cupy.cuda import runtime

@@ -28,19 +28,19 @@ from __future__ import annotations
 import datetime
 import json
 import logging
-import os
 import time
 from typing import Callable, Mapping, Sequence, Union
 
 import torch
 import torch.distributed as dist
 
+from refit import settings
 from refit.errors import InvalidInput, RefitFailed
 from refit.executor.bound import Bound, Remaining, bind_all, run_refit
 from refit.executor.device import Device, enable_peer_access, make_device
 from refit.executor.schedule import compile_program
 from refit.executor.shards import Shards, allocate, check_own, remove_file, views
-from refit.executor.topology import Endpoint, GpuSeat, Topology, all_visible, local_indices, number_gpus
+from refit.executor.topology import Endpoint, Topology
 from refit.executor.transports import (Comm, PeerError, export_arena, export_tensors, first_line, gloo_group,
                                        import_share, make_comm, ended, retire)
 from refit.layouts import Layout
@@ -71,66 +71,16 @@ class Budget:
         return left
 
 
-def connect(host: str, port: int, prefix: str, timeout_s: float) -> dist.Store:
-    """The rendezvous store (a client of a ``TCPStore``), keys under ``prefix``."""
-    store = dist.TCPStore(host, port, None, False, timeout=datetime.timedelta(seconds=timeout_s),
-                          wait_for_workers=False)
-    return dist.PrefixStore(prefix, store)
-
-
-def visible_gpus() -> tuple[str, ...]:
-    """The UUIDs of the GPUs this process sees, in torch index order."""
-    return tuple(str(torch.cuda.get_device_properties(i).uuid) for i in range(torch.cuda.device_count()))
-
-
-def locate(store: dist.Store, member: int, endpoints: Sequence[Endpoint], device: str, host: str,
-           names: Sequence[str]) -> tuple[Topology, bool, bool]:
-    """Agents: publish where this member sits (``cpu@host``, or for a GPU its host, UUID and the
-    GPUs this process sees), read everyone's, and return the topology (one member per endpoint,
-    with this process's torch index of every GPU: `Topology.local`), whether all are on GPUs, and
-    whether the ipc transport is possible (one host, every member's GPU visible to every member:
-    not so under CUDA_VISIBLE_DEVICES isolation, e.g. Ray's default).  GPUs are told apart by
-    UUID, not torch index (`refit.executor.topology.number_gpus`); on CPU every member is its own
-    device."""
-    if device.startswith("cuda"):
-        index = torch.device(device).index or 0
-        visible = visible_gpus()
-        mine = {"host": host, "uuid": visible[index], "visible": list(visible)}
-    else:
-        mine = {"host": host, "cpu": True}
-    store.set(f"device/{member}", json.dumps(mine))
-    where = [json.loads(store.get(f"device/{m}")) for m in range(len(endpoints))]
-    cuda = all("uuid" in w for w in where)
-    if not cuda and any("uuid" in w for w in where):
-        raise InvalidInput(f"members mix CPU and GPU tensors: "
-                         f"{ {n: 'cuda' if 'uuid' in w else 'cpu' for n, w in zip(names, where)} }")
-    one_host = len({w["host"] for w in where}) == 1
-    if not cuda:
-        devices = tuple((ep, i) for i, ep in enumerate(endpoints))
-        return Topology(tuple((ep,) for ep in endpoints), devices), False, one_host
-    seats = [GpuSeat(w["host"], w["uuid"], tuple(w["visible"])) for w in where]
-    ids = number_gpus(seats)
-    topo = Topology(tuple((ep,) for ep in endpoints), tuple(zip(endpoints, ids)),
-                    local_indices(seats, ids, seats[member]))
-    return topo, True, all_visible(seats)
-
-
-def ipc_direction(cuda: bool, packed: bool = False) -> str:
-    """``REFIT_IPC``: who copies a bucket between two devices with the ipc transport.  ``pull``:
-    the destination's driver reads the source's memory; ``push``: the source's driver writes
-    into the destination's with SM stores (posted over NVLink, where loads wait a round trip
-    each); ``auto`` (default): push on GPUs, except between arenas ``packed`` by the bench
-    (`--alloc arena`), whose blocks merge into a few big copies that the copy engines pull
-    faster; pull on CPU.  Measured on H200s, qwen3-30b-moe with framework allocations
-    (`bench/RESULTS.md`, 2026-11-22): 2 GPUs push 40.8 ms / pull 43.9; 4 GPUs push 30.9 /
-    pull 34.2; arena on 2 GPUs pull 40.0 / push 52.6.  The value of member 0 holds for every
-    member of a run (`Member` agrees on it through the store)."""
-    value = os.environ.get("REFIT_IPC", "auto")
-    if value not in ("auto", "pull", "push"):
-        raise ValueError(f"REFIT_IPC must be auto, pull or push, not {value!r}")
-    if value == "auto":
+def ipc_direction(mode: str, cuda: bool, packed: bool = False) -> str:
+    """Who copies a bucket between two devices with the ipc transport (``REFIT_IPC``, `mode`).
+    ``pull``: the destination's driver reads the source's memory; ``push``: the source's driver
+    writes into the destination's with SM stores (posted over NVLink, where loads wait a round
+    trip each); ``auto``: push on GPUs, except between arenas ``packed`` by the bench (`--alloc
+    arena`), whose blocks merge into a few big copies that the copy engines pull faster; pull on
+    CPU.  Measured: bench/RESULTS.md, "2026-11-22 — push instead of pull"."""
+    if mode == "auto":
         return "push" if cuda and not packed else "pull"
-    return value
+    return mode
 
 
 def shares(topo: Topology, member: int, ep: Endpoint, ipc: bool, push: bool = False) -> bool:
@@ -160,11 +110,16 @@ class Member:
         self.driver = bool(driven)
         self.rounds = 0  # barriers passed, in lockstep on every member
 
-        # With ipc, member 0's choice of direction holds for all (`ipc_direction`).
-        if ipc and member == 0:
+        # Member 0's run knobs hold for all (`refit.settings`), and with ipc its choice of direction.
+        if member == 0:
             packed = any(isinstance(t, Shards) for t in own.values()) and not scattered
-            self.store.set("ipc_direction", ipc_direction(self.cuda, packed))
-        self.push = ipc and self.store.get("ipc_direction").decode() == "push"
+            mine = settings.from_environment()
+            self.store.set("settings", json.dumps({**mine.run_values(),
+                                                   "direction": ipc_direction(mine.ipc, self.cuda, packed)}))
+        agreed = json.loads(self.store.get("settings"))
+        direction = agreed.pop("direction")
+        self.push = ipc and direction == "push"
+        self.settings = settings.adopt(agreed, self.name)
         # Share what others read or write, then map what we read or write.
         for ep, tensors in own.items():
             if shares(topology, member, ep, ipc, self.push):
@@ -207,7 +162,8 @@ class Member:
         self.comm: Comm | None = None
         if member in topology.drivers and len(topology.drivers) > 1:
             try:
-                self.comm = make_comm("cuda" if self.cuda else "cpu", dist.PrefixStore("data", self.store),
+                kind = ("cuda-" + self.settings.nccl) if self.cuda else "cpu"
+                self.comm = make_comm(kind, dist.PrefixStore("data", self.store),
                                       topology.comm_rank(member), len(topology.drivers), self.device, remaining(),
                                       [self.names[m] for m in topology.drivers], host)
             except BaseException:  # as above: nobody will close this member

@@ -3,7 +3,8 @@
 Frameworks allocate one tensor per parameter (vLLM) or lay parameters out in their own order
 (Megatron's DDP buffers), so the blocks of a refit rarely merge: a 30B MoE refit on 4 GPUs is
 ~12k copies of ~0.8 MB per GPU.  Issued one ``cudaMemcpy2DAsync`` each, the host cannot keep up
-(measured on 4x H200: 121 ms against 34.5 ms for the same bytes in merged copies).  Here the
+(3.5x the time of the same bytes in merged copies: bench/RESULTS.md, "2026-11-22 — pulls in
+rounds and framework-style allocations").  Here the
 copies of a `refit.executor.copies.CopyBatch` become rows of a table on the device, built once per
 plan, and one launch copies them all: each thread block takes table rows (pieces of at most
 `PIECE_BYTES`, so blocks stay balanced) and moves 16-byte words where every address, width and
@@ -12,8 +13,9 @@ pitch allows it, bytes otherwise.  Reads of a peer GPU's memory go over NVLink l
 
 from __future__ import annotations
 
-import os
 from typing import TYPE_CHECKING, Any, Sequence
+
+from refit import settings
 
 if TYPE_CHECKING:
     from refit.executor.copies import Memcpy
@@ -118,22 +120,20 @@ def table_rows(memcpys: Sequence["Memcpy"], piece: int = PIECE_BYTES) -> list[tu
 
 
 def enabled(memcpys: Sequence["Memcpy"], beside_kernel: bool = False, beside_pipeline: bool = False) -> bool:
-    """``REFIT_TABLE_COPY``: ``auto`` (default: more than `MIN_CALLS` memcpys averaging under
-    `MAX_MEAN_BYTES` — big merged copies stay on the copy engines, which move them faster), ``on``
-    or ``off`` (one memcpy call each, for comparison).
+    """Whether ``memcpys`` run as one table kernel (``REFIT_TABLE_COPY``): ``auto`` when more than
+    `MIN_CALLS` memcpys average under `MAX_MEAN_BYTES` (big merged copies stay on the copy engines,
+    which move them faster); ``on``; ``off`` (one memcpy call each).
 
-    Same-GPU copies beside the rest of a refit go to the table in more cases, seen with
-    qwen3-235b-moe's shapes at TP2 (2x H200, 20 layers, framework allocations: 26.9 GB of same-GPU
-    copies in 2 642 memcpys of ~10 MB, over the mean above):
+    Same-GPU copies beside the rest of a refit go to the table in more cases:
 
-    * ``beside_kernel`` (beside a peer table kernel, which fills every SM): any memcpys.  One call
-      each they crawled, 100 ms beside a 66 ms push (the refit 1.52x the floor);
-    * ``beside_pipeline`` (beside an NCCL pipeline): more than `MIN_CALLS`.  Their ~27 ms of host
-      calls held back the pipeline's second step; a packed arena's few big copies stay on the copy
-      engines, where they cost the host nothing and take no SMs from NCCL."""
-    mode = os.environ.get("REFIT_TABLE_COPY", "auto")
-    if mode not in ("auto", "on", "off"):
-        raise ValueError(f"REFIT_TABLE_COPY must be auto, on or off, not {mode!r}")
+    * ``beside_kernel`` (beside a peer table kernel, which fills every SM): any memcpys; one call
+      each, they crawl behind the kernel;
+    * ``beside_pipeline`` (beside an NCCL pipeline): more than `MIN_CALLS`, whose host calls would
+      hold back the pipeline's next step; a packed arena's few big copies stay on the copy engines,
+      where they cost the host nothing and take no SMs from NCCL.
+
+    Measured: bench/RESULTS.md, "2026-11-23, from 8c9a4ff" (qwen3-235b's shapes, 1.52x -> 1.07x)."""
+    mode = settings.current().table_copy
     if mode != "auto":
         return mode == "on"
     if beside_kernel:
@@ -146,26 +146,18 @@ MAX_MEAN_BYTES = 8 << 20
 MIN_CALLS = 64
 
 
-BESIDE_BLOCKS = 33  # default grid of same-GPU moves beside an NCCL pipeline (see `grid`)
-
-
 def grid(peer: bool, beside: bool = False) -> int:
-    """Thread blocks of one table launch.  ``REFIT_TABLE_BLOCKS`` = ``PEER,LOCAL[,BESIDE]``
-    (default ``528,132,33``): a peer pull and the same-GPU copies run beside each other, and a
-    smaller grid for one leaves SMs to the other.  ``beside``: same-GPU moves that run for a whole
-    NCCL pipeline (`refit.executor.device.CudaDevice.beside`); with LOCAL's grid, they and a pack
-    filled every SM and NCCL's kernel waited for them (2x H200: the first 1 GiB step took 11.4 ms
-    instead of 3), so they get a quarter of the SMs and spread over the wire's time."""
-    value = os.environ.get("REFIT_TABLE_BLOCKS", f"528,132,{BESIDE_BLOCKS}")
-    try:
-        blocks = [int(v) for v in value.split(",")]
-        if len(blocks) not in (2, 3) or min(blocks) < 1:
-            raise ValueError
-    except ValueError:
-        raise ValueError(f"REFIT_TABLE_BLOCKS must be PEER,LOCAL[,BESIDE] thread block counts, not {value!r}") from None
+    """Thread blocks of one table launch (``REFIT_TABLE_BLOCKS`` = ``PEER,LOCAL,BESIDE``): a peer
+    pull and the same-GPU copies run beside each other, and a smaller grid for one leaves SMs to
+    the other.  ``beside``: same-GPU moves that run for a whole NCCL pipeline
+    (`refit.executor.device.CudaDevice.beside`); on LOCAL's grid they and a pack filled every SM
+    and NCCL's kernel waited for them, so they get a quarter of the SMs and spread over the wire's
+    time.  Measured: bench/RESULTS.md, "2026-11-23, from 45ab304" and "2026-11-22 — push instead
+    of pull, table-kernel grids"."""
+    peer_blocks, local_blocks, beside_blocks = settings.current().table_blocks
     if beside:
-        return blocks[2] if len(blocks) == 3 else BESIDE_BLOCKS
-    return blocks[0] if peer else blocks[1]
+        return beside_blocks
+    return peer_blocks if peer else local_blocks
 
 
 class TableCopy:

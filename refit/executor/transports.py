@@ -38,7 +38,6 @@ from __future__ import annotations
 
 import datetime
 import logging
-import os
 import re
 import threading
 import time
@@ -47,7 +46,7 @@ from typing import Any, Callable, Protocol, Sequence
 import torch
 import torch.distributed as dist
 
-from refit.errors import RefitFailed
+from refit.errors import InvalidInput, RefitFailed
 from refit.executor import handles
 from refit.executor.device import CudaDevice
 from refit.executor.shards import Shards
@@ -331,10 +330,13 @@ class TorchNcclComm(_NcclBase):
 
 def make_comm(kind: str, store: dist.Store, rank: int, size: int, device: Any, timeout_s: float,
               names: list[str], host: str = "127.0.0.1") -> Comm:
-    """The data communicator among the device drivers; ``host``: the address this member's gloo
-    sockets bind to (its own host's, so that CPU data can cross machines)."""
+    """The data communicator among the device drivers: ``kind`` ``cpu`` (gloo), ``cuda-cupy`` or
+    ``cuda-torch`` (NCCL bootstrapped by cupy or by torch: ``REFIT_NCCL``); ``host``: the address
+    this member's gloo sockets bind to (its own host's, so that CPU data can cross machines)."""
     if kind == "cpu":
         return GlooComm(store, rank, size, timeout_s, names, host)
-    if os.environ.get("REFIT_NCCL", "cupy") == "torch":
+    if kind == "cuda-torch":
         return TorchNcclComm(store, rank, size, device, names, timeout_s)
-    return CupyNcclComm(store, rank, size, device, names)
+    if kind == "cuda-cupy":
+        return CupyNcclComm(store, rank, size, device, names)
+    raise InvalidInput(f"unknown communicator kind {kind!r} (cpu, cuda-cupy or cuda-torch)")

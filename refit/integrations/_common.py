@@ -103,16 +103,15 @@ class LiveDataPlane(ExecutorDataPlane):
         super().__init__(**kwargs)
         self.served = served
 
-    def __call__(self, plan: Plan, role: str, rank: int, tensors: Mapping[str, torch.Tensor], version: int,
-                 ctx: RunContext) -> tuple[int, float]:
+    def run(self, plan: Plan, tensors: Mapping[str, torch.Tensor], ctx: RunContext) -> tuple[int, float]:
         moved = [s.param_name for s in self.served.values() if s.moved()]
         if moved:
             raise RefitFailed(f"parameter {moved[0]!r} ({len(set(moved))} in all) no longer lies where it did at "
                              f"attach (model moved, re-wrapped or re-materialized after attach?): attach again")
-        return super().__call__(plan, role, rank, tensors, version, ctx)
+        return super().run(plan, tensors, ctx)
 
 
-def start_trainer(address: str, *, group: str, rank: int, spec: ModelSpec, layout: Layout,
+def start_trainer(address: str | None, *, group: str, rank: int, spec: ModelSpec, layout: Layout,
                   served: Mapping[str, Served], token: str | None = None, **agent_options: Any) -> TrainerAgent:
     """Check, then register: the layout's tensors of ``rank`` must all be served (names, shapes,
     dtypes, by `TrainerAgent`'s own check) before anything connects."""

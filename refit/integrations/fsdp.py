@@ -32,11 +32,12 @@ from refit.layouts.fsdp import chunk_rows
 __all__ = ["attach"]
 
 
-def attach(model: torch.nn.Module, address: str, *, group: str = "trainer", token: str | None = None,
+def attach(model: torch.nn.Module, address: str | None = None, *, group: str = "trainer", token: str | None = None,
            **agent_options: Any) -> TrainerAgent:
     """Register this rank's shard of an FSDP2-sharded transformers ``model`` as rank (global rank)
     of ``group``; call it on every rank.  Returns the started agent.  Raises `refit.InvalidInput`,
-    before registering, for a mesh, placement or parameter refit cannot serve."""
+    before registering, for a mesh, placement or parameter refit cannot serve.  ``address`` and
+    ``token`` default to ``$REFIT_ADDRESS`` (else 127.0.0.1:50051) and ``$REFIT_TOKEN``."""
     from torch.distributed.tensor import DTensor
 
     named = list(model.named_parameters(remove_duplicate=False))

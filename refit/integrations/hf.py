@@ -39,12 +39,13 @@ __all__ = ["attach", "serve_hf_parameters"]
 _FUSED = re.compile(r"^(?P<experts>.*\.mlp\.experts)\.(?P<kind>gate_up_proj|down_proj)$")
 
 
-def attach(model: torch.nn.Module, address: str, *, group: str = "trainer", token: str | None = None,
+def attach(model: torch.nn.Module, address: str | None = None, *, group: str = "trainer", token: str | None = None,
            **agent_options: Any) -> TrainerAgent:
     """Register this process's unsharded transformers ``model`` as rank (global rank) of ``group``
     and serve its live parameters; returns the started agent.  Raises `refit.InvalidInput`, before
     registering, for a parameter refit cannot place or a dtype the config does not name; a refit
-    after a parameter moved fails with `refit.RefitFailed` naming it (attach again)."""
+    after a parameter moved fails with `refit.RefitFailed` naming it (attach again).  ``address`` and
+    ``token`` default to ``$REFIT_ADDRESS`` (else 127.0.0.1:50051) and ``$REFIT_TOKEN``."""
     named = list(model.named_parameters(remove_duplicate=False))
     spec = spec_of_hf_config(model.config, dict(named))
     layout = HFLayout().resolve(spec)

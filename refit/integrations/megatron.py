@@ -59,12 +59,14 @@ _LOCAL_TO_TE = (
 )
 
 
-def attach(model: torch.nn.Module | Sequence[torch.nn.Module], address: str, *, group: str = "trainer",
+def attach(model: torch.nn.Module | Sequence[torch.nn.Module], address: str | None = None, *, group: str = "trainer",
            spec: str | ModelSpec, token: str | None = None, **agent_options: Any) -> TrainerAgent:
     """Register this rank of a megatron-core ``GPTModel`` (or list of model chunks, DDP-wrapped or
     not) as rank (global rank) of ``group``; ``spec``: an HF directory, a catalog name or a
     `ModelSpec`.  Call on every rank.  Returns the started agent.  Raises `refit.InvalidInput`,
-    before registering, for a model, parallel state or parameter that does not match the spec."""
+    before registering, for a model, parallel state or parameter that does not match the spec.
+    ``address`` and ``token`` default to ``$REFIT_ADDRESS`` (else 127.0.0.1:50051) and
+    ``$REFIT_TOKEN``."""
     spec = spec if isinstance(spec, ModelSpec) else load_spec(spec)
     wrappers = list(model) if isinstance(model, (list, tuple)) else [model]
     if any(getattr(getattr(w, "ddp_config", None), "overlap_param_gather", False) for w in wrappers):

@@ -66,15 +66,15 @@ class HookedDataPlane(ExecutorDataPlane):
         self.faults: dict[int, str] = {}
         self.entered = entered
 
-    def __call__(self, plan, role, rank, tensors, version, ctx):  # type: ignore[no-untyped-def]
-        delay = self.delays.pop(version, 0.0)
-        fault = self.faults.pop(version, None)
+    def run(self, plan, tensors, ctx):  # type: ignore[no-untyped-def]
+        delay = self.delays.pop(ctx.version, 0.0)
+        fault = self.faults.pop(ctx.version, None)
         if fault:
             ctx.phase_hook = AfterFirstPhase(ctx.phase_hook, self.entered, fault)
         if delay:
             self.entered.set()
             time.sleep(delay)
-        return super().__call__(plan, role, rank, tensors, version, ctx)
+        return super().run(plan, tensors, ctx)
 
 
 def worker_main(conn: Any, entered: Any, address: str, role: str, group: str, rank: int, layout: str,

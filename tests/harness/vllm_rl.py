@@ -94,26 +94,25 @@ def _trainer_main(conn: Any, entered: Any, address: str, group: str, rank: int, 
         if cmd == "load":
             fill_from(spec, lay, rank, canonical_from_checkpoint(spec, arg), tensors)
             conn.send(("ok", None))
-        elif cmd == "delay":  # sleep inside the next share's data plane (to be killed there)
-            inner = agent.data_plane
+        elif cmd == "delay":  # sleep inside every later share's data plane (to be killed there)
+            plane, inner = agent.data_plane, agent.data_plane.run
 
-            def slow(*a: Any, _inner: Any = inner, _delay: float = arg) -> Any:
+            def slow(plan: Any, tensors: Any, ctx: Any, _inner: Any = inner, _delay: float = arg) -> Any:
                 entered.set()
                 time.sleep(_delay)
-                return _inner(*a)
-            agent.data_plane = slow
+                return _inner(plan, tensors, ctx)
+            plane.run = slow  # type: ignore[method-assign]
             conn.send(("ok", None))
         elif cmd == "fault":  # strike inside the next share, once its first phase landed (AfterFirstPhase)
-            inner = agent.data_plane
+            plane, inner = agent.data_plane, agent.data_plane.run
 
-            def faulty(plan: Any, role: str, rank: int, tensors: Any, version: int, ctx: Any, _inner: Any = inner,
+            def faulty(plan: Any, tensors: Any, ctx: Any, _plane: Any = plane, _inner: Any = inner,
                        _action: str = arg) -> Any:
-                agent.data_plane = _inner  # this share only
+                _plane.run = _inner  # this share only
                 ctx.phase_hook = AfterFirstPhase(ctx.phase_hook, entered, _action)
-                return _inner(plan, role, rank, tensors, version, ctx)
-            faulty.reports_start = getattr(inner, "reports_start", False)  # type: ignore[attr-defined]
+                return _inner(plan, tensors, ctx)
             entered.clear()
-            agent.data_plane = faulty
+            plane.run = faulty  # type: ignore[method-assign]
             conn.send(("ok", None))
         elif cmd == "stop":
             agent.stop()

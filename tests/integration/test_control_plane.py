@@ -19,7 +19,7 @@ import pytest
 
 from refit.control.agent import EngineAgent, TrainerAgent
 from refit.control.client import Client, RefitFailed
-from refit.control.dataplane import NoopDataPlane
+from refit.control.dataplane import BaseDataPlane, NoopDataPlane
 from refit.control.server import ThreadedServer
 from refit.control.v1 import refit_pb2 as pb
 from refit.control.v1 import refit_pb2_grpc as pb_grpc
@@ -341,16 +341,14 @@ def test_reregistration_replaces_old_stream(cluster: Cluster) -> None:
         ag.stop()
 
 
-class GatedDataPlane:
+class GatedDataPlane(BaseDataPlane):
     """Moves nothing, on the agent's thread, and holds its share until ``release`` is set (a refit
     that runs until the test lets it end); records the refits it ran and sets ``entered``."""
-
-    inline = False
 
     def __init__(self, release: threading.Event) -> None:
         self.release, self.entered, self.runs = release, threading.Event(), []
 
-    def __call__(self, plan, role, rank, tensors, version, ctx):
+    def run(self, plan, tensors, ctx):  # type: ignore[no-untyped-def]
         self.runs.append(ctx.refit_id)
         self.entered.set()
         if not self.release.wait(ctx.remaining()):

@@ -36,7 +36,8 @@ def _member_main(conn: Any, port: int, index: int, plan_dict: dict) -> None:
     """One member: its tensors, an `ExecutorDataPlane`, refits run on a thread as an agent would."""
     import torch
 
-    from refit.control.dataplane import Rendezvous, RunContext
+    from refit.control.common import Side
+    from refit.control.dataplane import Rendezvous, RunContext, Seat
     from refit.control.dataplane_executor import ExecutorDataPlane
     from refit.layouts import resolve_layout
     from refit.plan import Plan
@@ -57,17 +58,18 @@ def _member_main(conn: Any, port: int, index: int, plan_dict: dict) -> None:
 
     torch.set_num_threads(1)
     spec = tiny_spec(MODEL)
-    role, rank = ("trainer", index) if index < 2 else ("engine", index - 2)
-    layout = resolve_layout(SRC if role == "trainer" else DST, spec, "src" if role == "trainer" else "dst")
-    tensors = fill(spec, layout, rank, 1 if role == "trainer" else 0)
+    side, rank = (Side.TRAINER, index) if index < 2 else (Side.ENGINE, index - 2)
+    layout = resolve_layout(SRC if side is Side.TRAINER else DST, spec, side.end)
+    tensors = fill(spec, layout, rank, 1 if side is Side.TRAINER else 0)
     plan = Plan.from_dict(plan_dict)
     dp = ExecutorDataPlane("comm")
+    dp.open(Seat(side, rank, spec, layout))
     ctx: RunContext | None = None
 
     def run(prefix: str, timeout: float, version: int) -> None:
         t0 = time.monotonic()
         try:
-            dp(plan, role, rank, tensors, version, ctx)
+            dp.run(plan, tensors, ctx)
             conn.send(("done", True, "", time.monotonic() - t0))
         except Exception as e:
             conn.send(("done", False, f"{type(e).__name__}: {e}", time.monotonic() - t0))
@@ -81,7 +83,7 @@ def _member_main(conn: Any, port: int, index: int, plan_dict: dict) -> None:
         if cmd == "refit":
             prefix, timeout, version, hang = args
             dp.refit_hook = (lambda: strike_self(signal.SIGSTOP)) if hang else None
-            ctx = Watched(plan.plan_hash, f"r{version}", spec, layout,
+            ctx = Watched(plan.plan_hash, f"r{version}", version,
                           Rendezvous("127.0.0.1", port, prefix, 4, index, NAMES), time.monotonic() + timeout)
             threading.Thread(target=run, args=(prefix, timeout, version), daemon=True).start()
         elif cmd == "cancel":
@@ -232,7 +234,8 @@ def test_a_member_whose_prepare_fails_is_closed(monkeypatch: pytest.MonkeyPatch)
     its control group and communicator were never closed.  The store, the rendezvous and the
     Member are stand-ins here: only the data plane's own handling is under test."""
     import refit.control.dataplane_executor as dpe
-    from refit.control.dataplane import Rendezvous, RunContext
+    from refit.control.common import Side
+    from refit.control.dataplane import Rendezvous, RunContext, Seat
     from refit.errors import RefitError
     from refit.layouts import resolve_layout
     from tests.harness.control_cluster import fill
@@ -254,8 +257,10 @@ def test_a_member_whose_prepare_fails_is_closed(monkeypatch: pytest.MonkeyPatch)
     spec = tiny_spec(MODEL)
     plan = make_plan(spec, SRC, DST).plan
     layout = resolve_layout(SRC, spec, "src")
-    ctx = RunContext(plan.plan_hash, "r1", spec, layout, Rendezvous("127.0.0.1", 1, "p/", 4, 0, NAMES),
+    ctx = RunContext(plan.plan_hash, "r1", 1, Rendezvous("127.0.0.1", 1, "p/", 4, 0, NAMES),
                      time.monotonic() + 10, store=lambda timeout_s: None)
+    dp = dpe.ExecutorDataPlane("comm")
+    dp.open(Seat(Side.TRAINER, 0, spec, layout))
     with pytest.raises(RefitError, match="another layout"):
-        dpe.ExecutorDataPlane("comm")(plan, "trainer", 0, fill(spec, layout, 0, 1), 1, ctx)
+        dp.run(plan, fill(spec, layout, 0, 1), ctx)
     assert closed == [True]

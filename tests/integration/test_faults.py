@@ -66,8 +66,8 @@ class Counting(NoopDataPlane):
     def __init__(self, delay: float = 0.0) -> None:
         self.delay, self.calls = delay, []
 
-    def __call__(self, plan, role, rank, tensors, version, ctx):  # type: ignore[no-untyped-def]
-        self.calls.append(version)
+    def run(self, plan, tensors, ctx):  # type: ignore[no-untyped-def]
+        self.calls.append(ctx.version)
         time.sleep(self.delay)
         return 0, 0.0
 
@@ -464,7 +464,7 @@ class FailsAfterLocating(ExecutorDataPlane):
     group exists: the trainer is then inside gloo's group set-up, waiting for this member's
     address in the rendezvous."""
 
-    def _sides(self, plan: Any, role: str, ctx: Any) -> Any:
+    def _layouts(self, plan: Any) -> Any:
         raise RefitError("injected: refusing after locate")
 
 

@@ -24,7 +24,8 @@ import torch.distributed as dist
 from refit.control.agent import EngineAgent, TrainerAgent
 from refit.control.client import RefitFailed
 from refit.control.dataplane import NoopDataPlane
-from refit.executor.member import Budget, Member, connect
+from refit.executor.member import Budget, Member
+from refit.executor.seating import connect
 from refit.executor.topology import Topology
 from refit.layouts import resolve_layout
 from refit.phases import WHOLE

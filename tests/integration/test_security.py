@@ -129,3 +129,35 @@ def test_no_port_of_the_coordinator_gives_the_rendezvous_away(served) -> None:
     finally:
         for a in agents:
             a.stop()
+
+
+def test_one_environment_configures_every_entry_point(served, monkeypatch: pytest.MonkeyPatch) -> None:
+    """$REFIT_ADDRESS and $REFIT_TOKEN reach the coordinator from a `Client` and agents that name
+    neither: before, only `refit serve` read the token, and every other entry point needed it by hand."""
+    from refit import settings
+
+    proc, address, token, _ = served
+    monkeypatch.setenv("REFIT_ADDRESS", address)
+    monkeypatch.setenv("REFIT_TOKEN", token)
+    settings.reload()
+    spec = tiny_spec(MODEL)
+    src, dst = resolve_layout(SRC, spec, "src"), resolve_layout(DST, spec, "dst")
+    got = [fill(spec, dst, r, 0) for r in range(dst.world_size)]
+    agents = [TrainerAgent(group="env-t", rank=r, spec=spec, layout=src, tensors=fill(spec, src, r, 1)).start()
+              for r in range(src.world_size)]
+    agents += [EngineAgent(group="env-e", rank=r, spec=spec, layout=dst, tensors=got[r]).start()
+               for r in range(dst.world_size)]
+    try:
+        with Client() as client:
+            assert client.address == address
+            plan = client.create_plan("env-t", "env-e")["plan_id"]
+            assert client.refit(plan, version=1, timeout=60).ok
+        want = [fill(spec, dst, r, 1) for r in range(dst.world_size)]
+        assert all(torch.equal(want[r][n].view(torch.int16), got[r][n].view(torch.int16))
+                   for r in range(dst.world_size) for n in want[r])
+    finally:
+        for a in agents:
+            a.stop()
+        monkeypatch.delenv("REFIT_ADDRESS")
+        monkeypatch.delenv("REFIT_TOKEN")
+        settings.reload()

@@ -50,11 +50,13 @@ def test_error_is_raised(monkeypatch) -> None:
         raise AssertionError("no error")
 
 
-def test_not_available_without_cuda_13(monkeypatch) -> None:
+def test_not_available_without_cuda_13() -> None:
+    from refit import settings
+
     if not torch.cuda.is_available():
         assert not batch_memcpy.available()
-    monkeypatch.setenv("REFIT_BATCH_MEMCPY", "off")
-    assert not batch_memcpy.available()
+    with settings.using(batch_memcpy="off"):
+        assert not batch_memcpy.available()
 
 
 def test_split_bulk_takes_big_flat_copies(monkeypatch) -> None:

@@ -4,6 +4,7 @@ process (a colocated source and destination on one "device": the passive source 
 
 from __future__ import annotations
 
+import json
 import os
 import threading
 import time
@@ -14,8 +15,10 @@ import pytest
 import torch
 import torch.distributed as dist
 
+from refit import settings
 from refit.errors import RefitError
-from refit.executor.member import Budget, Member, connect, locate, shares
+from refit.executor.member import Budget, Member, shares
+from refit.executor.seating import connect, locate
 from refit.executor.shards import allocate, fill_sentinel, fill_source, verify
 from refit.executor.topology import Topology
 from refit.planners import make_plan
@@ -86,7 +89,7 @@ def test_colocated_pair_refits_bit_exact_and_names_the_absent() -> None:
 
 def test_locate_and_budget(monkeypatch: pytest.MonkeyPatch) -> None:
     # A fake machine of 4 GPUs, all visible (no CUDA here): locate knows GPUs by UUID.
-    monkeypatch.setattr("refit.executor.member.visible_gpus", lambda: ("u0", "u1", "u2", "u3"))
+    monkeypatch.setattr("refit.executor.seating.visible_gpus", lambda: ("u0", "u1", "u2", "u3"))
     master = dist.TCPStore("127.0.0.1", 0, is_master=True, wait_for_workers=False)
     eps = [("src", 0), ("dst", 0)]
     names = ["trainer/0", "engine/0"]
@@ -164,7 +167,8 @@ def test_a_shared_arena_too_small_for_its_layout_is_refused() -> None:
     small = allocate(list(r.src.local_tensors(DENSE, 0))[:1], torch.device("cpu"), f"/dev/shm/refit-{session}-s")
     try:
         store = connect("127.0.0.1", master.port, session, 10.0)
-        store.set("share/src0", shm_handle(small.path, small.arena.numel()))
+        store.set("share/src0", shm_handle(small.path, small.arena.numel()))  # what member 0 would publish
+        store.set("settings", json.dumps({**settings.current().run_values(), "direction": "pull"}))
         dst = allocate(list(r.dst.local_tensors(DENSE, 0)), torch.device("cpu"))
         with pytest.raises(RefitError, match=r"dst rank 0: src rank 0 of megatron:tp1dp1 shared by src rank 0: arena of"):
             Member(store, topo, 1, "cpu", {("dst", 0): dst}, DENSE, r.src, r.dst, ["src rank 0", "dst rank 0"],

@@ -111,26 +111,26 @@ def test_engine_split_sends_many_small_copies_to_the_table_and_keeps_big_ones_ap
     assert len(calls) == 10 and rest == []
 
 
-def test_same_gpu_copies_beside_other_work_take_the_table(monkeypatch) -> None:
+def test_same_gpu_copies_beside_other_work_take_the_table() -> None:
     """Big same-GPU memcpys stay on the copy engines on their own; beside a peer table kernel
     (which fills every SM) any of them become a table kernel, beside an NCCL pipeline many of them
     (their host calls held the pipeline back), not a few big ones.  ``REFIT_TABLE_COPY`` still rules."""
+    from refit import settings
     from refit.executor import table_copy
     from refit.executor.copies import CopyBatch
 
-    monkeypatch.delenv("REFIT_TABLE_COPY", raising=False)
-    big = [Memcpy(dst=(i + 1) << 30, dpitch=1536, src=(i + 200) << 30, spitch=3072, width=1536, height=6144)
-           for i in range(table_copy.MIN_CALLS + 1)]  # 9 MiB each: over MAX_MEAN_BYTES
-    few = big[:8]
-    assert not table_copy.enabled(big) and not table_copy.enabled(few)
-    assert table_copy.enabled(few, beside_kernel=True) and table_copy.enabled(big, beside_kernel=True)
-    assert table_copy.enabled(big, beside_pipeline=True) and not table_copy.enabled(few, beside_pipeline=True)
-    assert not table_copy.enabled([], beside_kernel=True)
-    monkeypatch.setenv("REFIT_TABLE_COPY", "off")
-    assert not table_copy.enabled(big, beside_kernel=True)
-    monkeypatch.delenv("REFIT_TABLE_COPY")
-    cases = [(False, False, big, False), (True, False, big, True), (True, False, few, False), (False, True, few, True)]
-    for beside, beside_kernel, memcpys, table in cases:  # the batch asks with its own flags (memcpys set by hand)
-        batch = CopyBatch([], beside=beside, beside_kernel=beside_kernel)
-        batch.memcpys = memcpys
-        assert batch.table is table
+    with settings.using(table_copy="auto"):
+        big = [Memcpy(dst=(i + 1) << 30, dpitch=1536, src=(i + 200) << 30, spitch=3072, width=1536, height=6144)
+               for i in range(table_copy.MIN_CALLS + 1)]  # 9 MiB each: over MAX_MEAN_BYTES
+        few = big[:8]
+        assert not table_copy.enabled(big) and not table_copy.enabled(few)
+        assert table_copy.enabled(few, beside_kernel=True) and table_copy.enabled(big, beside_kernel=True)
+        assert table_copy.enabled(big, beside_pipeline=True) and not table_copy.enabled(few, beside_pipeline=True)
+        assert not table_copy.enabled([], beside_kernel=True)
+        with settings.using(table_copy="off"):
+            assert not table_copy.enabled(big, beside_kernel=True)
+        cases = [(False, False, big, False), (True, False, big, True), (True, False, few, False), (False, True, few, True)]
+        for beside, beside_kernel, memcpys, table in cases:  # the batch asks with its own flags (memcpys set by hand)
+            batch = CopyBatch([], beside=beside, beside_kernel=beside_kernel)
+            batch.memcpys = memcpys
+            assert batch.table is table

@@ -10,7 +10,7 @@ from types import SimpleNamespace
 
 import pytest
 
-from refit.control.common import Conflict, Exhausted, Precondition, config_json
+from refit.control.common import Conflict, Exhausted, Precondition, Side, config_json
 from refit.control.registry import (MAX_VERSION, MAX_VERSION_STEP, PlanEntry, Worker, build_registration,
                                     check_info, check_same_model, check_slot, check_version, group_members,
                                     holds_version)
@@ -109,9 +109,9 @@ def test_versions_increase_within_bounds() -> None:
 def test_group_members_names_the_missing_rank() -> None:
     w = worker(info())
     with pytest.raises(RefitError, match="rank 1 of vllm:tp2.* is not registered"):
-        group_members({w.worker_id: w}, "e", pb.ROLE_ENGINE)
+        group_members({w.worker_id: w}, "e", Side.ENGINE)
     with pytest.raises(RefitError, match="no worker is registered in group 'x'"):
-        group_members({w.worker_id: w}, "x", pb.ROLE_ENGINE)
+        group_members({w.worker_id: w}, "x", Side.ENGINE)
 
 
 def test_rows_of_workers_gone_before_the_group_came_back_in_another_layout_are_left_out() -> None:
@@ -120,14 +120,14 @@ def test_rows_of_workers_gone_before_the_group_came_back_in_another_layout_are_l
     old1, new0 = worker(info(rank=1)), worker(info(layout="vllm:tp1", pid=8))
     old1.connected = False
     ws = {"e/0": new0, "e/1": old1}
-    assert group_members(ws, "e", pb.ROLE_ENGINE) == [new0]
+    assert group_members(ws, "e", Side.ENGINE) == [new0]
     # A departed rank of the group's own layout still counts (a refit names it not connected) ...
     same = {"e/0": worker(info(pid=8)), "e/1": old1}
-    assert group_members(same, "e", pb.ROLE_ENGINE) == [same["e/0"], old1]
+    assert group_members(same, "e", Side.ENGINE) == [same["e/0"], old1]
     # ... and a live rank of another layout is still refused.
     old1.connected = True
     with pytest.raises(RefitError, match="registered layout"):
-        group_members(ws, "e", pb.ROLE_ENGINE)
+        group_members(ws, "e", Side.ENGINE)
 
 
 def test_a_model_mismatch_names_every_field_that_differs_and_both_values() -> None:

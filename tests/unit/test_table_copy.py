@@ -47,25 +47,17 @@ def test_pieces_copy_what_the_memcpys_copy(case: tuple[list[Memcpy], int], piece
     assert all(w * h <= max(piece, w) and w <= piece for _, _, _, _, w, h in rows)
 
 
-def test_grid_gives_peer_pulls_the_gpu_and_same_gpu_copies_a_slice(monkeypatch) -> None:
+def test_grid_gives_peer_pulls_the_gpu_and_same_gpu_copies_a_slice() -> None:
     """Measured on 2x H200 (bench/RESULTS.md, 2026-11-22): a same-GPU table kernel on a full
-    grid beside a peer pull costs 5 ms per refit; the default keeps it to one block per SM."""
-    import pytest
-
+    grid beside a peer pull costs 5 ms per refit; the default keeps it to one block per SM.
+    (`REFIT_TABLE_BLOCKS`' parsing: tests/unit/test_settings.py.)"""
+    from refit import settings
     from refit.executor.table_copy import grid
 
-    from refit.executor.table_copy import BESIDE_BLOCKS
-
-    monkeypatch.delenv("REFIT_TABLE_BLOCKS", raising=False)
-    assert (grid(peer=True), grid(peer=False), grid(peer=False, beside=True)) == (528, 132, BESIDE_BLOCKS)
-    monkeypatch.setenv("REFIT_TABLE_BLOCKS", "264,66")
-    assert (grid(peer=True), grid(peer=False), grid(peer=False, beside=True)) == (264, 66, BESIDE_BLOCKS)
-    monkeypatch.setenv("REFIT_TABLE_BLOCKS", "264,66,16")
-    assert grid(peer=False, beside=True) == 16
-    for bad in ("lots", "1,2,3,4", "0,1"):
-        monkeypatch.setenv("REFIT_TABLE_BLOCKS", bad)
-        with pytest.raises(ValueError, match="PEER,LOCAL"):
-            grid(peer=True)
+    with settings.using(**settings.Settings.from_env({}).run_values()):
+        assert (grid(peer=True), grid(peer=False), grid(peer=False, beside=True)) == (528, 132, 33)
+    with settings.using(table_blocks=(264, 66, 16)):
+        assert (grid(peer=True), grid(peer=False), grid(peer=False, beside=True)) == (264, 66, 16)
 
 
 def test_kernel_source_defaults_are_the_packages_kernel() -> None:

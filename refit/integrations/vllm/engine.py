@@ -9,27 +9,27 @@ Lifecycle (one instance per vLLM worker, created by vLLM after the model loaded)
   With ``bounded`` staging, ``window_layers`` (default 1; 0: off) and something staged, the agent
   registers with ``phase_layers=window_layers`` and the landing as its phase hook: plans into this
   group run in phases, and each phase is re-processed as soon as it landed (one window staged).
-* ``update_weights({"plan_id", "version", "timeout"?})``: every worker arms its agent for that
-  (plan, version); once all are armed, the worker of rank 0 of vLLM's world (`_leader`; one per
-  replica of a dense DP engine) asks the coordinator to run the plan (the trainer agents answer it
-  on their own); its result is broadcast over the engine's own process group, so every worker
-  learns the outcome, success or the coordinator's error naming the failed worker.  On success
-  each worker checks its agent saw the commit, then re-processes what is left (phased: the
-  modules that read re-processed ones; else every staged module) and returns.  On failure it
-  raises, and the agent reports itself stale (with ``atomic`` staging the live weights were never
-  touched); a failure after the coordinator committed (the landing raised) registers the agent
-  again as stale, so that nobody lists it holding a version it does not hold whole.  The version
-  this engine already landed, asked again, is answered by the coordinator without moving
-  anything, and nothing is re-applied.
+* ``update_weights({"plan_id", "version", "timeout"?})``: every worker's agent expects that
+  (plan, version) (`Agent.expecting`); once all do, the worker of rank 0 of vLLM's world
+  (`_leader`; one per replica of a dense DP engine) asks the coordinator to run the plan (the
+  trainer agents answer it on their own); its result is broadcast over the engine's own process
+  group, so every worker learns the outcome, success or the coordinator's error naming the failed
+  worker.  On success each worker checks its agent heard the commit (`Agent.outcome`), then
+  re-processes what is left (phased: the modules that read re-processed ones; else every staged
+  module) and returns.  On failure it raises, and the agent reports itself stale (with
+  ``atomic`` staging the live weights were never touched); a failure after the coordinator
+  committed (the landing raised) registers the agent again as stale, so that nobody lists it
+  holding a version it does not hold whole.  The version this engine already landed, asked again,
+  is answered by the coordinator without moving anything, and nothing is re-applied.  What the
+  worker's weights are (`Holding`) is one record, carried over from agent to agent when the
+  worker registers again.
 * ``start_weight_update`` / ``finish_weight_update``: nothing to do (the writes happen inside
   ``update_weights``, which vLLM runs between engine steps).
 """
 
 from __future__ import annotations
 
-import asyncio
 import logging
-import threading
 import time
 from dataclasses import dataclass
 from typing import Any
@@ -42,7 +42,8 @@ from vllm.distributed.weight_transfer.base import (
 )
 
 from refit.control.agent import EngineAgent
-from refit.errors import InvalidInput
+from refit.control.agent_state import Holding
+from refit.errors import InvalidInput, RefitFailed
 from refit.integrations.vllm.config import identify
 from refit.integrations.vllm.landing import Landing, check_options
 
@@ -51,9 +52,9 @@ log = logging.getLogger(__name__)
 
 @dataclass
 class RefitInitInfo(WeightTransferInitInfo):
-    coordinator: str
+    coordinator: str = ""  # default: $REFIT_ADDRESS, else 127.0.0.1:50051
     group: str = "engine"
-    token: str | None = None
+    token: str | None = None  # default: $REFIT_TOKEN
     host: str = "127.0.0.1"
     staging: str = "bounded"  # see landing.py
     window_layers: int = 1  # bounded staging: layers staged at a time (0: the whole shard)
@@ -66,115 +67,27 @@ class RefitUpdateInfo(WeightTransferUpdateInfo):
     timeout: float = 60.0
 
 
-class WatchingEngineAgent(EngineAgent):
-    """An engine agent that remembers the outcome of each refit (`wait_outcome`) and runs only
-    the refit it was armed for.
+class VllmEngineAgent(EngineAgent):
+    """The engine agent of a vLLM worker: it runs only the refit that ``update_weights`` expects.
 
     Why no forward pass can read a half-written weight: the data plane writes into this agent's
     tensors (live parameters, with ``bounded`` staging) only while it runs a share, and a share
     starts only from a RunRefit command, which the coordinator sends only while some client's
-    ``refit`` call runs.  `_on_run` refuses every command but the (plan, version) armed by
-    `arm`, which each worker does inside ``update_weights`` before its world's rank 0 calls
+    ``refit`` call runs.  The agent refuses every command but the (plan, version) each worker
+    expects inside ``update_weights`` (`Agent.expecting`) before its world's rank 0 calls
     ``Client.refit``; vLLM runs ``update_weights`` on the engine's own thread between engine
-    steps, and the worker disarms only after its share ended (`wait_idle`; a data plane returns
-    by the refit's deadline and writes nothing once the refit is cancelled).  So a refit started by anyone else (another
-    client of the same coordinator) is answered with an error, never written."""
+    steps, and the worker stops expecting only after its share ended (`Agent.wait_idle`; a data
+    plane returns by the refit's deadline and writes nothing once the refit is cancelled).  So a
+    refit started by anyone else (another client of the same coordinator) is answered with an
+    error, never written.  The replicas of a dense DP engine enter ``update_weights``
+    independently (each its own world): another replica's leader may start the refit a moment
+    before this worker expects it, which `Agent.EXPECT_GRACE` allows for."""
 
-    KEEP = 64  # outcomes remembered
+    expects_refits = True
 
-    def __init__(self, *args: Any, stale: bool = False, **kwargs: Any) -> None:
-        super().__init__(*args, **kwargs)
-        self._stale = stale  # registered again over an engine that holds a failed refit's mix
-        self._outcomes: dict[str, tuple[bool, str, bool]] = {}  # refit id -> (committed, error, untouched)
-        self._cond = threading.Condition()
-        self._armed: tuple[str, int] | None = None
-        self._pinned = stale  # stale whatever the coordinator says, until a refit lands whole (`mark_stale`)
-
-    def arm(self, plan_id: str, version: int) -> None:
-        self._armed = (plan_id, version)
-
-    def disarm(self) -> None:
-        self._armed = None
-
-    @property
-    def last_refit(self) -> str:
-        """The refit this agent was last told to run ("" before any)."""
-        return self._last_refit
-
-    def mark_stale(self) -> None:
-        """This engine's weights are not whole although its share ran (it failed after writing,
-        maybe after the commit): stale from now on, whatever outcome still arrives.  Unless the
-        coordinator said that refit failed (then it lists us stale already), register again so
-        that it lists us stale too, and runs the next refit of the same version for real instead
-        of answering that this engine holds it."""
-        self._pinned = self._stale = True
-        with self._cond:
-            heard = self._outcomes.get(self._last_refit)
-        if heard is not None and not heard[0]:
-            return
-        log.warning("%s: registering again as stale (holding version %d)", self.worker_id, self._version)
-        self.stop()
-        self.start(timeout=10.0)  # a failure path: not the 30 s of a first registration
-
-    def landed_whole(self) -> None:
-        """A committed refit landed whole: no longer stale."""
-        self._pinned = self._stale = False
-
-    ARM_GRACE = 10.0  # seconds a command may arrive before this worker entered update_weights
-
-    async def _on_run(self, run: Any) -> None:
-        # The replicas of a dense DP engine enter update_weights independently (each its own
-        # world): another replica's leader may have started the refit a moment before this one
-        # armed.  Wait a little for it (the stream reader waits too: nothing else is due on it
-        # before this worker answers).
-        end = time.monotonic() + min(self.ARM_GRACE, run.timeout_seconds)
-        while self._armed != (run.plan_id, run.version) and time.monotonic() < end:
-            await asyncio.sleep(0.01)
-        if self._armed != (run.plan_id, run.version):
-            log.warning("%s: refusing refit %s (plan %s version %d): this engine is not inside update_weights "
-                        "for it (armed: %s)", self.worker_id, run.refit_id, run.plan_id, run.version, self._armed)
-            await self._reply(run.refit_id, False, error=f"{self.worker_id} is not inside vLLM's update_weights "
-                              f"for plan {run.plan_id} version {run.version}; refits of a vLLM engine are driven "
-                              f"by update_weights")
-            return
-        await super()._on_run(run)
-
-    def wait_idle(self, timeout: float) -> bool:
-        """Whether this agent's data plane ran no share (any more) within ``timeout`` seconds."""
-        deadline = time.monotonic() + timeout
-        while self._running or self._waiting_share():
-            if time.monotonic() > deadline:
-                return False
-            time.sleep(0.01)
-        return True
-
-    def _waiting_share(self) -> bool:
-        return self._waiting is not None and not self._waiting.done()  # queued behind an abandoned share
-
-    def _on_outcome(self, out: Any) -> None:
-        super()._on_outcome(out)
-        if self._pinned:
-            self._stale = True
-        with self._cond:
-            self._outcomes[out.refit_id] = (out.committed, out.error, out.untouched)
-            while len(self._outcomes) > self.KEEP:
-                self._outcomes.pop(next(iter(self._outcomes)))
-            self._cond.notify_all()
-
-    def wait_outcome(self, refit_id: str, timeout: float) -> tuple[bool, str] | None:
-        """(committed, error) of refit ``refit_id`` as this agent heard it, or None."""
-        heard = self._heard(refit_id, timeout)
-        return heard[:2] if heard else None
-
-    def moved_nothing(self, refit_id: str, timeout: float) -> bool:
-        """Whether the coordinator said refit ``refit_id`` failed before any byte moved."""
-        heard = self._heard(refit_id, timeout)
-        return heard is not None and not heard[0] and heard[2]
-
-    def _heard(self, refit_id: str, timeout: float) -> tuple[bool, str, bool] | None:
-        with self._cond:
-            self._cond.wait_for(lambda: refit_id in self._outcomes, timeout)
-            return self._outcomes.get(refit_id)
+    def refusal(self, plan_id: str, version: int) -> str:
+        return (f"{self.worker_id} is not inside vLLM's update_weights for plan {plan_id} version {version}; "
+                f"refits of a vLLM engine are driven by update_weights")
 
 
 class RefitWeightTransferEngine(WeightTransferEngine[RefitInitInfo, RefitUpdateInfo]):
@@ -186,27 +99,29 @@ class RefitWeightTransferEngine(WeightTransferEngine[RefitInitInfo, RefitUpdateI
 
     def __init__(self, config: Any, vllm_config: Any, device: torch.device, model: torch.nn.Module) -> None:
         super().__init__(config, vllm_config, device, model)
-        self.agent: WatchingEngineAgent | None = None
+        self.agent: VllmEngineAgent | None = None
         self.landing: Landing | None = None
         self.init_info: RefitInitInfo | None = None
-        self._landed_refit = ""  # the last refit whose landing completed here
-        self._held: tuple[int, bool] = (0, False)  # (version, stale) of the weights, across registrations
+        # What the weights are: outlives each agent (a later init_transfer_engine registers holding them)
+        self.holding = Holding()
 
     # ------------------------------------------------------------------ lifecycle
     def init_transfer_engine(self, init_info: RefitInitInfo) -> None:
         check_options(init_info.staging, init_info.window_layers)  # before dropping a registered agent
         if self.agent is not None:
             self.shutdown()
-        held = self._held
+        # Registered again over weights a failed refit may have torn: stale whatever outcomes say
+        # until a refit lands whole.
+        self.holding.pinned = self.holding.stale
         who = identify(self.vllm_config)
         self.landing = Landing(self.model, who.spec, who.layout, who.rank, self.device, init_info.staging,
                                init_info.window_layers, self.model_config)
         phased = self.landing.phase_layers > 0
-        self.agent = WatchingEngineAgent(init_info.coordinator, group=init_info.group, rank=who.rank, spec=who.spec,
-                                         layout=who.layout, tensors=self.landing.tensors, host=init_info.host,
-                                         token=init_info.token, version=held[0], stale=held[1],
-                                         phase_layers=self.landing.phase_layers,
-                                         phase_hook=self.landing if phased else None)
+        self.agent = VllmEngineAgent(init_info.coordinator, group=init_info.group, rank=who.rank, spec=who.spec,
+                                     layout=who.layout, tensors=self.landing.tensors, host=init_info.host,
+                                     token=init_info.token, holding=self.holding,
+                                     phase_layers=self.landing.phase_layers,
+                                     phase_hook=self.landing if phased else None)
         self.agent.start()
         self.init_info = init_info
         log.info("refit: %s registered as %s rank %d of %s (%s; staging %s%s: %.1f MiB staged, %.1f MiB written in "
@@ -229,10 +144,9 @@ class RefitWeightTransferEngine(WeightTransferEngine[RefitInitInfo, RefitUpdateI
         outcome: tuple[bool, str, str] = (False, "", "")
         before = agent.last_refit
         landing.begin()
-        agent.arm(update_info.plan_id, version)
         try:
-            try:
-                self._barrier()  # every worker armed before the coordinator sends the command
+            with agent.expecting(update_info.plan_id, version):
+                self._barrier()  # every worker expects it before the coordinator sends the command
                 if self._leader():
                     outcome = self._run_refit(info, update_info.plan_id, version, update_info.timeout)
                 ok, refit_id, error = self._broadcast(outcome)
@@ -240,14 +154,12 @@ class RefitWeightTransferEngine(WeightTransferEngine[RefitInitInfo, RefitUpdateI
                     # the share is cancelled with the failure; no write may land after we return
                     if not agent.wait_idle(update_info.timeout + 5.0):
                         log.error("refit: %s still runs its share of the failed refit", agent.worker_id)
-                    raise RuntimeError(f"refit {update_info.plan_id} version {version} failed: {error}")
-                seen = agent.wait_outcome(refit_id, 10.0)  # the commit reaches every agent right after the client
-                if seen is None or not seen[0]:
-                    raise RuntimeError(f"refit version {version}: {agent.worker_id} did not see the commit "
-                                       f"({seen[1] if seen else 'no outcome within 10 s'})")
-            finally:
-                agent.disarm()
-            if refit_id == self._landed_refit and agent.last_refit == before:
+                    raise RefitFailed(f"refit {update_info.plan_id} version {version} failed: {error}")
+                seen = agent.outcome(refit_id, 10.0)  # the commit reaches every agent right after the client
+                if seen is None or not seen.committed:
+                    raise RefitFailed(f"refit version {version}: {agent.worker_id} did not see the commit "
+                                       f"({seen.error if seen else 'no outcome within 10 s'})")
+            if refit_id == self.holding.landed_refit and agent.last_refit == before:
                 # the coordinator answered with the refit this engine already landed (the same
                 # version asked again): nothing moved, and the landing holds nothing new
                 log.info("refit: %s already holds version %d (refit %s)", agent.worker_id, version, refit_id)
@@ -255,16 +167,17 @@ class RefitWeightTransferEngine(WeightTransferEngine[RefitInitInfo, RefitUpdateI
             seconds = landing.apply(self.model_config)
         except BaseException:
             # our share ran (unless the refit failed before any byte moved): the live weights may be partly new
-            if agent.last_refit != before and not agent.moved_nothing(agent.last_refit, 2.0):
+            ran = agent.last_refit != before
+            heard = agent.outcome(agent.last_refit, 2.0) if ran else None
+            if ran and not (heard is not None and heard.moved_nothing):
                 log.error("refit: %s holds a partly written version %d; reporting it stale", agent.worker_id,
                           version)
                 try:
-                    agent.mark_stale()
+                    self._report_stale(agent)
                 except Exception as e:  # noqa: BLE001 - the refit's own error is the one to raise
                     log.error("refit: %s could not register again as stale: %s", agent.worker_id, e)
             raise
-        self._landed_refit = refit_id
-        agent.landed_whole()
+        self.holding.landed(refit_id)
         log.info("refit: version %d landed in %s (%.3f s applying, %.3f s in all)", version, agent.worker_id,
                  seconds, time.perf_counter() - t0)
 
@@ -286,20 +199,33 @@ class RefitWeightTransferEngine(WeightTransferEngine[RefitInitInfo, RefitUpdateI
 
     def shutdown(self) -> None:
         if self.agent is not None:
+            # the weights stay (`self.holding`): a later init_transfer_engine registers holding them
             self.agent.stop()
-            # the weights stay: a later init_transfer_engine registers holding them, stale or not
-            self._held = (self.agent.version, self.agent.stale)
         # the landing's staging (a whole shard with atomic staging) serves no later refit: a new
         # init_transfer_engine builds its own
         self.agent = self.landing = self.init_info = None
 
     # ------------------------------------------------------------------ helpers
+    def _report_stale(self, agent: VllmEngineAgent) -> None:
+        """This engine's weights are not whole although its share ran (it failed after writing,
+        maybe after the commit): stale from now on, whatever outcome still arrives.  Unless the
+        coordinator said that refit failed (then it lists us stale already), register again so
+        that it lists us stale too, and runs the next refit of the same version for real instead
+        of answering that this engine holds it."""
+        self.holding.pin_stale()
+        heard = agent.outcome(agent.last_refit)
+        if heard is not None and not heard.committed:
+            return
+        log.warning("%s: registering again as stale (holding version %d)", agent.worker_id, self.holding.version)
+        agent.stop()
+        agent.start(timeout=10.0)  # a failure path: not the 30 s of a first registration
+
     def _require_target(self) -> None:
         if self.model is not self._default_model:
             raise InvalidInput("refit: only the target model can be refitted (its landing was set up at "
                              "init_weight_transfer_engine), not a speculative draft model")
 
-    def _require_init(self) -> tuple[WatchingEngineAgent, Landing, RefitInitInfo]:
+    def _require_init(self) -> tuple[VllmEngineAgent, Landing, RefitInitInfo]:
         if self.agent is None or self.landing is None or self.init_info is None:
             raise InvalidInput("refit: call init_weight_transfer_engine({'init_info': {'coordinator': ...}}) first")
         if not self.agent.connected:

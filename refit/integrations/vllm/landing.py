@@ -26,7 +26,7 @@ Staging modes:
   sized for the largest phase on this rank, and each phase is copied / re-processed as soon as
   every member wrote it (`Landing.landed`), before the next phase overwrites the window.  A plan
   not cut that way is refused before any byte moves (`Landing.check`).  The writes happen only
-  inside ``update_weights`` (the engine agent refuses any refit it was not armed for there),
+  inside ``update_weights`` (the engine agent refuses any refit it does not expect there),
   between engine steps; a refit that fails part-way leaves a mix of old and new weights, and the
   engine reports itself stale until the next successful refit rewrites all of them.
 * ``atomic``: every parameter is staged (one extra copy of the shard; never phased); nothing live

@@ -1,0 +1,232 @@
+"""Every ``REFIT_*`` environment variable refit reads, declared once: name, type, default, why.
+
+The environment is read once per process (`current`), and a bad value is refused then, naming
+the variable.  Knobs come in three scopes:
+
+* ``run``: how the executor moves bytes.  A run's members must move bytes the same way (two
+  NCCL bootstraps never meet; a push needs every peer's destinations mapped), so member 0
+  publishes its values when a run opens and every member uses them (`adopt`); a member whose own
+  environment says otherwise logs a warning.  A mismatch no longer hangs until the deadline.
+* ``process``: this process only (the coordinator's token, its event loop, tracing).
+* ``bench``: read by ``refit-bench`` alone.
+
+``refit settings`` prints each knob with its value here; docs/performance.md's table is
+`markdown_table`'s output (tests/unit/test_settings.py holds the two equal).  Knobs that only
+ever served a measurement were retired: setting one logs a warning and changes nothing.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import logging
+import os
+import threading
+from dataclasses import dataclass
+from contextlib import contextmanager
+from typing import Any, Callable, Iterator, Literal, Mapping
+
+from refit.errors import InvalidInput
+
+log = logging.getLogger(__name__)
+
+Scope = Literal["run", "process", "bench"]
+
+
+def _blocks(value: str) -> tuple[int, int, int]:
+    parts = [int(v) for v in value.split(",")]  # ValueError: refused by `Knob.parse`
+    if len(parts) == 2:
+        parts.append(int(_DEFAULT_BESIDE))
+    if len(parts) != 3 or min(parts) < 1:
+        raise ValueError
+    return parts[0], parts[1], parts[2]
+
+
+def _flag(value: str) -> bool:
+    if value.lower() in ("1", "true", "yes", "on"):
+        return True
+    if value.lower() in ("", "0", "false", "no", "off"):
+        return False
+    raise ValueError
+
+
+_DEFAULT_BESIDE = "33"
+
+
+@dataclass(frozen=True)
+class Knob:
+    """One environment variable: ``default`` and ``choices`` as written in the environment;
+    ``convert`` turns the text into the `Settings` field's value (ValueError: refused)."""
+
+    name: str
+    default: str
+    scope: Scope
+    what: str
+    choices: tuple[str, ...] = ()
+    convert: Callable[[str], Any] = str
+    form: str = ""  # how to write a value, where ``choices`` does not say it
+    see: str = ""  # where the docs explain it
+    secret: bool = False  # never printed or logged
+
+    @property
+    def field(self) -> str:
+        return self.name.removeprefix("REFIT_").lower()
+
+    def parse(self, value: str) -> Any:
+        if self.choices and value not in self.choices:
+            raise InvalidInput(f"{self.name}={value!r}: must be one of {', '.join(self.choices)}")
+        try:
+            return self.convert(value)
+        except ValueError:
+            raise InvalidInput(f"{self.name}={value!r}: must be {self.form or 'valid'}") from None
+
+
+PERF = "docs/performance.md#the-executor-and-its-transports"
+
+KNOBS: tuple[Knob, ...] = (
+    Knob("REFIT_IPC", "auto", "run", choices=("auto", "push", "pull"), see=PERF,
+         what="with the ipc transport, who copies a bucket between two GPUs: `push` (the source's GPU "
+              "writes with SM stores, posted over NVLink) or `pull` (the destination's reads); `auto`: "
+              "push on GPUs, pull between the bench's packed arenas and on CPU"),
+    Knob("REFIT_NCCL", "cupy", "run", choices=("cupy", "torch"), see=PERF,
+         what="the NCCL communicator of the nccl transport: cupy's (bootstrapped through the coordinator) "
+              "or torch.distributed's ProcessGroupNCCL"),
+    Knob("REFIT_TABLE_COPY", "auto", "run", choices=("auto", "on", "off"), see=PERF,
+         what="many small block copies as one descriptor-table kernel: `auto` when more than 64 copies "
+              "average under 8 MiB, or beside other work; `off`: one memcpy call each"),
+    Knob("REFIT_TABLE_BLOCKS", f"528,132,{_DEFAULT_BESIDE}", "run", convert=_blocks,
+         form="PEER,LOCAL[,BESIDE] thread block counts, each at least 1", see=PERF,
+         what="thread blocks of the table kernels: peer copies, same-GPU copies, same-GPU copies beside an "
+              "NCCL pipeline (a smaller grid leaves SMs to the work beside it)"),
+    Knob("REFIT_BATCH_MEMCPY", "off", "run", choices=("off", "flat", "all"), see=PERF,
+         what="CUDA 13's batched memcpy beside the table kernel: `flat` sends 1-D runs to the copy engines "
+              "in one call, `all` pitched blocks too (a gain on 2 GPUs, a loss on 4: opt-in)"),
+    Knob("REFIT_TRACE", "0", "process", convert=_flag, form="1 or 0", see=PERF,
+         what="log each GPU's timeline after every refit (CUDA events around each copy batch and NCCL step)"),
+    Knob("REFIT_ADDRESS", "", "process", form="HOST:PORT", see="docs/control-plane.md",
+         what="the coordinator that clients, agents, `attach` and the vLLM backend reach when the code names "
+              "none (else 127.0.0.1:50051)"),
+    Knob("REFIT_TOKEN", "", "process", form="a secret", see="docs/faults-and-security.md", secret=True,
+         what="the bearer token: `refit serve` requires it on every call (`--token-file` wins over it, it "
+              "wins over `--token`); clients, agents, `attach` and the vLLM backend send it when the code "
+              "names none"),
+    Knob("REFIT_UVLOOP", "1", "process", convert=_flag, form="1 or 0", see="docs/control-plane.md",
+         what="run the agents' and coordinator's event loops on uvloop when installed (0: asyncio's own)"),
+    Knob("REFIT_START_METHOD", "forkserver", "bench", choices=("forkserver", "spawn", "fork"),
+         see="docs/performance.md#refit-bench-the-main-job",
+         what="how `refit-bench` starts its worker processes"),
+    Knob("REFIT_TEST_KILL", "", "bench", form="`src2@1` or `dst2@1:stop`", see="docs/testing.md",
+         what="fault injection for tests: that rank of `refit-bench` dies (`:stop`: hangs) during that refit"),
+)
+
+# Knobs that only served a measurement, kept in the results (`bench/RESULTS.md`), no longer read.
+RETIRED: Mapping[str, str] = {
+    "REFIT_COPY": "torch copies instead of the copy engines: the executor before 2026-11-20",
+    "REFIT_PULL_ON": "pulls issued on the source's stream: a comparison of 2026-11-21",
+    "REFIT_PULL_ORDER": "pulls from every peer at once: half the inbound bandwidth of pulls in rounds",
+    "REFIT_TABLE_PULL": "the table kernel always run on the peer: slower than through our own mapping",
+}
+
+BY_NAME: Mapping[str, Knob] = {k.name: k for k in KNOBS}
+
+
+@dataclass(frozen=True)
+class Settings:
+    """The knobs' values in one process; fields are the knobs' names without ``REFIT_``, lower case."""
+
+    ipc: str
+    nccl: str
+    table_copy: str
+    table_blocks: tuple[int, int, int]
+    batch_memcpy: str
+    trace: bool
+    address: str
+    token: str = dataclasses.field(repr=False)  # "" when unset
+    uvloop: bool
+    start_method: str
+    test_kill: str
+
+    @classmethod
+    def from_env(cls, environ: Mapping[str, str] | None = None) -> "Settings":
+        """The settings ``environ`` (default: this process's environment) asks for; InvalidInput
+        names a knob whose value is wrong."""
+        env = os.environ if environ is None else environ
+        for name in sorted(set(RETIRED) & set(env)):
+            log.warning("%s is no longer read (%s); see bench/RESULTS.md", name, RETIRED[name])
+        return cls(**{k.field: k.parse(env.get(k.name, k.default)) for k in KNOBS})
+
+    def run_values(self) -> dict[str, Any]:
+        """The values a run's members must share (scope ``run``), as JSON-able data."""
+        return {k.field: getattr(self, k.field) for k in KNOBS if k.scope == "run"}
+
+    def with_run_values(self, values: Mapping[str, Any], who: str = "") -> "Settings":
+        """These settings with a run's shared values (member 0's `run_values`); a value that
+        differs from ours is logged, since this process's environment is then not what runs."""
+        fields = {k.field: k for k in KNOBS if k.scope == "run"}
+        if set(values) != set(fields):
+            raise InvalidInput(f"run settings name {sorted(values)}, not the run knobs {sorted(fields)}")
+        theirs = {f: tuple(v) if isinstance(v, list) else v for f, v in values.items()}
+        for f, v in theirs.items():
+            if getattr(self, f) != v:
+                log.warning("%s%s: this process says %r, the run's member 0 says %r; using member 0's",
+                            f"{who}: " if who else "", fields[f].name, getattr(self, f), v)
+        return dataclasses.replace(self, **theirs)
+
+
+_lock = threading.Lock()
+_from_env: Settings | None = None
+_in_use: Settings | None = None  # a run's settings (`adopt`) or a test's (`using`)
+
+
+def current() -> Settings:
+    """The settings in force in this process: the run's adopted ones, else the environment's
+    (read on the first call)."""
+    return _in_use if _in_use is not None else from_environment()
+
+
+def adopt(run_values: Mapping[str, Any], who: str = "") -> Settings:
+    """Use a run's shared values in this process from now on (a process drives one member at a
+    time; its next run adopts that run's values)."""
+    global _in_use
+    settings = from_environment().with_run_values(run_values, who)
+    _in_use = settings
+    return settings
+
+
+def from_environment() -> Settings:
+    """This process's own settings, whatever a run adopted."""
+    global _from_env
+    with _lock:
+        if _from_env is None:
+            _from_env = Settings.from_env()
+        return _from_env
+
+
+@contextmanager
+def using(**fields: Any) -> Iterator[Settings]:
+    """Settings with ``fields`` changed, in force in this process for the ``with`` block (tests)."""
+    global _in_use
+    before = _in_use
+    _in_use = dataclasses.replace(current(), **fields)
+    try:
+        yield _in_use
+    finally:
+        _in_use = before
+
+
+def reload() -> Settings:
+    """Read the environment again and drop any adopted run values (tests that change it)."""
+    global _from_env, _in_use
+    with _lock:
+        _from_env, _in_use = None, None
+    return current()
+
+
+def markdown_table() -> str:
+    """The knobs as docs/performance.md shows them."""
+    rows = ["| variable | scope | values | default | what it does |", "|---|---|---|---|---|"]
+    for k in KNOBS:
+        values = " / ".join(f"`{c}`" for c in k.choices) if k.choices else k.form
+        default = f"`{k.default}`" if k.default else "unset"
+        what = f"{k.what} ([more]({k.see.removeprefix('docs/')}))" if k.see else k.what
+        rows.append(f"| `{k.name}` | {k.scope} | {values} | {default} | {what} |")
+    return "\n".join(rows)
