@@ -32,6 +32,9 @@ log = logging.getLogger(__name__)
 Scope = Literal["run", "process", "bench"]
 
 
+_DEFAULT_BESIDE = "33"  # REFIT_TABLE_BLOCKS' third value when only two are given
+
+
 def _blocks(value: str) -> tuple[int, int, int]:
     parts = [int(v) for v in value.split(",")]  # ValueError: refused by `Knob.parse`
     if len(parts) == 2:
@@ -47,9 +50,6 @@ def _flag(value: str) -> bool:
     if value.lower() in ("", "0", "false", "no", "off"):
         return False
     raise ValueError
-
-
-_DEFAULT_BESIDE = "33"
 
 
 @dataclass(frozen=True)
@@ -126,7 +126,7 @@ RETIRED: Mapping[str, str] = {
     "REFIT_TABLE_PULL": "the table kernel always run on the peer: slower than through our own mapping",
 }
 
-BY_NAME: Mapping[str, Knob] = {k.name: k for k in KNOBS}
+RUN_KNOBS: Mapping[str, Knob] = {k.field: k for k in KNOBS if k.scope == "run"}  # by field name
 
 
 @dataclass(frozen=True)
@@ -156,19 +156,18 @@ class Settings:
 
     def run_values(self) -> dict[str, Any]:
         """The values a run's members must share (scope ``run``), as JSON-able data."""
-        return {k.field: getattr(self, k.field) for k in KNOBS if k.scope == "run"}
+        return {f: getattr(self, f) for f in RUN_KNOBS}
 
     def with_run_values(self, values: Mapping[str, Any], who: str = "") -> "Settings":
         """These settings with a run's shared values (member 0's `run_values`); a value that
         differs from ours is logged, since this process's environment is then not what runs."""
-        fields = {k.field: k for k in KNOBS if k.scope == "run"}
-        if set(values) != set(fields):
-            raise InvalidInput(f"run settings name {sorted(values)}, not the run knobs {sorted(fields)}")
+        if set(values) != set(RUN_KNOBS):
+            raise InvalidInput(f"run settings name {sorted(values)}, not the run knobs {sorted(RUN_KNOBS)}")
         theirs = {f: tuple(v) if isinstance(v, list) else v for f, v in values.items()}
         for f, v in theirs.items():
             if getattr(self, f) != v:
                 log.warning("%s%s: this process says %r, the run's member 0 says %r; using member 0's",
-                            f"{who}: " if who else "", fields[f].name, getattr(self, f), v)
+                            f"{who}: " if who else "", RUN_KNOBS[f].name, getattr(self, f), v)
         return dataclasses.replace(self, **theirs)
 
 

@@ -71,7 +71,8 @@ class Agent(AgentStream):
         """``address``, ``token``: the coordinator's (default ``$REFIT_ADDRESS``, else
         127.0.0.1:50051, and ``$REFIT_TOKEN``).  ``tensors``: this rank's local tensors by local
         name, or a callable returning them at every refit (`TensorSource`); ``None``: none, for
-        data planes that need none (tests, benches).  ``data_plane`` defaults to `refit.executor` (gloo on CPU, CUDA IPC / NCCL on GPUs).
+        data planes that need none (tests, benches).  ``data_plane`` defaults to `refit.executor`
+        (gloo on CPU, CUDA IPC / NCCL on GPUs).
         ``reconnect``: register again by itself when the stream drops, waiting between tries from
         ``backoff[0]`` doubling up to ``backoff[1]`` seconds.  ``keepalive_ms``: ping interval
         (the coordinator's own must not be above it; tests shorten both).  ``phase_layers`` (engines):
@@ -79,8 +80,8 @@ class Agent(AgentStream):
         phased); ``phase_hook`` checks each plan before it runs and hears each phase land.
         ``holding``: what the weights are, carried over from an earlier agent of the same weights
         (registered again); by default a new record at ``version``."""
-        super().__init__(coordinator_address(address), coordinator_token(token), reconnect=reconnect, backoff=backoff, keepalive_ms=keepalive_ms,
-                         keepalive_timeout_ms=keepalive_timeout_ms)
+        super().__init__(coordinator_address(address), coordinator_token(token), reconnect=reconnect,
+                         backoff=backoff, keepalive_ms=keepalive_ms, keepalive_timeout_ms=keepalive_timeout_ms)
         self.group, self.rank, self.spec = group, rank, spec
         self.layout = resolve_layout(layout, spec, self.role.end) if isinstance(layout, str) else layout.resolve(spec)
         if not 0 <= rank < self.layout.world_size:

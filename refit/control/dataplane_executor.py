@@ -39,6 +39,7 @@ from typing import Any, Callable, Mapping
 import torch
 import torch.distributed as dist
 
+from refit.control.common import Side
 from refit.control.dataplane import BaseDataPlane, RunContext, Tensors
 from refit.errors import InvalidInput
 from refit.executor.member import Member, Rebuild
@@ -89,17 +90,18 @@ class ExecutorDataPlane(BaseDataPlane):
             raise InvalidInput(f"transport must be auto, ipc or comm, not {transport!r}")
         self.transport = transport
         self._members: dict[str, Held] = {}  # by plan_id
-        self._resolved: dict[str, tuple[Layout, Layout]] = {}  # plan_id -> (src, dst) resolved (`prepare`)
+        self._resolved: dict[str, tuple[Layout, Layout]] = {}  # plan hash -> (src, dst) resolved (`prepare`)
 
     def prepare(self, plan: Plan) -> None:
         """Resolve the plan's other side once, and check that this seat is in it."""
         seat = self.seat
-        ranks = len(plan.placement.src_gpus if seat.side.end == "src" else plan.placement.dst_gpus)
+        trainer = seat.side is Side.TRAINER
+        ranks = len(plan.placement.src_gpus if trainer else plan.placement.dst_gpus)
         if seat.rank >= ranks:
             raise InvalidInput(f"plan {plan.plan_hash} has {ranks} {seat.side.plural}; this is rank {seat.rank}")
         other_side = seat.side.other
         other = resolve_layout(other_side.layout_of(plan), seat.spec, other_side.end)
-        self._resolved[plan.plan_hash] = (seat.layout, other) if seat.side.end == "src" else (other, seat.layout)
+        self._resolved[plan.plan_hash] = (seat.layout, other) if trainer else (other, seat.layout)
 
     def run(self, plan: Plan, tensors: Tensors, ctx: RunContext) -> tuple[int, float]:
         if plan.plan_hash not in self._resolved:
