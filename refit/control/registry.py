@@ -11,6 +11,7 @@ from dataclasses import dataclass, field
 from typing import Any, Awaitable, Callable
 
 from refit.control.common import Conflict, Exhausted, Precondition, Side, short, spec_from_registration, worker_id
+from refit.casts import casts_between
 from refit.control.v1 import refit_pb2 as pb
 from refit.dtypes import DTYPE_BYTES
 from refit.errors import InvalidInput
@@ -72,6 +73,11 @@ class PlanEntry:
     prefix: str = ""  # rendezvous key prefix of this generation: a random secret (see refit.proto)
     running: Any = None  # the refits.Run under way (one per plan at a time), else None
     committed: pb.RefitResponse | None = None  # the response of the refit that committed `version`
+    src_digest: str = ""  # the trainers' model digest, when it is not the plan's (`Plan.casts`)
+
+    @property
+    def trainer_digest(self) -> str:
+        return self.src_digest or self.plan.model_digest
 
     @property
     def num_src(self) -> int:
@@ -222,25 +228,32 @@ def group_members(workers: dict[str, Worker], group: str, side: Side) -> list[Wo
     return members
 
 
-def check_same_model(src: Worker, dst: Worker) -> None:
+def check_same_model(src: Worker, dst: Worker) -> dict[str, str]:
     """Refuse groups of different models, naming every config field that differs and both values
-    (digests alone tell a user nothing: an fp32 trainer and a bf16 engine look like two models)."""
+    (digests alone tell a user nothing).  The same model in other dtypes (an fp32 trainer, a bf16
+    engine) is one model: the casts a plan between them makes (`refit.casts`) are returned."""
     a, b = src.info, dst.info
     diff = config_differences(a.model_config_json, b.model_config_json, a.group, b.group)
-    if a.model_digest != b.model_digest:
-        raise InvalidInput(f"groups {a.group!r} and {b.group!r} hold different models: " + (
-            diff or f"{a.model_name} (digest {a.model_digest}) vs {b.model_name} (digest {b.model_digest})"))
-    if diff:
+    other = config_differences(a.model_config_json, b.model_config_json, a.group, b.group, ignore=("dtype",))
+    if other and a.model_digest != b.model_digest:
+        raise InvalidInput(f"groups {a.group!r} and {b.group!r} hold different models: {diff}")
+    if other:
         raise InvalidInput(f"groups {a.group!r} and {b.group!r} hold models of equal tensors but different configs: {diff}")
+    if a.model_digest == b.model_digest:
+        return {}
+    try:
+        return casts_between(src.spec, dst.spec)
+    except InvalidInput as e:
+        raise InvalidInput(f"groups {a.group!r} and {b.group!r}: {e}") from None
 
 
-def config_differences(a: str, b: str, a_name: str, b_name: str) -> str:
+def config_differences(a: str, b: str, a_name: str, b_name: str, ignore: tuple[str, ...] = ()) -> str:
     """Every field on which two registered model configs differ, with both values, the first pair
     labelled with whose it is: ``dtype 'float32' (trainer) vs 'bfloat16' (engine); vocab_size 300
     vs 302``.  Empty if equal.  Values are cut short: a registration may be 64 KiB of JSON."""
     da, db = json.loads(a), json.loads(b)
     absent = object()  # a field one side lacks differs from every value
-    keys = [k for k in sorted(set(da) | set(db)) if da.get(k, absent) != db.get(k, absent)]
+    keys = [k for k in sorted(set(da) | set(db)) if da.get(k, absent) != db.get(k, absent) and k not in ignore]
     value = lambda d, key: short(d[key], 40) if key in d else "(absent)"  # noqa: E731
     parts = [f"{k} {value(da, k)} vs {value(db, k)}" for k in keys]
     if parts:
@@ -257,8 +270,9 @@ def check_plan_members(entry: PlanEntry, members: list[Worker]) -> None:
     plan = entry.plan
     for i, w in enumerate(members):
         want = plan.src_layout if i < entry.num_src else plan.dst_layout
-        if w.layout_str != want or w.info.model_digest != plan.model_digest:
-            raise Precondition(f"plan {entry.plan_id} was made for {want} of model {plan.model_digest}; "
+        digest = entry.trainer_digest if i < entry.num_src else plan.model_digest
+        if w.layout_str != want or w.info.model_digest != digest:
+            raise Precondition(f"plan {entry.plan_id} was made for {want} of model {digest}; "
                                f"{w.worker_id} now holds {w.layout_str} of {w.info.model_digest}: create a new plan")
         if i >= entry.num_src and w.info.phase_layers != plan.phase_layers:
             raise Precondition(f"plan {entry.plan_id} was made for phase_layers {plan.phase_layers}; {w.worker_id} "

@@ -11,6 +11,7 @@ refit that each served view still lies where its parameter's data does, and refu
 
 from __future__ import annotations
 
+import dataclasses
 import logging
 from dataclasses import dataclass
 from typing import Any, Callable, Mapping
@@ -31,16 +32,16 @@ DTYPE_NAMES = {torch.bfloat16: "bfloat16", torch.float16: "float16", torch.float
 
 
 def spec_of_hf_config(config: Any, params: Mapping[str, torch.Tensor]) -> ModelSpec:
-    """refit's spec of a transformers ``PretrainedConfig`` (``model.config``).  A config naming no
-    dtype takes its parameters' (one for all, else refused: refit moves bits and never casts)."""
+    """refit's spec of a transformers ``PretrainedConfig`` (``model.config``), in the dtype the
+    parameters hold when they share one: a trainer keeps its parameters in the dtype it trains in
+    (verl's FSDP2: float32 under a bfloat16 config), and a plan into an engine of another dtype
+    casts on the way (`refit.casts`).  Parameters of mixed dtypes take the config's."""
     cfg = config.to_dict()
-    dtype = cfg.get("dtype") or cfg.get("torch_dtype")
+    dtypes = {p.dtype for p in params.values()}
+    dtype = dtypes.pop() if len(dtypes) == 1 else cfg.get("dtype") or cfg.get("torch_dtype")
     if dtype is None:
-        dtypes = {p.dtype for p in params.values()}
-        if len(dtypes) != 1:
-            raise InvalidInput(f"the model's parameters mix dtypes {sorted(map(str, dtypes))} "
-                             f"and model.config names none")
-        dtype = dtypes.pop()
+        raise InvalidInput(f"the model's parameters mix dtypes {sorted(map(str, dtypes))} "
+                           f"and model.config names none")
     cfg["dtype"] = DTYPE_NAMES.get(dtype, str(dtype)) if isinstance(dtype, torch.dtype) else dtype
     cfg.pop("torch_dtype", None)
     name = str(getattr(config, "name_or_path", "") or cfg.get("model_type") or "model").rstrip("/").rsplit("/", 1)[-1]
@@ -73,8 +74,22 @@ def check_dtypes(served: Mapping[str, "Served"], spec: ModelSpec, layout: Layout
         got = DTYPE_NAMES.get(s.view.dtype, str(s.view.dtype))
         if got != want:
             whose = "the model's config says" if want == spec.config.dtype else f"refit holds {name!r} in"
-            raise InvalidInput(f"parameter {s.param_name!r} is {got}, {whose} {want}: refit moves bits "
-                             f"and does not cast; keep the trainer's tensor in {want} (or fix config.dtype)")
+            raise InvalidInput(f"parameter {s.param_name!r} is {got}, {whose} {want}: a model's parameters "
+                               f"are served in one dtype (plans cast between the trainer's and the engine's "
+                               f"dtypes, not within a model); keep it in {want} (or fix config.dtype)")
+
+
+def held_dtype(spec: ModelSpec, layout: Layout, served: Mapping[str, "Served"], rank: int) -> tuple[ModelSpec, Layout]:
+    """The spec (and layout) in the dtype the trainer holds its parameters in, when every tensor the
+    config's dtype covers is served in one other dtype (a Megatron model kept in float32 under a
+    bfloat16 checkpoint): plans into engines of the config's dtype then cast (`refit.casts`)."""
+    held = {lt.name: lt.dtype for lt in layout.local_tensors(spec, rank)}
+    got = {DTYPE_NAMES.get(s.view.dtype, str(s.view.dtype)) for n, s in served.items()
+           if held.get(n) == spec.config.dtype}
+    if len(got) != 1 or (dtype := got.pop()) == spec.config.dtype or dtype not in DTYPE_NAMES.values():
+        return spec, layout
+    spec = build_spec(spec.name, dataclasses.replace(spec.config, dtype=dtype))
+    return spec, layout.resolve(spec)
 
 
 @dataclass
@@ -115,6 +130,7 @@ def start_trainer(address: str | None, *, group: str, rank: int, spec: ModelSpec
                   served: Mapping[str, Served], token: str | None = None, **agent_options: Any) -> TrainerAgent:
     """Check, then register: the layout's tensors of ``rank`` must all be served (names, shapes,
     dtypes, by `TrainerAgent`'s own check) before anything connects."""
+    spec, layout = held_dtype(spec, layout, served, rank)
     check_dtypes(served, spec, layout, rank)
     tensors = {name: s.view for name, s in served.items()}
     devices = {t.device for t in tensors.values()}

@@ -7,11 +7,14 @@ those classes (as `refit.layouts.LAYOUTS` does frameworks), and `register_planne
 from __future__ import annotations
 
 import contextlib
+import dataclasses
 import gc
 import time
 from dataclasses import dataclass
 from typing import Any, Iterator
 
+from refit.casts import Casts
+from refit.casts import describe as describe_casts
 from refit.errors import InvalidInput
 from refit.layouts import Layout, all_holdings, resolve_layout
 from refit.phases import phase_plan
@@ -47,9 +50,12 @@ class PlanResult:
 
 
 def make_plan(spec: ModelSpec, src: str | Layout, dst: str | Layout, placement: str = "colocated",
-              planner: str = "p2p", bucket_bytes: int = DEFAULT_BUCKET_BYTES, phase_layers: int = 0) -> PlanResult:
+              planner: str = "p2p", bucket_bytes: int = DEFAULT_BUCKET_BYTES, phase_layers: int = 0,
+              casts: Casts | None = None) -> PlanResult:
     """Resolve both layouts, plan, and summarise — the whole of `refit plan`.  ``phase_layers``
-    > 0: the plan cut into phases of that many layers (`refit.phases.phase_plan`).  Raises
+    > 0: the plan cut into phases of that many layers (`refit.phases.phase_plan`).  ``casts``:
+    the trainers hold these tensors of ``spec`` (the engines' spec) in other dtypes
+    (`refit.casts.casts_between`); the plan records them.  Raises
     `refit.InvalidInput` for layouts, a planner or a bucket size that cannot serve; pure: no I/O."""
     if planner not in PLANNERS:
         raise InvalidInput(f"unknown planner {planner!r}: {', '.join(PLANNERS)}")
@@ -61,9 +67,13 @@ def make_plan(spec: ModelSpec, src: str | Layout, dst: str | Layout, placement: 
         dst_l = resolve_layout(dst, spec, "dst")
         place = Placement.make(placement, src_l.world_size, dst_l.world_size)
         plan = phase_plan(PLANNERS[planner]().plan(spec, src_l, dst_l, place, bucket_bytes), spec, phase_layers)
+        if casts:
+            plan = dataclasses.replace(plan, casts=dict(casts))
         seconds = time.perf_counter() - t0
         dst_total = total_bytes(spec, all_holdings(spec, dst_l))
         summary = summarize(plan, spec, dst_total, seconds)
+        if casts:
+            summary["casts"] = describe_casts(casts, {t.name: t.dtype for t in spec.tensors})
         if spec.not_moved:  # e.g. DeepSeek-V3's MTP layers: said, never silently dropped
             summary["not_moved"] = list(spec.not_moved)
         return PlanResult(plan, summary, src_l, dst_l)

@@ -5,6 +5,8 @@ serves the live parameters).  The trainer is this process (one rank, no torch.di
 
 from __future__ import annotations
 
+import copy
+import dataclasses
 import warnings
 
 import pytest
@@ -131,14 +133,14 @@ def load_spec_of(model):
     ("LlamaForCausalLM", dict(LLAMA, attention_bias=True), None, "'model.layers.0.self_attn.o_proj.bias' (and 1 more"),
     ("LlamaForCausalLM", LLAMA, "untie", "lm_head.weight is a parameter of its own"),
     ("LlamaForCausalLM", LLAMA, "float32", "is float32, the model's config says bfloat16"),
-], ids=["mlp_bias", "o_proj_bias", "lm_head-untied-but-config-tied", "fp32-params"])
+], ids=["mlp_bias", "o_proj_bias", "lm_head-untied-but-config-tied", "one-fp32-param"])
 def test_attach_refuses_before_registering(server, cls_name, cfg, change, message) -> None:
     srv, client = server
     model = make(cls_name, **cfg)
     if change == "untie":
         model.config.tie_word_embeddings = True
-    elif change == "float32":
-        model.float()
+    elif change == "float32":  # one parameter in another dtype than the rest: not one model's dtype
+        model.model.norm.float()
     with pytest.raises(RefitError, match=__import__("re").escape(message)):
         refit_hf.attach(model, srv.address, group="refused")
     assert client.list_workers(group="refused") == []
@@ -227,3 +229,41 @@ def test_fsdp_serves_its_rows_of_the_router_bias_buffer() -> None:
             got = served[f"model.layers.{layer}.mlp.gate.e_score_correction_bias"].view
             want = list(bias.chunk(3)) + [bias[:0]]  # 4 rows: torch.chunk gives [2, 2], rank 2 nothing
             assert got.dtype == torch.float32 and torch.equal(got, want[rank])
+
+
+@pytest.mark.parametrize("held,served", [(torch.float32, "bfloat16"), (torch.float16, "bfloat16"),
+                                         (torch.bfloat16, "float32")],
+                         ids=["fp32-to-bf16", "fp16-to-bf16", "bf16-to-fp32"])
+def test_trainer_dtype_is_cast_on_the_way(server, tmp_path, held, served) -> None:
+    """A trainer holding the model in one dtype (verl's FSDP2 keeps float32 masters) refits engines
+    holding it in another: the plan records every cast, and the engines hold exactly what loading
+    the trainer's weights would give them (``Tensor.to``: round to nearest even, the conversion of
+    vLLM's loaders).  Then a real optimizer step in the trainer's dtype, and again."""
+    from refit.spec import build_spec
+
+    srv, client = server
+    model = make("Qwen3MoeForCausalLM", **QWEN3_MOE).to(held)
+    with torch.no_grad():  # values a narrowing cast must round (bf16 values would pass through exactly)
+        for p in model.parameters():
+            p.add_(torch.rand_like(p) * 1e-3)
+    group = f"cast-{held}".replace("torch.", "")
+    agent = refit_hf.attach(model, srv.address, group=group)
+    engine_spec = build_spec(agent.spec.name, dataclasses.replace(agent.spec.config, dtype=served))
+    engines = Engines(srv.address, engine_spec, "vllm:tp2", group=f"{group}-engine")
+    try:
+        assert agent.spec.config.dtype == str(held).removeprefix("torch.")
+        created = client.create_plan(group, f"{group}-engine")
+        casts = client.get_plan(created["plan_id"], include_plan=True)["plan"].casts
+        wider = {t.name for t in engine_spec.tensors if t.dtype != served}  # float32 router biases: none here
+        assert casts == {t.name: agent.spec[t.name].dtype for t in engine_spec.tensors if t.name not in wider}
+        for version in (1, 2):
+            if version == 2:
+                train_step(model, seed=3)
+            assert client.refit(created["plan_id"], version=version, timeout=120).ok
+            ckpt = tmp_path / f"{group}-v{version}"
+            copy.deepcopy(model).to(getattr(torch, served)).save_pretrained(ckpt)  # converted by torch
+            bad = engines.mismatches(expected_engine_tensors(engine_spec, "vllm:tp2", str(ckpt)))
+            assert not bad, bad[:5]
+    finally:
+        agent.stop()
+        engines.close()

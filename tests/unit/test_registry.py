@@ -144,4 +144,15 @@ def test_a_model_mismatch_names_every_field_that_differs_and_both_values() -> No
     v = base.config.vocab_size
     assert str(e.value) == (f"groups 'trainer' and 'engine' hold different models: dtype 'float32' (trainer) vs "
                             f"'bfloat16' (engine); vocab_size {v + 2} vs {v}")
-    check_same_model(worker(info(role=pb.ROLE_TRAINER, group="trainer", layout="megatron:tp1")), engine)  # same model
+    assert check_same_model(worker(info(role=pb.ROLE_TRAINER, group="trainer", layout="megatron:tp1")), engine) == {}
+
+
+def test_the_same_model_in_another_dtype_is_cast() -> None:
+    """An fp32 trainer (verl's FSDP2 masters) and a bf16 engine: one model, cast on the way."""
+    base = tiny_spec("tiny-qwen3-moe")
+    cfg = dataclasses.replace(base.config, dtype="float32")
+    fp32 = build_spec(base.name, cfg)
+    trainer = worker(info(role=pb.ROLE_TRAINER, group="trainer", layout="megatron:tp1", model_digest=fp32.digest(),
+                          model_config_json=config_json(cfg)))
+    casts = check_same_model(trainer, worker(info(group="engine")))
+    assert casts and set(casts.values()) == {"float32"} and all(base[n].dtype == "bfloat16" for n in casts)
