@@ -7,6 +7,7 @@ User errors (`RefitError`) print one line and exit with status 2; no tracebacks 
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import json
 import os
 import sys
@@ -14,6 +15,7 @@ import tempfile
 from typing import Any, Callable
 
 from refit import __version__, settings
+from refit.casts import CASTABLE, casts_between
 from refit.catalog import CATALOG
 from refit.dtypes import DTYPE_BYTES
 from refit.entrypoint import run_main, setup_logging
@@ -23,6 +25,7 @@ from refit.layouts import LAYOUT_HELP, resolve_layout
 from refit.plan import DEFAULT_BUCKET_BYTES
 from refit.planners import make_plan
 from refit.reshard import check_output, reshard
+from refit.spec import build_spec
 from refit.units import MiB, fmt_bytes
 
 EPILOG = f"""\
@@ -33,6 +36,7 @@ examples:
   refit plan --model qwen3-30b-moe --src tp4ep8 --dst tp8
   refit plan --model qwen3-235b-moe --src megatron:tp4pp4ep16 --dst vllm:tp8dp8 --json
   refit plan --model qwen3-30b-moe --src tp4ep8 --dst tp8 --phase-layers 4
+  refit plan --model qwen3-30b-moe --src fsdp:dp8 --dst tp8 --src-dtype float32
   refit layout --model qwen3-30b-moe megatron:tp4ep8 --rank 3
   refit reshard --model ./Qwen3-30B-A3B --src hf --dst megatron:tp4ep8 --in ./Qwen3-30B-A3B --out ./mcore
   refit serve --port 50051 --token $TOKEN
@@ -127,8 +131,12 @@ def cmd_plan(args: argparse.Namespace) -> int:
     spec = load_spec(args.model)
     if args.phase_layers < 0:
         raise InvalidInput(f"--phase-layers must be >= 0, got {args.phase_layers}")
+    casts = {}
+    if args.src_dtype and args.src_dtype != spec.config.dtype:  # the trainer's dtype: a plan that casts
+        trainer = build_spec(spec.name, dataclasses.replace(spec.config, dtype=args.src_dtype))
+        casts = casts_between(trainer, spec)
     result = make_plan(spec, args.src, args.dst, args.placement, args.planner, int(args.bucket_mb * MiB),
-                       args.phase_layers)
+                       args.phase_layers, casts)
     s = result.summary
     if args.out:
         write_file_atomically(args.out, json.dumps(result.plan.to_dict(), separators=(",", ":")))
@@ -154,6 +162,8 @@ def cmd_plan(args: argparse.Namespace) -> int:
     if "num_phases" in s:
         print(f"  {'phases':<26}{s['num_phases']:>6}  ({args.phase_layers} layers each; "
               "non-layer tensors one each)")
+    for kind, n in s.get("casts", {}).items():
+        print(f"  cast on the trainers    {kind}: {n} tensors")
     for line in s.get("not_moved", ()):
         print(f"  not moved: {line}")
     if args.out:
@@ -275,6 +285,9 @@ def build_parser() -> argparse.ArgumentParser:
                     help="cut the plan into phases of N layers, run one after another so that an engine "
                          "stages one window of layers at a time (each non-layer tensor is a phase of its "
                          "own); 0: one phase (default).  Not with --planner broadcast")
+    pl.add_argument("--src-dtype", choices=sorted(CASTABLE), metavar="DTYPE",
+                    help="the dtype the trainer holds the model in, when not the model's (verl's FSDP2: "
+                         "float32 masters): the plan casts on the way (bfloat16, float16 or float32)")
     pl.add_argument("--json", action="store_true", help="print one JSON object (layouts and summary)")
     pl.add_argument("--out", help="write the full plan (JSON) to this file")
     pl.set_defaults(func=cmd_plan)

@@ -94,35 +94,40 @@ def held_dtype(spec: ModelSpec, layout: Layout, served: Mapping[str, "Served"], 
 
 @dataclass
 class Served:
-    """One local tensor of refit's layout as served: a view of a live parameter's storage."""
+    """One local tensor of refit's layout as served: a view (``cut``) of what a live parameter
+    holds now (``live``: its data, its local shard for a DTensor), derived again at every refit."""
 
-    view: torch.Tensor
     param_name: str  # the framework's parameter name (for messages)
-    live: Callable[[], torch.Tensor]  # the parameter's data now (its local shard for a DTensor)
+    live: Callable[[], torch.Tensor]
+    cut: Callable[[torch.Tensor], torch.Tensor] | None = None  # the part of the parameter served (fused experts)
 
-    def __post_init__(self) -> None:
-        self._where = _where(self.live())
-
-    def moved(self) -> bool:
-        return _where(self.live()) != self._where
-
-
-def _where(t: torch.Tensor) -> tuple[Any, ...]:
-    return (t.device, t.untyped_storage().data_ptr(), t.storage_offset(), tuple(t.shape), t.stride())
+    @property
+    def view(self) -> torch.Tensor:
+        data = self.live()
+        return data if self.cut is None else self.cut(data)
 
 
 class LiveDataPlane(ExecutorDataPlane):
-    """`refit.executor`'s data plane, refusing to run on views whose parameter has moved."""
+    """`refit.executor`'s data plane for attached models.  The served tensors are read at every
+    refit, so a parameter whose storage changed since the last one (offloaded and loaded back
+    between steps, re-pointed by a wrapper, re-materialized) is followed: every member of the plan
+    builds its transfers again within that refit.  One that now lies on another device than at
+    attach (still offloaded to CPU) is refused, naming it: the plan's peers reach this rank's
+    tensors on its device."""
 
-    def __init__(self, served: Mapping[str, Served], **kwargs: Any) -> None:
+    def __init__(self, served: Mapping[str, Served], device: torch.device, **kwargs: Any) -> None:
         super().__init__(**kwargs)
         self.served = served
+        self.device = device
 
     def run(self, plan: Plan, tensors: Mapping[str, torch.Tensor], ctx: RunContext) -> tuple[int, float]:
-        moved = [s.param_name for s in self.served.values() if s.moved()]
-        if moved:
-            raise RefitFailed(f"parameter {moved[0]!r} ({len(set(moved))} in all) no longer lies where it did at "
-                             f"attach (model moved, re-wrapped or re-materialized after attach?): attach again")
+        away = [(self.served[n].param_name, t.device) for n, t in tensors.items()
+                if n in self.served and t.device != self.device]
+        if away:
+            (name, where), count = away[0], len({a[0] for a in away})
+            raise RefitFailed(f"parameter {name!r} ({count} in all) lies on {where}, on {self.device} at attach: "
+                              f"load the model back onto {self.device} before the refit (an offloaded model is "
+                              f"followed where it is loaded again, not fetched from the host)")
         return super().run(plan, tensors, ctx)
 
 
@@ -132,12 +137,16 @@ def start_trainer(address: str | None, *, group: str, rank: int, spec: ModelSpec
     dtypes, by `TrainerAgent`'s own check) before anything connects."""
     spec, layout = held_dtype(spec, layout, served, rank)
     check_dtypes(served, spec, layout, rank)
-    tensors = {name: s.view for name, s in served.items()}
-    devices = {t.device for t in tensors.values()}
-    if len(devices) == 1 and (dev := next(iter(devices))).type == "cuda":
-        agent_options.setdefault("gpu", dev.index or 0)
-    agent = TrainerAgent(address, group=group, rank=rank, spec=spec, layout=layout, tensors=tensors,
-                         data_plane=LiveDataPlane(served), token=token, **agent_options)
-    log.info("%s: serving %d tensors of %s (%s) from live parameters", agent.worker_id, len(tensors),
+    devices = {s.view.device for s in served.values()}
+    if len(devices) != 1:
+        raise InvalidInput(f"the model's parameters lie on several devices ({sorted(map(str, devices))}); "
+                           f"attach a rank's model on one device")
+    device = devices.pop()
+    if device.type == "cuda":
+        agent_options.setdefault("gpu", device.index or 0)
+    agent = TrainerAgent(address, group=group, rank=rank, spec=spec, layout=layout,
+                         tensors=lambda: {name: s.view for name, s in served.items()},
+                         data_plane=LiveDataPlane(served, device), token=token, **agent_options)
+    log.info("%s: serving %d tensors of %s (%s) from live parameters", agent.worker_id, len(served),
              spec.name, agent.layout.describe())
     return agent.start()

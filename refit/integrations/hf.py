@@ -84,7 +84,7 @@ def serve_hf_parameters(named: Iterable[tuple[str, torch.Tensor]], spec: ModelSp
                                  f"per-expert form, or attach an unsharded copy with refit_hf")
             served.update(_split_fused(spec, m["experts"], m["kind"], name, live))
         elif name in expected:
-            served[name] = Served(live(), name, live)
+            served[name] = Served(name, live)
         else:
             unmapped.append(name)
     if buffer is not None:
@@ -94,7 +94,7 @@ def serve_hf_parameters(named: Iterable[tuple[str, torch.Tensor]], spec: ModelSp
             except AttributeError:
                 continue  # left missing: TrainerAgent's check names it
             live = (lambda name=name: (buffer_local or local)(buffer(name)))
-            served[name] = Served(live(), name, live)
+            served[name] = Served(name, live)
     refuse_unmapped(unmapped, f"{spec.name} ({spec.config.arch}, layout {layout.describe()})", _hint(spec, unmapped))
     return served
 
@@ -111,10 +111,10 @@ def _split_fused(spec: ModelSpec, experts: str, kind: str, name: str,
     out = {}
     for e in range(E):
         if kind == "gate_up_proj":
-            out[f"{experts}.{e}.gate_proj.weight"] = Served(w[e, :I], name, live)
-            out[f"{experts}.{e}.up_proj.weight"] = Served(w[e, I:], name, live)
+            out[f"{experts}.{e}.gate_proj.weight"] = Served(name, live, lambda w, e=e: w[e, :I])
+            out[f"{experts}.{e}.up_proj.weight"] = Served(name, live, lambda w, e=e: w[e, I:])
         else:
-            out[f"{experts}.{e}.down_proj.weight"] = Served(w[e], name, live)
+            out[f"{experts}.{e}.down_proj.weight"] = Served(name, live, lambda w, e=e: w[e])
     return out
 
 

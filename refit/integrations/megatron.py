@@ -200,7 +200,7 @@ def _serve(chunks: Sequence[torch.nn.Module], spec: ModelSpec, layout: MegatronL
                 unmapped.append(prefix + name)
                 continue
             live = (lambda p=p: p.detach())
-            served[local] = Served(live(), prefix + name, live)
+            served[local] = Served(prefix + name, live)
     refuse_unmapped(unmapped, f"{spec.name} on rank {rank} of {layout.describe()}", _hint(unmapped))
     return served
 

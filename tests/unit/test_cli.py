@@ -50,6 +50,18 @@ def test_plan_text_prints_resolved_layouts(capsys):
     assert "megatron:tp2ep2etp1dp1" in out and "edp=1" in out and "plan_hash" in out
 
 
+def test_plan_from_a_trainer_of_another_dtype_casts(capsys, tmp_path):
+    out_file = tmp_path / "plan.json"
+    rc, out, _ = run(capsys, "plan", "--model", "qwen3-30b-moe", "--src", "fsdp:dp2", "--dst", "tp2",
+                     "--src-dtype", "float32", "--out", str(out_file))
+    assert rc == 0 and "cast on the trainers    float32->bfloat16: 15 tensors" in out
+    casts = dict(json.loads(out_file.read_text())["casts"])
+    assert len(casts) == 15 and set(casts.values()) == {"float32"}
+    rc, out, _ = run(capsys, "plan", "--model", "qwen3-30b-moe", "--src", "fsdp:dp2", "--dst", "tp2",
+                     "--src-dtype", "bfloat16", "--json")
+    assert rc == 0 and "casts" not in json.loads(out)["summary"]  # the model's own dtype: nothing cast
+
+
 @pytest.mark.parametrize("argv,msg", [
     (["plan", "--model", "qwen9", "--src", "tp2", "--dst", "tp2"], "unknown model 'qwen9'"),
     (["plan", "--model", "qwen3-30b-moe", "--src", "tp3", "--dst", "tp2"], "attention heads (32) is not divisible by tp (3)"),
