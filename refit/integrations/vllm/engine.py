@@ -45,6 +45,7 @@ from refit.control.agent import EngineAgent
 from refit.control.agent_state import Holding
 from refit.errors import InvalidInput, RefitFailed
 from refit.integrations.vllm.config import identify
+from refit.integrations.vllm import sleep
 from refit.integrations.vllm.landing import Landing, check_options
 
 log = logging.getLogger(__name__)
@@ -104,6 +105,10 @@ class RefitWeightTransferEngine(WeightTransferEngine[RefitInitInfo, RefitUpdateI
         self.init_info: RefitInitInfo | None = None
         # What the weights are: outlives each agent (a later init_transfer_engine registers holding them)
         self.holding = Holding()
+        # vLLM's sleep mode (CUDA): refits wait for the weights to be awake; a sleep that drops
+        # them makes this engine stale at once (`sleep.py`)
+        self._pool = sleep.allocator()
+        self._unwatch = sleep.watch_discards(self._pool, self._weights_discarded)
 
     # ------------------------------------------------------------------ lifecycle
     def init_transfer_engine(self, init_info: RefitInitInfo) -> None:
@@ -139,6 +144,9 @@ class RefitWeightTransferEngine(WeightTransferEngine[RefitInitInfo, RefitUpdateI
     def receive_weights(self, update_info: RefitUpdateInfo) -> None:
         self._require_target()
         agent, landing, info = self._require_init()
+        if sleep.weights_asleep(self._pool):  # writing into unmapped memory would fault
+            raise InvalidInput("refit: this engine's weights are asleep (llm.sleep): wake them first "
+                               "(llm.wake_up(tags=['weights'])), then update_weights, then wake the KV cache")
         t0 = time.perf_counter()
         version = int(update_info.version)
         outcome: tuple[bool, str, str] = (False, "", "")
@@ -196,6 +204,22 @@ class RefitWeightTransferEngine(WeightTransferEngine[RefitInitInfo, RefitUpdateI
                 "phase_layers": landing.phase_layers, "direct_nbytes": landing.direct_nbytes,
                 "phase_nbytes": dict(window.phase_nbytes) if window else {},
                 "phase_of": dict(window.phase_of) if window else {}}
+
+    def _weights_discarded(self) -> None:
+        """A level-2 sleep (or a discard) dropped the weights: whatever version this engine held is
+        gone.  Stale from now on, and registered again as such, so that nobody lists it holding a
+        version and the next refit moves every byte."""
+        log.warning("refit: vLLM dropped this engine's weights (sleep level 2 / discard): stale until the "
+                    "next refit")
+        self.holding.pin_stale()
+        self.holding.landed_refit = ""
+        agent = self.agent
+        if agent is not None and agent.connected:
+            try:
+                agent.stop()
+                agent.start(timeout=10.0)
+            except Exception as e:  # noqa: BLE001 - the sleep itself must not fail over it
+                log.error("refit: %s could not register again as stale: %s", agent.worker_id, e)
 
     def shutdown(self) -> None:
         if self.agent is not None:
