@@ -4,7 +4,8 @@ backend, with exactly the RL-loop calls of the vLLM issue; the engine then answe
 and their logprobs for fixed prompt token ids) exactly like a fresh engine started from the
 trainer's own ``save_pretrained`` checkpoint.  Then a real optimizer step on the trainer, a second
 refit, and the same comparison with a fresh engine from the new weights: the live parameters are
-what is served.
+what is served.  Then a second trainer keeping the model in float32 refits the same engine (a plan
+that casts), and the engine answers as a fresh one started from that trainer's float32 checkpoint.
 
 One engine with the refit backend (started from unrelated weights W0) and one process running the
 two fresh reference engines, TP=1 (vLLM's in-process engine core: the fastest start here).
@@ -46,6 +47,24 @@ def _attached_trainer(rank: int, world: int, address: str) -> tuple[Any, Any]:
     return agent, handle
 
 
+def _attached_fp32_trainer(rank: int, world: int, address: str) -> tuple[Any, Any]:
+    """A trainer keeping the model in float32 (verl's FSDP2 masters), values that bf16 must round."""
+    import torch
+
+    from refit.integrations import hf as refit_hf
+    from tests.harness.attach_cluster import make_hf_model
+
+    model = make_hf_model("Qwen3MoeForCausalLM", seed=3, **QWEN3_MOE).float()
+    with torch.no_grad():
+        for p in model.parameters():
+            p.mul_(1 + torch.rand_like(p) * 1e-2)
+    agent = refit_hf.attach(model, address, group="trainer-fp32")
+
+    def handle(cmd: str, arg: Any) -> Any:
+        assert cmd == "save"
+        model.save_pretrained(arg)  # float32: the fresh engine's loader converts it to bfloat16
+
+    return agent, handle
 
 
 def test_attached_trainer_refits_live_engine(tmp_path) -> None:
@@ -54,11 +73,12 @@ def test_attached_trainer_refits_live_engine(tmp_path) -> None:
     from tests.harness.attach_cluster import Trainers, make_hf_model
     from tests.harness.vllm_rl import Engine, fresh_outputs
 
-    w0, v1, v2 = (str(tmp_path / n) for n in ("w0", "v1", "v2"))
+    w0, v1, v2, v3 = (str(tmp_path / n) for n in ("w0", "v1", "v2", "v3"))
     make_hf_model("Qwen3MoeForCausalLM", seed=7, **QWEN3_MOE).save_pretrained(w0)  # what the engine starts from
     server = ThreadedServer(default_timeout=60.0)
     client = refit.Client(server.address)
     trainers = Trainers(1, _attached_trainer, server.address)
+    fp32 = Trainers(1, _attached_fp32_trainer, server.address)
     engine = None
     try:
         (ready,) = trainers.ready()
@@ -76,16 +96,27 @@ def test_attached_trainer_refits_live_engine(tmp_path) -> None:
             assert status == "ok", value
             assert engine.ask("weight_version") == ("ok", str(step))
             got[step] = engine.generate()
+        # An fp32 trainer into the same bf16 engine: the plan casts, the engine answers as one that
+        # loaded the fp32 checkpoint (vLLM's loader rounding it to bf16)
+        (ready,) = fp32.ready()
+        assert ready[0] == "ready", ready[1:]
+        fp32.ask("save", v3)
+        cast_plan = client.create_plan("trainer-fp32", "engine")
+        assert client.get_plan(cast_plan["plan_id"], include_plan=True)["plan"].casts
+        status, value = engine.refit(cast_plan["plan_id"], 3)
+        assert status == "ok", value
+        got[3] = engine.generate()
         engine.close()
         engine = None
-        refs = dict(zip((1, 2), fresh_outputs([v1, v2], tp=1)))  # fresh engines from the trainer's checkpoints
+        refs = dict(zip((1, 2, 3), fresh_outputs([v1, v2, v3], tp=1)))  # fresh engines from the trainers' checkpoints
         assert differs(before, refs[1]), "W0 and the trainer's weights answer alike: the test would prove nothing"
         assert differs(refs[1], refs[2]), "the training step changed no answer: the test would prove nothing"
-        for step in (1, 2):
+        for step in (1, 2, 3):
             assert got[step] == refs[step], f"after refit {step}: {differs(got[step], refs[step])}"
     finally:
         if engine is not None:
             engine.close()
+        fp32.close()
         trainers.close()
         client.close()
         server.stop()
