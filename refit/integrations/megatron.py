@@ -136,6 +136,9 @@ def _check_coords(layout: MegatronLayout, rank: int) -> None:
                etp=ps.get_expert_tensor_parallel_rank(), ep=ps.get_expert_model_parallel_rank(),
                edp=ps.get_expert_data_parallel_rank())
     want = layout.coords(rank)
+    if layout.etp is None:  # a dense model has no experts: Megatron's expert grid (etp = tp by default) is moot
+        got = {k: v for k, v in got.items() if k in ("tp", "cp", "dp", "pp")}
+        want = {k: v for k, v in want.items() if k in got}
     if got != want:
         raise InvalidInput(f"global rank {rank} has parallel_state coordinates {got}, refit's {layout.describe()} "
                          f"expects {want}: initialize_model_parallel with the default order tp-cp-ep-dp-pp")

@@ -68,10 +68,14 @@ def coordinator_timeout() -> float:
     ("tiny-qwen3-moe", dict(tp=2, ep=2, etp=1, ddp=True), "megatron:tp2ep2etp1dp1", "vllm:tp2"),
     ("tiny-qwen2", dict(pp=2, vpp=2), "megatron:tp1pp2vpp2dp1", "vllm:tp2"),
     ("tiny-llama", dict(tp=1, ddp=True), "megatron:tp1dp2", "vllm:tp2"),
+    # the plain call, initialize_model_parallel(tensor_model_parallel_size=2): Megatron sets etp = tp,
+    # which a dense model's layout has no use for
+    ("tiny-llama", dict(tp=2), "megatron:tp2dp1", "vllm:tp1"),
     # Megatron's account_for_embedding_in_pipeline_split: (3 + 1) / 2 a stage, the first one layer fewer
     ("tiny-llama-3", dict(pp=2, config=dict(account_for_embedding_in_pipeline_split=True)),
      "megatron:tp1pp2dp1first1", "vllm:tp2"),
-], ids=["qwen3-moe-tp2ep2-ddp", "qwen2-tied-pp2vpp2", "llama-dp2-ddp", "llama3-pp2-embedding-in-split"])
+], ids=["qwen3-moe-tp2ep2-ddp", "qwen2-tied-pp2vpp2", "llama-dp2-ddp", "llama-tp2-plain-init",
+        "llama3-pp2-embedding-in-split"])
 def test_megatron_attach_refit_bit_exact(server, tmp_path, model, par, layout, engine_layout) -> None:
     srv, client = server
     group = f"megatron-{model}"
