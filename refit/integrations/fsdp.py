@@ -9,10 +9,12 @@ rows split as ``torch.chunk`` does (ceil-sized chunks, the last ones short or em
 sharded storage); no rank ever gathers a full tensor.
 
 Supported: a 1-D mesh spanning the whole world in rank order (mesh coordinate = global rank),
-every parameter sharded on dim 0.  Refused, naming the parameter: 2-D meshes (HSDP, FSDP x TP),
-other placements (``shard_placement_fn``), parameters left unsharded, and transformers 5 fused
-experts (FSDP shards their expert dimension, which refit's fsdp layout, per expert, cannot
-describe).
+every parameter sharded on dim 0 (``fsdp:dp<N>``); HSDP, a 2-D ``(replicate, shard)`` mesh in rank
+order with placements ``(Replicate(), Shard(0))`` (``fsdp:dp<S>rep<R>``: every replica group
+serves, and plans spread their reads over the groups).  Refused, naming the parameter: FSDP x TP
+meshes (a TP placement on the second dimension), other placements (``shard_placement_fn``),
+parameters left unsharded, and transformers 5 fused experts (FSDP shards their expert dimension,
+which refit's fsdp layout, per expert, cannot describe).
 """
 
 from __future__ import annotations
@@ -43,35 +45,39 @@ def attach(model: torch.nn.Module, address: str | None = None, *, group: str = "
     named = list(model.named_parameters(remove_duplicate=False))
     if not named:
         raise InvalidInput("the model has no parameters")
-    dp = _data_parallel_size(named, DTensor)
+    dp, rep = _mesh_degrees(named, DTensor)
     rank = global_rank()
     spec = spec_of_hf_config(model.config, {n: p.to_local() for n, p in named})
-    layout = FsdpLayout(dp=dp).resolve(spec)
+    layout = FsdpLayout(dp=dp, rep=rep).resolve(spec)
+    shard = rank % dp
     # FSDP2 leaves buffers (the float32 router bias) whole on every rank: serve this rank's rows
     served = serve_hf_parameters(named, spec, layout, rank, local=lambda p: p.to_local().detach(),
                                  fused_experts=False, buffer=model.get_buffer,
-                                 buffer_local=lambda b: b.detach().narrow(0, *chunk_rows(b.shape[0], dp, rank)))
+                                 buffer_local=lambda b: b.detach().narrow(0, *chunk_rows(b.shape[0], dp, shard)))
     return start_trainer(address, group=group, rank=rank, spec=spec, layout=layout, served=served, token=token,
                          **agent_options)
 
 
-def _data_parallel_size(named: list[tuple[str, torch.Tensor]], dtensor: type) -> int:
-    """The dp degree, after checking that every parameter is a DTensor placed Shard(0) on one 1-D
-    mesh whose coordinate is the global rank."""
-    from torch.distributed.tensor import Shard
+def _mesh_degrees(named: list[tuple[str, torch.Tensor]], dtensor: type) -> tuple[int, int]:
+    """(shard ranks, replica groups), after checking that every parameter is a DTensor on one
+    mesh in rank order: 1-D placed ``Shard(0)``, or 2-D (HSDP) placed ``(Replicate(), Shard(0))``."""
+    from torch.distributed.tensor import Replicate, Shard
 
     mesh = None
     for name, p in named:
         if not isinstance(p, dtensor):
             raise InvalidInput(f"parameter {name!r} is not a DTensor: fully_shard every module holding parameters "
-                             f"(the root module too) before attaching, or use refit_hf.attach for an unsharded model")
-        if p.device_mesh.ndim != 1:
-            raise InvalidInput(f"parameter {name!r} lies on a {p.device_mesh.ndim}-D mesh {p.device_mesh.mesh_dim_names}"
-                             f": refit's fsdp layout is Shard(0) over one data-parallel dimension; HSDP and FSDP x "
-                             f"TP (2-D) meshes are not supported")
-        if tuple(p.placements) != (Shard(0),):
-            raise InvalidInput(f"parameter {name!r} is placed {tuple(p.placements)}, refit's fsdp layout needs "
-                             f"(Shard(dim=0),) (no shard_placement_fn)")
+                               f"(the root module too) before attaching, or use refit_hf.attach for an unsharded model")
+        ndim = p.device_mesh.ndim
+        want = (Shard(0),) if ndim == 1 else (Replicate(), Shard(0))
+        if ndim > 2:
+            raise InvalidInput(f"parameter {name!r} lies on a {ndim}-D mesh {p.device_mesh.mesh_dim_names}: refit's "
+                               f"fsdp layouts are FSDP (1-D) and HSDP (2-D: replicate, shard)")
+        if tuple(p.placements) != want:
+            tp = ndim == 2 and isinstance(p.placements[0], Shard)
+            raise InvalidInput(f"parameter {name!r} is placed {tuple(p.placements)}, refit's fsdp layout needs {want}"
+                               + ("; FSDP x TP (a tensor-parallel mesh dimension) is not supported" if tp else
+                                  " (no shard_placement_fn)"))
         if mesh is None:
             mesh = p.device_mesh
         elif p.device_mesh != mesh:
@@ -81,5 +87,5 @@ def _data_parallel_size(named: list[tuple[str, torch.Tensor]], dtensor: type) ->
     ranks = mesh.mesh.flatten().tolist()
     if ranks != list(range(world)):
         raise InvalidInput(f"the FSDP mesh holds ranks {ranks} of a world of {world}: refit needs one mesh over the "
-                         f"whole world in rank order (mesh coordinate = global rank)")
-    return len(ranks)
+                           f"whole world in rank order (mesh coordinate = global rank)")
+    return (len(ranks), 1) if mesh.ndim == 1 else (mesh.size(1), mesh.size(0))

@@ -122,7 +122,7 @@ def layouts(draw, spec: ModelSpec):
     elif kind == "vllm":
         layout = draw(vllm_layouts(spec))
     elif kind == "fsdp":
-        layout = FsdpLayout(dp=draw(st.integers(1, 5)))
+        layout = FsdpLayout(dp=draw(st.integers(1, 5)), rep=draw(st.sampled_from([1, 1, 2, 3])))  # HSDP too
     else:
         layout = HFLayout()
     return layout.resolve(spec)

@@ -2,9 +2,12 @@
 gloo world of spawned ranks (dp2 and dp3, uneven shards): refit into engine agents (vLLM layout,
 in this process), bit-exact against refit's offline reshard of the full tensors the trainer holds
 (``DTensor.full_tensor()``, gathered for the check only); then a real FSDP2 training step and
-again.  And the refusals: fused experts, a 2-D mesh, a module left unsharded."""
+again; the same on a 2x2 HSDP mesh, every replica group serving.  And the refusals: fused
+experts, a placement other than Shard(0), a module left unsharded."""
 
 from __future__ import annotations
+
+from typing import Any
 
 import pytest
 import torch
@@ -22,23 +25,27 @@ QWEN3_MOE = dict(hidden_size=64, num_hidden_layers=2, num_attention_heads=4, num
                  mlp_only_layers=[1], dtype="bfloat16")
 
 
-def shard(model: torch.nn.Module, world: int, mesh_shape: tuple[int, ...] | None = None, root: bool = True):
+def shard(model: torch.nn.Module, world: int, mesh_shape: tuple[int, ...] | None = None, root: bool = True,
+          placement: Any = None):
     from torch.distributed.device_mesh import init_device_mesh
     from torch.distributed.fsdp import fully_shard
 
     names = ("replicate", "shard") if mesh_shape and len(mesh_shape) == 2 else None  # 2-D: HSDP
     mesh = init_device_mesh("cpu", mesh_shape or (world,), mesh_dim_names=names)
+    # (matrices only: a norm's weight has no dim 1)
+    place = {"shard_placement_fn": lambda p: placement if p.ndim > 1 else None} if placement is not None else {}
     for layer in model.model.layers:
-        fully_shard(layer, mesh=mesh)
+        fully_shard(layer, mesh=mesh, **place)
     if root:
         fully_shard(model, mesh=mesh)
     return model
 
 
-def fsdp_trainer(rank: int, world: int, cls_name: str, cfg: dict, address: str, group: str):
+def fsdp_trainer(rank: int, world: int, cls_name: str, cfg: dict, address: str, group: str,
+                 mesh_shape: tuple[int, ...] | None = None):
     from refit.integrations import fsdp as refit_fsdp
 
-    model = shard(make_hf_model(cls_name, **cfg), world)
+    model = shard(make_hf_model(cls_name, **cfg), world, mesh_shape)
     agent = refit_fsdp.attach(model, address, group=group)
 
     def handle(cmd: str, arg):
@@ -65,11 +72,13 @@ def refusals(world: int, address: str) -> list[str]:
     from refit.errors import RefitError
     from refit.integrations import fsdp as refit_fsdp
 
+    from torch.distributed.tensor import Shard
+
     messages = []
-    for cls_name, cfg, mesh_shape, root in (("Qwen3MoeForCausalLM", QWEN3_MOE, None, True),
-                                            ("LlamaForCausalLM", LLAMA, (1, world), True),
-                                            ("LlamaForCausalLM", LLAMA, None, False)):
-        model = shard(make_hf_model(cls_name, **cfg), world, mesh_shape, root)
+    for cls_name, cfg, placement, root in (("Qwen3MoeForCausalLM", QWEN3_MOE, None, True),
+                                           ("LlamaForCausalLM", LLAMA, Shard(1), True),
+                                           ("LlamaForCausalLM", LLAMA, None, False)):
+        model = shard(make_hf_model(cls_name, **cfg), world, None, root, placement)
         try:
             refit_fsdp.attach(model, address, group="refused")
             messages.append("attached")
@@ -116,8 +125,39 @@ def test_fsdp_attach_refit_bit_exact_live(server, tmp_path, dp, cls_name, cfg) -
 
 
 def check_refusals(client, messages: list[str]) -> None:
-    fused, two_d, unsharded = messages
+    fused, dim1, unsharded = messages
     assert "'model.layers.0.mlp.experts.gate_up_proj': fused experts sharded by FSDP2" in fused
-    assert "lies on a 2-D mesh" in two_d and "not supported" in two_d
+    assert "is placed (Shard(dim=1),), refit's fsdp layout needs (Shard(dim=0),)" in dim1
     assert "is not a DTensor: fully_shard every module" in unsharded
     assert client.list_workers(group="refused") == []
+
+
+def test_hsdp_every_replica_group_serves(server, tmp_path) -> None:
+    """HSDP: ``fully_shard`` on a 2x2 (replicate, shard) mesh, layout ``fsdp:dp2rep2``.  The plan
+    reads from both replica groups (not all from one), and the engines are bit-exact before and
+    after a training step (each replica group steps alike: HSDP all-reduces the gradients)."""
+    srv, client = server
+    group = "hsdp"
+    trainers = Trainers(4, fsdp_trainer, "LlamaForCausalLM", LLAMA, srv.address, group, (2, 2))
+    engines = None
+    try:
+        answers = trainers.ready()
+        assert all(a[0] == "ready" for a in answers), answers
+        spec = answers[0][1]
+        assert {w["info"]["layout"] for w in client.list_workers(group=group)} == {"fsdp:dp2rep2"}
+        engines = Engines(srv.address, spec, "vllm:tp2", group=f"{group}-engine")
+        plan_id = client.create_plan(group, f"{group}-engine")["plan_id"]
+        plan = client.get_plan(plan_id, include_plan=True)["plan"]
+        senders = {t.src for t in plan.transfers if t.stage == 1}
+        assert senders & {0, 1} and senders & {2, 3}, senders
+        for version in (1, 2):
+            if version == 2:
+                trainers.ask("step", version)
+            assert client.refit(plan_id, version=version, timeout=180).ok
+            write_hf(str(tmp_path / f"v{version}"), trainers.ask("full")[0])
+            bad = engines.mismatches(expected_engine_tensors(spec, "vllm:tp2", str(tmp_path / f"v{version}")))
+            assert not bad, bad[:5]
+    finally:
+        trainers.close()
+        if engines is not None:
+            engines.close()
