@@ -5,7 +5,9 @@ Conventions (checked against megatron-core 0.16.1 in tests/integration/test_mega
 * Ranks are ordered ``tp-cp-ep-dp-pp`` (tp fastest).  Dense groups: rank = tp + T*(cp + C*(dp + D*pp)).
   Expert groups: rank = etp + Te*(ep + E*(edp + EDP*pp)) with etp*ep*edp = tp*cp*dp.
 * ``embedding.word_embeddings.weight`` / ``output_layer.weight``: ``[Vp/T, H]``, vocab padded to
-  a multiple of 128*T (``make_vocab_size_divisible_by``); first / last pipeline stage only.  With
+  a multiple of 128*T (``make_vocab_size_divisible_by``); first / last pipeline stage only.  A
+  trainer that pads otherwise says so with the ``vocabdiv`` degree: a multiple of vocabdiv*T
+  (``vocabdiv1``: unpadded but for tp's split, as mbridge / verl's Megatron bridge build it).  With
   tied embeddings the last stage keeps its own ``output_layer.weight`` copy only when pp > 1.
 * ``linear_qkv``: rows interleaved per query group ``[q heads of g; k_g; v_g]``, split contiguously
   over TP (also when kv groups < tp: the cut then falls inside groups); ``linear_proj`` is o_proj
@@ -38,7 +40,7 @@ VOCAB_DIVISIBLE_BY = 128  # Megatron's --make-vocab-size-divisible-by default
 @dataclass(frozen=True)
 class MegatronLayout:
     framework: ClassVar[str] = "megatron"
-    degrees: ClassVar[tuple[str, ...]] = ("tp", "pp", "vpp", "ep", "etp", "dp", "cp", "first", "last")
+    degrees: ClassVar[tuple[str, ...]] = ("tp", "pp", "vpp", "ep", "etp", "dp", "cp", "first", "last", "vocabdiv")
     examples: ClassVar[tuple[str, ...]] = ("megatron:tp4ep8", "megatron:tp2pp2vpp2")
     tp: int = 1
     pp: int = 1
@@ -49,6 +51,7 @@ class MegatronLayout:
     cp: int = 1
     first: int | None = None  # layers on the first pipeline stage (decoder_first_pipeline_num_layers)
     last: int | None = None  # layers on the last pipeline stage (decoder_last_pipeline_num_layers)
+    vocabdiv: int = VOCAB_DIVISIBLE_BY  # the vocab is padded to a multiple of vocabdiv * tp
 
     # ------------------------------------------------------------------ degrees
     @property
@@ -80,6 +83,8 @@ class MegatronLayout:
             d["first"] = self.first
         if self.last is not None:
             d["last"] = self.last
+        if self.vocabdiv != VOCAB_DIVISIBLE_BY:
+            d["vocabdiv"] = self.vocabdiv
         return d
 
     def describe(self) -> str:
@@ -94,12 +99,14 @@ class MegatronLayout:
             s += f"first{self.first}"
         if self.last is not None:
             s += f"last{self.last}"
+        if self.vocabdiv != VOCAB_DIVISIBLE_BY:
+            s += f"vocabdiv{self.vocabdiv}"
         return s
 
     # ------------------------------------------------------------------ resolve + validate
     def resolve(self, spec: ModelSpec) -> "MegatronLayout":
         c = spec.config
-        for k in ("tp", "pp", "vpp", "ep", "cp"):
+        for k in ("tp", "pp", "vpp", "ep", "cp", "vocabdiv"):
             if getattr(self, k) < 1:
                 raise InvalidInput(f"megatron: {k} must be at least 1, got {getattr(self, k)}")
         if (self.tp * self.cp * self.dp_) % (self.etp_ * self.ep):
@@ -199,7 +206,7 @@ class MegatronLayout:
         co = self.coords(rank)
         t, T = co["tp"], self.tp
         H, dt = c.hidden_size, c.dtype
-        padded = pad_to(c.vocab_size, VOCAB_DIVISIBLE_BY * T)
+        padded = pad_to(c.vocab_size, self.vocabdiv * T)
         stages = self.stage_layers(c.num_layers)
         out: list[LocalTensor] = []
 

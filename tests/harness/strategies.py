@@ -91,7 +91,9 @@ def megatron_layouts(draw, spec: ModelSpec) -> MegatronLayout:
                 first = c.num_layers % rest
     base = MegatronLayout(tp=tp, pp=pp, vpp=vpp, ep=ep, etp=etp, cp=cp, first=first, last=last)
     dp = base.dp_ * draw(st.sampled_from([1, 1, 2]))
-    return MegatronLayout(tp=tp, pp=pp, vpp=vpp, ep=ep, etp=etp, cp=cp, dp=dp, first=first, last=last)
+    vocabdiv = draw(st.sampled_from([128, 128, 1, 4]))  # Megatron's padding, or a bridge's (unpadded)
+    return MegatronLayout(tp=tp, pp=pp, vpp=vpp, ep=ep, etp=etp, cp=cp, dp=dp, first=first, last=last,
+                          vocabdiv=vocabdiv)
 
 
 @st.composite

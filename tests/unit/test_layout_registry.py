@@ -17,9 +17,9 @@ from refit.layouts.fsdp import FsdpLayout as FsdpFromItsModule
 from refit.spec import ModelConfig, build_spec
 from tests.harness.strategies import layouts, model_specs
 
-# The help text as it was before the registry (the CLI shows it; users and tests read it).
+# The help text, derived from the registry (the CLI shows it; users and tests read it).
 HELP_BEFORE_THE_REGISTRY = (
-    "layouts: megatron:<tp,pp,vpp,ep,etp,dp,cp,first,last><N>... (e.g. megatron:tp4ep8, megatron:tp2pp2vpp2), "
+    "layouts: megatron:<tp,pp,vpp,ep,etp,dp,cp,first,last,vocabdiv><N>... (e.g. megatron:tp4ep8, megatron:tp2pp2vpp2), "
     "vllm:<tp,ep,dp><N>... (e.g. vllm:tp8, vllm:tp4ep4, vllm:tp8dp4), fsdp:<dp,rep><N>... (e.g. fsdp:dp8, fsdp:dp4rep2), hf. "
     "A bare tp4ep8 means megatron as a source and vllm as a destination."
 )

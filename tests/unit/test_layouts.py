@@ -26,6 +26,8 @@ Q30 = load_spec("qwen3-30b-moe")
     ("vllm:tp4ep4", "dst", "vllm:tp4ep4"),
     ("vllm:tp8dp4", "dst", "vllm:tp8dp4"),
     ("fsdp:dp8", "src", "fsdp:dp8"),
+    ("megatron:tp4vocabdiv1", "src", "megatron:tp4dp1vocabdiv1"),
+    ("megatron:tp4vocabdiv128", "src", "megatron:tp4dp1"),
     ("fsdp:dp4rep2", "src", "fsdp:dp4rep2"),
     ("fsdp:rep2dp4", "src", "fsdp:dp4rep2"),
     ("hf", "dst", "hf"),

@@ -35,7 +35,8 @@ def reshard(model: str, src: str, dst: str, i: str, o: str) -> None:
 CHAINS = {
     "tiny-qwen3-moe": [["megatron:tp2ep2etp2", "vllm:tp2"], ["megatron:tp2pp2vpp2ep4cp2", "vllm:tp2ep2"],
                        ["fsdp:dp3", "megatron:pp3first2ep8", "vllm:tp1dp2"], ["megatron:tp2pp2ep2dp2", "fsdp:dp4", "vllm:tp2dp2ep4"]],
-    "tiny-qwen2": [["megatron:tp2", "vllm:tp2"], ["megatron:tp2pp2", "vllm:tp4"], ["fsdp:dp3", "vllm:tp2dp2"]],
+    "tiny-qwen2": [["megatron:tp2", "vllm:tp2"], ["megatron:tp2pp2", "vllm:tp4"], ["fsdp:dp3", "vllm:tp2dp2"],
+                   ["megatron:tp2vocabdiv1", "fsdp:dp2rep2", "megatron:tp2vocabdiv4", "vllm:tp2"]],
     "tiny-llama": [["megatron:tp4pp2vpp2", "vllm:tp8"], ["vllm:tp2", "megatron:tp8"]],
 }
 
@@ -67,6 +68,18 @@ def test_padding_rows_are_zero_and_names_are_the_frameworks(tmp_path):
     assert "decoder.layers.0.mlp.experts.linear_fc1.weight3" in names
     assert "decoder.layers.1.mlp.linear_fc1.weight" in names  # layer 1 is dense (mlp_only_layers)
     assert "decoder.layers.0.self_attention.linear_qkv.layer_norm_weight" in names
+
+
+def test_vocab_padded_as_the_trainer_pads_it(tmp_path):
+    """``vocabdiv``: a trainer that pads the vocab otherwise than Megatron's 128 * tp (mbridge and
+    verl's Megatron bridge build DeepSeek-V3's embedding unpadded: vocab 250 at tp2, 125 rows)."""
+    src = str(tmp_path / "hf")
+    write_hf_checkpoint(src, "tiny-qwen2")
+    for layout, rows in (("megatron:tp2vocabdiv1", 125), ("megatron:tp2vocabdiv4", 128), ("megatron:tp2", 128)):
+        out = tmp_path / layout.replace(":", "-")
+        reshard(src, "hf", layout, src, str(out))
+        with safe_open(str(out / "rank-00001.safetensors"), framework="pt") as f:
+            assert f.get_tensor("embedding.word_embeddings.weight").shape == (rows, 32), layout
 
 
 def test_hf_spec_from_headers_only(tmp_path):
