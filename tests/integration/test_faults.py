@@ -332,8 +332,9 @@ def _until(cond: Callable[[], bool], timeout: float) -> float:
 
 @bounded(120)
 def test_a_refit_refused_before_the_rendezvous_stalls_nobody(server) -> None:
-    """The repro: attach, refit, re-point ``model.lm_head.weight.data`` (the trainer refuses before
-    it meets its peers), refit twice, attach again, refit — all with a 60 s timeout.  The engines
+    """The repro: attach, refit, re-point ``model.lm_head.weight.data`` to a float32 copy (the
+    trainer refuses before it meets its peers: a tensor of another dtype than it registered), refit
+    twice, put it back in bf16, refit — all with a 60 s timeout.  The engines
     used to wait in the rendezvous for the trainer's record until that timeout, and the last refit
     behind them (58.8 s measured).  Now the coordinator aborts the rendezvous as it reports the
     failure: every member is free again at once, and the last refit takes well under 2 s.  The
@@ -349,18 +350,17 @@ def test_a_refit_refused_before_the_rendezvous_stalls_nobody(server) -> None:
     try:
         plan = client.create_plan("early", "early-engine")["plan_id"]
         assert client.refit(plan, version=1, timeout=60).ok
-        model.lm_head.weight.data = model.lm_head.weight.data.clone()
+        model.lm_head.weight.data = model.lm_head.weight.data.float()
         for version in (2, 3):
             t0 = time.monotonic()
-            with pytest.raises(RefitFailed, match="no longer lies where it did at attach"):
+            with pytest.raises(RefitFailed, match="'lm_head.weight' is float32, expected bfloat16"):
                 client.refit(plan, version=version, timeout=60)
             # every member leaves within a moment of the failure (measured: a few ms)
             left = _until(lambda: not _busy(client), 5.0)
             assert time.monotonic() - t0 < 3.0 and left < 0.5, (time.monotonic() - t0, left)
             _until(lambda: [(a.version, a.stale) for a in engines.agents] == [(1, False)] * 2, 5.0)
             assert {(w["version"], w["stale"]) for w in client.list_workers(group="early-engine")} == {(1, False)}
-        agent.stop()
-        agent = refit_hf.attach(model, srv.address, group="early")
+        model.lm_head.weight.data = model.lm_head.weight.data.bfloat16()  # followed: no attach again
         t0 = time.monotonic()
         assert client.refit(plan, version=4, timeout=60).ok
         assert time.monotonic() - t0 < 2.0
