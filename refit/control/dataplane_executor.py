@@ -172,7 +172,7 @@ class ExecutorDataPlane(BaseDataPlane):
         ipc = cuda and one_host and self.transport != "comm"
         if self.transport == "ipc" and not ipc:
             raise InvalidInput("transport ipc needs every member on GPUs of one host")
-        spec, src, dst = self._resolved[plan.plan_hash]
+        spec, src, dst = self._run_view(plan)
         mine = src if seat.side is Side.TRAINER else dst
         local = {lt.name: tensors[lt.name] for lt in mine.local_tensors(spec, seat.rank)}
         member = Member(store, topo, rdv.rank, device, {me: local}, spec, src, dst, names, ctx.remaining,
@@ -203,6 +203,10 @@ class ExecutorDataPlane(BaseDataPlane):
         with torch.no_grad():
             torch._foreach_copy_(targets, sources)
         return out
+
+    def _run_view(self, plan: Plan) -> tuple[ModelSpec, Layout, Layout]:
+        """(the spec this seat runs ``plan`` with, its src and dst layouts), as `prepare` resolved them."""
+        return self._resolved[plan.plan_hash]
 
     def close(self) -> None:
         for held in self._members.values():

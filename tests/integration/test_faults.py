@@ -464,7 +464,7 @@ class FailsAfterLocating(ExecutorDataPlane):
     group exists: the trainer is then inside gloo's group set-up, waiting for this member's
     address in the rendezvous."""
 
-    def _layouts(self, plan: Any) -> Any:
+    def _run_view(self, plan: Any) -> Any:
         raise RefitError("injected: refusing after locate")
 
 
