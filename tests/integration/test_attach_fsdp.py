@@ -109,19 +109,25 @@ def test_fsdp_attach_refit_bit_exact_live(server, tmp_path, dp, cls_name, cfg) -
         assert got == [max(0, min(V, (r + 1) * chunk) - r * chunk) for r in range(dp)] and len(set(got)) > 1
         engines = Engines(srv.address, spec, "vllm:tp2", group=f"{group}-engine")
         plan = client.create_plan(group, f"{group}-engine")["plan_id"]
-        for version in (1, 2):
-            if version == 2:
-                trainers.ask("step", version)
-            assert client.refit(plan, version=version, timeout=180).ok
-            write_hf(str(tmp_path / f"v{version}"), trainers.ask("full")[0])
-            bad = engines.mismatches(expected_engine_tensors(spec, "vllm:tp2", str(tmp_path / f"v{version}")))
-            assert not bad, bad[:5]
+        refit_step_refit(client, trainers, engines, spec, plan, tmp_path)
         if dp == 2:  # the refusals, in the same processes (a spawn costs seconds)
             check_refusals(client, trainers.ask("refusals")[0])
     finally:
         trainers.close()
         if engines is not None:
             engines.close()
+
+
+def refit_step_refit(client, trainers, engines, spec, plan_id: str, tmp_path) -> None:
+    """Refit, a real FSDP2 training step, refit: each time the engines bit-exact against refit's
+    offline reshard of the full tensors the trainer holds."""
+    for version in (1, 2):
+        if version == 2:
+            trainers.ask("step", version)
+        assert client.refit(plan_id, version=version, timeout=180).ok
+        write_hf(str(tmp_path / f"v{version}"), trainers.ask("full")[0])
+        bad = engines.mismatches(expected_engine_tensors(spec, "vllm:tp2", str(tmp_path / f"v{version}")))
+        assert not bad, bad[:5]
 
 
 def check_refusals(client, messages: list[str]) -> None:
@@ -150,13 +156,7 @@ def test_hsdp_every_replica_group_serves(server, tmp_path) -> None:
         plan = client.get_plan(plan_id, include_plan=True)["plan"]
         senders = {t.src for t in plan.transfers if t.stage == 1}
         assert senders & {0, 1} and senders & {2, 3}, senders
-        for version in (1, 2):
-            if version == 2:
-                trainers.ask("step", version)
-            assert client.refit(plan_id, version=version, timeout=180).ok
-            write_hf(str(tmp_path / f"v{version}"), trainers.ask("full")[0])
-            bad = engines.mismatches(expected_engine_tensors(spec, "vllm:tp2", str(tmp_path / f"v{version}")))
-            assert not bad, bad[:5]
+        refit_step_refit(client, trainers, engines, spec, plan_id, tmp_path)
     finally:
         trainers.close()
         if engines is not None:
