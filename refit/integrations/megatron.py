@@ -10,14 +10,31 @@ split (``num_layers_in_first/last_pipeline_stage`` or ``account_for_embedding/lo
 then checked against the model itself: this rank's coordinates, the layers each chunk
 built, the config's dimensions against the spec's.
 
-Names: refit's megatron layout uses the Transformer Engine spec's names.  The local (non-TE) spec
-differs in three places, mapped here:
+Models: Llama, Qwen2/3, Qwen3-MoE, DeepSeek-V3 / Kimi-K2 / Moonlight (MLA with or without q LoRA,
+dense first layers, shared experts, the router's ``expert_bias``) and GLM-4.5 (GQA with qkv bias,
+qk-norm as its config says, partial rotary, which changes no tensor, shared experts, the router's
+``expert_bias``); names and config fields checked against megatron-core 0.16.1.
 
-* ``input_layernorm.weight`` is TE's ``self_attention.linear_qkv.layer_norm_weight``;
+Names: refit's megatron layout uses the Transformer Engine spec's names.  The local (non-TE) spec
+differs in these places, mapped here:
+
+* ``input_layernorm.weight`` is TE's ``self_attention.linear_qkv.layer_norm_weight`` (GQA; MLA's
+  TE spec keeps ``input_layernorm.weight``);
 * on dense layers ``pre_mlp_layernorm.weight`` is TE's ``mlp.linear_fc1.layer_norm_weight``
   (MoE layers keep ``pre_mlp_layernorm.weight`` in both specs);
+* MLA's ``self_attention.q_layernorm.weight`` / ``kv_layernorm.weight`` are TE's
+  ``linear_q_up_proj.layer_norm_weight`` / ``linear_kv_up_proj.layer_norm_weight``;
 * SequentialMLP experts ``mlp.experts.local_experts.{i}.linear_fc1.weight`` are TE grouped-GEMM's
   ``mlp.experts.linear_fc1.weight{i}`` (same for fc2), with either spec.
+
+Shared experts (``mlp.shared_experts.linear_fc1/fc2``) and the router (``mlp.router.weight``) are
+named alike in both.  The router's ``expert_bias`` is a buffer, not a parameter: served too, in
+float32 (Megatron's ``Float16Module`` casts it to bf16 and the router casts it back before each
+forward and checkpoint save, ``TopKRouter._maintain_float32_expert_bias``, which attach calls
+likewise).  MLA's down-projections (``linear_q_down_proj``, ``linear_kv_down_proj``) are whole on
+every tp rank as TE's ``TELinear(parallel_mode="duplicated")`` holds them; the local spec's
+ColumnParallelLinear splits them over tp and is refused at tp > 1, naming them.  Multi-token
+prediction layers (``mtp.*``) are not moved (vLLM's main model does not hold them): attach logs them.
 
 Values are the live parameters (``detach()``: a view, never a copy).  Under Megatron's DDP with
 the distributed optimizer every parameter's data is a view into DDP's contiguous param buffer, so
@@ -25,23 +42,24 @@ they are served from that buffer (checked on CPU).  On GPU the views share the b
 allocation, which torch's CUDA IPC exports and opens once per allocation, not per parameter (torch's
 mechanism; not exercised on a GPU by refit's tests).
 
-Refused, naming the parameter or setting: the legacy ``GroupedMLP`` (``experts.weight1``), shared
-experts, linear biases (``add_bias_linear``) and the router's expert bias.
+Refused, naming the parameter or setting: the legacy ``GroupedMLP`` (``experts.weight1``), linear
+biases (``add_bias_linear``), a shared-expert gate, and any config field that contradicts the spec.
 """
 
 from __future__ import annotations
 
 import logging
 import re
-from typing import Any, Sequence
+from typing import Any, Container, Sequence
 
 import torch
 
 from refit.control.agent import TrainerAgent
-from refit.archs import FAMILY_ARCHS
 from refit.errors import InvalidInput
 from refit.integrations._common import Served, global_rank, refuse_unmapped, start_trainer
 from refit.layouts import MegatronLayout
+from refit.layouts.megatron import VOCAB_DIVISIBLE_BY
+from refit.layouts.base import pad_to
 from refit.hf_checkpoint import load_spec
 from refit.spec import ModelSpec
 
@@ -54,6 +72,8 @@ _LOCAL_TO_TE = (
     (re.compile(r"^(decoder\.layers\.\d+\.)input_layernorm\.weight$"),
      r"\1self_attention.linear_qkv.layer_norm_weight"),
     (re.compile(r"^(decoder\.layers\.\d+\.)pre_mlp_layernorm\.weight$"), r"\1mlp.linear_fc1.layer_norm_weight"),
+    (re.compile(r"^(decoder\.layers\.\d+\.self_attention\.)q_layernorm\.weight$"), r"\1linear_q_up_proj.layer_norm_weight"),
+    (re.compile(r"^(decoder\.layers\.\d+\.self_attention\.)kv_layernorm\.weight$"), r"\1linear_kv_up_proj.layer_norm_weight"),
     (re.compile(r"^(decoder\.layers\.\d+\.mlp\.experts\.)local_experts\.(\d+)\.(linear_fc[12])\.weight$"),
      r"\1\3.weight\2"),
 )
@@ -77,6 +97,7 @@ def attach(model: torch.nn.Module | Sequence[torch.nn.Module], address: str | No
     chunks = [_unwrap(m) for m in wrappers]
     _check_config(chunks, spec)
     layout = layout_from_parallel_state(spec, chunks)
+    _check_vocab(chunks, spec, layout)
     rank = global_rank()
     _check_coords(layout, rank)
     _check_layers(layout, spec, chunks, rank)
@@ -120,11 +141,27 @@ def layout_from_parallel_state(spec: ModelSpec, chunks: Sequence[torch.nn.Module
                              "use num_layers_in_first/last_pipeline_stage")
         per_stage = (cfg.num_layers + emb + loss) // pp
         first, last = (per_stage - 1 if emb else None), (per_stage - 1 if loss else None)
+    tp = ps.get_tensor_model_parallel_world_size()
     layout = MegatronLayout(
-        tp=ps.get_tensor_model_parallel_world_size(), pp=pp, vpp=vpp,
+        tp=tp, pp=pp, vpp=vpp,
         ep=ps.get_expert_model_parallel_world_size(), etp=ps.get_expert_tensor_parallel_world_size() if moe else None,
-        dp=ps.get_data_parallel_world_size(), cp=ps.get_context_parallel_world_size(), first=first, last=last)
+        dp=ps.get_data_parallel_world_size(), cp=ps.get_context_parallel_world_size(), first=first, last=last,
+        vocabdiv=vocab_divisor(spec.config.vocab_size, getattr(chunks[0], "vocab_size", None), tp))
     return layout.resolve(spec)
+
+
+def vocab_divisor(vocab: int, padded: int | None, tp: int) -> int:
+    """The ``vocabdiv`` of a model built with ``padded`` rows of vocabulary: Megatron's default
+    (a multiple of 128 * tp) when it fits, else the smallest divisor that gives it (1 for a
+    bridge's unpadded embedding).  Padding no divisor explains keeps the default, and
+    `_check_vocab` refuses it with the numbers."""
+    if padded is None or padded == pad_to(vocab, VOCAB_DIVISIBLE_BY * tp):
+        return VOCAB_DIVISIBLE_BY
+    if padded % tp == 0:
+        for d in range(1, padded // tp + 1):
+            if pad_to(vocab, d * tp) == padded:
+                return d
+    return VOCAB_DIVISIBLE_BY
 
 
 def _check_coords(layout: MegatronLayout, rank: int) -> None:
@@ -145,34 +182,59 @@ def _check_coords(layout: MegatronLayout, rank: int) -> None:
 
 
 def _check_config(chunks: Sequence[torch.nn.Module], spec: ModelSpec) -> None:
-    """The megatron config against the spec, dimension by dimension, with the numbers."""
+    """The megatron config against the spec, field by field: every field that differs, with both values."""
     cfg, c = chunks[0].config, spec.config
-    if c.arch in FAMILY_ARCHS:  # said first: any dimension check below would blame a symptom
-        raise InvalidInput(f"refit's Megatron-Core attach serves Llama and Qwen models; {spec.name} is {c.arch} "
-                         f"(shared experts, a router bias{', MLA' if c.is_mla else ''}), whose Megatron parameters "
-                         f"it does not map yet. Attach that trainer with refit.integrations.hf or .fsdp, or give "
-                         f"a TrainerAgent its tensors (megatron layouts of {c.arch} plan and reshard)")
-    kv = cfg.num_query_groups or cfg.num_attention_heads
     checks = [("num_layers", cfg.num_layers, c.num_layers), ("hidden_size", cfg.hidden_size, c.hidden_size),
-              ("num_attention_heads", cfg.num_attention_heads, c.num_heads), ("num_query_groups", kv, c.num_kv_heads),
-              ("kv_channels", cfg.kv_channels, c.head_dim), ("qk_layernorm", bool(cfg.qk_layernorm), c.qk_norm),
-              ("add_qkv_bias", bool(cfg.add_qkv_bias), c.qkv_bias),
+              ("num_attention_heads", cfg.num_attention_heads, c.num_heads),
+              ("multi_latent_attention", bool(getattr(cfg, "multi_latent_attention", False)), c.is_mla),
               ("gated_linear_unit", bool(cfg.gated_linear_unit), True),
               ("normalization", cfg.normalization, "RMSNorm"),
               ("share_embeddings_and_output_weights", bool(chunks[0].share_embeddings_and_output_weights),
                c.tie_embeddings),
               ("num_moe_experts", cfg.num_moe_experts or 0, c.num_experts if c.is_moe else 0)]
+    if c.is_mla:  # MLATransformerConfig; qk_layernorm builds the q_a / kv_a layernorms
+        checks += [("q_lora_rank", getattr(cfg, "q_lora_rank", None) or 0, c.q_lora_rank),
+                   ("kv_lora_rank", getattr(cfg, "kv_lora_rank", None), c.kv_lora_rank),
+                   ("qk_head_dim", getattr(cfg, "qk_head_dim", None), c.qk_nope_head_dim),
+                   ("qk_pos_emb_head_dim", getattr(cfg, "qk_pos_emb_head_dim", None), c.qk_rope_head_dim),
+                   ("v_head_dim", getattr(cfg, "v_head_dim", None), c.v_head_dim),
+                   ("qk_layernorm (MLA's q_a/kv_a layernorms)", bool(cfg.qk_layernorm), True)]
+    else:
+        checks += [("num_query_groups", cfg.num_query_groups or cfg.num_attention_heads, c.num_kv_heads),
+                   ("kv_channels", cfg.kv_channels, c.head_dim), ("qk_layernorm", bool(cfg.qk_layernorm), c.qk_norm),
+                   ("add_qkv_bias", bool(cfg.add_qkv_bias), c.qkv_bias)]
     if c.dense_layers:
         checks.append(("ffn_hidden_size", cfg.ffn_hidden_size, c.intermediate_size))
     if c.is_moe:
-        checks.append(("moe_ffn_hidden_size", cfg.moe_ffn_hidden_size, c.moe_intermediate_size))
-        checks.append(("moe_router_enable_expert_bias (its bias is a buffer refit does not move)",
-                       bool(getattr(cfg, "moe_router_enable_expert_bias", False)), False))
-        checks.append(("moe_shared_expert_intermediate_size (shared experts)",
-                       getattr(cfg, "moe_shared_expert_intermediate_size", None), None))
-    for what, got, want in checks:
-        if got != want:
-            raise InvalidInput(f"megatron config {what} is {got}, {spec.name} has {want}")
+        checks += [("moe_ffn_hidden_size", cfg.moe_ffn_hidden_size, c.moe_intermediate_size),
+                   ("MoE layers (moe_layer_freq)", _moe_layers(cfg), list(c.moe_layers)),
+                   ("moe_shared_expert_intermediate_size",
+                    getattr(cfg, "moe_shared_expert_intermediate_size", None) or 0, c.shared_intermediate_size),
+                   ("moe_router_enable_expert_bias", bool(getattr(cfg, "moe_router_enable_expert_bias", False)),
+                    c.router_bias)]
+    wrong = [f"{what} is {got}, {spec.name} has {want}" for what, got, want in checks if got != want]
+    if wrong:
+        raise InvalidInput(f"megatron config {'; '.join(wrong)}")
+
+
+def _moe_layers(cfg: Any) -> list[int] | str:
+    """The 0-based layers ``moe_layer_freq`` makes MoE (get_gpt_decoder_layer_specs' rule)."""
+    freq = cfg.moe_layer_freq
+    if isinstance(freq, int):
+        return [i for i in range(cfg.num_layers) if i % freq == 0]
+    if isinstance(freq, (list, tuple)):
+        return [i for i, f in enumerate(freq) if f == 1]
+    return repr(freq)
+
+
+def _check_vocab(chunks: Sequence[torch.nn.Module], spec: ModelSpec, layout: MegatronLayout) -> None:
+    """The model's (padded) vocabulary against the rows refit's layout gives the embedding."""
+    want = pad_to(spec.config.vocab_size, layout.vocabdiv * layout.tp)
+    got = getattr(chunks[0], "vocab_size", want)
+    if got != want:
+        raise InvalidInput(f"megatron model vocab_size (padded) is {got}, {spec.name}'s vocab {spec.config.vocab_size} "
+                         f"padded to a multiple of {layout.vocabdiv}*tp{layout.tp} is {want} "
+                         f"(make_vocab_size_divisible_by {layout.vocabdiv})")
 
 
 def _check_layers(layout: MegatronLayout, spec: ModelSpec, chunks: Sequence[torch.nn.Module], rank: int) -> None:
@@ -192,23 +254,48 @@ def _check_layers(layout: MegatronLayout, spec: ModelSpec, chunks: Sequence[torc
 
 
 def _serve(chunks: Sequence[torch.nn.Module], spec: ModelSpec, layout: MegatronLayout, rank: int) -> dict[str, Served]:
-    expected = {lt.name for lt in layout.local_tensors(spec, rank)}
+    expected = {lt.name: lt.shape for lt in layout.local_tensors(spec, rank)}
     served: dict[str, Served] = {}
     unmapped: list[str] = []
+    misshaped: list[str] = []
+    not_moved: list[str] = []
     for c, chunk in enumerate(chunks):
         prefix = f"chunk{c}." if layout.vpp > 1 else ""
-        for name, p in chunk.named_parameters():
+        live = [(name, (lambda p=p: p.detach())) for name, p in chunk.named_parameters()]
+        for name, module in chunk.named_modules():
+            if getattr(module, "expert_bias", None) is not None:  # TopKRouter's buffer (not a parameter)
+                getattr(module, "_maintain_float32_expert_bias", lambda: None)()
+                live.append((f"{name}.expert_bias", (lambda m=module: m.expert_bias.detach())))
+        # MTP layers, and the embedding copy Megatron gives them on a stage without the embedding
+        mtp_emb = "embedding.word_embeddings.weight" if getattr(chunk, "mtp_process", False) and \
+            not getattr(chunk, "pre_process", True) else None
+        for name, get in live:
+            if name.startswith("mtp.") or name == mtp_emb:
+                not_moved.append(prefix + name)
+                continue
             local = _local_name(prefix, name, expected)
             if local is None:
                 unmapped.append(prefix + name)
-                continue
-            live = (lambda p=p: p.detach())
-            served[local] = Served(prefix + name, live)
+            elif tuple(get().shape) != tuple(expected[local]):
+                misshaped.append(f"{prefix + name} {list(get().shape)} where refit's {local} is {list(expected[local])}")
+            else:
+                served[local] = Served(prefix + name, get)
     refuse_unmapped(unmapped, f"{spec.name} on rank {rank} of {layout.describe()}", _hint(unmapped))
+    if misshaped:
+        down = any("_down_proj" in m for m in misshaped)
+        raise InvalidInput(f"{spec.name} on rank {rank} of {layout.describe()}: {len(misshaped)} parameter(s) are "
+                         f"shaped otherwise than refit holds them: {'; '.join(misshaped[:4])}"
+                         f"{'...' if len(misshaped) > 4 else ''}"
+                         + ("; MLA's down-projections are whole on every tp rank under the Transformer Engine spec "
+                            "(TELinear, duplicated): the local spec's ColumnParallelLinear splits them over tp, which "
+                            "refit does not serve (use the TE spec, or tp 1)" if down else ""))
+    if not_moved:
+        log.info("rank %d: %d multi-token-prediction parameter(s) not moved (vLLM's main model does not hold them): "
+                 "%s%s", rank, len(not_moved), ", ".join(not_moved[:3]), "..." if len(not_moved) > 3 else "")
     return served
 
 
-def _local_name(prefix: str, name: str, expected: set[str]) -> str | None:
+def _local_name(prefix: str, name: str, expected: Container[str]) -> str | None:
     if prefix + name in expected:
         return prefix + name
     for pattern, te in _LOCAL_TO_TE:
@@ -226,4 +313,6 @@ def _hint(unmapped: list[str]) -> str:
                "or SequentialMLP"
     if first.endswith("bias") or "bias" in first:
         return "refit's models hold no linear biases besides q/k/v (add_bias_linear is not supported)"
-    return "refit knows the Transformer Engine and local spec names of llama/qwen models"
+    if "shared_experts.gate" in first:
+        return "a shared-expert gate (moe_shared_expert_gate) is in none of the models refit knows"
+    return "refit knows the Transformer Engine and local spec names of Llama, Qwen, DeepSeek-V3 and GLM-4.5 models"

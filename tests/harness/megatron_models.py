@@ -39,15 +39,25 @@ def init_parallel(tp: int = 1, pp: int = 1, vpp: int | None = None, ep: int = 1,
 
 
 def build_gpt(spec: ModelSpec, *, te_names: bool = False, vpp: int | None = None, seed: int = 0,
+              duplicated_down_proj: bool = True, vocab_divisor: int = VOCAB_DIVISIBLE_BY,
               **overrides: Any) -> list[torch.nn.Module]:
     """This rank's model chunks of a GPTModel shaped like ``spec`` (local spec; bf16 parameters with
-    random, never-zero values), after `init_parallel`."""
+    random, never-zero values), after `init_parallel`.
+
+    DeepSeek-V3 family (MLA): an ``MLATransformerConfig`` with qk_layernorm (the q_a / kv_a norms),
+    built with `install_mla_stand_ins`: the local spec's core attention cannot build MLA and TE is
+    not installed, so a plain softmax attention stands in for it and, with ``duplicated_down_proj``,
+    a whole (tp-duplicated) linear for the down-projections as TE's ``TELinear(parallel_mode=
+    'duplicated')`` holds them (the local spec's ColumnParallelLinear splits them over tp).  Family
+    MoE layers get Megatron's shared experts and the router's float32 ``expert_bias`` as the spec says.
+    ``vocab_divisor``: the vocab padded to a multiple of it * tp (Megatron-LM's default 128; 1 as
+    mbridge / verl's Megatron bridge build the embedding, unpadded)."""
     import torch.nn.functional as F
     from megatron.core import parallel_state as ps
     from megatron.core.models.gpt import GPTModel
     from megatron.core.models.gpt.gpt_layer_specs import get_gpt_decoder_block_spec
     from megatron.core.transformer.module import Float16Module
-    from megatron.core.transformer.transformer_config import TransformerConfig
+    from megatron.core.transformer.transformer_config import MLATransformerConfig, TransformerConfig
 
     c = spec.config
     tp, pp = ps.get_tensor_model_parallel_world_size(), ps.get_pipeline_model_parallel_world_size()
@@ -61,26 +71,76 @@ def build_gpt(spec: ModelSpec, *, te_names: bool = False, vpp: int | None = None
         qk_layernorm=c.qk_norm, add_qkv_bias=c.qkv_bias, normalization="RMSNorm", gated_linear_unit=True,
         activation_func=F.silu, bias_activation_fusion=False, bias_dropout_fusion=False, add_bias_linear=False,
         init_method_std=0.02)
+    if c.is_mla:
+        kw.pop("kv_channels")
+        kw.update(multi_latent_attention=True, q_lora_rank=c.q_lora_rank or None, kv_lora_rank=c.kv_lora_rank,
+                  qk_head_dim=c.qk_nope_head_dim, qk_pos_emb_head_dim=c.qk_rope_head_dim, v_head_dim=c.v_head_dim,
+                  qk_layernorm=True, rope_type="rope", apply_rope_fusion=False)
     if c.is_moe:
         kw.update(num_moe_experts=c.num_experts, moe_ffn_hidden_size=c.moe_intermediate_size, moe_router_topk=2,
                   moe_layer_freq=[1 if layer in c.moe_layers else 0 for layer in range(c.num_layers)],
                   moe_grouped_gemm=False)
+        if c.num_shared_experts:
+            kw["moe_shared_expert_intermediate_size"] = c.shared_intermediate_size
+        if c.router_bias:
+            kw.update(moe_router_enable_expert_bias=True, moe_router_score_function="sigmoid")
     kw.update(overrides)
-    config = TransformerConfig(**kw)
+    config = (MLATransformerConfig if kw.get("multi_latent_attention") else TransformerConfig)(**kw)
     torch.manual_seed(seed + 1000 * torch.distributed.get_rank())
     chunks = []
     for v in range(vpp or 1):
         stage = v if vpp else None
         block = get_gpt_decoder_block_spec(config, use_transformer_engine=False, normalization="RMSNorm",
                                            vp_stage=stage, pp_rank=ps.get_pipeline_model_parallel_rank())
+        if config.multi_latent_attention:
+            install_mla_stand_ins(block, duplicated_down_proj)
         pp_rank = ps.get_pipeline_model_parallel_rank()
-        model = GPTModel(config, block, vocab_size=pad_to(c.vocab_size, VOCAB_DIVISIBLE_BY * tp),
+        mtp = None
+        if config.mtp_num_layers and pp_rank == pp - 1 and v == (vpp or 1) - 1:  # MTP layers: after the last stage
+            from megatron.core.models.gpt.gpt_layer_specs import get_gpt_mtp_block_spec
+
+            mtp = get_gpt_mtp_block_spec(config, block, use_transformer_engine=False, vp_stage=stage, pp_rank=pp_rank)
+        model = GPTModel(config, block, vocab_size=pad_to(c.vocab_size, vocab_divisor * tp), mtp_block_spec=mtp,
                          max_sequence_length=64, pre_process=pp_rank == 0 and v == 0,
                          post_process=pp_rank == pp - 1 and v == (vpp or 1) - 1,
                          share_embeddings_and_output_weights=c.tie_embeddings, position_embedding_type="rope",
-                         vp_stage=stage)
+                         rotary_percent=0.5 if c.arch == "glm4_moe" else 1.0, vp_stage=stage)
         chunks.append(Float16Module(config, model))  # as Megatron-LM trains in bf16: norms cast too
     return chunks
+
+
+class DuplicatedLinear(torch.nn.Module):
+    """Stands in for TE's ``TELinear(parallel_mode="duplicated")`` (MLA's down-projections under the
+    TE spec): the whole weight on every tp rank, ``weight`` [out, in]; replicated in the
+    checkpoint (``sharded_state_dict_default``'s rule for a module without its own)."""
+
+    def __init__(self, input_size: int, output_size: int, *, config: Any, init_method: Any, bias: bool = False,
+                 parallel_mode: str | None = None, **_: Any) -> None:
+        super().__init__()
+        assert parallel_mode == "duplicated" and not bias
+        self.weight = torch.nn.Parameter(torch.empty(output_size, input_size, dtype=config.params_dtype))
+        init_method(self.weight)
+
+    def forward(self, x: torch.Tensor) -> tuple[torch.Tensor, None]:
+        return torch.nn.functional.linear(x, self.weight), None
+
+
+def install_mla_stand_ins(block: Any, duplicated_down_proj: bool = True) -> None:
+    """Megatron's MLA layer specs of ``block`` made buildable on this CPU machine: the plain core
+    attention of tests/harness/megatron_mla_check.py and (``duplicated_down_proj``) `DuplicatedLinear`
+    down-projections, which MLASelfAttention accepts as its ``TELinear`` (duplicated) case."""
+    from megatron.core.transformer import multi_latent_attention as mla_mod
+
+    from tests.harness.megatron_mla_check import _plain_core_attention
+
+    mla_mod.HAVE_TE = False
+    if duplicated_down_proj:
+        mla_mod.TELinear = DuplicatedLinear
+    for layer in block.layer_specs:
+        sub = layer.submodules.self_attention.submodules
+        sub.core_attention = _plain_core_attention()
+        if duplicated_down_proj:
+            sub.linear_q_down_proj = sub.linear_kv_down_proj = DuplicatedLinear
 
 
 # ------------------------------------------------------------------------------------------------
@@ -107,9 +167,12 @@ def sharded_tensors(chunks: list[torch.nn.Module]) -> list[Any]:
     """Every ShardedTensor of the chunks' ``sharded_state_dict`` (factories such as SwiGLU's built)."""
     from megatron.core.dist_checkpointing.mapping import ShardedTensor, ShardedTensorFactory
 
+    from megatron.core import parallel_state as ps
+
     out = []
-    for chunk in chunks:
-        for obj in chunk.sharded_state_dict().values():
+    for chunk in chunks:  # (GPTModel with MTP off the first stage reads metadata['dp_cp_group'] itself)
+        metadata = {"dp_cp_group": ps.get_data_parallel_group(with_context_parallel=True)}
+        for obj in chunk.sharded_state_dict(metadata=metadata).values():
             if isinstance(obj, ShardedTensorFactory):
                 built = obj.build()
                 out.extend(built if isinstance(built, list) else [built])
@@ -140,44 +203,81 @@ def fill_by_placement(chunks: list[torch.nn.Module], version: int) -> dict[str, 
 
 def megatron_to_hf(shapes: dict[str, tuple[int, ...]], spec: ModelSpec, version: int) -> dict[str, torch.Tensor]:
     """The HF tensors of the global checkpoint tensors, converted by hand after
-    tests/harness/megatron/FACTS.md (fused QKV per query group, fc1 = [gate; up], experts on a global axis)."""
+    tests/harness/megatron/FACTS.md (fused QKV per query group, fc1 = [gate; up], experts on a global
+    axis) and, for MLA, tests/integration/test_megatron_mla.py (one Megatron tensor per HF tensor, no
+    row reordering).  The local spec's checkpoint keys: GQA layers map their norms to TE's keys
+    (``linear_qkv.layer_norm_weight``, ``linear_fc1.layer_norm_weight``), MLA layers keep the module
+    names (``input_layernorm``, ``q_layernorm``, ``kv_layernorm``, ``pre_mlp_layernorm``)."""
     g = {k: _values(k, s, (0,) * len(s), s, version) for k, s in shapes.items()}
     c = spec.config
-    V, G, hd = c.vocab_size, c.num_kv_heads, c.head_dim
-    qg = c.num_heads // G
+    V = c.vocab_size
     out = {"model.embed_tokens.weight": g["embedding.word_embeddings.weight"][:V],
            "model.norm.weight": g["decoder.final_layernorm.weight"]}
     if not c.tie_embeddings:
         out["lm_head.weight"] = g["output_layer.weight"][:V]
 
-    def get(layer: int, name: str) -> torch.Tensor:
-        key = f"decoder.layers.{layer}.{name}"
-        return g[key] if key in g else g[f"decoder.layers.{name}"][layer]  # per-layer or stacked keys
+    def get(layer: int, *names: str) -> torch.Tensor:
+        for name in names:  # per-layer or stacked keys, under the first of the names that exists
+            key = f"decoder.layers.{layer}.{name}"
+            if key in g:
+                return g[key]
+            if f"decoder.layers.{name}" in g:
+                return g[f"decoder.layers.{name}"][layer]
+        raise KeyError(f"layer {layer}: none of {names}")
+
+    def mlp(p: str, fc1: torch.Tensor, fc2: torch.Tensor) -> None:  # p: "...mlp." or "...mlp.experts.{e}."
+        n = fc1.shape[0] // 2
+        out[p + "gate_proj.weight"], out[p + "up_proj.weight"], out[p + "down_proj.weight"] = fc1[:n], fc1[n:], fc2
 
     for layer in range(c.num_layers):
         p = f"model.layers.{layer}."
-        out[p + "input_layernorm.weight"] = get(layer, "self_attention.linear_qkv.layer_norm_weight")
-        for kind in ("weight", "bias") if c.qkv_bias else ("weight",):
-            w = get(layer, f"self_attention.linear_qkv.{kind}")
-            w = w.reshape(G, (qg + 2) * hd, *w.shape[1:])
-            for proj, lo, n in (("q", 0, qg * hd), ("k", qg * hd, hd), ("v", (qg + 1) * hd, hd)):
-                out[p + f"self_attn.{proj}_proj.{kind}"] = w[:, lo:lo + n].reshape(G * n, *w.shape[2:])
-        out[p + "self_attn.o_proj.weight"] = get(layer, "self_attention.linear_proj.weight")
-        if c.qk_norm:
-            out[p + "self_attn.q_norm.weight"] = get(layer, "self_attention.q_layernorm.weight")
-            out[p + "self_attn.k_norm.weight"] = get(layer, "self_attention.k_layernorm.weight")
-        out[p + "post_attention_layernorm.weight"] = get(layer, "mlp.linear_fc1.layer_norm_weight")
+        if c.is_mla:
+            _mla_to_hf(out, p, lambda name: get(layer, name), c.q_lora_rank)
+        else:
+            _gqa_to_hf(out, p, lambda name: get(layer, name), c)
+        out[p + "post_attention_layernorm.weight"] = get(layer, "mlp.linear_fc1.layer_norm_weight",
+                                                         "pre_mlp_layernorm.weight")
         if layer in c.moe_layers:
-            I = c.moe_intermediate_size
             out[p + "mlp.gate.weight"] = get(layer, "mlp.router.weight")
+            if c.router_bias:
+                out[p + "mlp.gate.e_score_correction_bias"] = get(layer, "mlp.router.expert_bias").float()
             fc1, fc2 = get(layer, "mlp.experts.experts.linear_fc1.weight"), get(layer, "mlp.experts.experts.linear_fc2.weight")
             for e in range(c.num_experts):
-                out[p + f"mlp.experts.{e}.gate_proj.weight"] = fc1[e, :I]
-                out[p + f"mlp.experts.{e}.up_proj.weight"] = fc1[e, I:]
-                out[p + f"mlp.experts.{e}.down_proj.weight"] = fc2[e]
+                mlp(p + f"mlp.experts.{e}.", fc1[e], fc2[e])
+            if c.num_shared_experts:
+                mlp(p + "mlp.shared_experts.", get(layer, "mlp.shared_experts.linear_fc1.weight"),
+                    get(layer, "mlp.shared_experts.linear_fc2.weight"))
         else:
-            F = c.intermediate_size
-            fc1 = get(layer, "mlp.linear_fc1.weight")
-            out[p + "mlp.gate_proj.weight"], out[p + "mlp.up_proj.weight"] = fc1[:F], fc1[F:]
-            out[p + "mlp.down_proj.weight"] = get(layer, "mlp.linear_fc2.weight")
+            mlp(p + "mlp.", get(layer, "mlp.linear_fc1.weight"), get(layer, "mlp.linear_fc2.weight"))
     return {k: v.contiguous() for k, v in out.items()}
+
+
+def _gqa_to_hf(out: dict[str, torch.Tensor], p: str, get: Any, c: Any) -> None:
+    G, hd = c.num_kv_heads, c.head_dim
+    qg = c.num_heads // G
+    out[p + "input_layernorm.weight"] = get("self_attention.linear_qkv.layer_norm_weight")
+    for kind in ("weight", "bias") if c.qkv_bias else ("weight",):
+        w = get(f"self_attention.linear_qkv.{kind}")
+        w = w.reshape(G, (qg + 2) * hd, *w.shape[1:])
+        for proj, lo, n in (("q", 0, qg * hd), ("k", qg * hd, hd), ("v", (qg + 1) * hd, hd)):
+            out[p + f"self_attn.{proj}_proj.{kind}"] = w[:, lo:lo + n].reshape(G * n, *w.shape[2:])
+    out[p + "self_attn.o_proj.weight"] = get("self_attention.linear_proj.weight")
+    if c.qk_norm:
+        out[p + "self_attn.q_norm.weight"] = get("self_attention.q_layernorm.weight")
+        out[p + "self_attn.k_norm.weight"] = get("self_attention.k_layernorm.weight")
+
+
+def _mla_to_hf(out: dict[str, torch.Tensor], p: str, get: Any, q_lora_rank: int) -> None:
+    pairs = {"input_layernorm.weight": "input_layernorm.weight",
+             "self_attn.kv_a_proj_with_mqa.weight": "self_attention.linear_kv_down_proj.weight",
+             "self_attn.kv_a_layernorm.weight": "self_attention.kv_layernorm.weight",
+             "self_attn.kv_b_proj.weight": "self_attention.linear_kv_up_proj.weight",
+             "self_attn.o_proj.weight": "self_attention.linear_proj.weight"}
+    if q_lora_rank:
+        pairs.update({"self_attn.q_a_proj.weight": "self_attention.linear_q_down_proj.weight",
+                      "self_attn.q_a_layernorm.weight": "self_attention.q_layernorm.weight",
+                      "self_attn.q_b_proj.weight": "self_attention.linear_q_up_proj.weight"})
+    else:
+        pairs["self_attn.q_proj.weight"] = "self_attention.linear_q_proj.weight"
+    for hf, meg in pairs.items():
+        out[p + hf] = get(meg)

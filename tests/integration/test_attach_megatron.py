@@ -1,8 +1,13 @@
-"""`refit_megatron.attach` on real megatron-core GPTModels (local spec, Float16Module-wrapped, bf16)
+"""`refit_megatron.attach` on real megatron-core 0.16.1 GPTModels (local spec, Float16Module-wrapped, bf16)
 over a real gloo world of spawned ranks: Qwen3-MoE-like tp2 ep2 (SequentialMLP experts, dense and
 MoE layers) under Megatron's DDP with the distributed optimizer (parameters served from DDP's
-buffers), Qwen2-like (tied embeddings, qkv bias) pp2 vpp2, and a dense Llama-like under DDP dp2
-(replicas: the plan reads each box from one of them).  Values are placed by Megatron's
+buffers), Qwen2-like (tied embeddings, qkv bias) pp2 vpp2, a dense Llama-like under DDP dp2
+(replicas: the plan reads each box from one of them), DeepSeek-V3-like MLA with q LoRA (a dense
+first layer, shared experts, the router's float32 ``expert_bias`` buffer) at tp2 ep2 under DDP and
+at pp2, Moonlight-like MLA without q LoRA at tp2 etp2, and GLM-4.5-like (qkv bias, qk-norm, partial
+rotary, shared experts, expert bias) at tp2 ep2.  MLA is built with tests/harness/megatron_models.py's
+stand-ins for what TE would provide on a GPU (a plain core attention; down-projections whole on
+every tp rank as TE's duplicated TELinear holds them).  Values are placed by Megatron's
 own ``sharded_state_dict`` (a function of checkpoint key and global index), so the reference HF
 tensors are built without refit's megatron layout or the integration's name mapping; the engines
 (vLLM layout, in this process) must equal refit's offline reshard of them bit for bit, before and
@@ -48,9 +53,17 @@ def megatron_trainer(rank: int, world: int, model: str, par: dict, address: str,
             fill_by_placement(chunks, arg)
             return None
         if cmd == "views":  # served from the parameters' own storage: DDP's buffers when wrapped
-            params = {p.untyped_storage().data_ptr() for c in chunks for p in c.parameters()}
+            params, biases = set(), set()
+            for c in chunks:
+                gpt = c.module
+                for n, t in list(gpt.named_parameters()) + [(n + ".expert_bias", m.expert_bias) for n, m in
+                                                            gpt.named_modules() if getattr(m, "expert_bias", None)
+                                                            is not None]:  # routers' float32 buffers
+                    if n.startswith("mtp.") or (n.startswith("embedding.") and not gpt.pre_process):
+                        continue  # MTP layers and their embedding copy: not moved
+                    (biases if n.endswith("expert_bias") else params).add(t.untyped_storage().data_ptr())
             served = {t.untyped_storage().data_ptr() for t in agent.tensors.values()}
-            return served == params and (not ddp or served == buffers)
+            return served == params | biases and (not ddp or served == buffers | biases)
         if cmd == "layout":
             return agent.layout.describe()
         raise ValueError(cmd)
@@ -71,11 +84,22 @@ def coordinator_timeout() -> float:
     # the plain call, initialize_model_parallel(tensor_model_parallel_size=2): Megatron sets etp = tp,
     # which a dense model's layout has no use for
     ("tiny-llama", dict(tp=2), "megatron:tp2dp1", "vllm:tp1"),
+    # the embedding built unpadded, as mbridge / verl's Megatron bridge do (vocab 250: 125 rows a rank)
+    ("tiny-qwen2", dict(tp=2, config=dict(vocab_divisor=1)), "megatron:tp2dp1vocabdiv1", "vllm:tp2"),
     # Megatron's account_for_embedding_in_pipeline_split: (3 + 1) / 2 a stage, the first one layer fewer
     ("tiny-llama-3", dict(pp=2, config=dict(account_for_embedding_in_pipeline_split=True)),
      "megatron:tp1pp2dp1first1", "vllm:tp2"),
-], ids=["qwen3-moe-tp2ep2-ddp", "qwen2-tied-pp2vpp2", "llama-dp2-ddp", "llama-tp2-plain-init",
-        "llama3-pp2-embedding-in-split"])
+    # DeepSeek-V3: MLA with q LoRA, dense layer 0, shared experts, expert_bias; etp2 with ep2 needs 4 ranks
+    ("tiny-deepseek-v3", dict(tp=2, ep=2, etp=1, ddp=True), "megatron:tp2ep2etp1dp1", "vllm:tp2"),
+    # ... with a multi-token-prediction layer on the last stage (mtp.*): not moved, the engine holds none
+    ("tiny-deepseek-v3", dict(pp=2, config=dict(mtp_num_layers=1)), "megatron:tp1pp2dp1", "vllm:tp1"),
+    # Moonlight: MLA without q LoRA (linear_q_proj split by heads), experts split over etp2
+    ("tiny-moonlight", dict(tp=2, etp=2), "megatron:tp2etp2dp1", "vllm:tp2"),
+    # GLM-4.5: qkv bias, qk-norm, partial rotary, dense layer 0, shared experts, expert_bias
+    ("tiny-glm4-moe", dict(tp=2, ep=2, etp=1, ddp=True), "megatron:tp2ep2etp1dp1", "vllm:tp2"),
+], ids=["qwen3-moe-tp2ep2-ddp", "qwen2-tied-pp2vpp2", "llama-dp2-ddp", "llama-tp2-plain-init", "qwen2-tp2-unpadded-vocab",
+        "llama3-pp2-embedding-in-split", "deepseek-v3-tp2ep2-ddp", "deepseek-v3-pp2-mtp", "moonlight-tp2etp2",
+        "glm4-moe-tp2ep2-ddp"])
 def test_megatron_attach_refit_bit_exact(server, tmp_path, model, par, layout, engine_layout) -> None:
     srv, client = server
     group = f"megatron-{model}"
@@ -124,6 +148,22 @@ def test_local_and_te_names() -> None:
     }
     for local, te in cases.items():
         assert _local_name("", local, expected) == te
+    mla = tiny_spec("tiny-deepseek-v3")  # MLA keeps input_layernorm; its q/kv norms are the up-projections'
+    expected = {lt.name for lt in resolve_layout("megatron:tp2ep2", mla).local_tensors(mla, 0)}
+    for local, te in {"decoder.layers.0.input_layernorm.weight": "decoder.layers.0.input_layernorm.weight",
+                      "decoder.layers.1.self_attention.q_layernorm.weight":
+                          "decoder.layers.1.self_attention.linear_q_up_proj.layer_norm_weight",
+                      "decoder.layers.1.self_attention.kv_layernorm.weight":
+                          "decoder.layers.1.self_attention.linear_kv_up_proj.layer_norm_weight",
+                      "decoder.layers.0.pre_mlp_layernorm.weight": "decoder.layers.0.mlp.linear_fc1.layer_norm_weight",
+                      "decoder.layers.1.mlp.shared_experts.linear_fc1.weight":
+                          "decoder.layers.1.mlp.shared_experts.linear_fc1.weight",
+                      "decoder.layers.1.mlp.router.expert_bias": "decoder.layers.1.mlp.router.expert_bias",
+                      "decoder.layers.2.mlp.experts.local_experts.3.linear_fc2.weight":
+                          "decoder.layers.2.mlp.experts.linear_fc2.weight3"}.items():
+        assert _local_name("", local, expected) == te
+    for te in expected:
+        assert _local_name("", te, expected) == te
     for te in expected:  # TE-spec parameters (grouped GEMM weight{i} included) are refit's names already
         assert _local_name("", te, expected) == te
     assert _local_name("", "decoder.layers.0.mlp.experts.local_experts.4.linear_fc1.weight", expected) is None  # ep rank 1's
@@ -144,7 +184,10 @@ def refusing_megatron_trainer(rank: int, world: int, address: str):
     for model, spec_name, overrides in (("tiny-llama", "tiny-llama", dict(add_bias_linear=True)),
                                         ("tiny-qwen3-moe", "tiny-qwen3-moe", dict(moe_router_enable_expert_bias=True,
                                                                                  moe_router_score_function="sigmoid")),
-                                        ("tiny-llama", "tiny-qwen2", {})):
+                                        ("tiny-llama", "tiny-qwen2", {}),
+                                        ("tiny-deepseek-v3", "tiny-deepseek-v3", dict(kv_lora_rank=8, v_head_dim=4)),
+                                        ("tiny-glm4-moe", "tiny-glm4-moe", dict(moe_shared_expert_gate=True)),
+                                        ("tiny-deepseek-v3", "tiny-moonlight", {})):
         chunks = build_gpt(tiny_spec(model), **overrides)
         try:
             refit_megatron.attach(chunks[0], address, group="refused", spec=tiny_spec(spec_name))
@@ -161,24 +204,90 @@ def test_megatron_attach_refusals(server) -> None:
     try:
         answers = trainers.ready()
         assert all(a[0] == "ready" for a in answers), answers
-        bias, expert_bias, other_model = trainers.ask("messages")[0]
+        bias, expert_bias, other_model, mla_dims, gate, other_mla = trainers.ask("messages")[0]
         assert "parameter 'decoder.layers.0.self_attention.linear_proj.bias'" in bias and "add_bias_linear" in bias
-        assert "moe_router_enable_expert_bias" in expert_bias and "is True" in expert_bias
+        assert "moe_router_enable_expert_bias is True, tiny-qwen3-moe has False" in expert_bias
         assert "megatron config" in other_model and "tiny-qwen2" in other_model
+        # every field that differs, both numbers each
+        assert "kv_lora_rank is 8, tiny-deepseek-v3 has 16" in mla_dims and "v_head_dim is 4, tiny-deepseek-v3 has 8" \
+            in mla_dims, mla_dims
+        # the shared-expert gate of each of the 2 MoE layers: no place in refit's tensors, named and counted
+        assert "'decoder.layers.1.mlp.shared_experts.gate_weight' (and 1 more: decoder.layers.2.mlp.shared_experts" \
+               ".gate_weight)" in gate and "moe_shared_expert_gate" in gate, gate
+        assert all(f in other_mla for f in ("num_layers is 4, tiny-moonlight has 3", "q_lora_rank is 16, tiny-moonlight "
+                                             "has 0", "num_moe_experts is 8, tiny-moonlight has 4")), other_mla
         assert client.list_workers(group="refused") == []
     finally:
         trainers.close()
 
 
-@pytest.mark.parametrize("model", ["tiny-deepseek-v3", "tiny-glm4-moe"])
-def test_family_models_are_refused_before_any_dimension_check(model) -> None:
-    """A DeepSeek / GLM spec gets the reason (its Megatron names are not mapped), not the first
-    dimension that happens to differ."""
+def local_spec_mla_trainer(rank: int, world: int, address: str):
+    """MLA built by megatron-core's local spec as is at tp2: ColumnParallelLinear down-projections."""
+    from tests.harness.megatron_models import build_gpt, init_parallel, install_cpu_shims
+
+    install_cpu_shims()
+    from refit.errors import RefitError
+    from refit.integrations import megatron as refit_megatron
+
+    init_parallel(tp=2)
+    chunks = build_gpt(tiny_spec("tiny-deepseek-v3"), duplicated_down_proj=False)
+    try:
+        refit_megatron.attach(chunks[0], address, group="refused-mla", spec=tiny_spec("tiny-deepseek-v3"))
+        message = "attached"
+    except RefitError as e:
+        message = str(e)
+    return None, lambda cmd, arg: message
+
+
+def test_local_spec_mla_down_projections_split_over_tp_are_refused(server) -> None:
+    srv, client = server
+    trainers = Trainers(2, local_spec_mla_trainer, srv.address)
+    try:
+        answers = trainers.ready()
+        assert all(a[0] == "ready" for a in answers), answers
+        for message in trainers.ask("message"):
+            assert "decoder.layers.0.self_attention.linear_q_down_proj.weight [8, 32] where refit's " \
+                   "decoder.layers.0.self_attention.linear_q_down_proj.weight is [16, 32]" in message, message
+            assert "ColumnParallelLinear" in message and "TELinear" in message
+        assert client.list_workers(group="refused-mla") == []
+    finally:
+        trainers.close()
+
+
+def _megatron_config(spec_name: str, **changes):
+    """A stand-in for a megatron TransformerConfig that agrees with the spec (but ``changes``)."""
     from types import SimpleNamespace
 
+    c = tiny_spec(spec_name).config
+    cfg = dict(num_layers=c.num_layers, hidden_size=c.hidden_size, num_attention_heads=c.num_heads,
+               num_query_groups=c.num_kv_heads, kv_channels=c.head_dim, qk_layernorm=c.qk_norm or c.is_mla,
+               add_qkv_bias=c.qkv_bias, gated_linear_unit=True, normalization="RMSNorm",
+               multi_latent_attention=c.is_mla, q_lora_rank=c.q_lora_rank or None, kv_lora_rank=c.kv_lora_rank,
+               qk_head_dim=c.qk_nope_head_dim, qk_pos_emb_head_dim=c.qk_rope_head_dim, v_head_dim=c.v_head_dim,
+               ffn_hidden_size=c.intermediate_size, num_moe_experts=c.num_experts,
+               moe_ffn_hidden_size=c.moe_intermediate_size,
+               moe_layer_freq=[int(l in c.moe_layers) for l in range(c.num_layers)],
+               moe_shared_expert_intermediate_size=c.shared_intermediate_size or None,
+               moe_router_enable_expert_bias=c.router_bias)
+    cfg.update(changes)
+    return SimpleNamespace(config=SimpleNamespace(**cfg), share_embeddings_and_output_weights=c.tie_embeddings)
+
+
+@pytest.mark.parametrize("model", ["tiny-deepseek-v3", "tiny-moonlight", "tiny-glm4-moe"])
+def test_family_configs_are_checked_not_refused(model) -> None:
+    """DeepSeek-V3 / Moonlight / GLM-4.5 specs are no longer refused by family: a matching config
+    passes, and each contradicting field is named with both values."""
     from refit.errors import RefitError
     from refit.integrations.megatron import _check_config
 
-    chunk = SimpleNamespace(config=SimpleNamespace())  # never read
-    with pytest.raises(RefitError, match="Megatron-Core attach serves Llama and Qwen models; .* does not map yet"):
-        _check_config([chunk], tiny_spec(model))
+    _check_config([_megatron_config(model)], tiny_spec(model))
+    c = tiny_spec(model).config
+    with pytest.raises(RefitError) as e:
+        _check_config([_megatron_config(model, moe_layer_freq=1, moe_shared_expert_intermediate_size=None,
+                                        moe_router_enable_expert_bias=False)], tiny_spec(model))
+    msg = str(e.value)
+    assert f"MoE layers (moe_layer_freq) is {list(range(c.num_layers))}, {model} has {list(c.moe_layers)}" in msg
+    assert f"moe_shared_expert_intermediate_size is 0, {model} has {c.shared_intermediate_size}" in msg
+    assert f"moe_router_enable_expert_bias is False, {model} has True" in msg
+    with pytest.raises(RefitError, match=f"multi_latent_attention is {not c.is_mla}, {model} has {c.is_mla}"):
+        _check_config([_megatron_config(model, multi_latent_attention=not c.is_mla)], tiny_spec(model))
