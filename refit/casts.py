@@ -62,15 +62,6 @@ def _check_castable(s: TensorSpec, d: TensorSpec) -> None:
                            f"casts between {', '.join(sorted(CASTABLE))} only (a float8 side is quantization)")
 
 
-def source_spec(wire: ModelSpec, casts: Casts) -> ModelSpec:
-    """The trainer's spec of a plan made on ``wire`` (the engine's) with ``casts``: its digest is
-    the one the plan's trainers registered with."""
-    if not casts:
-        return wire
-    tensors = tuple(TensorSpec(t.name, t.shape, casts.get(t.name, t.dtype), t.layers) for t in wire.tensors)
-    return ModelSpec(wire.name, wire.config, tensors)
-
-
 def run_spec(held: ModelSpec, casts: Casts, wire_dtypes: Mapping[str, str], digest: str, source: bool) -> ModelSpec:
     """The spec one side runs a plan with, checked to be the plan's model (``digest``): an engine
     runs with the spec it holds; a trainer with its spec, each cast tensor in the wire's dtype."""

@@ -155,7 +155,8 @@ class Coordinator:
         bucket = opts.bucket_bytes or DEFAULT_BUCKET_BYTES
         phase_layers = dst[0].info.phase_layers  # group_members checked that every engine rank agrees
         key = (src_group, dst_group, src[0].info.model_name, src[0].info.model_config_json,
-               dst[0].info.model_config_json, src[0].layout_str, dst[0].layout_str, placement, planner, bucket, phase_layers)
+               dst[0].info.model_config_json, src[0].layout_str, dst[0].layout_str, placement, planner, bucket,
+               phase_layers)
         cached = key in self._plan_keys
         if not cached:
             if len(self._plan_keys) >= MAX_PLANS:
