@@ -53,13 +53,13 @@ class Engine:
 
 
 class Adapter(BaseRollout):
-    def __init__(self, config: Any, replica_rank: int, owner: bool) -> None:
+    def __init__(self, config: Any, replica_rank: int, owner: bool, server: str = SERVER) -> None:
         self.config, self.model_config, self.replica_rank = config, None, replica_rank
-        self._has_server, self.server_handle = owner, None
+        self._has_server, self.server_handle, self._server_name = owner, None, server
 
     def _ensure_server_handle(self) -> bool:
         if self._has_server and self.server_handle is None:
-            self.server_handle = ray.get_actor(SERVER)
+            self.server_handle = ray.get_actor(self._server_name)
         return self._has_server
 
     async def resume(self, tags: list[str]) -> None:
@@ -111,6 +111,10 @@ class TrainerWorker(Worker):
         train_step(self.engine.module, seed)
 
     @register(dispatch_mode=Dispatch.ONE_TO_ALL)
+    def pid(self) -> int:
+        return os.getpid()
+
+    @register(dispatch_mode=Dispatch.ONE_TO_ALL)
     def save(self, directory: str) -> None:
         """The trainer's weights as an HF checkpoint (full tensors gathered for the check only)."""
         model = self.engine.module
@@ -120,9 +124,9 @@ class TrainerWorker(Worker):
 
 
 class RolloutWorker(CheckpointEngineWorker):
-    def __init__(self, rollout_config: Any, replica_rank: int = 0) -> None:
+    def __init__(self, rollout_config: Any, replica_rank: int = 0, server: str = SERVER) -> None:
         rank = int(os.environ.get("RANK", 0))
-        super().__init__(rollout_config, None, Adapter(rollout_config, replica_rank, rank == 0))
+        super().__init__(rollout_config, None, Adapter(rollout_config, replica_rank, rank == 0, server))
 
 
 class Replica(RolloutReplica):
@@ -166,6 +170,22 @@ class VllmServer:
                        kwargs: dict | None = None) -> Any:
         return self.llm.collective_rpc(method, timeout=timeout, args=args, kwargs=kwargs)
 
+    def kill_after_first_phase(self, pid: int) -> None:
+        """SIGKILL process ``pid`` (a trainer rank) once the next refit's first phase landed here:
+        mid-update, with part of the new weights in the engine (tests/harness/vllm_rl.py)."""
+        import functools
+
+        from tests.harness.vllm_rl import _kill_after_first_phase
+
+        self.llm.collective_rpc(functools.partial(_kill_after_first_phase, pid))
+
+    def pid(self) -> int:
+        return os.getpid()
+
+    def holding(self) -> list:
+        """Each worker's refit state: (version, stale)."""
+        return self.llm.collective_rpc(_holding)
+
     def set_global_steps(self, global_steps: int) -> None:
         self.global_steps = global_steps
 
@@ -173,3 +193,8 @@ class VllmServer:
         from tests.harness.vllm_rl import generate
 
         return generate(self.llm)
+
+
+def _holding(worker: Any) -> tuple[int, bool]:
+    held = worker.weight_transfer_engine.holding
+    return held.version, held.stale

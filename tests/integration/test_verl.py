@@ -15,7 +15,9 @@ per worker and never receive_weights; its trainer keeps float32 parameters, as v
 workers do, refitted into the bf16 engine by a plan that casts).  The stand-ins for verl's
 GPU-only pieces (its FSDP engine and vLLM server) are listed in tests/harness/verl_cluster.py.
 ``global_steps`` is 0 and repeats: refit issues its own increasing versions.  And the refusals,
-raised while verl builds the backend.
+raised while verl builds the backend; and workers dying mid-update (a trainer rank, then the vLLM
+server): verl's error names them at once, and the next update after verl's recovery (restarted
+trainers; a replaced replica) is exact again.
 """
 
 from __future__ import annotations
@@ -36,11 +38,11 @@ log = logging.getLogger(__name__)
 ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
 
-def _configs(**vllm: Any) -> tuple[Any, Any]:
+def _configs(refit: dict[str, Any] | None = None, **vllm: Any) -> tuple[Any, Any]:
     from verl.workers.config import CheckpointEngineConfig, RolloutConfig
 
     ckpt = CheckpointEngineConfig(backend="refit", custom_backend_module="refit.integrations.verl",
-                                  engine_kwargs={"refit": {"timeout": 60.0}})
+                                  engine_kwargs={"refit": {"timeout": 60.0, **(refit or {})}})
     engine_kwargs = {"vllm": {"weight_transfer_config": {"backend": "refit"}, **vllm}}
     return ckpt, RolloutConfig(name="vllm", tensor_model_parallel_size=1, checkpoint_engine=ckpt,
                                engine_kwargs=engine_kwargs)
@@ -56,17 +58,17 @@ def cluster(tmp_path_factory):
 
     w0 = str(tmp_path_factory.mktemp("verl") / "w0")
     make_hf_model("Qwen3ForCausalLM", seed=7, **QWEN3).save_pretrained(w0)
-    ray.init(num_cpus=8, include_dashboard=False, log_to_driver=False,
+    ray.init(num_cpus=24, include_dashboard=False, log_to_driver=False,
              runtime_env={"env_vars": {"PYTHONPATH": ROOT, "OMP_NUM_THREADS": "1"}})
     try:
         server = ray.remote(VllmServer).options(name=SERVER, num_cpus=1).remote(w0)
         before = ray.get(server.generate.remote(), timeout=600)
-        yield server, before
+        yield server, before, w0
     finally:
         ray.shutdown()
 
 
-def _trainers(ckpt: Any, rollout_config: Any = None, dtype: str = "bfloat16") -> Any:
+def _trainers(ckpt: Any, rollout_config: Any = None, dtype: str = "bfloat16", seed: int = 1) -> Any:
     import ray
     from verl.single_controller.ray import RayClassWithInitArgs, RayResourcePool, RayWorkerGroup
 
@@ -74,7 +76,7 @@ def _trainers(ckpt: Any, rollout_config: Any = None, dtype: str = "bfloat16") ->
 
     pool = RayResourcePool(process_on_nodes=[2], use_gpu=False, max_colocate_count=1)
     init = RayClassWithInitArgs(cls=ray.remote(TrainerWorker), ckpt_config=ckpt, rollout_config=rollout_config,
-                                dtype=dtype)
+                                dtype=dtype, seed=seed)
     return RayWorkerGroup(resource_pool=pool, ray_cls_with_init=init, device_name="cpu")
 
 
@@ -114,7 +116,7 @@ def test_disaggregated_updates_match_fresh_engine(cluster, tmp_path) -> None:
 
     from tests.harness.verl_cluster import Replica, RolloutWorker
 
-    server, before = cluster
+    server, before, _ = cluster
     ckpt, rollout_config = _configs()
     trainers = _trainers(ckpt)
     pool = RayResourcePool(process_on_nodes=[1], use_gpu=False, max_colocate_count=1)
@@ -133,7 +135,7 @@ def test_hybrid_updates_match_fresh_engine(cluster, tmp_path) -> None:
 
     from tests.harness.verl_cluster import Replica
 
-    server, before = cluster
+    server, before, _ = cluster
     ckpt, rollout_config = _configs()
     # float32 parameters (verl's FSDP2 masters) into the bf16 engine: refit's plan casts, rounding as
     # the fresh engine's loader does from the float32 checkpoint; a new coordinator (this group's rank 0)
@@ -143,6 +145,65 @@ def test_hybrid_updates_match_fresh_engine(cluster, tmp_path) -> None:
     asyncio.run(replica.init_hybrid(trainers))
     manager = CheckpointEngineManager(config=ckpt, actor_wg=trainers, replicas=[replica])
     _sync_and_compare(manager, trainers, server, before, str(tmp_path))
+
+
+def _hybrid_manager(ckpt: Any, rollout_config: Any, trainers: Any) -> Any:
+    import asyncio
+
+    from verl.checkpoint_engine import CheckpointEngineManager
+
+    from tests.harness.verl_cluster import Replica
+
+    replica = Replica(replica_rank=0, config=rollout_config, model_config=None)
+    replica.world_size = trainers.world_size  # the hybrid replica spans the trainer ranks
+    asyncio.run(replica.init_hybrid(trainers))
+    return CheckpointEngineManager(config=ckpt, actor_wg=trainers, replicas=[replica])
+
+
+def test_a_trainer_dying_mid_update_is_named_and_the_next_update_recovers(cluster, tmp_path) -> None:
+    """Trainer rank 1 is SIGKILLed mid-update, once the engine applied the refit's first phase (a
+    hook in the engine, not a sleep, decides where).  verl's ``update_weights`` raises, well within
+    the refit's deadline, with refit's error naming that rank; the engine reports itself stale.
+    Then verl's recovery: the trainers restart (here with other weights) against the coordinator
+    that outlived them (``engine_kwargs.refit.address``, as with ``refit serve``), and their first
+    update makes the engine answer exactly as a fresh engine from the new trainers' weights."""
+    import ray
+
+    from refit.control.server import ThreadedServer
+    from tests.harness.vllm_rl import fresh_outputs
+
+    server, _, _ = cluster
+    coordinator = ThreadedServer(default_timeout=60.0)
+    try:
+        ckpt, rollout_config = _configs(refit={"address": coordinator.address})
+        trainers = _trainers(ckpt, rollout_config)
+        manager = _hybrid_manager(ckpt, rollout_config, trainers)
+        manager.update_weights(global_steps=1)
+        ray.get(server.kill_after_first_phase.remote(trainers.pid()[1]))
+        trainers.train(seed=2)
+        t0 = time.monotonic()
+        with pytest.raises(Exception) as failed:
+            manager.update_weights(global_steps=2)
+        elapsed = time.monotonic() - t0
+        log.info("verl's error after %.1f s: %s", elapsed, str(failed.value)[:2000])
+        assert elapsed < 30.0, elapsed  # the deadline is 60 s: the death is seen, not waited out
+        assert "verl-actor/1" in str(failed.value), failed.value
+        assert all(stale for _, stale in ray.get(server.holding.remote())), "a torn engine reported fresh"
+
+        for worker in trainers.workers:  # verl restarts its trainer workers
+            ray.kill(worker)
+        trainers = _trainers(ckpt, rollout_config, seed=5)
+        trainers.save(str(tmp_path / "restarted"))
+        metrics = _hybrid_manager(ckpt, rollout_config, trainers).update_weights(global_steps=2)
+        got = ray.get(server.generate.remote(), timeout=300)
+        assert [stale for _, stale in ray.get(server.holding.remote())] == [False]
+        assert int(metrics["refit/version"]) >= 2
+        ref = fresh_outputs([str(tmp_path / "restarted")], tp=1)[0]
+        assert got == ref, f"after recovering: {differs(got, ref)}"
+        for worker in trainers.workers:
+            ray.kill(worker)
+    finally:
+        coordinator.stop()
 
 
 def test_refusals_when_verl_builds_the_backend() -> None:
@@ -161,3 +222,60 @@ def test_refusals_when_verl_builds_the_backend() -> None:
                 {"refusal": refit_verl.live.rollout_refusal(rollout_config)}]
         with pytest.raises(InvalidInput, match=words):
             refit_verl.RefitCheckpointEngine.build_topology(1, 1, meta)
+
+
+def test_an_engine_dying_mid_update_is_named_and_a_replacement_replica_recovers(cluster, tmp_path) -> None:
+    """The vLLM server of the only replica dies mid-update (SIGKILLed by its own landing once the
+    refit's first phase is in).  verl's ``update_weights`` raises within the deadline naming the
+    replica and refit's group for it; verl replaces the replica (``remove_replicas`` /
+    ``add_replicas``, a new server from the original checkpoint), and the next update initialises
+    the new server and refits it: it answers exactly as a fresh engine from the trainers' weights.
+    Runs last: it kills the module's server."""
+    import asyncio
+
+    import ray
+    from verl.checkpoint_engine import CheckpointEngineManager
+    from verl.single_controller.ray import RayClassWithInitArgs, RayResourcePool, RayWorkerGroup
+
+    from tests.harness.verl_cluster import SERVER, Replica, RolloutWorker, VllmServer
+    from tests.harness.vllm_rl import fresh_outputs
+
+    server, _, w0 = cluster
+    ckpt, rollout_config = _configs()
+    trainers = _trainers(ckpt, seed=9)
+
+    def replica(server: str = SERVER) -> Any:
+        pool = RayResourcePool(process_on_nodes=[1], use_gpu=False, max_colocate_count=1)
+        workers = RayWorkerGroup(resource_pool=pool, ray_cls_with_init=RayClassWithInitArgs(
+            cls=ray.remote(RolloutWorker), rollout_config=rollout_config, server=server), device_name="cpu")
+        r = Replica(replica_rank=0, config=rollout_config, model_config=None)
+        asyncio.run(r.init_hybrid(workers))
+        return r
+
+    old = replica()
+    manager = CheckpointEngineManager(config=ckpt, actor_wg=trainers, replicas=[old])
+    manager.update_weights(global_steps=1)
+    pid = ray.get(server.pid.remote())
+    ray.get(server.kill_after_first_phase.remote(pid))
+    trainers.train(seed=2)
+    t0 = time.monotonic()
+    with pytest.raises(Exception) as failed:
+        manager.update_weights(global_steps=2)
+    elapsed = time.monotonic() - t0
+    log.info("verl's error after %.1f s: %s", elapsed, str(failed.value)[:2000])
+    assert elapsed < 30.0, elapsed
+    assert "rollout replica 0 (verl-rollout-0) failed" in str(failed.value), failed.value
+    with pytest.raises(ray.exceptions.RayActorError):  # it is gone, not merely failed
+        ray.get(server.pid.remote(), timeout=60)
+
+    # verl relaunches the replica: a new server actor (from the model path) and new rollout workers
+    new_server = ray.remote(VllmServer).options(name=f"{SERVER}-relaunched", num_cpus=1).remote(w0)
+    ray.get(new_server.generate.remote(), timeout=600)
+    manager.remove_replicas([old])
+    manager.add_replicas([replica(f"{SERVER}-relaunched")])
+    trainers.save(str(tmp_path / "trained"))
+    manager.update_weights(global_steps=2)
+    got = ray.get(new_server.generate.remote(), timeout=300)
+    assert [stale for _, stale in ray.get(new_server.holding.remote())] == [False]
+    ref = fresh_outputs([str(tmp_path / "trained")], tp=1)[0]
+    assert got == ref, f"after replacing the replica: {differs(got, ref)}"

@@ -33,7 +33,7 @@ from typing import Any, Generator, Iterator
 
 from verl.checkpoint_engine.base import CheckpointEngine, CheckpointEngineRegistry
 
-from refit.errors import InvalidInput
+from refit.errors import InvalidInput, RefitFailed
 from refit.integrations.verl import live
 
 __all__ = ["BACKEND", "Handled", "RefitCheckpointEngine"]
@@ -75,6 +75,7 @@ class RefitCheckpointEngine(CheckpointEngine):
         self._attached: int | None = None  # id() of the module the agent serves
         self._servers: dict[int, Any] = {}  # replica rank -> vLLM server (Ray handle)
         self._plans: dict[int, str] = {}  # replica rank -> plan id, created once
+        self._planned_for: dict[int, Any] = {}  # replica rank -> the server those plans were made with
         self._version = 0  # the last refit version run
         self._sync: asyncio.Future | None = None  # this sync's send (hybrid: send_weights runs twice)
         self._barrier_group: Any = None
@@ -82,6 +83,8 @@ class RefitCheckpointEngine(CheckpointEngine):
 
     # ------------------------------------------------------------------ verl's interface
     def prepare(self) -> dict[str, Any]:
+        # A sync that failed never reached `finalize`: its send must not answer this one.
+        self._sync = None
         holder = live.holder_of(self)
         meta: dict[str, Any] = {"master": False, "address": None, "refusal": None, "replica": None, "server": None}
         if self.is_master and live.training_engine(holder) is not None:
@@ -189,7 +192,9 @@ class RefitCheckpointEngine(CheckpointEngine):
 
     async def _refit(self, global_steps: int | None) -> dict[str, float]:
         t0 = time.perf_counter()
-        new = [r for r in sorted(self._servers) if r not in self._plans]
+        # a replica is new, or replaced (verl relaunched its server after a failure): (re)initialise it
+        new = [r for r in sorted(self._servers)
+               if _actor_id(self._planned_for.get(r)) != _actor_id(self._servers[r])]
         if new:
             await asyncio.gather(*(self._init_replica(r) for r in new))
         if not self._version:  # joining engines that already hold versions: go on above them
@@ -210,6 +215,7 @@ class RefitCheckpointEngine(CheckpointEngine):
             info["token"] = self.token
         await server.collective_rpc.remote("init_weight_transfer_engine", kwargs={"init_info": info})
         self._plans[replica] = (await asyncio.to_thread(self._create_plan, group))["plan_id"]
+        self._planned_for[replica] = server
         log.info("refit: replica %d registered as %s; plan %s", replica, group, self._plans[replica])
 
     def _client(self) -> Any:
@@ -229,11 +235,20 @@ class RefitCheckpointEngine(CheckpointEngine):
     async def _refit_replica(self, replica: int, version: int, global_steps: int | None) -> None:
         server = self._servers[replica]
         info = {"plan_id": self._plans[replica], "version": version, "timeout": self.timeout}
-        await server.collective_rpc.remote("start_weight_update")
-        await server.collective_rpc.remote("update_weights", kwargs={"update_info": info})
-        await server.collective_rpc.remote("finish_weight_update")
+        try:
+            await server.collective_rpc.remote("start_weight_update")
+            await server.collective_rpc.remote("update_weights", kwargs={"update_info": info})
+            await server.collective_rpc.remote("finish_weight_update")
+        except Exception as e:  # a RefitFailed naming the worker, or Ray's error for a server that died
+            raise RefitFailed(f"refit: version {version} into rollout replica {replica} "
+                              f"({self.engine_group}-{replica}) failed: {e}") from e
         if global_steps is not None:  # what verl's own adapters tell the server after an update
             await server.set_global_steps.remote(global_steps)
+
+
+def _actor_id(server: Any) -> Any:
+    """A Ray actor handle's identity (handles are re-made on every sync's topology)."""
+    return None if server is None else getattr(server, "_actor_id", id(server))
 
 
 def _skip_handled(adapter: Any) -> None:
