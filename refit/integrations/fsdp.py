@@ -11,10 +11,11 @@ sharded storage); no rank ever gathers a full tensor.
 Supported: a 1-D mesh spanning the whole world in rank order (mesh coordinate = global rank),
 every parameter sharded on dim 0 (``fsdp:dp<N>``); HSDP, a 2-D ``(replicate, shard)`` mesh in rank
 order with placements ``(Replicate(), Shard(0))`` (``fsdp:dp<S>rep<R>``: every replica group
-serves, and plans spread their reads over the groups).  Refused, naming the parameter: FSDP x TP
-meshes (a TP placement on the second dimension), other placements (``shard_placement_fn``),
-parameters left unsharded, and transformers 5 fused experts (FSDP shards their expert dimension,
-which refit's fsdp layout, per expert, cannot describe).
+serves, and plans spread their reads over the groups).  transformers 5 fused experts
+(``mlp.experts.gate_up_proj`` [E, 2I, H]): FSDP2 splits their expert dimension, so a rank holds
+whole experts (layout ``fsdp:dp<N>fused1``), served per expert as views.  Refused, naming the
+parameter: FSDP x TP meshes (a TP placement on the second dimension), other placements
+(``shard_placement_fn``), parameters left unsharded.
 """
 
 from __future__ import annotations
@@ -27,7 +28,7 @@ import torch.distributed as dist
 from refit.control.agent import TrainerAgent
 from refit.errors import InvalidInput
 from refit.integrations._common import global_rank, spec_of_hf_config, start_trainer
-from refit.integrations.hf import serve_hf_parameters
+from refit.integrations.hf import FUSED_EXPERTS, serve_hf_parameters
 from refit.layouts import FsdpLayout
 from refit.layouts.fsdp import chunk_rows
 
@@ -48,11 +49,13 @@ def attach(model: torch.nn.Module, address: str | None = None, *, group: str = "
     dp, rep = _mesh_degrees(named, DTensor)
     rank = global_rank()
     spec = spec_of_hf_config(model.config, {n: p.to_local() for n, p in named})
-    layout = FsdpLayout(dp=dp, rep=rep).resolve(spec)
+    fused = any(FUSED_EXPERTS.match(n) for n, _ in named)
+    layout = FsdpLayout(dp=dp, rep=rep, fused=int(fused)).resolve(spec)
     shard = rank % dp
+    lo, count = chunk_rows(spec.config.num_experts, dp, shard)
     # FSDP2 leaves buffers (the float32 router bias) whole on every rank: serve this rank's rows
     served = serve_hf_parameters(named, spec, layout, rank, local=lambda p: p.to_local().detach(),
-                                 fused_experts=False, buffer=model.get_buffer,
+                                 experts_held=range(lo, lo + count), buffer=model.get_buffer,
                                  buffer_local=lambda b: b.detach().narrow(0, *chunk_rows(b.shape[0], dp, shard)))
     return start_trainer(address, group=group, rank=rank, spec=spec, layout=layout, served=served, token=token,
                          **agent_options)

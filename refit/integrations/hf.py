@@ -36,7 +36,7 @@ from refit.spec import ModelSpec
 
 __all__ = ["attach", "serve_hf_parameters"]
 
-_FUSED = re.compile(r"^(?P<experts>.*\.mlp\.experts)\.(?P<kind>gate_up_proj|down_proj)$")
+FUSED_EXPERTS = re.compile(r"^(?P<experts>.*\.mlp\.experts)\.(?P<kind>gate_up_proj|down_proj)$")
 
 
 def attach(model: torch.nn.Module, address: str | None = None, *, group: str = "trainer", token: str | None = None,
@@ -59,12 +59,13 @@ def attach(model: torch.nn.Module, address: str | None = None, *, group: str = "
 
 
 def serve_hf_parameters(named: Iterable[tuple[str, torch.Tensor]], spec: ModelSpec, layout: Layout, rank: int,
-                        local: Callable[[torch.Tensor], torch.Tensor], fused_experts: bool = True,
+                        local: Callable[[torch.Tensor], torch.Tensor], experts_held: range | None = None,
                         buffer: Callable[[str], torch.Tensor] | None = None,
                         buffer_local: Callable[[torch.Tensor], torch.Tensor] | None = None) -> dict[str, Served]:
     """Map parameters under HF names to ``layout``'s local tensors of ``rank`` (whose names are HF
     names: layouts ``hf`` and ``fsdp``).  ``local(p)`` is the part of ``p`` this process holds, as
-    a view; ``fused_experts=False`` refuses the fused expert form (see `refit_fsdp`).  ``buffer``
+    a view; ``experts_held``: the experts whose rows ``local`` gives of a fused expert parameter
+    (default all; FSDP2 holds ``torch.chunk``'s rows of the expert dimension).  ``buffer``
     (``model.get_buffer``) serves the tensors no parameter holds from the model's buffers of the
     same name (``buffer_local(b)``, default ``local``, the part this process holds)."""
     expected = {lt.name: lt for lt in layout.local_tensors(spec, rank)}
@@ -76,13 +77,10 @@ def serve_hf_parameters(named: Iterable[tuple[str, torch.Tensor]], spec: ModelSp
             continue  # a tied alias (lm_head.weight of tied embeddings): served under its first name
         first_name.setdefault(id(p), name)
         live = (lambda p=p: local(p))
-        m = _FUSED.match(name)
+        m = FUSED_EXPERTS.match(name)
         if m and f"{m['experts']}.0.gate_proj.weight" in expected:
-            if not fused_experts:
-                raise InvalidInput(f"{name!r}: fused experts sharded by FSDP2 split the expert dimension, which refit's "
-                                 f"fsdp layout (every HF tensor Shard(0), per expert) cannot describe; shard the "
-                                 f"per-expert form, or attach an unsharded copy with refit_hf")
-            served.update(_split_fused(spec, m["experts"], m["kind"], name, live))
+            held = range(spec.config.num_experts) if experts_held is None else experts_held
+            served.update(_split_fused(spec, m["experts"], m["kind"], name, live, held))
         elif name in expected:
             served[name] = Served(name, live)
         else:
@@ -99,22 +97,31 @@ def serve_hf_parameters(named: Iterable[tuple[str, torch.Tensor]], spec: ModelSp
     return served
 
 
-def _split_fused(spec: ModelSpec, experts: str, kind: str, name: str,
-                 live: Callable[[], torch.Tensor]) -> dict[str, Served]:
+def _split_fused(spec: ModelSpec, experts: str, kind: str, name: str, live: Callable[[], torch.Tensor],
+                 held: range) -> dict[str, Served]:
+    """Per-expert views of a fused expert parameter whose local rows are experts ``held``; the
+    experts held elsewhere are served as empty views (their local tensors have no rows)."""
     c = spec.config
     E, I, H = c.num_experts, c.moe_intermediate_size, c.hidden_size
     w = live()
-    want = (E, 2 * I, H) if kind == "gate_up_proj" else (E, H, I)
+    want = (len(held), 2 * I, H) if kind == "gate_up_proj" else (len(held), H, I)
     if tuple(w.shape) != want:
+        of = f"{len(held)} of {E} experts here" if len(held) != E else f"experts {E}"
         raise InvalidInput(f"{name!r} has shape {list(w.shape)}, expected {list(want)} "
-                         f"(experts {E}, moe_intermediate_size {I}, hidden_size {H})")
+                         f"({of}, moe_intermediate_size {I}, hidden_size {H})")
     out = {}
     for e in range(E):
-        if kind == "gate_up_proj":
-            out[f"{experts}.{e}.gate_proj.weight"] = Served(name, live, lambda w, e=e: w[e, :I])
-            out[f"{experts}.{e}.up_proj.weight"] = Served(name, live, lambda w, e=e: w[e, I:])
+        if e not in held:  # no rows here: an empty view of this rank's storage
+            def cut(w: torch.Tensor) -> torch.Tensor:
+                return w.flatten(0, 1)[:0]
+            halves = ("gate_proj", "up_proj") if kind == "gate_up_proj" else ("down_proj",)
+            out.update({f"{experts}.{e}.{h}.weight": Served(name, live, cut) for h in halves})
+        elif kind == "gate_up_proj":
+            i = e - held.start
+            out[f"{experts}.{e}.gate_proj.weight"] = Served(name, live, lambda w, i=i: w[i, :I])
+            out[f"{experts}.{e}.up_proj.weight"] = Served(name, live, lambda w, i=i: w[i, I:])
         else:
-            out[f"{experts}.{e}.down_proj.weight"] = Served(name, live, lambda w, e=e: w[e])
+            out[f"{experts}.{e}.down_proj.weight"] = Served(name, live, lambda w, i=e - held.start: w[i])
     return out
 
 

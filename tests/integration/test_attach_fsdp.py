@@ -1,9 +1,10 @@
 """`refit_fsdp.attach` on transformers models sharded by torch FSDP2 ``fully_shard`` over a real
-gloo world of spawned ranks (dp2 and dp3, uneven shards): refit into engine agents (vLLM layout,
-in this process), bit-exact against refit's offline reshard of the full tensors the trainer holds
-(``DTensor.full_tensor()``, gathered for the check only); then a real FSDP2 training step and
-again; the same on a 2x2 HSDP mesh, every replica group serving.  And the refusals: fused
-experts, a placement other than Shard(0), a module left unsharded."""
+gloo world of spawned ranks (dp2 and dp3, uneven shards; a transformers 5 Qwen3-MoE whose fused
+experts FSDP splits on the expert dimension, 4 experts over 3 ranks: 2, 2 and none): refit into
+engine agents (vLLM layout, in this process), bit-exact against refit's offline reshard of the full
+tensors the trainer holds (``DTensor.full_tensor()``, gathered for the check only); then a real
+FSDP2 training step and again; the same on a 2x2 HSDP mesh, every replica group serving.  And the
+refusals: a placement other than Shard(0), a module left unsharded."""
 
 from __future__ import annotations
 
@@ -12,7 +13,7 @@ from typing import Any
 import pytest
 import torch
 
-from tests.harness.attach_cluster import Engines, Trainers, expected_engine_tensors, make_hf_model, train_step, write_hf
+from tests.harness.attach_cluster import Engines, Trainers, expected_engine_tensors, make_hf_model, train_step
 
 pytest.importorskip("transformers")
 
@@ -21,7 +22,7 @@ LLAMA = dict(hidden_size=64, num_hidden_layers=2, num_attention_heads=4, num_key
 QWEN2_TIED = dict(hidden_size=64, num_hidden_layers=2, num_attention_heads=4, num_key_value_heads=2,
                   intermediate_size=80, vocab_size=250, tie_word_embeddings=True, dtype="bfloat16")
 QWEN3_MOE = dict(hidden_size=64, num_hidden_layers=2, num_attention_heads=4, num_key_value_heads=2, head_dim=16,
-                 intermediate_size=96, moe_intermediate_size=32, num_experts=4, num_experts_per_tok=2, vocab_size=300,
+                 intermediate_size=96, moe_intermediate_size=32, num_experts=4, num_experts_per_tok=2, vocab_size=301,
                  mlp_only_layers=[1], dtype="bfloat16")
 
 
@@ -49,9 +50,11 @@ def fsdp_trainer(rank: int, world: int, cls_name: str, cfg: dict, address: str, 
     agent = refit_fsdp.attach(model, address, group=group)
 
     def handle(cmd: str, arg):
-        if cmd == "full":  # collective: every rank takes part, rank 0 answers
+        if cmd == "save":  # collective: every rank gathers, rank 0 writes the HF checkpoint
             full = {n: p.full_tensor().detach() for n, p in model.named_parameters()}
-            return full if rank == 0 else None
+            if rank == 0:  # transformers writes fused experts per expert, as checkpoints hold them
+                model.save_pretrained(arg, state_dict=full)
+            return None
         if cmd == "views":  # every served tensor a view of FSDP's own local shard storage
             local = {p.to_local().untyped_storage().data_ptr() for p in model.parameters()}
             return {t.untyped_storage().data_ptr() for t in agent.tensors.values()} == local
@@ -75,8 +78,7 @@ def refusals(world: int, address: str) -> list[str]:
     from torch.distributed.tensor import Shard
 
     messages = []
-    for cls_name, cfg, placement, root in (("Qwen3MoeForCausalLM", QWEN3_MOE, None, True),
-                                           ("LlamaForCausalLM", LLAMA, Shard(1), True),
+    for cls_name, cfg, placement, root in (("LlamaForCausalLM", LLAMA, Shard(1), True),
                                            ("LlamaForCausalLM", LLAMA, None, False)):
         model = shard(make_hf_model(cls_name, **cfg), world, None, root, placement)
         try:
@@ -87,8 +89,9 @@ def refusals(world: int, address: str) -> list[str]:
     return messages
 
 
-@pytest.mark.parametrize("dp,cls_name,cfg", [(2, "LlamaForCausalLM", LLAMA), (3, "Qwen2ForCausalLM", QWEN2_TIED)],
-                         ids=["dp2-llama", "dp3-qwen2-tied"])
+@pytest.mark.parametrize("dp,cls_name,cfg", [(2, "LlamaForCausalLM", LLAMA), (3, "Qwen2ForCausalLM", QWEN2_TIED),
+                                             (3, "Qwen3MoeForCausalLM", QWEN3_MOE)],
+                         ids=["dp2-llama", "dp3-qwen2-tied", "dp3-qwen3-moe-fused-experts"])
 def test_fsdp_attach_refit_bit_exact_live(server, tmp_path, dp, cls_name, cfg) -> None:
     srv, client = server
     group = f"fsdp{dp}"
@@ -101,12 +104,18 @@ def test_fsdp_attach_refit_bit_exact_live(server, tmp_path, dp, cls_name, cfg) -
         assert trainers.ask("views") == [True] * dp
         rows = {w["worker_id"]: w for w in client.list_workers(group=group)}
         assert sorted(rows) == [f"{group}/{r}" for r in range(dp)]
-        assert {w["info"]["layout"] for w in rows.values()} == {f"fsdp:dp{dp}"}
+        moe = "num_experts" in cfg
+        assert {w["info"]["layout"] for w in rows.values()} == {f"fsdp:dp{dp}" + ("fused1" if moe else "")}
         # Uneven shards: the vocab rows split as torch.chunk does.
         V = cfg["vocab_size"]
         chunk = -(-V // dp)
-        got = [s["model.embed_tokens.weight"][0] for s in trainers.ask("shapes")]
+        shapes = trainers.ask("shapes")
+        got = [s["model.embed_tokens.weight"][0] for s in shapes]
         assert got == [max(0, min(V, (r + 1) * chunk) - r * chunk) for r in range(dp)] and len(set(got)) > 1
+        if moe:  # fused experts: 4 over 3 ranks as torch.chunk splits them, each expert whole
+            gate = "model.layers.0.mlp.experts.{}.gate_proj.weight"
+            held = [[e for e in range(4) if s[gate.format(e)][0]] for s in shapes]
+            assert held == [[0, 1], [2, 3], []], held
         engines = Engines(srv.address, spec, "vllm:tp2", group=f"{group}-engine")
         plan = client.create_plan(group, f"{group}-engine")["plan_id"]
         refit_step_refit(client, trainers, engines, spec, plan, tmp_path)
@@ -125,14 +134,13 @@ def refit_step_refit(client, trainers, engines, spec, plan_id: str, tmp_path) ->
         if version == 2:
             trainers.ask("step", version)
         assert client.refit(plan_id, version=version, timeout=180).ok
-        write_hf(str(tmp_path / f"v{version}"), trainers.ask("full")[0])
+        trainers.ask("save", str(tmp_path / f"v{version}"))
         bad = engines.mismatches(expected_engine_tensors(spec, "vllm:tp2", str(tmp_path / f"v{version}")))
         assert not bad, bad[:5]
 
 
 def check_refusals(client, messages: list[str]) -> None:
-    fused, dim1, unsharded = messages
-    assert "'model.layers.0.mlp.experts.gate_up_proj': fused experts sharded by FSDP2" in fused
+    dim1, unsharded = messages
     assert "is placed (Shard(dim=1),), refit's fsdp layout needs (Shard(dim=0),)" in dim1
     assert "is not a DTensor: fully_shard every module" in unsharded
     assert client.list_workers(group="refused") == []

@@ -224,7 +224,7 @@ def test_fsdp_serves_its_rows_of_the_router_bias_buffer() -> None:
             return t.detach().narrow(0, *chunk_rows(t.shape[0], 3, rank))
 
         layout = FsdpLayout(dp=3).resolve(spec)
-        served = refit_hf.serve_hf_parameters(named, spec, layout, rank, local=rows, fused_experts=False,
+        served = refit_hf.serve_hf_parameters(named, spec, layout, rank, local=rows,
                                               buffer=model.get_buffer, buffer_local=rows)
         assert set(served) == {lt.name for lt in layout.local_tensors(spec, rank)}
         for layer in (1, 2):

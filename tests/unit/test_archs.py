@@ -99,7 +99,7 @@ def add_mtp_tensors(directory: str, spec) -> list[str]:
 
 CHAINS = {
     "tiny-deepseek-v3": [["megatron:tp2pp2ep4", "vllm:tp2"], ["megatron:tp4ep2etp2dp2", "vllm:tp2ep4dp2"],
-                         ["fsdp:dp3", "megatron:pp3first2ep8", "vllm:tp4dp2"]],
+                         ["fsdp:dp3", "megatron:pp3first2ep8", "vllm:tp4dp2"], ["fsdp:dp3fused1", "vllm:tp2"]],
     "tiny-moonlight": [["megatron:tp2pp3ep2", "vllm:tp4"], ["vllm:tp2ep2", "megatron:tp4ep4"]],
     "tiny-glm4-moe": [["megatron:tp2pp3ep2", "fsdp:dp2"], ["megatron:tp4ep4etp1", "megatron:tp2pp3ep2cp2"],
                       ["megatron:tp2ep2", "vllm:tp2ep2", "vllm:tp2"]],

@@ -30,6 +30,7 @@ Q30 = load_spec("qwen3-30b-moe")
     ("megatron:tp4vocabdiv128", "src", "megatron:tp4dp1"),
     ("fsdp:dp4rep2", "src", "fsdp:dp4rep2"),
     ("fsdp:rep2dp4", "src", "fsdp:dp4rep2"),
+    ("fsdp:fused1dp4", "src", "fsdp:dp4fused1"),
     ("hf", "dst", "hf"),
     ("  VLLM:TP2 ", "dst", "vllm:tp2"),
 ])
@@ -66,6 +67,7 @@ def test_resolved_degrees_are_reported():
     ("megatron:tp2tp2", ["tp given twice"]),
     ("megatron:", ["cannot parse"]),
     ("megatron:tp2x", ["cannot parse", "'x'"]),
+    ("fsdp:dp2fused2", ["fused is 1", "fused2"]),
 ])
 def test_impossible_layouts_are_refused_with_numbers(text, words):
     with pytest.raises(RefitError) as e:
@@ -117,6 +119,26 @@ def test_megatron_first_on_one_pipeline_stage_is_every_layer():
 def test_expert_parallel_on_a_dense_model_is_refused():
     with pytest.raises(RefitError, match="has no experts"):
         resolve_layout("megatron:tp2ep2", load_spec("qwen3-8b"))
+
+
+def test_fused_experts_on_a_dense_model_are_refused():
+    with pytest.raises(RefitError, match="holds fused experts, but qwen3-8b has none"):
+        resolve_layout("fsdp:dp2fused1", load_spec("qwen3-8b"))
+
+
+def test_fsdp_fused_experts_are_whole_on_the_rank_holding_their_rows():
+    """8 experts over 5 ranks split as torch.chunk splits the fused [E, ...] parameter: 2, 2, 2, 2,
+    0; the other tensors (the router's [E, H] too) by rows as ever."""
+    spec = tiny_spec("tiny-qwen3-moe")
+    layout = resolve_layout("fsdp:dp5fused1", spec)
+    for rank, held in enumerate(([0, 1], [2, 3], [4, 5], [6, 7], [])):
+        local = {t.name: t for t in layout.local_tensors(spec, rank)}
+        for e in range(spec.config.num_experts):
+            t = local[f"model.layers.0.mlp.experts.{e}.down_proj.weight"]
+            whole = spec.config.hidden_size
+            assert t.shape[0] == (whole if e in held else 0) and len(t.pieces) == (e in held), (rank, e)
+        gate = local["model.layers.0.mlp.gate.weight"]
+        assert gate.shape[0] == [2, 2, 2, 2, 0][rank]
 
 
 def test_megatron_qkv_rows_interleave_query_groups():
