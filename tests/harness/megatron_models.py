@@ -201,14 +201,66 @@ def fill_by_placement(chunks: list[torch.nn.Module], version: int) -> dict[str, 
     return shapes
 
 
+def optimizer_step(chunks: list[torch.nn.Module], optimizer: torch.optim.Optimizer, seed: int) -> None:
+    """One real ``optimizer.step()`` with gradients placed like `fill_by_placement`'s values (a
+    function of checkpoint key and global index): replicas of a tensor (tp-duplicated down
+    projections, norms) get the same gradient and stay equal, as Megatron's all-reduced gradients
+    keep them."""
+    params = [p for chunk in chunks for p in chunk.parameters()]
+    by_storage = {p.untyped_storage().data_ptr(): p for p in params}
+    for p in params:
+        p.grad = torch.zeros_like(p)
+    for sh in sharded_tensors(chunks):
+        p = by_storage.get(sh.data.untyped_storage().data_ptr())
+        if p is None:  # a buffer (the router's expert_bias): not trained by the optimizer
+            continue
+        lead = len(sh.global_shape) - len(sh.local_shape)
+        box = (1,) * lead + tuple(sh.local_shape)
+        grad = p.grad.as_strided(sh.data.shape, sh.data.stride(), sh.data.storage_offset() - p.storage_offset()
+                                 + p.grad.storage_offset())
+        grad.copy_(_values(sh.key, tuple(sh.global_shape), tuple(sh.global_offset), box, 1000 + seed).view(grad.shape))
+    optimizer.step()
+    optimizer.zero_grad(set_to_none=True)
+
+
+def local_boxes(chunks: list[torch.nn.Module]) -> list[tuple[str, tuple[int, ...], tuple[int, ...], torch.Tensor]]:
+    """This rank's boxes of the global checkpoint tensors as Megatron's ``sharded_state_dict`` places
+    them: (key, global shape, global offset, values); `assemble` joins every rank's."""
+    out = []
+    for sh in sharded_tensors(chunks):
+        lead = len(sh.global_shape) - len(sh.local_shape)
+        box = (1,) * lead + tuple(sh.local_shape)
+        out.append((sh.key, tuple(sh.global_shape), tuple(sh.global_offset), sh.data.detach().clone().view(box)))
+    return out
+
+
+def assemble(boxes_of_ranks: list[list[tuple[str, tuple[int, ...], tuple[int, ...], torch.Tensor]]]
+             ) -> dict[str, torch.Tensor]:
+    """The global checkpoint tensors from every rank's `local_boxes` (replicas overwrite alike)."""
+    out: dict[str, torch.Tensor] = {}
+    covered: dict[str, torch.Tensor] = {}
+    for boxes in boxes_of_ranks:
+        for key, shape, offset, values in boxes:
+            where = tuple(slice(o, o + n) for o, n in zip(offset, values.shape))
+            out.setdefault(key, torch.empty(shape, dtype=values.dtype))[where] = values
+            covered.setdefault(key, torch.zeros(shape, dtype=torch.bool))[where] = True
+    missing = [k for k, c in covered.items() if not bool(c.all())]
+    assert not missing, f"no rank holds part of {missing[:3]}"
+    return out
+
+
 def megatron_to_hf(shapes: dict[str, tuple[int, ...]], spec: ModelSpec, version: int) -> dict[str, torch.Tensor]:
-    """The HF tensors of the global checkpoint tensors, converted by hand after
+    """`global_to_hf` of the global tensors `fill_by_placement` wrote for ``version``."""
+    return global_to_hf({k: _values(k, s, (0,) * len(s), s, version) for k, s in shapes.items()}, spec)
+
+
+def global_to_hf(g: dict[str, torch.Tensor], spec: ModelSpec) -> dict[str, torch.Tensor]:
+    """The HF tensors of the global checkpoint tensors ``g`` (key -> tensor), converted by hand after
     tests/harness/megatron/FACTS.md (fused QKV per query group, fc1 = [gate; up], experts on a global
     axis) and, for MLA, tests/integration/test_megatron_mla.py (one Megatron tensor per HF tensor, no
     row reordering).  The local spec's checkpoint keys: GQA layers map their norms to TE's keys
     (``linear_qkv.layer_norm_weight``, ``linear_fc1.layer_norm_weight``), MLA layers keep the module
     names (``input_layernorm``, ``q_layernorm``, ``kv_layernorm``, ``pre_mlp_layernorm``)."""
-    g = {k: _values(k, s, (0,) * len(s), s, version) for k, s in shapes.items()}
     c = spec.config
     V = c.vocab_size
     out = {"model.embed_tokens.weight": g["embedding.word_embeddings.weight"][:V],

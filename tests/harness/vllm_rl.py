@@ -306,6 +306,8 @@ def _engine_main(conn: Any, model_dir: str, tp: int, ep: bool, coordinator: str 
                 conn.send(("ok", llm.collective_rpc(_fail_next_apply)))
             elif cmd == "kill_after_first_phase":  # SIGKILL process ``arg`` once the next phase is applied
                 conn.send(("ok", llm.collective_rpc(functools.partial(_kill_after_first_phase, arg))))
+            elif cmd == "skip_derived":  # from now on, landings leave attention layers' derived tensors
+                conn.send(("ok", llm.collective_rpc(_skip_derived)))
             elif cmd == "weight_version":
                 conn.send(("ok", llm.get_weight_version()))
             elif cmd == "stop":
@@ -330,6 +332,18 @@ def _fail_next_apply(worker: Any) -> None:
         raise RuntimeError("injected: re-processing failed after the commit")
 
     landing.apply = fail
+
+
+def _skip_derived(worker: Any) -> int:
+    """The landing no longer re-processes attention layers after a commit (MLA's ``W_UK_T`` /
+    ``W_UV`` keep what they were derived from before): what a refit without that step would
+    serve.  Returns how many layers it skips."""
+    from vllm.model_executor.layers.attention import is_deferred_attention_layer
+
+    landing = worker.weight_transfer_engine.landing
+    kept = [(n, m) for n, m in landing.aliases if not is_deferred_attention_layer(m)]
+    skipped, landing.aliases = len(landing.aliases) - len(kept), kept
+    return skipped
 
 
 def _kill_after_first_phase(pid: int, worker: Any) -> None:
