@@ -124,7 +124,10 @@ def layouts(draw, spec: ModelSpec):
     elif kind == "vllm":
         layout = draw(vllm_layouts(spec))
     elif kind == "fsdp":
-        layout = FsdpLayout(dp=draw(st.integers(1, 5)), rep=draw(st.sampled_from([1, 1, 2, 3])))  # HSDP too
+        moe = spec.config.num_experts > 0  # HSDP, FSDP x TP (dense models) and fused experts (MoE) too
+        layout = FsdpLayout(dp=draw(st.integers(1, 5)), rep=draw(st.sampled_from([1, 1, 2, 3])),
+                            tp=1 if moe else draw(st.sampled_from([1, 1, 2, 3])),
+                            fused=draw(st.sampled_from([0, 1])) if moe else 0)
     else:
         layout = HFLayout()
     return layout.resolve(spec)

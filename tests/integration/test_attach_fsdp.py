@@ -42,11 +42,35 @@ def shard(model: torch.nn.Module, world: int, mesh_shape: tuple[int, ...] | None
     return model
 
 
+def shard_tp(model: torch.nn.Module, dp: int, tp: int, changes: dict[str, Any] | None = None) -> torch.nn.Module:
+    """FSDP x TP as torchtitan builds it: torch's tensor parallelism on the tp sub-mesh of a (dp, tp)
+    mesh (ColwiseParallel on q/k/v, gate/up and the LM head, gathering the logits; RowwiseParallel on
+    the embedding, o_proj and down_proj; ``changes`` replace some), then ``fully_shard`` on the dp
+    sub-mesh."""
+    from torch.distributed.device_mesh import init_device_mesh
+    from torch.distributed.fsdp import fully_shard
+    from torch.distributed.tensor import Replicate
+    from torch.distributed.tensor.parallel import ColwiseParallel, RowwiseParallel, parallelize_module
+
+    mesh = init_device_mesh("cpu", (dp, tp), mesh_dim_names=("dp", "tp"))
+    plan = {"model.embed_tokens": RowwiseParallel(), "lm_head": ColwiseParallel(output_layouts=Replicate())}
+    for i in range(len(model.model.layers)):
+        p = f"model.layers.{i}."
+        plan.update({p + f"self_attn.{x}_proj": ColwiseParallel() for x in "qkv"})
+        plan.update({p + f"mlp.{x}_proj": ColwiseParallel() for x in ("gate", "up")})
+        plan.update({p + "self_attn.o_proj": RowwiseParallel(), p + "mlp.down_proj": RowwiseParallel()})
+    parallelize_module(model, mesh["tp"], {**plan, **(changes or {})})
+    for layer in model.model.layers:
+        fully_shard(layer, mesh=mesh["dp"])
+    return fully_shard(model, mesh=mesh["dp"])
+
+
 def fsdp_trainer(rank: int, world: int, cls_name: str, cfg: dict, address: str, group: str,
-                 mesh_shape: tuple[int, ...] | None = None):
+                 mesh_shape: tuple[int, ...] | None = None, tp: int = 1):
     from refit.integrations import fsdp as refit_fsdp
 
-    model = shard(make_hf_model(cls_name, **cfg), world, mesh_shape)
+    model = make_hf_model(cls_name, **cfg)
+    model = shard_tp(model, world // tp, tp) if tp > 1 else shard(model, world, mesh_shape)
     agent = refit_fsdp.attach(model, address, group=group)
 
     def handle(cmd: str, arg):
@@ -65,6 +89,18 @@ def fsdp_trainer(rank: int, world: int, cls_name: str, cfg: dict, address: str, 
             return None
         if cmd == "refusals":
             return refusals(world, address)
+        if cmd == "tp_refusal":  # o_proj split on its rows by TP: not the plan the layout describes
+            from torch.distributed.tensor.parallel import ColwiseParallel
+
+            from refit.errors import RefitError
+
+            other = make_hf_model(cls_name, **cfg)
+            plan = {f"model.layers.{i}.self_attn.o_proj": ColwiseParallel() for i in range(len(other.model.layers))}
+            try:
+                refit_fsdp.attach(shard_tp(other, world // tp, tp, plan), address, group="refused")
+                return "attached"
+            except RefitError as e:
+                return str(e)
         raise ValueError(cmd)
 
     return agent, handle
@@ -165,6 +201,34 @@ def test_hsdp_every_replica_group_serves(server, tmp_path) -> None:
         senders = {t.src for t in plan.transfers if t.stage == 1}
         assert senders & {0, 1} and senders & {2, 3}, senders
         refit_step_refit(client, trainers, engines, spec, plan_id, tmp_path)
+    finally:
+        trainers.close()
+        if engines is not None:
+            engines.close()
+
+
+def test_fsdp_x_tp_bit_exact(server, tmp_path) -> None:
+    """FSDP x TP: torch's tensor parallelism over tp2, then ``fully_shard`` over dp2 (a 2x2 (dp, tp)
+    mesh), layout ``fsdp:dp2tp2``: each rank serves its local shard of the 2-D placements, and the
+    engines are bit-exact before and after a training step through the TP + FSDP model.  A TP plan
+    other than the layout's is refused, naming the parameter and the placement it needs."""
+    srv, client = server
+    group = "fsdp-tp"
+    trainers = Trainers(4, fsdp_trainer, "LlamaForCausalLM", LLAMA, srv.address, group, None, 2)
+    engines = None
+    try:
+        answers = trainers.ready()
+        assert all(a[0] == "ready" for a in answers), answers
+        spec = answers[0][1]
+        assert {w["info"]["layout"] for w in client.list_workers(group=group)} == {"fsdp:dp2tp2"}
+        assert trainers.ask("views") == [True] * 4
+        engines = Engines(srv.address, spec, "vllm:tp2", group=f"{group}-engine")
+        plan_id = client.create_plan(group, f"{group}-engine")["plan_id"]
+        refit_step_refit(client, trainers, engines, spec, plan_id, tmp_path)
+        refused = trainers.ask("tp_refusal")[0]
+        assert "'model.layers.0.self_attn.o_proj.weight' is placed (_StridedShard" in refused, refused
+        assert "needs (Shard(dim=0), Shard(dim=1))" in refused, refused
+        assert client.list_workers(group="refused") == []
     finally:
         trainers.close()
         if engines is not None:

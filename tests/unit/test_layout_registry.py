@@ -20,7 +20,7 @@ from tests.harness.strategies import layouts, model_specs
 # The help text, derived from the registry (the CLI shows it; users and tests read it).
 HELP_BEFORE_THE_REGISTRY = (
     "layouts: megatron:<tp,pp,vpp,ep,etp,dp,cp,first,last,vocabdiv><N>... (e.g. megatron:tp4ep8, megatron:tp2pp2vpp2), "
-    "vllm:<tp,ep,dp><N>... (e.g. vllm:tp8, vllm:tp4ep4, vllm:tp8dp4), fsdp:<dp,rep,fused><N>... (e.g. fsdp:dp8, fsdp:dp4rep2, fsdp:dp8fused1), hf. "
+    "vllm:<tp,ep,dp><N>... (e.g. vllm:tp8, vllm:tp4ep4, vllm:tp8dp4), fsdp:<dp,rep,tp,fused><N>... (e.g. fsdp:dp8, fsdp:dp4rep2, fsdp:dp4tp2, fsdp:dp8fused1), hf. "
     "A bare tp4ep8 means megatron as a source and vllm as a destination."
 )
 
@@ -57,7 +57,7 @@ def test_parse(text, role, expected):
 @pytest.mark.parametrize("text,message", [
     ("hf:", "hf layouts take no degrees: 'hf:'"),
     ("hf:tp2", "hf layouts have no 'tp' degree (layout 'hf:tp2'); " + HELP_BEFORE_THE_REGISTRY),
-    ("fsdp:tp2", "fsdp layouts have no 'tp' degree (layout 'fsdp:tp2'); " + HELP_BEFORE_THE_REGISTRY),
+    ("fsdp:pp2", "fsdp layouts have no 'pp' degree (layout 'fsdp:pp2'); " + HELP_BEFORE_THE_REGISTRY),
     ("fsdp:", "cannot parse layout 'fsdp:' (stopped at ''); " + HELP_BEFORE_THE_REGISTRY),
     ("vllm:tp2 ep2", "cannot parse layout 'vllm:tp2 ep2' (stopped at ' ep2'); " + HELP_BEFORE_THE_REGISTRY),
     ("jax:tp2", "unknown framework 'jax' in layout 'jax:tp2'; " + HELP_BEFORE_THE_REGISTRY),

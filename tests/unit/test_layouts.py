@@ -31,6 +31,7 @@ Q30 = load_spec("qwen3-30b-moe")
     ("fsdp:dp4rep2", "src", "fsdp:dp4rep2"),
     ("fsdp:rep2dp4", "src", "fsdp:dp4rep2"),
     ("fsdp:fused1dp4", "src", "fsdp:dp4fused1"),
+    ("fsdp:fused1rep2dp4", "src", "fsdp:dp4rep2fused1"),
     ("hf", "dst", "hf"),
     ("  VLLM:TP2 ", "dst", "vllm:tp2"),
 ])
@@ -124,6 +125,37 @@ def test_expert_parallel_on_a_dense_model_is_refused():
 def test_fused_experts_on_a_dense_model_are_refused():
     with pytest.raises(RefitError, match="holds fused experts, but qwen3-8b has none"):
         resolve_layout("fsdp:dp2fused1", load_spec("qwen3-8b"))
+
+
+def test_fsdp_tp_on_a_moe_model_is_refused():
+    with pytest.raises(RefitError, match="FSDP x TP is described for dense models only"):
+        resolve_layout("fsdp:dp2tp2", Q30)
+
+
+def test_fsdp_tp_boxes_are_what_torch_places():
+    """dp2 x tp2 of q_proj [64, 64] and o_proj [64, 64] (a 4-head Llama of hidden 64): where torch's
+    ColwiseParallel / RowwiseParallel then fully_shard put each rank's local shard (seen with
+    DTensor on gloo): colwise rows at t * 32 + d * 16, rowwise rows d * 32 and columns t * 32;
+    norms by dp rows only."""
+    from refit.layouts.fsdp import FsdpLayout
+    from refit.spec import ModelConfig, build_spec
+
+    spec = build_spec("llama-64", ModelConfig.from_hf({
+        "model_type": "llama", "architectures": ["LlamaForCausalLM"], "hidden_size": 64, "num_hidden_layers": 1,
+        "num_attention_heads": 4, "num_key_value_heads": 2, "intermediate_size": 96, "vocab_size": 129,
+        "tie_word_embeddings": False, "torch_dtype": "bfloat16"}))
+    layout = FsdpLayout(dp=2, tp=2).resolve(spec)
+    for rank in range(4):
+        d, t = rank // 2, rank % 2
+        local = {lt.name: lt for lt in layout.local_tensors(spec, rank)}
+        q = local["model.layers.0.self_attn.q_proj.weight"]
+        o = local["model.layers.0.self_attn.o_proj.weight"]
+        norm = local["model.layers.0.input_layernorm.weight"]
+        embed = local["model.embed_tokens.weight"]  # 129 rows: tp chunks 65 / 64, then dp chunks
+        assert q.shape == (16, 64) and q.pieces[0].start[-2:] == (t * 32 + d * 16, 0), (rank, q)
+        assert o.shape == (32, 32) and o.pieces[0].start[-2:] == (d * 32, t * 32), (rank, o)
+        assert norm.shape == (32,) and norm.pieces[0].start[-1] == d * 32
+        assert embed.shape[0] == [33, 32, 32, 32][rank] and embed.pieces[0].start[-2] == [0, 65, 33, 97][rank]
 
 
 def test_fsdp_fused_experts_are_whole_on_the_rank_holding_their_rows():

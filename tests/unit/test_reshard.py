@@ -37,8 +37,10 @@ CHAINS = {
                        ["fsdp:dp3", "megatron:pp3first2ep8", "vllm:tp1dp2"], ["megatron:tp2pp2ep2dp2", "fsdp:dp4", "vllm:tp2dp2ep4"],
                        ["fsdp:dp3fused1", "vllm:tp2", "fsdp:dp8fused1rep2"]],
     "tiny-qwen2": [["megatron:tp2", "vllm:tp2"], ["megatron:tp2pp2", "vllm:tp4"], ["fsdp:dp3", "vllm:tp2dp2"],
-                   ["megatron:tp2vocabdiv1", "fsdp:dp2rep2", "megatron:tp2vocabdiv4", "vllm:tp2"]],
-    "tiny-llama": [["megatron:tp4pp2vpp2", "vllm:tp8"], ["vllm:tp2", "megatron:tp8"]],
+                   ["megatron:tp2vocabdiv1", "fsdp:dp2rep2", "megatron:tp2vocabdiv4", "vllm:tp2"],
+                   ["fsdp:dp2tp2", "megatron:tp2"]],
+    "tiny-llama": [["megatron:tp4pp2vpp2", "vllm:tp8"], ["vllm:tp2", "megatron:tp8"],
+                   ["fsdp:dp3tp2", "vllm:tp2", "fsdp:dp2rep2tp3"]],
 }
 
 
