@@ -9,7 +9,6 @@ from __future__ import annotations
 
 import dataclasses
 import json
-import math
 import os
 import subprocess
 import sys
@@ -20,25 +19,17 @@ import pytest
 import torch
 
 from refit.bench.launch import WorkerFailure, run_job
-from refit.bench.worker import Job, PlanRun, Refit
+from tests.harness.executor_jobs import BUCKET, DENSE, MOE
+from tests.harness.executor_jobs import check as _check, job as _job
 from refit.executor.topology import Topology
 from refit.executor.copies import CopyBatch, merge
 from refit.executor.shards import allocate, fill_sentinel, fill_source, verify
 from refit.executor.values import check_box, expected_bits, fill_box
 from refit.layouts import resolve_layout
 from refit.planners import make_plan
-from refit.spec import ModelConfig, build_spec
 
 ROOT = Path(__file__).resolve().parents[2]
 
-MOE = build_spec("tiny-moe", ModelConfig(
-    arch="qwen3_moe", hidden_size=32, num_layers=4, num_heads=4, num_kv_heads=2, head_dim=8,
-    intermediate_size=32, vocab_size=300, qk_norm=True, num_experts=8, moe_intermediate_size=16,
-    moe_layers=(1, 2, 3)))  # layer 0 dense: both MLP kinds
-DENSE = build_spec("tiny-dense", ModelConfig(
-    arch="qwen2", hidden_size=64, num_layers=4, num_heads=8, num_kv_heads=2, head_dim=8,
-    intermediate_size=64, vocab_size=250, qkv_bias=True, tie_embeddings=True, dtype="float32"))
-BUCKET = 4096  # small buckets: many steps, both buffer sets, split transfers
 
 
 # ---------------------------------------------------------------------------------------------
@@ -124,31 +115,6 @@ def test_merge_is_exact_on_irregular_blocks() -> None:
 
 # ---------------------------------------------------------------------------------------------
 # end to end
-
-
-def _job(spec, src: str, dst: str, placement: str, planners: tuple[str, ...] = ("p2p", "broadcast"),
-         topology: str = "per-rank", kill: tuple[str, int, int] | None = None, refits: int = 2,
-         transport: str = "comm") -> tuple[Job, list]:
-    plans = [make_plan(spec, src, dst, placement, p, BUCKET) for p in planners]
-    runs = tuple(PlanRun(r.plan, tuple(Refit(seed=10 * i + k, verify=True) for k in range(refits)))
-                   for i, r in enumerate(plans))
-    place = plans[0].plan.placement
-    topo = Topology.single(place) if topology == "single" else Topology.one_per_rank(place)
-    return Job("", spec, plans[0].src, plans[0].dst, topo, runs, timeout_s=30, kill=kill, transport=transport), plans
-
-
-def _check(results, plans, spec, refits: int = 2) -> None:
-    dst = plans[0].dst
-    expected = sum(math.prod(p.size) for r in range(dst.world_size) for lt in dst.local_tensors(spec, r) for p in lt.pieces)
-    for i, r in enumerate(plans):
-        verdicts = {}
-        for w in results:
-            verdicts.update(w.runs[i].verdicts)
-        assert sorted(verdicts) == sorted(f"dst rank {d}" for d in range(dst.world_size)), r.plan.planner
-        for k in range(refits):
-            got = [vs[k] for vs in verdicts.values()]
-            assert all(v.ok for v in got), (r.plan.planner, k, [v.first for v in got if not v.ok])
-            assert sum(v.checked for v in got) == expected
 
 
 CASES = [

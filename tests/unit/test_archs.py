@@ -185,7 +185,7 @@ def test_cli_lists_the_new_models_and_says_what_is_not_moved(capsys):
 def test_executor_moves_float32_biases_beside_odd_bfloat16_boxes():
     """Real processes (gloo, shared memory): a bucket holding a bfloat16 box of odd size and a
     float32 router bias must still place the bias at a 4-byte-aligned offset."""
-    from tests.integration.test_executor import _check, _job
+    from tests.harness.executor_jobs import check as _check, job as _job
     from refit.bench.launch import run_job
 
     odd = build_spec("odd-mla", ModelConfig(

@@ -1,0 +1,106 @@
+"""The executor on CUDA, bit-exact: `make test-gpu` on a GPU machine (pytest marker ``gpu``).
+
+Without a CUDA device every test here skips with its reason (CI, `make test`).  On one GPU, the
+paths one GPU can exercise, each in real worker processes with every destination element checked
+after every refit (two refits, a new source seed each; the broadcast plan beside p2p):
+
+* two processes on one GPU through CUDA IPC: the ipc transport pulling and pushing, the
+  descriptor-table copy kernel on and off, CUDA 13's batched memcpy, packed (arena) shards;
+  ``comm``, whose same-GPU boxes are IPC copies too; one process holding both sides (local copies);
+* the phased path (a plan cut into one-layer phases, one staging set shared by the phases);
+* `refit-bench` at full width on real shapes (qwen3-30b-moe and qwen3-8b, first 2 layers), direct
+  and ``--via grpc`` (agents, a loopback coordinator, ``refit.Client``).
+
+With 2+ GPUs: the ipc transport and NCCL between GPUs; with 4+, disaggregated placements.  Those
+skip, with the count they need, on fewer GPUs.  Knob variants run in spawned workers so that each
+sees its own environment (`refit.settings`: member 0's run knobs hold for all).
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+import torch
+
+from refit.bench.launch import run_job
+from tests.harness.executor_jobs import DENSE, MOE, check, job
+
+ROOT = Path(__file__).resolve().parents[2]
+GPUS = torch.cuda.device_count() if torch.cuda.is_available() else 0
+pytestmark = [pytest.mark.gpu, pytest.mark.skipif(GPUS == 0, reason="no CUDA device (make test-gpu runs these on a GPU machine)")]
+
+
+def needs(gpus: int) -> pytest.MarkDecorator:
+    return pytest.mark.skipif(GPUS < gpus, reason=f"needs {gpus} GPUs, this machine has {GPUS}")
+
+
+def _run(spec, src: str, dst: str, placement: str, monkeypatch: pytest.MonkeyPatch, env: dict[str, str] | None = None,
+         **kw) -> list:
+    for k, v in (env or {}).items():
+        monkeypatch.setenv(k, v)
+    monkeypatch.setenv("NCCL_NVLS_ENABLE", "0")
+    j, plans = job(spec, src, dst, placement, device="cuda", **kw)
+    results = run_job(j, start_method="spawn")  # each run's workers see this environment
+    check(results, plans, spec)
+    return results
+
+
+ONE_GPU = {
+    "ipc-pull": dict(transport="ipc", env={"REFIT_IPC": "pull"}),
+    "ipc-push": dict(transport="ipc", env={"REFIT_IPC": "push"}),
+    "ipc-table-copy-on": dict(transport="ipc", env={"REFIT_TABLE_COPY": "on"}),
+    "ipc-table-copy-off": dict(transport="ipc", env={"REFIT_TABLE_COPY": "off"}),
+    "ipc-batch-memcpy": dict(transport="ipc", env={"REFIT_BATCH_MEMCPY": "all"}),
+    "ipc-arena": dict(transport="ipc", alloc="arena"),
+    "comm": dict(transport="comm"),
+    "one-process": dict(topology="single"),
+    "phased": dict(transport="ipc", phase_layers=1, planners=("p2p",)),  # broadcast plans gather: no phases
+}
+
+
+@pytest.mark.parametrize("case", list(ONE_GPU), ids=list(ONE_GPU))
+def test_one_gpu_two_processes_bit_exact(case: str, monkeypatch: pytest.MonkeyPatch) -> None:
+    kw = dict(ONE_GPU[case])
+    env = kw.pop("env", None)
+    _run(MOE, "megatron:tp1", "vllm:tp1", "colocated", monkeypatch, env, **kw)
+
+
+def test_one_gpu_float32_tied_model(monkeypatch: pytest.MonkeyPatch) -> None:
+    """fp32 values, tied embeddings, qkv bias; fsdp source rows into vLLM's layout."""
+    _run(DENSE, "fsdp:dp1", "vllm:tp1", "colocated", monkeypatch, transport="ipc")
+
+
+def _bench(*args: str) -> dict:
+    env = {**os.environ, "NCCL_NVLS_ENABLE": "0", "PYTHONPATH": f"{ROOT}{os.pathsep}{os.environ.get('PYTHONPATH', '')}"}
+    out = subprocess.run([sys.executable, "-m", "refit.bench", *args, "--iters", "3", "--json"], cwd=ROOT, env=env,
+                         capture_output=True, text=True, timeout=600)
+    assert out.returncode == 0, out.stderr[-3000:]
+    return json.loads(out.stdout)
+
+
+@pytest.mark.parametrize("model", ["qwen3-30b-moe", "qwen3-8b"])
+def test_bench_full_width_one_gpu(model: str) -> None:
+    r = _bench("--model", model, "--layers", "2", "--src", "tp1", "--dst", "tp1")
+    assert r["device"] == "cuda", r
+
+
+def test_bench_via_grpc_one_gpu() -> None:
+    r = _bench("--model", "qwen3-8b", "--layers", "2", "--src", "tp1", "--dst", "tp1", "--via", "grpc")
+    assert r["device"] == "cuda", r
+
+
+@needs(2)
+@pytest.mark.parametrize("transport", ["ipc", "comm"])
+def test_two_gpus_bit_exact(transport: str, monkeypatch: pytest.MonkeyPatch) -> None:
+    _run(MOE, "tp2ep2", "tp2", "colocated", monkeypatch, transport=transport)
+
+
+@needs(4)
+@pytest.mark.parametrize("transport", ["ipc", "comm"])
+def test_four_gpus_disaggregated_bit_exact(transport: str, monkeypatch: pytest.MonkeyPatch) -> None:
+    _run(MOE, "fsdp:dp2", "vllm:tp2ep2", "disaggregated", monkeypatch, transport=transport)
