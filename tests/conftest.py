@@ -36,6 +36,7 @@ DEPENDENCIES = [
     ("ray", "ray", "import"),
     ("transformers", "transformers", "import"),
     ("grpc_tools", "grpcio-tools", "import"),
+    ("peft", "peft", "import"),
 ]
 
 
