@@ -7,8 +7,9 @@ KEY     := $(shell cat pyproject.toml Makefile | sha1sum | cut -c1-10)
 BASE     = $(VENV)/.base-$(KEY)
 FULL     = $(VENV)/.full-$(KEY)
 BENCH_ARGS ?= --model qwen3-30b-moe --src tp4ep8 --dst tp8
+EXAMPLE_ARGS ?=
 
-.PHONY: bench test env plan-speed
+.PHONY: bench test test-gpu env plan-speed example
 
 $(BASE):
 	$(PY) -m venv $(VENV)
@@ -38,3 +39,12 @@ plan-speed: $(BASE)
 
 test: $(FULL)
 	$(BIN)/python -m pytest -q $(PYTEST_ARGS)
+
+# On a GPU machine, with its own CUDA build of torch (not the CPU venv): the executor on CUDA
+# (tests/gpu). Needs refit's runtime dependencies importable (pip install -e . there).
+test-gpu:
+	NCCL_NVLS_ENABLE=0 REFIT_ALLOW_MISSING_DEPS=1 PYTHONPATH=$(CURDIR):$(PYTHONPATH) $(PY) -m pytest -q -m gpu tests/gpu $(PYTEST_ARGS)
+
+# A tiny GRPO loop on CPU: transformers policy, live vLLM engine, one refit a step (examples/grpo_tiny.py)
+example: $(FULL)
+	$(BIN)/python examples/grpo_tiny.py $(EXAMPLE_ARGS)
