@@ -200,8 +200,9 @@ class ExecutorDataPlane(BaseDataPlane):
             sources.append(t)
             targets.append(buf)
             out[name] = buf
-        with torch.no_grad():
-            torch._foreach_copy_(targets, sources)
+        if targets:
+            with torch.no_grad():
+                torch._foreach_copy_(targets, sources)
         return out
 
     def _run_view(self, plan: Plan) -> tuple[ModelSpec, Layout, Layout]:

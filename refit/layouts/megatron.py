@@ -239,7 +239,7 @@ class MegatronLayout:
                 if not c.tie_embeddings or self.pp > 1:
                     shape, pieces = vocab_pieces(head, c.vocab_size, H, padded, T, t)
                     add("output_layer.weight", shape, *pieces)
-        return out
+        return [_in_held_dtype(spec, lt) for lt in out]
 
     def _attention(self, spec: ModelSpec, p: str, layer: int, t: int) -> list[LocalTensor]:
         c = spec.config
@@ -378,3 +378,10 @@ class MegatronLayout:
                                (Piece(o.name, (spec.layer_pos(o.name, layer), 0, t * cols), (1, c.hidden_size, cols),
                                       (0, 0, 0)),)))
         return out
+
+
+def _in_held_dtype(spec: ModelSpec, lt: LocalTensor) -> LocalTensor:
+    """``lt`` in the dtype its canonical tensors are held in: the config's, unless the spec says
+    otherwise per tensor (a trainer holding float32 masters, whose plan casts on the way)."""
+    dtypes = {spec[p.tensor].dtype for p in lt.pieces}
+    return lt._replace(dtype=dtypes.pop()) if len(dtypes) == 1 else lt

@@ -78,3 +78,19 @@ def test_each_side_runs_the_plan_with_its_own_spec() -> None:
         plan.spec_for(fp32, source=False)
     with pytest.raises(InvalidInput, match="plan is for model"):
         run_spec(tiny_spec("tiny-llama"), {}, {}, plan.model_digest, source=True)
+
+
+def test_megatron_local_tensors_follow_the_held_dtypes() -> None:
+    """attach builds a trainer's spec from its live parameters: float32 tensors under a bf16 config
+    (Megatron float32 masters).  The megatron layout's local tensors carry those dtypes, so the
+    trainer casts them on the way (they once took the config's dtype: nothing was cast)."""
+    from refit.layouts import resolve_layout
+
+    bf16 = tiny_spec("tiny-qwen3-moe")
+    held = ModelSpec(bf16.name, bf16.config, tuple(TensorSpec(t.name, t.shape, "float32", t.layers)
+                                                   for t in bf16.tensors))
+    layout = resolve_layout("megatron:tp2ep2", held)
+    assert {lt.dtype for r in range(layout.world_size) for lt in layout.local_tensors(held, r)} == {"float32"}
+    plan = make_plan(bf16, "megatron:tp2ep2", "vllm:tp2", casts=casts_between(held, bf16)).plan
+    wire = plan.spec_for(held, source=True)
+    assert {lt.dtype for lt in layout.local_tensors(wire, 0)} == {"bfloat16"}
