@@ -174,6 +174,24 @@ def test_qwen3_moe_fused_experts_sync_through_verl(cluster, tmp_path) -> None:
         ray.kill(server)
 
 
+def _update_killing(manager: Any, trainers: Any, server: Any, pid: int) -> str:
+    """Sync once; then a training step and a second sync during which the engine SIGKILLs process
+    ``pid`` right after applying the refit's first layer window.  Returns verl's error, which must
+    come well within the refit's deadline (60 s): the death is seen, not waited out."""
+    import ray
+
+    manager.update_weights(global_steps=1)
+    ray.get(server.kill_after_first_phase.remote(pid))
+    trainers.train(seed=2)
+    t0 = time.monotonic()
+    with pytest.raises(Exception) as failed:
+        manager.update_weights(global_steps=2)
+    elapsed = time.monotonic() - t0
+    log.info("verl's error after %.1f s: %s", elapsed, str(failed.value)[:2000])
+    assert elapsed < 30.0, elapsed
+    return str(failed.value)
+
+
 def test_a_trainer_dying_mid_update_is_named_and_the_next_update_recovers(cluster, tmp_path) -> None:
     """Trainer rank 1 is SIGKILLed mid-update, once the engine applied the refit's first phase (a
     hook in the engine, not a sleep, decides where).  verl's ``update_weights`` raises, well within
@@ -192,16 +210,8 @@ def test_a_trainer_dying_mid_update_is_named_and_the_next_update_recovers(cluste
         ckpt, rollout_config = _configs(refit={"address": coordinator.address})
         trainers = _trainers(ckpt, rollout_config)
         manager = _hybrid_manager(ckpt, rollout_config, trainers)
-        manager.update_weights(global_steps=1)
-        ray.get(server.kill_after_first_phase.remote(trainers.pid()[1]))
-        trainers.train(seed=2)
-        t0 = time.monotonic()
-        with pytest.raises(Exception) as failed:
-            manager.update_weights(global_steps=2)
-        elapsed = time.monotonic() - t0
-        log.info("verl's error after %.1f s: %s", elapsed, str(failed.value)[:2000])
-        assert elapsed < 30.0, elapsed  # the deadline is 60 s: the death is seen, not waited out
-        assert "verl-actor/1" in str(failed.value), failed.value
+        error = _update_killing(manager, trainers, server, trainers.pid()[1])
+        assert "verl-actor/1" in error, error
         assert all(stale for _, stale in ray.get(server.holding.remote())), "a torn engine reported fresh"
 
         for worker in trainers.workers:  # verl restarts its trainer workers
@@ -268,17 +278,8 @@ def test_an_engine_dying_mid_update_is_named_and_a_replacement_replica_recovers(
 
     old = replica()
     manager = CheckpointEngineManager(config=ckpt, actor_wg=trainers, replicas=[old])
-    manager.update_weights(global_steps=1)
-    pid = ray.get(server.pid.remote())
-    ray.get(server.kill_after_first_phase.remote(pid))
-    trainers.train(seed=2)
-    t0 = time.monotonic()
-    with pytest.raises(Exception) as failed:
-        manager.update_weights(global_steps=2)
-    elapsed = time.monotonic() - t0
-    log.info("verl's error after %.1f s: %s", elapsed, str(failed.value)[:2000])
-    assert elapsed < 30.0, elapsed
-    assert "rollout replica 0 (verl-rollout-0) failed" in str(failed.value), failed.value
+    error = _update_killing(manager, trainers, server, ray.get(server.pid.remote()))
+    assert "rollout replica 0 (verl-rollout-0) failed" in error, error
     with pytest.raises(ray.exceptions.RayActorError):  # it is gone, not merely failed
         ray.get(server.pid.remote(), timeout=60)
 
