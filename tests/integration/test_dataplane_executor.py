@@ -6,7 +6,7 @@ Reproduces issue 11 item 5: the data communicator was built with the first refit
 here), and a later 5 s refit whose trainer hangs mid-transfer (SIGSTOP) left its peers waiting
 ~60 s; now every wait is bounded by the refit's own deadline and the error names the hung peer.
 
-Reproduces the teardown found in session 5: after a 60 s refit was abandoned at a barrier one
+Reproduces a teardown stall found on 2026-11-22: after a 60 s refit was abandoned at a barrier one
 member never reached, closing the data plane waited ~58 s (gloo's destructor waits for the barrier
 still posted in the control group); now the group is handed to a daemon thread that lets it go once
 that barrier times out, and closing takes a fraction of a second.
