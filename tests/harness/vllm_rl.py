@@ -230,7 +230,9 @@ def unprobe(data: bytes) -> dict[str, torch.Tensor]:
     return load(data)
 
 
-def make_llm(model_dir: str, tp: int, ep: bool, refit: bool) -> Any:
+def make_llm(model_dir: str, tp: int, ep: bool, refit: bool, llm_kwargs: dict[str, Any] | None = None) -> Any:
+    """An offline engine of ``model_dir``; ``llm_kwargs``: more `LLM` keyword arguments (e.g.
+    ``{"quantization": "fp8_per_channel"}``), over the defaults here."""
     from vllm import LLM
 
     kw: dict[str, Any] = {"weight_transfer_config": {"backend": "refit"}} if refit else {}
@@ -240,6 +242,7 @@ def make_llm(model_dir: str, tp: int, ep: bool, refit: bool) -> Any:
         # the reference CPU_MLA) derives W_UK_T / W_UV parameters from kv_b_proj after loading.  The
         # tests check those derived parameters after refits: the same backend on every host.
         kw["attention_backend"] = "CPU_MLA"
+    kw.update(llm_kwargs or {})
     return LLM(model=model_dir, skip_tokenizer_init=True, dtype="bfloat16", enforce_eager=True, tensor_parallel_size=tp,
                enable_expert_parallel=ep, max_model_len=128, max_num_seqs=4, **kw)
 
@@ -263,9 +266,9 @@ def _setup_process(tp: int) -> None:
 
 
 def _engine_main(conn: Any, model_dir: str, tp: int, ep: bool, coordinator: str | None, group: str,
-                 staging: str | None) -> None:
+                 staging: str | None, llm_kwargs: dict[str, Any] | None = None) -> None:
     _setup_process(tp)
-    llm = make_llm(model_dir, tp, ep, bool(coordinator))
+    llm = make_llm(model_dir, tp, ep, bool(coordinator), llm_kwargs)
 
     def init(staging: str | dict[str, Any] | None) -> None:
         info: dict[str, Any] = {"coordinator": coordinator, "group": group}
@@ -372,12 +375,13 @@ def _shutdown(llm: Any) -> None:
     gc.collect()
 
 
-def _references_main(conn: Any, model_dirs: list[str], tp: int, ep: bool, suffixes: tuple[str, ...]) -> None:
+def _references_main(conn: Any, model_dirs: list[str], tp: int, ep: bool, suffixes: tuple[str, ...],
+                     llm_kwargs: dict[str, Any] | None = None) -> None:
     _setup_process(tp)
     out: list[Any] = []
     try:
         for d in model_dirs:
-            llm = make_llm(d, tp, ep, False)
+            llm = make_llm(d, tp, ep, False, llm_kwargs)
             out.append((generate(llm), probe(llm, suffixes)) if suffixes else generate(llm))
             _shutdown(llm)
     except Exception as e:  # noqa: BLE001 - the test reads it (rather than waiting out its timeout)
@@ -390,10 +394,12 @@ class Engine(PipedProcess):
     stop_timeout, join_timeout = 60.0, 30.0  # an engine shuts vLLM down first
 
     def __init__(self, model_dir: str, tp: int = 1, ep: bool = False, coordinator: str | None = None,
-                 group: str = "engine", staging: str | dict[str, Any] | None = None) -> None:
+                 group: str = "engine", staging: str | dict[str, Any] | None = None,
+                 llm_kwargs: dict[str, Any] | None = None) -> None:
         self.group = group
         self.conn, child = CTX.Pipe()
-        self.proc = CTX.Process(target=_engine_main, args=(child, model_dir, tp, ep, coordinator, group, staging))
+        self.proc = CTX.Process(target=_engine_main, args=(child, model_dir, tp, ep, coordinator, group, staging,
+                                                           llm_kwargs))
         self.proc.start()
         assert self.conn.poll(600), "engine did not start"
         status, value = self.conn.recv()
@@ -420,11 +426,13 @@ class Engine(PipedProcess):
 
 
 
-def fresh_outputs(model_dirs: list[str], tp: int = 1, ep: bool = False, probe: tuple[str, ...] = ()) -> list[Any]:
+def fresh_outputs(model_dirs: list[str], tp: int = 1, ep: bool = False, probe: tuple[str, ...] = (),
+                  llm_kwargs: dict[str, Any] | None = None) -> list[Any]:
     """What fresh engines started from each of ``model_dirs`` answer (one after the other, in
-    one spawned process); with ``probe``, (answers, the probed tensors) per engine."""
+    one spawned process); with ``probe``, (answers, the probed tensors) per engine.  ``llm_kwargs``:
+    more `LLM` keyword arguments, as for `Engine`."""
     conn, child = CTX.Pipe()
-    proc = CTX.Process(target=_references_main, args=(child, model_dirs, tp, ep, tuple(probe)))
+    proc = CTX.Process(target=_references_main, args=(child, model_dirs, tp, ep, tuple(probe), llm_kwargs))
     proc.start()
     try:
         deadline = time.monotonic() + 900
