@@ -140,3 +140,7 @@ def test_landing_widens_exactly_and_refuses_narrowing() -> None:
     for live, staged in ((bf16, f32), (f16, bf16), (bf16, f16)):
         with pytest.raises(RefitError, match=f"is {live} in the live model but {staged}"):
             landing_dtype("g", module, attr, torch.zeros(2, dtype=live), staged, CPU)
+    # an expert weight the engine quantized online (int8, float8): a refit error, not torch's
+    for live in (torch.int8, torch.float8_e4m3fn):
+        with pytest.raises(RefitError, match="the engine quantized it"):
+            landing_dtype("w13_weight", module, "w13_weight", torch.zeros(2, dtype=live), bf16, CPU)

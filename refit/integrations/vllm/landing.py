@@ -95,12 +95,21 @@ def landing_dtype(name: str, module: torch.nn.Module, attr: str, live: torch.Ten
     want = live.dtype
     if attr in ("weight", "bias") and transforms_after_loading(module, device):
         want = getattr(module, "params_dtype", want)
-    exact = want == staged or (want.is_floating_point and staged.is_floating_point
-                               and torch.promote_types(staged, want) == want)
+    exact = want == staged or (want.is_floating_point and staged.is_floating_point and _widens(staged, want))
     if not exact:
+        quantized = want.itemsize == 1  # int8 / float8: the engine quantized it (online MoE methods)
         raise InvalidInput(f"vllm: {name} is {want} in the live model but {staged} in the loader layout; "
-                         f"casting it would lose bits")
+                           + ("the engine quantized it, and its layer keeps no weight in the loader's dtype "
+                              "to refit (online-quantized MoE experts are not supported yet)" if quantized
+                              else "casting it would lose bits"))
     return want
+
+
+def _widens(staged: torch.dtype, want: torch.dtype) -> bool:
+    try:
+        return torch.promote_types(staged, want) == want
+    except RuntimeError:  # torch promotes nothing to or from float8
+        return False
 
 
 def landing_path(module: torch.nn.Module, live: torch.Tensor, shape: tuple[int, ...], dtype: torch.dtype,
