@@ -54,10 +54,9 @@ def attach(model: torch.nn.Module, address: str | None = None, *, group: str = "
     fused = any(FUSED_EXPERTS.match(n) for n, _ in named)
     layout = FsdpLayout(dp=dp, rep=rep, tp=tp, fused=int(fused)).resolve(spec)
     shard, _ = layout.coords(rank)
-    lo, count = chunk_rows(spec.config.num_experts, dp, shard)
     # FSDP2 leaves buffers (the float32 router bias) whole on every rank: serve this rank's rows
     served = serve_hf_parameters(named, spec, layout, rank, local=lambda p: p.to_local().detach(),
-                                 experts_held=range(lo, lo + count), buffer=model.get_buffer,
+                                 experts_held=layout.experts_held(spec, rank), buffer=model.get_buffer,
                                  buffer_local=lambda b: b.detach().narrow(0, *chunk_rows(b.shape[0], dp, shard)))
     return start_trainer(address, group=group, rank=rank, spec=spec, layout=layout, served=served, token=token,
                          **agent_options)

@@ -76,12 +76,13 @@ def _merged_weight(name: str, layer: torch.nn.Module) -> Callable[[], torch.Tens
     if layer.merged:
         raise InvalidInput(f"lora='merge': {name!r} already has adapters merged into its base weight "
                            f"({layer.merged_adapters}); unmerge them first")
-    weight = base_layer.weight
-    out = torch.empty_like(weight, memory_format=torch.contiguous_format)
+    out = torch.empty_like(base_layer.weight, memory_format=torch.contiguous_format)
 
     def compute() -> torch.Tensor:
-        with torch.no_grad():  # PEFT's default merge: weight += delta (summed wide, rounded once)
-            torch.add(weight.detach(), layer.get_delta_weight(adapter), out=out)
+        # the base weight as it lies now (attach follows storage); PEFT's default merge: weight +=
+        # delta (summed wide, rounded once)
+        with torch.no_grad():
+            torch.add(base_layer.weight.detach(), layer.get_delta_weight(adapter), out=out)
         return out
 
     return compute

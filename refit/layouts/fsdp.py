@@ -84,6 +84,12 @@ class FsdpLayout:
     def replica_key(self, rank: int) -> tuple[int, ...]:
         return self.coords(rank)
 
+    def experts_held(self, spec: ModelSpec, rank: int) -> range:
+        """The experts whose rows ``rank`` holds of a fused expert parameter: ``torch.chunk``'s
+        share of the expert dimension over the dp ranks."""
+        lo, n = chunk_rows(spec.config.num_experts, self.dp, self.coords(rank)[0])
+        return range(lo, lo + n)
+
     def resolve(self, spec: ModelSpec) -> "FsdpLayout":
         if self.dp < 1 or self.rep < 1 or self.tp < 1:
             raise InvalidInput(f"fsdp: dp, rep and tp must be at least 1, got dp {self.dp}, rep {self.rep}, tp {self.tp}")
@@ -99,14 +105,13 @@ class FsdpLayout:
     def local_tensors(self, spec: ModelSpec, rank: int) -> list[LocalTensor]:
         out = []
         shard, tp_rank = self.coords(rank)
-        experts = chunk_rows(spec.config.num_experts, self.dp, shard) if self.fused else None
+        experts = self.experts_held(spec, rank) if self.fused else None
         for t in spec.hf_tensors():
             box = [(0, n) for n in t.shape]  # (start, size) along each dim of the HF tensor
-            expert = _EXPERT.match(t.name) if experts else None
+            expert = _EXPERT.match(t.name) if experts is not None else None
             dim = tp_dim(t.name) if self.tp > 1 else None
             if expert:  # a fused expert: wholly here or not at all
-                lo, count = experts
-                if not lo <= int(expert["e"]) < lo + count:
+                if int(expert["e"]) not in experts:
                     box[0] = (0, 0)
             elif dim == 0:  # TP's chunk of the rows, then FSDP's chunk of that
                 tlo, tn = chunk_rows(t.shape[0], self.tp, tp_rank)
