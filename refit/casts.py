@@ -23,10 +23,12 @@ exactly what loading the trainer's weights would give it.
 
 from __future__ import annotations
 
+import dataclasses
 from typing import Mapping
 
 from refit.errors import InvalidInput
-from refit.spec import ModelSpec, TensorSpec
+from refit.quantization import is_quantized
+from refit.spec import ModelSpec, TensorSpec, base_spec, quantize_spec
 
 # The dtypes a cast may join: floating types that round-trip through torch's copy_.  Casts into
 # or out of float8 are quantization (scales, blocks), not a dtype change: refused here.
@@ -37,7 +39,13 @@ Casts = Mapping[str, str]  # canonical tensor name -> the source's dtype (the pl
 
 def casts_between(src: ModelSpec, dst: ModelSpec) -> dict[str, str]:
     """The casts a plan from ``src`` to ``dst`` needs (empty for the same model in the same
-    dtypes).  Raises `InvalidInput` for different tensors, or a dtype pair refit cannot cast."""
+    dtypes).  Raises `InvalidInput` for different tensors, or a dtype pair refit cannot cast.
+    A quantized ``dst`` (an FP8 engine) is compared in the dtype it quantizes from: the trainer
+    casts to that, then quantizes (`run_spec`)."""
+    if src.config.quantization:
+        raise InvalidInput(f"the trainer's model is quantized ({src.config.quantization}): refit moves trainers' "
+                           f"unquantized weights")
+    dst = base_spec(dst)
     mine, theirs = {t.name: t for t in src.tensors}, {t.name: t for t in dst.tensors}
     if mine.keys() != theirs.keys():
         only_src, only_dst = sorted(mine.keys() - theirs.keys()), sorted(theirs.keys() - mine.keys())
@@ -62,11 +70,20 @@ def _check_castable(s: TensorSpec, d: TensorSpec) -> None:
                            f"casts between {', '.join(sorted(CASTABLE))} only (a float8 side is quantization)")
 
 
-def run_spec(held: ModelSpec, casts: Casts, wire_dtypes: Mapping[str, str], digest: str, source: bool) -> ModelSpec:
+def run_spec(held: ModelSpec, casts: Casts, wire_dtypes: Mapping[str, str], digest: str, source: bool,
+             quantization: tuple[str, str] | tuple[()] = ()) -> ModelSpec:
     """The spec one side runs a plan with, checked to be the plan's model (``digest``): an engine
-    runs with the spec it holds; a trainer with its spec, each cast tensor in the wire's dtype."""
+    runs with the spec it holds; a trainer with its spec, each cast tensor in the wire's dtype —
+    and, when the plan quantizes (``(format, dtype quantized from)``), cast to that dtype and
+    quantized (`refit.spec.quantize_spec`)."""
     spec = held
-    if source and casts:
+    if source and quantization:
+        fmt, base_dtype = quantization
+        wire = {n: base_dtype if is_quantized(n) else wire_dtypes[n] for n in casts}
+        spec = run_spec(held, casts, wire, "", True)
+        spec = quantize_spec(ModelSpec(spec.name, dataclasses.replace(spec.config, dtype=base_dtype), spec.tensors),
+                             fmt)
+    elif source and casts:
         for name, dtype in casts.items():
             if name not in held or held[name].dtype != dtype:
                 raise InvalidInput(f"the plan casts {name!r} from {dtype}; this trainer holds it in "
@@ -74,7 +91,7 @@ def run_spec(held: ModelSpec, casts: Casts, wire_dtypes: Mapping[str, str], dige
         spec = ModelSpec(held.name, held.config, tuple(
             TensorSpec(t.name, t.shape, wire_dtypes[t.name] if t.name in casts else t.dtype, t.layers)
             for t in held.tensors))
-    if spec.digest() != digest:
+    if digest and spec.digest() != digest:
         raise InvalidInput(f"plan is for model {digest}, this worker holds {held.digest()}"
                            f"{' (cast on the way: ' + str(spec.digest()) + ')' if spec is not held else ''}")
     return spec

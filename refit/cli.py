@@ -25,7 +25,8 @@ from refit.layouts import LAYOUT_HELP, resolve_layout
 from refit.plan import DEFAULT_BUCKET_BYTES
 from refit.planners import make_plan
 from refit.reshard import check_output, reshard
-from refit.spec import build_spec
+from refit.quantization import FORMATS, hf_quantization_config
+from refit.spec import ModelSpec, build_spec, quantize_spec
 from refit.units import MiB, fmt_bytes
 
 EPILOG = f"""\
@@ -37,8 +38,10 @@ examples:
   refit plan --model qwen3-235b-moe --src megatron:tp4pp4ep16 --dst vllm:tp8dp8 --json
   refit plan --model qwen3-30b-moe --src tp4ep8 --dst tp8 --phase-layers 4
   refit plan --model qwen3-30b-moe --src fsdp:dp8 --dst tp8 --src-dtype float32
+  refit plan --model qwen3-30b-moe --src tp4ep8 --dst vllm:tp8ep8 --dst-dtype fp8
   refit layout --model qwen3-30b-moe megatron:tp4ep8 --rank 3
   refit reshard --model ./Qwen3-30B-A3B --src hf --dst megatron:tp4ep8 --in ./Qwen3-30B-A3B --out ./mcore
+  refit reshard --model ./Qwen3-30B-A3B --src hf --dst hf --dst-dtype fp8 --in ./Qwen3-30B-A3B --out ./fp8
   refit serve --port 50051 --token $TOKEN
 """
 
@@ -128,12 +131,12 @@ def _degrees(d: dict[str, int]) -> str:
 
 
 def cmd_plan(args: argparse.Namespace) -> int:
-    spec = load_spec(args.model)
+    spec = _served_spec(load_spec(args.model), args.dst_dtype)
     if args.phase_layers < 0:
         raise InvalidInput(f"--phase-layers must be >= 0, got {args.phase_layers}")
     casts = {}
     if args.src_dtype and args.src_dtype != spec.config.dtype:  # the trainer's dtype: a plan that casts
-        trainer = build_spec(spec.name, dataclasses.replace(spec.config, dtype=args.src_dtype))
+        trainer = build_spec(spec.name, dataclasses.replace(spec.config, dtype=args.src_dtype, quantization=""))
         casts = casts_between(trainer, spec)
     result = make_plan(spec, args.src, args.dst, args.placement, args.planner, int(args.bucket_mb * MiB),
                        args.phase_layers, casts)
@@ -145,7 +148,9 @@ def cmd_plan(args: argparse.Namespace) -> int:
                           "dst": {"layout": result.dst.describe(), **result.dst.details()},
                           "summary": s}, indent=2))
         return 0
-    print(f"model    {spec.name}: {spec.num_params / 1e9:.2f}B parameters, {fmt_bytes(spec.nbytes)} in {spec.config.dtype}")
+    served = f"{spec.config.dtype}, linear weights {spec.config.quantization}" if spec.config.quantization \
+        else spec.config.dtype
+    print(f"model    {spec.name}: {spec.num_params / 1e9:.2f}B parameters, {fmt_bytes(spec.nbytes)} in {served}")
     print(f"source   {result.src.describe():<36} {_degrees(result.src.details())}")
     print(f"dest     {result.dst.describe():<36} {_degrees(result.dst.details())}")
     print(f"planner  {s['planner']}, {s['placement']} on {s['num_gpus']} GPUs, buckets of {fmt_bytes(s['bucket_bytes'])}")
@@ -164,6 +169,10 @@ def cmd_plan(args: argparse.Namespace) -> int:
               "non-layer tensors one each)")
     for kind, n in s.get("casts", {}).items():
         print(f"  cast on the trainers    {kind}: {n} tensors")
+    if "quantization" in s:
+        q = s["quantization"]
+        print(f"  quantized on the trainers {q['from']} -> {q['format']}: {q['tensors']} stacked weight tensors; "
+              f"{fmt_bytes(q['bytes'])} served against {fmt_bytes(q['unquantized_bytes'])} unquantized")
     for line in s.get("not_moved", ()):
         print(f"  not moved: {line}")
     if args.out:
@@ -211,12 +220,17 @@ def cmd_reshard(args: argparse.Namespace) -> int:
         raise InvalidInput(f"--in {args.in_dir} is not a directory")
     check_output(args.in_dir, args.out_dir, args.force)
     spec = load_spec(args.model)
+    out_spec = _served_spec(spec, args.dst_dtype)
     src = resolve_layout(args.src, spec, "src")
-    dst = resolve_layout(args.dst, spec, "dst")
+    dst = resolve_layout(args.dst, out_spec, "dst")
     print(f"source  {src.describe():<36} {_degrees(src.details())}", file=sys.stderr)
-    print(f"dest    {dst.describe():<36} {_degrees(dst.details())}", file=sys.stderr)
+    print(f"dest    {dst.describe():<36} {_degrees(dst.details())}"
+          f"{'  quantized to ' + out_spec.config.quantization if out_spec is not spec else ''}", file=sys.stderr)
     config = hf_config(args.model, spec) if dst.framework == "hf" else None
-    bar = _progress(total=_dst_bytes(spec, dst), disable=args.json or not sys.stderr.isatty(), unit="B")
+    if config is not None and out_spec is not spec:  # what vLLM reads to serve the checkpoint quantized
+        config = {**config, "quantization_config": hf_quantization_config(out_spec.config.quantization,
+                                                                            out_spec.config.moe_layers)}
+    bar = _progress(total=_dst_bytes(out_spec, dst), disable=args.json or not sys.stderr.isatty(), unit="B")
     try:
         report = reshard(spec, src, dst, args.in_dir, args.out_dir, config, progress=bar.update, force=args.force)
     finally:
@@ -227,6 +241,16 @@ def cmd_reshard(args: argparse.Namespace) -> int:
     else:
         print(f"wrote {report['files']} files, {report['tensors']} tensors, {fmt_bytes(report['bytes'])} to {args.out_dir}")
     return 0
+
+
+def _served_spec(spec: ModelSpec, dst_dtype: str | None) -> ModelSpec:
+    """The model as the engines hold it: ``spec``, or quantized (``--dst-dtype fp8``)."""
+    if not dst_dtype or dst_dtype == spec.config.dtype:
+        return spec
+    if dst_dtype in FORMATS:
+        return quantize_spec(spec, dst_dtype)
+    raise InvalidInput(f"--dst-dtype {dst_dtype}: the engines hold the model in {spec.config.dtype} or quantized "
+                       f"({', '.join(FORMATS)}); a dtype cast belongs to the trainer (--src-dtype)")
 
 
 def _dst_bytes(spec: Any, dst: Any) -> int:
@@ -240,6 +264,14 @@ def _progress(total: int, disable: bool, unit: str) -> Any:
 
 
 # ---------------------------------------------------------------------------------------------
+
+
+def dst_dtype_arg(p: argparse.ArgumentParser) -> None:
+    p.add_argument("--dst-dtype", metavar="FORMAT", choices=sorted(FORMATS),
+                   help="serve the model quantized: fp8 = float8 e4m3 weights with 128x128 block scales "
+                        "(weight_scale_inv; the DeepSeek-V3 / Qwen3-FP8 format, vLLM's fp8 checkpoints). "
+                        "The trainers quantize their shards before sending, bit for bit as vLLM's "
+                        "per_block_cast_to_fp8; layouts whose shards cut 128-blocks are refused")
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -288,6 +320,7 @@ def build_parser() -> argparse.ArgumentParser:
     pl.add_argument("--src-dtype", choices=sorted(CASTABLE), metavar="DTYPE",
                     help="the dtype the trainer holds the model in, when not the model's (verl's FSDP2: "
                          "float32 masters): the plan casts on the way (bfloat16, float16 or float32)")
+    dst_dtype_arg(pl)
     pl.add_argument("--json", action="store_true", help="print one JSON object (layouts and summary)")
     pl.add_argument("--out", help="write the full plan (JSON) to this file")
     pl.set_defaults(func=cmd_plan)
@@ -301,6 +334,7 @@ def build_parser() -> argparse.ArgumentParser:
     rs.add_argument("--in", dest="in_dir", required=True, help="input directory")
     rs.add_argument("--out", dest="out_dir", required=True, help="output directory (created; published whole "
                     "once complete)")
+    dst_dtype_arg(rs)
     rs.add_argument("--force", action="store_true", help="replace --out when it is not empty")
     rs.add_argument("--json", action="store_true", help="print a JSON report")
     rs.set_defaults(func=cmd_reshard)

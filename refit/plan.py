@@ -22,6 +22,7 @@ from refit.boxes import Index, split_box, volume
 from refit.casts import CASTABLE, run_spec
 from refit.dtypes import DTYPE_BYTES
 from refit.errors import InvalidInput
+from refit.quantization import FORMATS, is_quantized
 from refit.spec import ModelSpec
 
 PLAN_FORMAT = 1
@@ -95,6 +96,10 @@ class Plan:
     # the dtype in ``tensors`` (the engines', which the wire carries).  Written out only when
     # there are some, so that plans without casts keep their ids.
     casts: dict[str, str] = field(default_factory=dict)
+    # Quantization on the way (`refit.quantization`): (format, the dtype quantized from) when the
+    # engines hold the model quantized and the trainers quantize their shards before sending;
+    # ``tensors`` then lists the quantized weights and their scales.  Written out only when set.
+    quantization: tuple[str, str] | tuple[()] = ()
 
     def phase_ranges(self) -> list[tuple[int, int, int]]:
         """(phase key, first bucket, end bucket) of every phase, in run order; an unphased plan is
@@ -107,7 +112,8 @@ class Plan:
     def spec_for(self, held: ModelSpec, source: bool) -> ModelSpec:
         """The spec a side holding ``held`` runs this plan with: a trainer's with the plan's casts
         applied (`refit.casts`); refused if that is not this plan's model."""
-        return run_spec(held, self.casts, {n: dt for n, (dt, _) in self.tensors.items()}, self.model_digest, source)
+        return run_spec(held, self.casts, {n: dt for n, (dt, _) in self.tensors.items()}, self.model_digest, source,
+                        self.quantization)
 
     def transfer_bytes(self, t: Transfer) -> int:
         return t.numel * DTYPE_BYTES[self.tensors[t.tensor][0]]
@@ -157,6 +163,8 @@ class Plan:
             out["phases"] = [list(p) for p in self.phases]
         if self.casts:
             out["casts"] = sorted([name, dtype] for name, dtype in self.casts.items())
+        if self.quantization:
+            out["quantization"] = list(self.quantization)
         return out
 
     @classmethod
@@ -180,6 +188,7 @@ class Plan:
                 phase_layers=int(d.get("phase_layers", 0)),
                 phases=tuple((int(k), int(f)) for k, f in d.get("phases", ())),
                 casts={str(n): str(dt) for n, dt in d.get("casts", ())},
+                quantization=tuple(str(x) for x in d.get("quantization", ())),
             )
         except (KeyError, TypeError, ValueError, IndexError) as e:
             raise InvalidInput(f"malformed plan: {type(e).__name__} {str(e)[:120]}") from None
@@ -198,8 +207,13 @@ class Plan:
         for name, (dtype, shape) in self.tensors.items():
             if dtype not in DTYPE_BYTES or any(type(n) is not int or n < 0 for n in shape):
                 raise InvalidInput(f"malformed plan: tensor {name} of {dtype} {list(shape)}")
+        if self.quantization and (len(self.quantization) != 2 or self.quantization[0] not in FORMATS
+                                  or self.quantization[1] not in CASTABLE):
+            raise InvalidInput(f"malformed plan: quantization {list(self.quantization)}")
         for name, dtype in self.casts.items():
-            if name not in self.tensors or dtype not in CASTABLE or self.tensors[name][0] not in CASTABLE:
+            quantized = bool(self.quantization) and is_quantized(name)
+            target = self.quantization[1] if quantized else self.tensors.get(name, ("?",))[0]
+            if name not in self.tensors or dtype not in CASTABLE or target not in CASTABLE:
                 raise InvalidInput(f"malformed plan: cast of {name} from {dtype}")
         ranks = {0: len(self.placement.src_gpus), 1: len(self.placement.dst_gpus)}
         nsrc, tensors, transfers = ranks[0], self.tensors, self.transfers

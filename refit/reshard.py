@@ -29,15 +29,16 @@ import shutil
 import socket
 import struct
 from contextlib import ExitStack
-from typing import Any, Callable, Iterable
+from typing import Any, Callable, Iterable, Iterator
 
 from refit.dtypes import DTYPE_BYTES, DTYPES, FROM_SAFETENSORS, TO_SAFETENSORS
 from refit.errors import InvalidInput
 from refit.hf_checkpoint import check_checkpoint, checkpoint_tensors, read_safetensors_header
-from refit.layouts import Layout, LocalTensor
+from refit.layouts import Layout, LocalTensor, QuantizedLayout
 from refit.planners.base import SourceIndex, source_index, sources_for
 from refit.regions import PieceIndex, slices
-from refit.spec import ModelSpec, check_tensor_table
+from refit.quantization import quant_format
+from refit.spec import ModelSpec, check_tensor_table, quantize_spec
 
 log = logging.getLogger(__name__)
 
@@ -201,6 +202,25 @@ def assemble(spec: ModelSpec, lt: LocalTensor, reader: ShardReader, src_index: S
     return out
 
 
+def _quantized_locals(spec: ModelSpec, dst: QuantizedLayout, out_spec: ModelSpec, rank: int, reader: ShardReader,
+                      index: SourceIndex) -> Iterator[tuple[str, Any]]:
+    """A rank's local tensors of a quantized ``dst``, in its order: each local tensor of the
+    framework's unquantized layout assembled, and where it holds quantized weights, quantized
+    into its values and its scales (`refit.executor.quantize`, vLLM's block quantization)."""
+    from refit.executor.quantize import quantize_fp8_blocks
+
+    fmt = quant_format(dst.quantization)
+    scales = dst.scale_locals(out_spec, rank)
+    for lt in dst.inner.local_tensors(spec, rank):
+        data = assemble(spec, lt, reader, index)
+        if lt.name not in scales:
+            yield lt.name, data
+            continue
+        values, scale = quantize_fp8_blocks(data, fmt.block)
+        yield lt.name, values
+        yield scales[lt.name], scale
+
+
 def check_output(in_dir: str, out_dir: str, force: bool = False) -> None:
     """Refuse an output that would overwrite the input, a file, or (without ``force``) a
     directory that holds anything."""
@@ -306,26 +326,33 @@ def reshard(spec: ModelSpec, src: Layout, dst: Layout, in_dir: str, out_dir: str
             hf_config: dict[str, Any] | None = None, progress: Callable[[int], None] | None = None,
             force: bool = False) -> dict[str, Any]:
     """Convert ``in_dir`` (layout ``src``) into ``out_dir`` (layout ``dst``), bit-exact.  Layouts
-    must be resolved.  ``force``: replace a non-empty ``out_dir``.  Returns a small report
+    must be resolved.  A ``dst`` resolved on the quantized form of ``spec`` (`refit.spec.quantize_spec`)
+    quantizes on the way: each weight it covers is written as values and block scales, as vLLM's
+    block quantization of it gives.  ``force``: replace a non-empty ``out_dir``.  Returns a small report
     (files, tensors, bytes).  Raises `refit.InvalidInput` (nothing published) on any bad input or I/O error."""
     out_dir = os.path.abspath(out_dir)
     remove_stale_staging(out_dir)
     check_output(in_dir, out_dir, force)
     reader = ShardReader(spec, src, in_dir)  # checks every input file before writing anything
     index = source_index(spec, src)
+    # quantizing on the way: ``dst`` was resolved on the quantized spec (`refit.layouts.quantized`)
+    quantize = isinstance(dst, QuantizedLayout) and not spec.config.quantization
+    out_spec = quantize_spec(spec, dst.quantization) if quantize else spec
     tmp = ""
     files, tensors, nbytes = [], 0, 0
     try:
         os.makedirs(os.path.dirname(out_dir), exist_ok=True)
         tmp = staging_dir(out_dir)
         for rank in range(dst.world_size):
-            locals_ = dst.local_tensors(spec, rank)
+            locals_ = dst.local_tensors(out_spec, rank)
             name = "model.safetensors" if dst.framework == "hf" else os.path.basename(rank_file(out_dir, rank))
             writer = SafetensorsWriter(os.path.join(tmp, name), [(lt.name, lt.shape, lt.dtype) for lt in locals_],
                                        {"format": "pt", "refit_layout": dst.describe(), "refit_rank": str(rank)})
             try:
-                for lt in locals_:
-                    writer.write(lt.name, assemble(spec, lt, reader, index))
+                made = _quantized_locals(spec, dst, out_spec, rank, reader, index) if quantize else \
+                    ((lt.name, assemble(spec, lt, reader, index)) for lt in locals_)
+                for lt, (local, data) in zip(locals_, made):  # both in the layout's order (the writer checks)
+                    writer.write(local, data)
                     tensors += 1
                     nbytes += lt.nbytes
                     if progress:

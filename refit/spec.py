@@ -16,6 +16,7 @@ checkpoint directory or the catalog (`load_spec`) lives in `refit.hf_checkpoint`
 
 from __future__ import annotations
 
+import dataclasses
 import hashlib
 import json
 import math
@@ -25,6 +26,7 @@ from typing import Any, Iterator, Mapping
 from refit.archs import FAMILY_ARCHS, family_fields, gqa_tensors, mla_tensors, moe_extra_tensors, not_moved
 from refit.dtypes import DTYPE_BYTES
 from refit.errors import InvalidInput
+from refit.quantization import from_hf_config, is_quantized, quant_format, scale_shape
 
 SUPPORTED_ARCHS = ("llama", "qwen2", "qwen3", "qwen3_moe", "deepseek_v3", "kimi_k2", "glm4_moe")
 
@@ -75,6 +77,9 @@ class ModelConfig:
     qk_nope_head_dim: int = 0
     qk_rope_head_dim: int = 0
     v_head_dim: int = 0
+    # "" or a format of `refit.quantization` (an engine serving FP8): the decoder's linear weights
+    # are held quantized, each with a scale tensor (`quantize_spec`)
+    quantization: str = ""
 
     @property
     def is_mla(self) -> bool:
@@ -132,11 +137,12 @@ class ModelConfig:
         dtype = str(cfg.get("torch_dtype") or cfg.get("dtype") or "bfloat16")
         if dtype not in DTYPE_BYTES:
             raise InvalidInput(f"unsupported dtype {dtype!r}; refit knows {', '.join(DTYPE_BYTES)}")
+        quantization = from_hf_config(cfg["quantization_config"]) if cfg.get("quantization_config") else ""
         if arch in FAMILY_ARCHS:
             fields = dict(arch=arch, hidden_size=hidden, num_layers=layers, num_heads=heads, num_kv_heads=kv,
                           head_dim=head_dim, intermediate_size=int(cfg.get("intermediate_size", 0)),
                           vocab_size=vocab, tie_embeddings=bool(cfg.get("tie_word_embeddings", False)),
-                          dtype=dtype)
+                          dtype=dtype, quantization=quantization)
             fields.update(family_fields(cfg, layers, heads))
             return cls(**fields)
         return cls(
@@ -155,6 +161,7 @@ class ModelConfig:
             moe_intermediate_size=moe_inter,
             moe_layers=moe_layers,
             dtype=dtype,
+            quantization=quantization,
         )
 
 
@@ -289,7 +296,39 @@ def build_spec(name: str, cfg: ModelConfig) -> ModelSpec:
     out.append(TensorSpec("model.norm.weight", (H,), dt))
     if not cfg.tie_embeddings:
         out.append(TensorSpec("lm_head.weight", (cfg.vocab_size, H), dt))
+    if cfg.quantization:
+        return quantize_spec(ModelSpec(name, dataclasses.replace(cfg, quantization=""), tuple(out)), cfg.quantization)
     return ModelSpec(name, cfg, tuple(out))
+
+
+def quantize_spec(spec: ModelSpec, fmt: str) -> ModelSpec:
+    """The spec of ``spec`` served in quantized format ``fmt`` (`refit.quantization`): every
+    covered weight in the format's value dtype, followed by its scale tensor."""
+    if spec.config.quantization:
+        raise InvalidInput(f"{spec.name} is already quantized ({spec.config.quantization})")
+    f = quant_format(fmt)
+    out: list[TensorSpec] = []
+    for t in spec.tensors:
+        if not is_quantized(t.name):
+            out.append(t)
+            continue
+        if t.dtype != spec.config.dtype:
+            raise InvalidInput(f"{t.name!r} is {t.dtype}, the model {spec.config.dtype}: refit quantizes weights "
+                               f"held in the model's dtype only")
+        out.append(TensorSpec(t.name, t.shape, f.value_dtype, t.layers))
+        out.append(TensorSpec(t.name + f.scale_suffix, scale_shape(t.shape, f.block), f.scale_dtype, t.layers))
+    return ModelSpec(spec.name, dataclasses.replace(spec.config, quantization=fmt), tuple(out))
+
+
+def base_spec(spec: ModelSpec) -> ModelSpec:
+    """The unquantized spec a quantized one was made from (``spec`` itself when unquantized)."""
+    if not spec.config.quantization:
+        return spec
+    f = quant_format(spec.config.quantization)
+    scales = {t.name + f.scale_suffix for t in spec.tensors if is_quantized(t.name)}
+    tensors = tuple(TensorSpec(t.name, t.shape, spec.config.dtype, t.layers) if is_quantized(t.name) else t
+                    for t in spec.tensors if t.name not in scales)
+    return ModelSpec(spec.name, dataclasses.replace(spec.config, quantization=""), tensors)
 
 
 TensorTable = Mapping[str, tuple[tuple[int, ...], str]]  # name -> (shape, dtype)

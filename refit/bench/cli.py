@@ -38,7 +38,8 @@ from refit.errors import InvalidInput, RefitError
 from refit.layouts import LAYOUT_HELP, resolve_layout
 from refit.hf_checkpoint import load_spec
 from refit.planners import MIN_BUCKET_BYTES, make_plan
-from refit.spec import ModelSpec, build_spec
+from refit.quantization import FORMATS
+from refit.spec import ModelSpec, build_spec, quantize_spec
 from refit.units import MiB
 
 
@@ -79,24 +80,31 @@ def first_layers(spec: ModelSpec, layers: int) -> ModelSpec:
     return build_spec(f"{spec.name}[:{layers}]" if layers < c.num_layers else spec.name, cfg)
 
 
-def reduce_spec(spec: ModelSpec, src: str, dst: str) -> tuple[ModelSpec, dict[str, list[int]]]:
+def reduce_spec(spec: ModelSpec, src: str, dst: str, quantization: str | None = None
+                ) -> tuple[ModelSpec, dict[str, list[int]]]:
     """The smallest variant of ``spec`` (same counts of heads, kv heads, experts) that both
-    layouts still accept; returns it and ``{field: [full, reduced]}`` for what changed."""
+    layouts still accept; returns it and ``{field: [full, reduced]}`` for what changed.  With
+    ``quantization``, widths of whole 128-blocks (hidden 256, heads of 128) that both layouts
+    split on block boundaries."""
     c = spec.config
+    block = 128 if quantization else 0
     layer_options = sorted({n for n in (4, 8, 12, 16, 24, 32) if n < c.num_layers} | {c.num_layers})
     for layers in layer_options:
         for mult in (1, 2, 4, 8, 16):
             moe_layers = tuple(l for l in c.moe_layers if l < layers)
             cfg = dataclasses.replace(
                 c, num_layers=layers, moe_layers=moe_layers,
-                hidden_size=min(c.hidden_size, 128), head_dim=min(c.head_dim, 16),
+                hidden_size=min(c.hidden_size, 2 * block or 128), head_dim=min(c.head_dim, block or 16),
                 intermediate_size=min(c.intermediate_size, 128 * mult),
-                moe_intermediate_size=min(c.moe_intermediate_size, 64 * mult),
+                moe_intermediate_size=min(c.moe_intermediate_size, (block or 64) * mult),
                 vocab_size=min(c.vocab_size, 2000))
             small = build_spec(spec.name, cfg)
             try:
-                resolve_layout(src, small, "src")
-                resolve_layout(dst, small, "dst")
+                if quantization:  # every rank's shards checked against the blocks
+                    make_plan(quantize_spec(small, quantization), src, dst)
+                else:
+                    resolve_layout(src, small, "src")
+                    resolve_layout(dst, small, "dst")
             except RefitError:
                 continue
             changed = {f.name: [getattr(c, f.name), getattr(cfg, f.name)] for f in dataclasses.fields(c)
@@ -126,6 +134,11 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     p.add_argument("--warmup", type=int, default=1, help="untimed refits first (default 1)")
     p.add_argument("--bucket-mb", type=float, default=None, help="bucket size in MiB (default 256 on GPU, 1 on CPU)")
     p.add_argument("--vs", choices=["broadcast", "p2p"], default=None, help="also run this planner and compare")
+    p.add_argument("--dst-dtype", metavar="FORMAT", choices=sorted(FORMATS), default=None,
+                   help="engines hold the model quantized: fp8 = float8 e4m3 with 128x128 block scales. The "
+                        "trainers quantize their shards each refit (timed inside the refit) and the wire "
+                        "carries the float8 bytes; every element and scale is verified against quantizing "
+                        "the canonical values.  Compare with the same command without it")
     p.add_argument("--json", action="store_true", help="print one JSON object instead of the table")
     p.add_argument("--alloc", default="framework", choices=["framework", "arena"],
                    help="how shards are allocated: framework (default: as Megatron/vLLM leave parameters, so "
@@ -232,7 +245,11 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
     device = "cuda" if gpus else "cpu"
     reduced: dict[str, list[int]] | None = None
     if device == "cpu":
-        spec, reduced = reduce_spec(spec, args.src, args.dst)
+        spec, reduced = reduce_spec(spec, args.src, args.dst, args.dst_dtype)
+    if args.dst_dtype:
+        if args.via == "grpc":
+            raise InvalidInput("--dst-dtype runs in the direct bench (not --via grpc yet)")
+        spec = quantize_spec(spec, args.dst_dtype)
     bucket = int((args.bucket_mb if args.bucket_mb is not None else (256 if device == "cuda" else 1)) * MiB)
     planners = [args.planner] + ([args.vs] if args.vs and args.vs != args.planner else [])
     plans = [make_plan(spec, args.src, args.dst, args.placement, p, bucket) for p in planners]

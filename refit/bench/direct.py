@@ -99,7 +99,7 @@ def report(spec: ModelSpec, plans: list[Any], timed: list[list[bool]], results: 
                  "what": ("NCCL" if device == "cuda" else "gloo") + " send/recv between the first two devices"},
         "a2a": a2a or None, "floor_gbps": floor_gbps,
         "floor_what": "best all-to-all primitive among the run's GPUs" if best else "link between the first two devices",
-        "alloc": alloc, "runs": [],
+        "alloc": alloc, "quantization": spec.config.quantization or None, "runs": [],
     }
     for i, r in enumerate(plans):
         s = r.summary
@@ -136,6 +136,9 @@ def report(spec: ModelSpec, plans: list[Any], timed: list[list[bool]], results: 
             "mismatches": sum(v.mismatches for v in verdicts), "stray": sum(v.stray for v in verdicts),
             "first_mismatch": next((v.first for v in verdicts if v.first), None),
         })
+        if spec.config.quantization:  # the trainers' quantizing, inside each refit's seconds
+            quantize = [max(p.quantize_seconds[k] for p in per_worker) for k, t in enumerate(timed[i]) if t]
+            out["runs"][-1]["quantize_seconds"] = {"median": statistics.median(quantize), "all": quantize}
     runs = out["runs"]
     out["speedup"] = runs[1]["seconds"]["median"] / runs[0]["seconds"]["median"] if len(runs) > 1 else None
     out["verified"] = all(r["verified"] for r in runs)
@@ -188,6 +191,10 @@ def table(r: dict[str, Any]) -> str:
         lines.append(f"{run['planner']:<10} {sec['median']:>9.4f} {sec['min']:>9.4f} {sec['max']:>9.4f} "
                      f"{run['gbps']:>8.2f} {floor:>9} {xf:>8} {_size(run['peak_extra_bytes']):>15}  "
                      f"{'yes' if run['verified'] else 'NO: ' + str(run['first_mismatch'])}")
+    for run in r["runs"]:
+        if "quantize_seconds" in run:
+            lines.append(f"{run['planner']}: weights quantized to {r['quantization']} on the trainers, "
+                         f"{run['quantize_seconds']['median'] * 1e3:.2f} ms of the median (in every refit's time)")
     for run in r["runs"]:
         if run.get("x_transport_floor") and run["transport_floor_seconds"] != run["floor_seconds"]:
             lines.append(f"{run['planner']}: {run['x_transport_floor']:.2f}x the floor of its own transport's "

@@ -28,9 +28,10 @@ from refit.executor.seating import connect
 from refit.executor.shards import Shards, Verdict, allocate, fill_sentinel, fill_source, verify
 from refit.executor.topology import Endpoint, Topology, endpoint_name
 from refit.executor.transports import PeerError
-from refit.layouts import Layout, LocalTensor
+from refit.bench.quantized import fill_finite, quantize_sources, verify_quantized
+from refit.layouts import Layout, LocalTensor, QuantizedLayout
 from refit.plan import Plan
-from refit.spec import ModelSpec
+from refit.spec import ModelSpec, base_spec
 
 log = logging.getLogger("refit.bench")
 
@@ -80,6 +81,7 @@ class Job:
 @dataclass
 class PlanRunResult:
     seconds: list[float] = field(default_factory=list)  # every refit of the plan run, in order
+    quantize_seconds: list[float] = field(default_factory=list)  # of those, quantizing on the trainers
     verdicts: dict[str, list[Verdict]] = field(default_factory=dict)  # endpoint -> one per verified refit
     staging_bytes: int = 0
     direct_bytes: int = 0  # wire bytes sent from / received into shards directly (no staging)
@@ -134,10 +136,14 @@ class Session:
         if job.device == "cuda":
             torch.cuda.set_device(index)  # this process's context on its own GPU first
         self.shards: dict[Endpoint, Shards] = {}
+        self.unquantized: dict[Endpoint, Shards] = {}  # quantizing trainers (`refit.bench.quantized`)
         for ep in self.mine:  # a CPU shard another process reads lives in /dev/shm
             shm = self.shm_path(ep) if job.device == "cpu" and shares(topo, self.member, ep, ipc,
                                                                         ipc_direction(settings.current().ipc, cuda=False) == "push") else None
             self.shards[ep] = allocate(self.locals_of(ep), torch.device(device), shm, job.alloc == "framework")
+            if ep[0] == "src" and isinstance(job.src, QuantizedLayout):  # what the trainer holds, unquantized
+                self.unquantized[ep] = allocate(job.src.inner.local_tensors(base_spec(job.spec), ep[1]),
+                                                torch.device(device), None, job.alloc == "framework")
         names = [topo.describe_member(m) for m in range(len(topo.members))]
         store = connect(job.store_host, job.store_port, job.session, job.timeout_s)
         self.m = Member(store, topo, self.member, device, self.shards, job.spec, job.src, job.dst, names,
@@ -186,25 +192,40 @@ class Session:
             if refit.seed != seed:
                 seed = refit.seed
                 for ep, s in self.shards.items():
-                    if ep[0] == "src":
+                    if ep in self.unquantized:
+                        fill_finite(self.unquantized[ep], base_spec(job.spec), seed)
+                    elif ep[0] == "src":
                         fill_source(s, job.spec, seed)
             dev.synchronize()
             if cuda:
                 for d in [dev.torch.index, *sorted(self.m.peer_devices)]:
                     torch.cuda.reset_peak_memory_stats(d)
             started = lambda: self.report(f"refit {self.refits_done} started")  # noqa: E731
-            res.seconds.append(self.m.refit(Budget(job.timeout_s), self._kill_hook(), started))
+            quantized = self._quantize() if self.unquantized else 0.0  # the trainer's work, in the refit's time
+            res.quantize_seconds.append(quantized)
+            res.seconds.append(quantized + self.m.refit(Budget(job.timeout_s), self._kill_hook(), started))
             if cuda:  # plus anything this process allocated on peers (cross-device copy temporaries)
                 peak = torch.cuda.max_memory_allocated(dev.torch) - own
                 peak += sum(torch.cuda.max_memory_allocated(d) for d in self.m.peer_devices)
                 res.peak_extra_bytes = max(res.peak_extra_bytes or 0, peak)
             if refit.verify:
+                check = verify_quantized if job.spec.config.quantization else verify
                 for ep, s in self.shards.items():
                     if ep[0] == "dst":
-                        res.verdicts.setdefault(endpoint_name(ep), []).append(verify(s, job.spec, seed))
+                        res.verdicts.setdefault(endpoint_name(ep), []).append(check(s, job.spec, seed))
             self.refits_done += 1
             self.report(f"refit {self.refits_done - 1} done")
         return res
+
+    def _quantize(self) -> float:
+        """Seconds this worker's trainer ranks took to quantize their shards for the wire."""
+        self.device.synchronize()
+        t0 = time.perf_counter()
+        with torch.no_grad():
+            for ep, base in self.unquantized.items():
+                quantize_sources(base, self.shards[ep], self.job.src, self.job.spec, ep[1])
+        self.device.synchronize()
+        return time.perf_counter() - t0
 
     def _kill_hook(self) -> Callable[[], None] | None:
         kill = self.job.kill

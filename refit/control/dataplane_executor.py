@@ -45,7 +45,9 @@ from refit.errors import InvalidInput
 from refit.executor.member import Member, Rebuild
 from refit.executor.seating import locate
 from refit.executor.topology import Endpoint
-from refit.layouts import Layout, resolve_layout
+from refit.executor.quantize import quantize_fp8_blocks
+from refit.layouts import Layout, QuantizedLayout, resolve_layout
+from refit.quantization import quant_format
 from refit.plan import Plan
 from refit.spec import ModelSpec
 
@@ -95,6 +97,9 @@ class ExecutorDataPlane(BaseDataPlane):
         self._resolved: dict[str, tuple[ModelSpec, Layout, Layout]] = {}
         self._casts: dict[str, dict[str, str]] = {}  # plan hash -> {local tensor: wire dtype} of a trainer that casts
         self._wire: dict[str, dict[str, torch.Tensor]] = {}  # plan hash -> buffers of the tensors cast on the way
+        # plan hash -> ((format, dtype quantized from), {weight local: (its scale local, shape)}) of a
+        # trainer that quantizes on the way (`refit.quantization`)
+        self._quantize: dict[str, tuple[tuple[str, str], dict[str, tuple[str, tuple[int, ...]]]]] = {}
 
     def prepare(self, plan: Plan) -> None:
         """Resolve the plan's layouts once (a trainer's own against the spec it runs the plan
@@ -111,14 +116,19 @@ class ExecutorDataPlane(BaseDataPlane):
         self._resolved[plan.plan_hash] = (spec, mine, other) if trainer else (spec, other, mine)
         if spec is not seat.spec:  # this rank's local tensors whose dtype the wire changes
             held = {lt.name: lt.dtype for lt in seat.layout.local_tensors(seat.spec, seat.rank)}
-            self._casts[plan.plan_hash] = {lt.name: lt.dtype for lt in mine.local_tensors(spec, seat.rank)
-                                           if held.get(lt.name) != lt.dtype}
+            wire = mine.local_tensors(spec, seat.rank)
+            scales = mine.scale_locals(spec, seat.rank) if isinstance(mine, QuantizedLayout) else {}
+            shapes = {lt.name: lt.shape for lt in wire}
+            self._casts[plan.plan_hash] = {lt.name: lt.dtype for lt in wire
+                                           if lt.name in held and held[lt.name] != lt.dtype and lt.name not in scales}
+            if scales:
+                self._quantize[plan.plan_hash] = (plan.quantization, {w: (s, shapes[s]) for w, s in scales.items()})
 
     def run(self, plan: Plan, tensors: Tensors, ctx: RunContext) -> tuple[int, float]:
         if plan.plan_hash not in self._resolved:
             self.prepare(plan)
-        if plan.plan_hash in self._casts:
-            tensors = self._cast(plan.plan_hash, tensors)
+        if plan.plan_hash in self._casts or plan.plan_hash in self._quantize:
+            tensors = self._cast(plan.plan_hash, tensors)  # before the start barrier: trainer-side work
         held = self._members.get(ctx.plan_id)
         if held is None or held.prefix != ctx.rendezvous.prefix:
             if held is not None:  # an older generation: its peers have moved on
@@ -184,7 +194,8 @@ class ExecutorDataPlane(BaseDataPlane):
             raise
 
     def _cast(self, plan_hash: str, tensors: Tensors) -> Tensors:
-        """The trainer's tensors as the wire carries them: each one the plan casts copied into a
+        """The trainer's tensors as the wire carries them: each one the plan quantizes in wire
+        buffers of its values and scales (`_quantize_into`); each one the plan casts copied into a
         buffer of the engines' dtype (kept for the plan's life, so that the member built on it
         stays valid); the rest as they are.  Rounding, and why here: `refit.casts`.  One
         ``_foreach_copy_`` for all: a loop of ``copy_`` over a MoE shard's thousands of expert
@@ -192,7 +203,7 @@ class ExecutorDataPlane(BaseDataPlane):
         buffers = self._wire.setdefault(plan_hash, {})
         out = dict(tensors)
         sources, targets = [], []
-        for name, dtype in self._casts[plan_hash].items():
+        for name, dtype in self._casts.get(plan_hash, {}).items():
             t = tensors[name]
             buf = buffers.get(name)
             if buf is None or buf.shape != t.shape or buf.device != t.device:
@@ -203,7 +214,28 @@ class ExecutorDataPlane(BaseDataPlane):
         if targets:
             with torch.no_grad():
                 torch._foreach_copy_(targets, sources)
+        if plan_hash in self._quantize:
+            self._quantize_into(plan_hash, tensors, out, buffers)
         return out
+
+    def _quantize_into(self, plan_hash: str, tensors: Tensors, out: dict[str, torch.Tensor],
+                       buffers: dict[str, torch.Tensor]) -> None:
+        """Quantize each weight the plan quantizes into wire buffers of its values and its scales
+        (`refit.executor.quantize`: bit for bit what vLLM's block quantization of the same
+        tensor in the dtype quantized from gives); a trainer holding float32 rounds to that dtype
+        first, as writing a checkpoint would."""
+        (fmt_name, base_dtype), scales = self._quantize[plan_hash]
+        fmt, base = quant_format(fmt_name), getattr(torch, base_dtype)
+        for name, (scale_name, scale_shape) in scales.items():
+            t = tensors[name]
+            values, scale = buffers.get(name), buffers.get(scale_name)
+            if values is None or values.shape != t.shape or values.device != t.device:
+                values = buffers[name] = torch.empty(t.shape, dtype=getattr(torch, fmt.value_dtype), device=t.device)
+                scale = buffers[scale_name] = torch.empty(scale_shape, dtype=getattr(torch, fmt.scale_dtype),
+                                                          device=t.device)
+            with torch.no_grad():
+                quantize_fp8_blocks(t if t.dtype == base else t.to(base), fmt.block, out=values, scale_out=scale)
+            out[name], out[scale_name] = values, scale
 
     def _run_view(self, plan: Plan) -> tuple[ModelSpec, Layout, Layout]:
         """(the spec this seat runs ``plan`` with, its src and dst layouts), as `prepare` resolved them."""

@@ -231,10 +231,12 @@ def group_members(workers: dict[str, Worker], group: str, side: Side) -> list[Wo
 def check_same_model(src: Worker, dst: Worker) -> dict[str, str]:
     """Refuse groups of different models, naming every config field that differs and both values
     (digests alone tell a user nothing).  The same model in other dtypes (an fp32 trainer, a bf16
-    engine) is one model: the casts a plan between them makes (`refit.casts`) are returned."""
+    engine) is one model, and so is an engine serving it quantized (FP8): the casts a plan between
+    them makes (`refit.casts`) are returned."""
     a, b = src.info, dst.info
     diff = config_differences(a.model_config_json, b.model_config_json, a.group, b.group)
-    other = config_differences(a.model_config_json, b.model_config_json, a.group, b.group, ignore=("dtype",))
+    other = config_differences(a.model_config_json, b.model_config_json, a.group, b.group,
+                               ignore=("dtype", "quantization"))
     if other and a.model_digest != b.model_digest:
         raise InvalidInput(f"groups {a.group!r} and {b.group!r} hold different models: {diff}")
     if other:

@@ -16,11 +16,12 @@ from refit.layouts.base import Layout, LocalTensor, Piece, all_holdings, holding
 from refit.layouts.fsdp import FsdpLayout
 from refit.layouts.hf import HFLayout
 from refit.layouts.megatron import MegatronLayout
+from refit.layouts.quantized import QuantizedLayout
 from refit.layouts.vllm import VllmLayout
 from refit.spec import ModelSpec
 
 __all__ = ["Layout", "LocalTensor", "Piece", "parse_layout", "resolve_layout", "holdings", "all_holdings",
-           "MegatronLayout", "VllmLayout", "FsdpLayout", "HFLayout", "LAYOUTS", "LAYOUT_HELP", "register_layout"]
+           "MegatronLayout", "VllmLayout", "FsdpLayout", "HFLayout", "QuantizedLayout", "LAYOUTS", "LAYOUT_HELP", "register_layout"]
 
 # framework name -> layout class (in the order LAYOUT_HELP lists them)
 LAYOUTS: dict[str, type[Layout]] = {}
@@ -102,4 +103,8 @@ def resolve_layout(text: str | Layout, spec: ModelSpec, role: Literal["src", "ds
     """The layout, resolved against the model (every degree derived, the split checked).  Raises
     `refit.InvalidInput` when the model cannot be split that way, with the numbers."""
     layout = parse_layout(text, role) if isinstance(text, str) else text
+    if spec.config.quantization and not isinstance(layout, QuantizedLayout):  # an FP8 engine, or a trainer sending to one
+        layout = QuantizedLayout(layout, spec.config.quantization)
+    if not spec.config.quantization and isinstance(layout, QuantizedLayout):
+        layout = layout.inner
     return layout.resolve(spec)

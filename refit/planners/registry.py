@@ -22,7 +22,7 @@ from refit.plan import DEFAULT_BUCKET_BYTES, Placement, Plan, summarize
 from refit.planners.base import Planner, total_bytes
 from refit.planners.broadcast import BroadcastPlanner
 from refit.planners.p2p import P2PPlanner
-from refit.spec import ModelSpec
+from refit.spec import ModelSpec, base_spec
 
 # planner name -> planner class (in the order errors list them)
 PLANNERS: dict[str, type[Planner]] = {}
@@ -69,14 +69,27 @@ def make_plan(spec: ModelSpec, src: str | Layout, dst: str | Layout, placement: 
         plan = phase_plan(PLANNERS[planner]().plan(spec, src_l, dst_l, place, bucket_bytes), spec, phase_layers)
         if casts:
             plan = dataclasses.replace(plan, casts=dict(casts))
+        if spec.config.quantization:  # the trainers quantize what they send (`refit.quantization`)
+            plan = dataclasses.replace(plan, quantization=(spec.config.quantization, spec.config.dtype))
         seconds = time.perf_counter() - t0
         dst_total = total_bytes(spec, all_holdings(spec, dst_l))
         summary = summarize(plan, spec, dst_total, seconds)
         if casts:
-            summary["casts"] = describe_casts(casts, {t.name: t.dtype for t in spec.tensors})
+            summary["casts"] = describe_casts(casts, {t.name: t.dtype for t in base_spec(spec).tensors})
+        if spec.config.quantization:
+            summary["quantization"] = quantization_summary(spec)
         if spec.not_moved:  # e.g. DeepSeek-V3's MTP layers: said, never silently dropped
             summary["not_moved"] = list(spec.not_moved)
         return PlanResult(plan, summary, src_l, dst_l)
+
+
+def quantization_summary(spec: ModelSpec) -> dict[str, Any]:
+    """What a quantized plan's engines hold: the format, how many weights, and their bytes against
+    the same weights unquantized (what a refit of the unquantized model would move)."""
+    base = {t.name: t for t in base_spec(spec).tensors}
+    quantized = [t for t in spec.tensors if t.name in base and t.dtype != base[t.name].dtype]
+    return {"format": spec.config.quantization, "from": spec.config.dtype, "tensors": len(quantized),
+            "bytes": spec.nbytes, "unquantized_bytes": sum(t.nbytes for t in base.values())}
 
 
 @contextlib.contextmanager

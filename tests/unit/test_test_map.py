@@ -84,7 +84,7 @@ def test_every_row_names_a_module_and_test_files_that_exist() -> None:
     modules = library_modules()
     bad = [f"{m}: no such module" for m in table() if m not in modules]
     bad += [f"{m}: no tests/{f}" for m, files in table().items() for f in files
-            if not (f.startswith(("unit/", "integration/")) and (TESTS / f).is_file())]
+            if not (f.startswith(("unit/", "integration/", "gpu/")) and (TESTS / f).is_file())]
     assert not bad, f"tests/README.md's table is out of date: {bad}"
 
 

@@ -1,0 +1,106 @@
+"""FP8 quantization on the wire, on CUDA (`refit.executor.quantize`): `make test-gpu`.
+
+The Triton kernel must produce the bits of the torch path run on the CPU (which
+tests/unit/test_quantize.py checks against vLLM's own functions): every FP8 code and every scale,
+on data with outliers, whole zero blocks, blocks under the amax clamp, +-dtype max, values around
+448, partial blocks, 2-D and 3-D (MoE-shaped) inputs, bf16, fp16 and fp32.  Without a CUDA device
+every test skips with its reason.
+"""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from refit.executor import quantize as qz
+from refit.executor.quantize import FP8_BLOCK, fp8_scale_shape, quantize_fp8_blocks
+from tests.unit.test_quantize import edge_data
+
+CUDA = torch.cuda.is_available()
+pytestmark = [pytest.mark.gpu,
+              pytest.mark.skipif(not CUDA, reason="no CUDA device (make test-gpu runs these on a GPU machine)")]
+
+EDGES = frozenset(["outliers", "near448", "tiny", "dtypemax", "zeroblocks", "tinyblocks"])
+CASES = [  # (shape, block)
+    ((4096, 4096), FP8_BLOCK),
+    ((300, 260), FP8_BLOCK),
+    ((1, 129), FP8_BLOCK),
+    ((3, 1536, 2048), FP8_BLOCK),  # qwen3-30b experts w13, 3 of them
+    ((5, 200, 333), FP8_BLOCK),
+    ((2, 37, 45), (4, 8)),
+    ((70, 50), (3, 5)),
+    ((2, 300, 520), (256, 256)),  # blocks larger than a register tile: two passes
+]
+
+
+def needs_triton() -> None:
+    if not qz._triton_importable():
+        pytest.skip("triton is not installed: quantize_fp8_blocks uses the torch path on CUDA")
+    if not qz._triton_usable(torch.device("cuda", torch.cuda.current_device())):
+        pytest.skip("this GPU has no FP8 conversion (compute capability < 8.9): the torch path runs instead")
+
+
+def assert_same(got: tuple[torch.Tensor, torch.Tensor], want: tuple[torch.Tensor, torch.Tensor], what: str) -> None:
+    (q, s), (rq, rs) = (t.cpu() for t in got), want
+    diff = q.view(torch.uint8) != rq.view(torch.uint8)
+    first = diff.nonzero()[0].tolist() if diff.any() else None
+    assert not diff.any(), f"{what}: {int(diff.sum())} of {diff.numel()} codes differ, first at {first}"
+    assert torch.equal(s, rs), f"{what}: {int((s != rs).sum())} of {s.numel()} scales differ"
+
+
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float32, torch.float16], ids=str)
+@pytest.mark.parametrize("shape,block", CASES, ids=[f"{'x'.join(map(str, s))}-b{b[0]}x{b[1]}" for s, b in CASES])
+@pytest.mark.parametrize("magnitude", [0, -5, 3])
+def test_triton_equals_torch_cpu(shape: tuple[int, ...], block: tuple[int, int], dtype: torch.dtype,
+                                 magnitude: int) -> None:
+    needs_triton()
+    x = edge_data(shape, dtype, block, hash((shape, block, magnitude)) % 2 ** 31, EDGES, magnitude)
+    want = quantize_fp8_blocks(x, block)  # CPU: the torch path
+    assert_same(quantize_fp8_blocks(x.cuda(), block), want, f"{shape} {block} {dtype}")
+
+
+def test_in_place_strided_and_non_flattenable() -> None:
+    """Outputs written in place into views of wire buffers; a transposed input; outputs whose
+    leading dims do not flatten; a second device-side call reusing the buffers."""
+    needs_triton()
+    x = edge_data((4, 384, 520), torch.bfloat16, FP8_BLOCK, 11, EDGES, 0)
+    want = quantize_fp8_blocks(x)
+    dev = torch.device("cuda")
+    wire = torch.zeros(x.numel() + 256, dtype=torch.uint8, device=dev)
+    out = wire[256:].view(torch.float8_e4m3fn).view(x.shape)
+    sflat = torch.full((7 + 4 * 3 * 5,), -1.0, device=dev)
+    scale_out = sflat[7:].view(fp8_scale_shape(x.shape))
+    for _ in range(2):
+        q, s = quantize_fp8_blocks(x.to(dev), out=out, scale_out=scale_out)
+        assert q is out and s is scale_out
+        assert_same((q, s), want, "wire buffers")
+    assert not wire[:256].any() and (sflat[:7] == -1).all()
+    xt = x.to(dev).transpose(1, 2).contiguous().transpose(1, 2)
+    assert_same(quantize_fp8_blocks(xt), want, "transposed input")
+    x2 = torch.stack([x, x]).to(dev)
+    out_t = torch.empty((4, 2, 384, 520), dtype=torch.float8_e4m3fn, device=dev).transpose(0, 1)
+    s_t = torch.empty((4, 2, 3, 5), device=dev).transpose(0, 1)
+    q, s = quantize_fp8_blocks(x2, out=out_t, scale_out=s_t)
+    for i in range(2):
+        assert_same((q[i], s[i]), want, "non-flattenable outputs")
+
+
+def test_torch_path_on_cuda_equals_cpu() -> None:
+    """The fallback (no triton, or a GPU without FP8 conversion) gives the same bits on CUDA."""
+    x = edge_data((3, 300, 260), torch.bfloat16, FP8_BLOCK, 12, EDGES, 0)
+    want = quantize_fp8_blocks(x)
+    q = torch.empty(x.shape, dtype=torch.float8_e4m3fn, device="cuda")
+    s = torch.empty(fp8_scale_shape(x.shape), device="cuda")
+    qz._quantize_fp8_torch(x.cuda(), FP8_BLOCK, q, s)
+    assert_same((q, s), want, "torch path on CUDA")
+
+
+def test_mxfp8_on_cuda_equals_vllm_on_cuda() -> None:
+    """MXFP8 runs torch's operations: equal to vLLM's function on the same device."""
+    pytest.importorskip("vllm")
+    from vllm.model_executor.layers.quantization.utils.mxfp8_utils import _mxfp8_e4m3_quantize_torch
+
+    x = edge_data((3, 100, 256), torch.bfloat16, (1, 32), 13, EDGES, 0).cuda()
+    q, s = qz.quantize_mxfp8(x)
+    rq, rs = _mxfp8_e4m3_quantize_torch(x, is_sf_swizzled_layout=False)
+    assert torch.equal(q.view(torch.uint8), rq.view(torch.uint8)) and torch.equal(s, rs)

