@@ -61,8 +61,8 @@ def quantize_sources(base: Shards, wire: Shards, layout: QuantizedLayout, spec: 
         else:
             plain_src.append(t)
             plain_dst.append(wire.tensors[name])
-    if plain_dst:
-        torch._foreach_copy_(plain_dst, plain_src)
+    if plain_dst:  # as bits: a CUDA copy of bfloat16 rewrites NaN patterns (the canonical values hold some)
+        torch._foreach_copy_([int_view(t) for t in plain_dst], [int_view(t) for t in plain_src])
 
 
 def verify_quantized(shards: Shards, spec: ModelSpec, seed: int) -> Verdict:

@@ -187,7 +187,9 @@ class Session:
                 fill_sentinel(s)
         seed = None
         cuda = job.device == "cuda"
-        own = sum(s.nbytes for s in self.shards.values())
+        # own: the weights each side holds anyway; a quantizing trainer's wire shards are extra
+        own = sum(s.nbytes for ep, s in self.shards.items() if ep not in self.unquantized) + \
+            sum(s.nbytes for s in self.unquantized.values())
         for refit in run.refits:
             if refit.seed != seed:
                 seed = refit.seed
@@ -201,9 +203,10 @@ class Session:
                 for d in [dev.torch.index, *sorted(self.m.peer_devices)]:
                     torch.cuda.reset_peak_memory_stats(d)
             started = lambda: self.report(f"refit {self.refits_done} started")  # noqa: E731
-            quantized = self._quantize() if self.unquantized else 0.0  # the trainer's work, in the refit's time
-            res.quantize_seconds.append(quantized)
-            res.seconds.append(quantized + self.m.refit(Budget(job.timeout_s), self._kill_hook(), started))
+            # A quantizing trainer's work comes before the refit's start barrier: every member
+            # waits for it there, so a refit takes its quantizing plus the shares (`direct.report`).
+            res.quantize_seconds.append(self._quantize() if self.unquantized else 0.0)
+            res.seconds.append(self.m.refit(Budget(job.timeout_s), self._kill_hook(), started))
             if cuda:  # plus anything this process allocated on peers (cross-device copy temporaries)
                 peak = torch.cuda.max_memory_allocated(dev.torch) - own
                 peak += sum(torch.cuda.max_memory_allocated(d) for d in self.m.peer_devices)
