@@ -22,6 +22,13 @@ layer), [8192, 8192] bf16.  Needs only torch and triton (without triton the torc
     python bench/quantize_fp8.py --json               # the same as JSON on stdout
     python bench/quantize_fp8.py --shape 256x7168x2048 --num-warps 4 --iters 50
     python bench/quantize_fp8.py --require-ratio 0.8  # exit 1 if a graph ratio is below 0.8
+    python bench/quantize_fp8.py --case many          # 1536 separate [768, 2048] tensors only
+
+The ``many`` case (``--case many|all``): ``--many-count`` tensors of ``--many-shape`` allocated
+one by one (default 1536 x [768, 2048] bf16, ~4.8 GB: one layer group of a MoE trainer's shard),
+timed eager through `quantize_fp8_blocks_many` (one grouped launch), through a loop of
+`quantize_fp8_blocks` (one launch each) and against one device copy of the same total bytes;
+also the cold call (checks and address tables built) and a warm call's host time.
 """
 
 from __future__ import annotations
@@ -153,6 +160,82 @@ def bench_shape(shape: tuple[int, ...], dtype: torch.dtype, block: tuple[int, in
     return res
 
 
+def bench_many(count: int, shape: tuple[int, ...], dtype: torch.dtype, block: tuple[int, int],
+               args: argparse.Namespace, dev: torch.device) -> dict[str, Any]:
+    """``count`` tensors of ``shape`` allocated one by one (a MoE shard's expert weights):
+    `quantize_fp8_blocks_many` (one launch) against a loop of `quantize_fp8_blocks` (one launch
+    each) and against one device copy of the same total bytes, eager only (CUDA events around the
+    call: the host's launch and Python overhead are part of what a refit pays)."""
+    import time
+
+    gen = torch.Generator(device=dev).manual_seed(0)
+    xs, outs, scales = [], [], []
+    for _ in range(count):
+        x = torch.randn(shape, dtype=torch.float32, device=dev, generator=gen).to(dtype)
+        x.view(-1)[::9973] *= 300
+        xs.append(x)
+        outs.append(torch.empty(shape, dtype=qz.FP8_DTYPE, device=dev))
+        scales.append(torch.empty(qz.fp8_scale_shape(shape, block), dtype=torch.float32, device=dev))
+    total = count * xs[0].numel()
+    copy_src = torch.empty(total, dtype=dtype, device=dev)
+    copy_dst = torch.empty_like(copy_src)
+
+    def many() -> None:
+        qz.quantize_fp8_blocks_many(xs, outs, scales, block)
+
+    def loop() -> None:
+        for x, q, s in zip(xs, outs, scales):
+            qz.quantize_fp8_blocks(x, block, out=q, scale_out=s)
+
+    def copy() -> None:
+        copy_dst.copy_(copy_src)
+
+    for _ in range(args.warmup):
+        many()
+        loop()
+        copy()
+    torch.cuda.synchronize(dev)
+    qz._many_cache.clear()  # a cold call: checks, grouping, the address tables built and copied over
+    t0 = time.perf_counter()
+    many()
+    torch.cuda.synchronize(dev)
+    cold = time.perf_counter() - t0
+    t0 = time.perf_counter()
+    many()  # host time of a warm call (the launch is asynchronous)
+    host = time.perf_counter() - t0
+    torch.cuda.synchronize(dev)
+    in_bytes = total * xs[0].element_size()
+    moved = in_bytes + total + sum(s.numel() for s in scales) * 4
+    t_many = statistics.median(time_eager(many, args.iters))
+    t_loop = statistics.median(time_eager(loop, max(5, args.iters // 5)))
+    t_copy = statistics.median(time_eager(copy, args.iters))
+    g_many, g_loop, g_copy = moved / t_many / 1e9, moved / t_loop / 1e9, 2 * in_bytes / t_copy / 1e9
+    res: dict[str, Any] = {
+        "case": "many", "count": count, "shape": list(shape), "dtype": str(dtype).removeprefix("torch."),
+        "block": list(block), "path": "triton" if qz._triton_usable(dev) else "torch", "bytes_in": in_bytes,
+        "iters": args.iters,
+        "eager": {"many_ms": round(t_many * 1e3, 3), "many_gbps": round(g_many, 1),
+                  "loop_ms": round(t_loop * 1e3, 3), "loop_gbps": round(g_loop, 1),
+                  "copy_ms": round(t_copy * 1e3, 3), "copy_gbps": round(g_copy, 1),
+                  "ratio": round(g_many / g_copy, 3), "loop_ratio": round(g_loop / g_copy, 3),
+                  "speedup_vs_loop": round(t_loop / t_many, 1),
+                  "cold_call_ms": round(cold * 1e3, 2), "warm_host_ms": round(host * 1e3, 3)}}
+    e = res["eager"]
+    log.info("many %dx%s: grouped %.2f ms %.1f GB/s | loop %.2f ms %.1f GB/s | copy %.2f ms %.1f GB/s | ratio %.3f "
+             "(loop %.3f), %.1fx the loop; cold call %.1f ms, warm call's host time %.2f ms", count,
+             "x".join(map(str, shape)), e["many_ms"], g_many, e["loop_ms"], g_loop, e["copy_ms"], g_copy, e["ratio"],
+             e["loop_ratio"], e["speedup_vs_loop"], e["cold_call_ms"], e["warm_host_ms"])
+    many()
+    torch.cuda.synchronize(dev)
+    checks = [check_slice(xs[i], outs[i], scales[i], block, args.check_rows) for i in (0, count // 2, count - 1)]
+    res["check"] = {"members": [0, count // 2, count - 1], "equal": all(c["equal"] for c in checks),
+                    "codes_differ": sum(c["codes_differ"] for c in checks),
+                    "scales_differ": sum(c["scales_differ"] for c in checks)}
+    log.info("many check (members 0, %d, %d): %s", count // 2, count - 1,
+             "bit-exact" if res["check"]["equal"] else "MISMATCH")
+    return res
+
+
 def device_info(dev: torch.device) -> dict[str, Any]:
     p = torch.cuda.get_device_properties(dev)
     info: dict[str, Any] = {"name": p.name, "capability": f"{p.major}.{p.minor}", "sms": p.multi_processor_count,
@@ -182,6 +265,12 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--no-graph", action="store_true", help="eager timing only")
     p.add_argument("--num-warps", type=int, default=None, help="override the kernel's warps per block (tuning)")
     p.add_argument("--check-rows", type=int, default=1024, help="rows of the first 2-D slice checked against the CPU")
+    p.add_argument("--case", choices=["shapes", "many", "all"], default="all",
+                   help="shapes: one tensor per shape (--shape); many: --many-count separate tensors of "
+                        "--many-shape through quantize_fp8_blocks_many; all (the default): both")
+    p.add_argument("--many-count", type=int, default=1536,
+                   help="tensors of the many case (default 1536: a MoE shard's layer group, ~4.8 GB of bf16)")
+    p.add_argument("--many-shape", type=parse_shape, default=(768, 2048), help="their shape (default 768x2048)")
     p.add_argument("--device", type=int, default=0, help="CUDA device index")
     p.add_argument("--require-ratio", type=float, default=None,
                    help="exit 1 if a ratio (graph mode, eager with --no-graph) is below this")
@@ -203,16 +292,22 @@ def main(argv: list[str] | None = None) -> int:
              info["torch"], info["triton"])
     shapes = args.shapes or [parse_shape(s) for s in DEFAULT_SHAPES]
     results = []
-    for shape in shapes:
-        results.append(bench_shape(shape, DTYPES[args.dtype], tuple(args.block), args, dev))
-        torch.cuda.empty_cache()  # the shape's buffers died with bench_shape's frame
+    if args.case in ("shapes", "all"):
+        for shape in shapes:
+            results.append(bench_shape(shape, DTYPES[args.dtype], tuple(args.block), args, dev))
+            torch.cuda.empty_cache()  # the shape's buffers died with bench_shape's frame
+    if args.case in ("many", "all"):
+        results.append(bench_many(args.many_count, tuple(args.many_shape), DTYPES[args.dtype], tuple(args.block),
+                                  args, dev))
+        torch.cuda.empty_cache()
     out = {"device": info, "results": results}
     mode = "eager" if args.no_graph else "graph"
     ok = all(r["check"]["equal"] for r in results)
     if args.require_ratio is not None:
-        low = [r for r in results if r[mode]["ratio"] < args.require_ratio]
+        low = [r for r in results if r[mode if mode in r else "eager"]["ratio"] < args.require_ratio]
         for r in low:
-            log.error("%s: ratio %.3f < %.3f (%s)", r["shape"], r[mode]["ratio"], args.require_ratio, mode)
+            m = mode if mode in r else "eager"
+            log.error("%s: ratio %.3f < %.3f (%s)", r["shape"], r[m]["ratio"], args.require_ratio, m)
         ok = ok and not low
     if args.json:
         print(json.dumps(out, indent=2))
@@ -220,6 +315,14 @@ def main(argv: list[str] | None = None) -> int:
         print(f"{'shape':<16} {'path':<6} {'mode':<5} {'quantize us':>11} {'GB/s':>8} {'copy us':>9} {'GB/s':>8} "
               f"{'ratio':>6}  check")
         for r in results:
+            if r.get("case") == "many":
+                e = r["eager"]
+                print(f"many {r['count']}x{'x'.join(map(str, r['shape']))} eager: grouped {e['many_ms']:.2f} ms "
+                      f"{e['many_gbps']:.1f} GB/s | loop {e['loop_ms']:.2f} ms {e['loop_gbps']:.1f} GB/s | copy "
+                      f"{e['copy_ms']:.2f} ms {e['copy_gbps']:.1f} GB/s | ratio {e['ratio']:.3f} (loop "
+                      f"{e['loop_ratio']:.3f}) | {e['speedup_vs_loop']}x the loop | cold {e['cold_call_ms']} ms  "
+                      f"{'bit-exact' if r['check']['equal'] else 'MISMATCH'}")
+                continue
             for m in ("eager", "graph"):
                 if m in r:
                     print(f"{'x'.join(map(str, r['shape'])):<16} {r['path']:<6} {m:<5} {r[m]['quantize_us']:>11.1f} "

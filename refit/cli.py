@@ -269,9 +269,10 @@ def _progress(total: int, disable: bool, unit: str) -> Any:
 def dst_dtype_arg(p: argparse.ArgumentParser) -> None:
     p.add_argument("--dst-dtype", metavar="FORMAT", choices=sorted(FORMATS),
                    help="serve the model quantized: fp8 = float8 e4m3 weights with 128x128 block scales "
-                        "(weight_scale_inv; the DeepSeek-V3 / Qwen3-FP8 format, vLLM's fp8 checkpoints). "
-                        "The trainers quantize their shards before sending, bit for bit as vLLM's "
-                        "per_block_cast_to_fp8; layouts whose shards cut 128-blocks are refused")
+                        "(weight_scale_inv: the DeepSeek-V3 / Qwen3-FP8 format, vLLM's fp8 checkpoints); "
+                        "mxfp8 = 1x32 blocks with e8m0 scales (weight_scale; no checkpoint format).  The "
+                        "trainers quantize their shards before sending, bit for bit as vLLM quantizes; "
+                        "layouts whose shards cut blocks are refused")
 
 
 def build_parser() -> argparse.ArgumentParser:

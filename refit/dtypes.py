@@ -23,6 +23,7 @@ DTYPES: dict[str, DType] = {d.name: d for d in (
     DType("float16", 2, "F16", "float16"),
     DType("float32", 4, "F32", "float32"),
     DType("float8_e4m3fn", 1, "F8_E4M3", "float8_e4m3fn"),
+    DType("uint8", 1, "U8", "uint8"),  # MXFP8's e8m0 block scales, as vLLM holds them
 )}
 
 # Views of the table for the hot loops of planning and for the safetensors header codes.

@@ -26,21 +26,28 @@ class QuantFormat(NamedTuple):
     block: tuple[int, int]  # block over the weight's last two dims (rows, columns)
     scale_suffix: str  # the scale tensor is named ``<weight name><suffix>``
     scale_dtype: str
-    hf_config: dict  # the ``quantization_config`` of an HF checkpoint in this format (what vLLM reads)
+    partial_blocks: bool  # whether a block may end past a weight's far edge (a scale for its part)
+    # the ``quantization_config`` of an HF checkpoint in this format (what vLLM reads); empty: no
+    # checkpoint format checked against vLLM's loaders, so refit writes and reads none
+    hf_config: dict
 
 
 FORMATS: dict[str, QuantFormat] = {f.name: f for f in (
-    QuantFormat("fp8", "float8_e4m3fn", (128, 128), "_scale_inv", "float32",
+    QuantFormat("fp8", "float8_e4m3fn", (128, 128), "_scale_inv", "float32", True,
                 {"quant_method": "fp8", "fmt": "e4m3", "activation_scheme": "dynamic",
                  "weight_block_size": [128, 128]}),
+    # OCP MXFP8: 1x32 blocks along the input dim, a power-of-two scale as its e8m0 byte (vLLM's
+    # ``mxfp8`` online method holds ``weight`` float8 and ``weight_scale`` uint8 [N, K/32])
+    QuantFormat("mxfp8", "float8_e4m3fn", (1, 32), "_scale", "uint8", False, {}),
 )}
 
 
 def quant_format(name: str) -> QuantFormat:
     fmt = FORMATS.get(name)
     if fmt is None:
-        raise InvalidInput(f"unknown quantization {name!r}: refit writes {', '.join(FORMATS)} "
-                           f"(float8 e4m3 with 128x128 block scales, as DeepSeek-V3 / Qwen3-FP8 checkpoints)")
+        raise InvalidInput(f"unknown quantization {name!r}: refit writes {', '.join(FORMATS)} (fp8: float8 e4m3 "
+                           f"with 128x128 block scales, as DeepSeek-V3 / Qwen3-FP8 checkpoints; mxfp8: 1x32 "
+                           f"blocks with e8m0 scales)")
     return fmt
 
 
@@ -64,7 +71,11 @@ def hf_quantization_config(fmt: str, moe_layers: tuple[int, ...]) -> dict:
     router in ``modules_to_not_convert`` (full module names: vLLM matches them whole): without
     that, vLLM's fp8 method quantizes a Qwen3-MoE router too and casts the checkpoint's bfloat16
     router into float8 with no scale — refit, like Qwen's FP8 checkpoints, keeps routers unquantized."""
-    return {**quant_format(fmt).hf_config,
+    f = quant_format(fmt)
+    if not f.hf_config:
+        raise InvalidInput(f"refit writes no {fmt} checkpoints yet (no checkpoint format checked against vLLM's "
+                           f"loaders): write rank files of an engine layout, or fp8")
+    return {**f.hf_config,
             "modules_to_not_convert": ["lm_head", *(f"model.layers.{l}.mlp.gate" for l in moe_layers)]}
 
 
@@ -80,7 +91,7 @@ def from_hf_config(qc: object) -> str:
         raise InvalidInput(f"quantization_config {qc!r} is not a JSON object")
     for fmt in FORMATS.values():
         want = fmt.hf_config
-        if str(qc.get("quant_method")) == want["quant_method"] and list(qc.get("weight_block_size") or []) == \
+        if want and str(qc.get("quant_method")) == want["quant_method"] and list(qc.get("weight_block_size") or []) == \
                 want["weight_block_size"] and str(qc.get("fmt", "e4m3")) == want["fmt"] \
                 and str(qc.get("activation_scheme", "dynamic")) == want["activation_scheme"]:
             kept = [str(m) for m in (qc.get("modules_to_not_convert") or qc.get("ignored_layers") or [])]
@@ -91,4 +102,4 @@ def from_hf_config(qc: object) -> str:
                                    f"layer but the routers is quantized")
             return fmt.name
     raise InvalidInput(f"quantized checkpoint (quantization_config {dict(qc)}): refit moves "
-                       f"{', '.join(f'{f.name} {f.hf_config}' for f in FORMATS.values())} only")
+                       f"{', '.join(f'{f.name} {f.hf_config}' for f in FORMATS.values() if f.hf_config)} only")

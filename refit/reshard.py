@@ -37,7 +37,6 @@ from refit.hf_checkpoint import check_checkpoint, checkpoint_tensors, read_safet
 from refit.layouts import Layout, LocalTensor, QuantizedLayout
 from refit.planners.base import SourceIndex, source_index, sources_for
 from refit.regions import PieceIndex, slices
-from refit.quantization import quant_format
 from refit.spec import ModelSpec, check_tensor_table, quantize_spec
 
 log = logging.getLogger(__name__)
@@ -206,17 +205,16 @@ def _quantized_locals(spec: ModelSpec, dst: QuantizedLayout, out_spec: ModelSpec
                       index: SourceIndex) -> Iterator[tuple[str, Any]]:
     """A rank's local tensors of a quantized ``dst``, in its order: each local tensor of the
     framework's unquantized layout assembled, and where it holds quantized weights, quantized
-    into its values and its scales (`refit.executor.quantize`, vLLM's block quantization)."""
-    from refit.executor.quantize import quantize_fp8_blocks
+    into its values and its scales (`refit.executor.quantize`, as vLLM quantizes)."""
+    from refit.executor.quantize import quantize
 
-    fmt = quant_format(dst.quantization)
     scales = dst.scale_locals(out_spec, rank)
     for lt in dst.inner.local_tensors(spec, rank):
         data = assemble(spec, lt, reader, index)
         if lt.name not in scales:
             yield lt.name, data
             continue
-        values, scale = quantize_fp8_blocks(data, fmt.block)
+        values, scale = quantize(dst.quantization, data)
         yield lt.name, values
         yield scales[lt.name], scale
 

@@ -135,7 +135,8 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     p.add_argument("--bucket-mb", type=float, default=None, help="bucket size in MiB (default 256 on GPU, 1 on CPU)")
     p.add_argument("--vs", choices=["broadcast", "p2p"], default=None, help="also run this planner and compare")
     p.add_argument("--dst-dtype", metavar="FORMAT", choices=sorted(FORMATS), default=None,
-                   help="engines hold the model quantized: fp8 = float8 e4m3 with 128x128 block scales. The "
+                   help="engines hold the model quantized: fp8 = float8 e4m3 with 128x128 block scales; mxfp8 = "
+                        "1x32 blocks, e8m0 scales. The "
                         "trainers quantize their shards each refit (timed inside the refit) and the wire "
                         "carries the float8 bytes; every element and scale is verified against quantizing "
                         "the canonical values.  Compare with the same command without it")

@@ -18,7 +18,7 @@ import math
 import torch
 
 from refit.errors import InvalidInput
-from refit.executor.quantize import quantize_fp8_blocks
+from refit.executor.quantize import quantize, quantize_many
 from refit.executor.shards import Shards, Verdict, verify
 from refit.executor.values import fill_box, int_view
 from refit.layouts import Piece, QuantizedLayout
@@ -52,15 +52,18 @@ def quantize_sources(base: Shards, wire: Shards, layout: QuantizedLayout, spec: 
     """One trainer rank's wire shard from its unquantized one: each quantized weight into its
     values and scales; every other tensor copied as it is (a trainer sends those in place — here
     they cost one device copy each, counted in the refit's time)."""
-    fmt = quant_format(layout.quantization)
     scales = layout.scale_locals(spec, rank)
     plain_src, plain_dst = [], []
+    xs, outs, scale_outs = [], [], []
     for name, t in base.tensors.items():
         if name in scales:
-            quantize_fp8_blocks(t, fmt.block, out=wire.tensors[name], scale_out=wire.tensors[scales[name]])
+            xs.append(t)
+            outs.append(wire.tensors[name])
+            scale_outs.append(wire.tensors[scales[name]])
         else:
             plain_src.append(t)
             plain_dst.append(wire.tensors[name])
+    quantize_many(layout.quantization, xs, outs, scale_outs)
     if plain_dst:  # as bits: a CUDA copy of bfloat16 rewrites NaN patterns (the canonical values hold some)
         torch._foreach_copy_([int_view(t) for t in plain_dst], [int_view(t) for t in plain_src])
 
@@ -99,10 +102,10 @@ def _check_piece(values: torch.Tensor, p: Piece, sp: Piece, scales: torch.Tensor
     want = torch.empty(p.size, dtype=torch.bfloat16, device=values.device)
     fill_box(want, p.tensor, shape, p.start, seed)
     finite_bf16(int_view(want))
-    q, s = quantize_fp8_blocks(want, fmt.block)
+    q, s = quantize(fmt.name, want)
     got_q, got_s = values[slices(p.local_start, p.size)], scales[slices(sp.local_start, sp.size)]
     bad_q = int((got_q.view(torch.uint8) != q.view(torch.uint8)).sum().item())
-    bad_s = int((int_view(got_s) != int_view(s)).sum().item())
+    bad_s = int((got_s.view(torch.uint8) != s.view(torch.uint8)).sum().item())
     if not bad_q + bad_s:
         return 0, None
     return bad_q + bad_s, f"{p.tensor} box at {p.start}: {bad_q} values and {bad_s} scales differ"

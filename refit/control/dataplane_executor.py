@@ -45,7 +45,7 @@ from refit.errors import InvalidInput
 from refit.executor.member import Member, Rebuild
 from refit.executor.seating import locate
 from refit.executor.topology import Endpoint
-from refit.executor.quantize import quantize_fp8_blocks
+from refit.executor.quantize import quantize_many
 from refit.layouts import Layout, QuantizedLayout, resolve_layout
 from refit.quantization import quant_format
 from refit.plan import Plan
@@ -226,6 +226,7 @@ class ExecutorDataPlane(BaseDataPlane):
         first, as writing a checkpoint would."""
         (fmt_name, base_dtype), scales = self._quantize[plan_hash]
         fmt, base = quant_format(fmt_name), getattr(torch, base_dtype)
+        xs, outs, scale_outs = [], [], []
         for name, (scale_name, scale_shape) in scales.items():
             t = tensors[name]
             values, scale = buffers.get(name), buffers.get(scale_name)
@@ -233,9 +234,12 @@ class ExecutorDataPlane(BaseDataPlane):
                 values = buffers[name] = torch.empty(t.shape, dtype=getattr(torch, fmt.value_dtype), device=t.device)
                 scale = buffers[scale_name] = torch.empty(scale_shape, dtype=getattr(torch, fmt.scale_dtype),
                                                           device=t.device)
-            with torch.no_grad():
-                quantize_fp8_blocks(t if t.dtype == base else t.to(base), fmt.block, out=values, scale_out=scale)
+            xs.append(t if t.dtype == base else t.to(base))
+            outs.append(values)
+            scale_outs.append(scale)
             out[name], out[scale_name] = values, scale
+        with torch.no_grad():  # few launches for thousands of expert tensors
+            quantize_many(fmt_name, xs, outs, scale_outs)
 
     def _run_view(self, plan: Plan) -> tuple[ModelSpec, Layout, Layout]:
         """(the spec this seat runs ``plan`` with, its src and dst layouts), as `prepare` resolved them."""

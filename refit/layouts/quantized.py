@@ -91,7 +91,7 @@ class QuantizedLayout:
             canon = spec[p.tensor].shape
             local = lt.view_shape(len(canon))
             for d, block in zip((-2, -1), fmt.block):
-                _check_cut(self.describe(), rank, lt.name, p, canon, local, d, block, fmt.name)
+                _check_cut(self.describe(), rank, lt.name, p, canon, local, d, block, fmt)
             scales.append(Piece(p.tensor + fmt.scale_suffix, _blocks(p.start, fmt.block, math.floor),
                                 _blocks(p.size, fmt.block, math.ceil), _blocks(p.local_start, fmt.block, math.floor)))
         scale_shape = tuple(lt.shape[:-2]) + _blocks(lt.shape[-2:], fmt.block, math.ceil)
@@ -100,14 +100,17 @@ class QuantizedLayout:
 
 
 def _check_cut(layout: str, rank: int, local: str, p: Piece, canon: tuple[int, ...], local_shape: tuple[int, ...],
-               d: int, block: int, fmt: str) -> None:
+               d: int, block: int, fmt: QuantFormat) -> None:
     start, size, at = p.start[d], p.size[d], p.local_start[d]
+    if canon[d] % block and not fmt.partial_blocks:
+        what = _DIM_NAMES[d + 2]
+        raise InvalidInput(f"{p.tensor} has {canon[d]} {what}: {fmt.name} needs a multiple of {block}")
     ends = start + size == canon[d] and at + size == local_shape[d]
     if start % block or at % block or (size % block and not ends):
         what = _DIM_NAMES[d + 2]
         raise InvalidInput(
             f"{layout} rank {rank}: {local} holds {what} [{start}, {start + size}) of {p.tensor} "
-            f"({canon[d]} {what}) at {what} [{at}, {at + size}) of its {local_shape[d]}: that cuts {fmt}'s "
+            f"({canon[d]} {what}) at {what} [{at}, {at + size}) of its {local_shape[d]}: that cuts {fmt.name}'s "
             f"blocks of {block} {what}.  Each block must lie whole on one rank, on block boundaries of its "
             f"local tensor: an engine's shards as vLLM requires (validate_fp8_block_shape), and a trainer's "
             f"because each block is quantized by one rank; choose degrees that keep them whole")

@@ -104,3 +104,56 @@ def test_mxfp8_on_cuda_equals_vllm_on_cuda() -> None:
     q, s = qz.quantize_mxfp8(x)
     rq, rs = _mxfp8_e4m3_quantize_torch(x, is_sf_swizzled_layout=False)
     assert torch.equal(q.view(torch.uint8), rq.view(torch.uint8)) and torch.equal(s, rs)
+
+
+# ------------------------------------------------------------------------------------------------
+# Many tensors at once: the grouped kernel
+
+
+def many_shard(dtype: torch.dtype) -> list[torch.Tensor]:
+    """300 small tensors of 3 shapes (allocated one by one, as a trainer's shard holds them), a few
+    big ones, 3-D members, partial blocks: made on the CPU with every edge, copied to the GPU."""
+    shapes = [(256, 384), (130, 200), (2, 128, 136)] * 100 + [(4096, 4096), (3, 1536, 2048), (2048, 768),
+                                                              (300, 260)]
+    return [edge_data(shape, dtype, FP8_BLOCK, i, EDGES if i % 7 == 0 else frozenset(["outliers", "zeroblocks"]), 0)
+            for i, shape in enumerate(shapes)]
+
+
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float32])
+def test_many_equals_torch_cpu(dtype: torch.dtype) -> None:
+    needs_triton()
+    xs = many_shard(dtype)
+    want = [quantize_fp8_blocks(x) for x in xs]  # CPU: the torch path
+    dev = torch.device("cuda")
+    xd = [x.to(dev) for x in xs]
+    xd.append(xd[0].t().contiguous().t())  # non-contiguous: quantized on its own
+    want.append(want[0])
+    outs = [torch.full(x.shape, 7.0, device=dev).to(qz.FP8_DTYPE) for x in xd]
+    scales = [torch.full(fp8_scale_shape(x.shape), -1.0, device=dev) for x in xd]
+    built = qz._many_stats["tables_built"]
+    qz.quantize_fp8_blocks_many(xd, outs, scales)
+    assert qz._many_stats["tables_built"] - built >= 7  # one group per shape (alignment may split one)
+    for i, (q, s) in enumerate(zip(outs, scales)):
+        assert_same((q, s), want[i], f"member {i} {tuple(xs[min(i, len(xs) - 1)].shape)} {dtype}")
+
+
+def test_many_cache_builds_tables_once() -> None:
+    """The executor quantizes into the same buffers every refit: the second call with the same
+    tensors finds its plan (no new table), new values give new bits, other buffers a new plan."""
+    needs_triton()
+    dev = torch.device("cuda")
+    xs = [torch.randn(256, 384, device=dev, dtype=torch.bfloat16) for _ in range(50)]
+    outs = [torch.empty(x.shape, dtype=qz.FP8_DTYPE, device=dev) for x in xs]
+    scales = [torch.empty(fp8_scale_shape(x.shape), device=dev) for x in xs]
+    qz.quantize_fp8_blocks_many(xs, outs, scales)
+    built = qz._many_stats["tables_built"]
+    for x in xs:
+        x.mul_(3)
+    qz.quantize_fp8_blocks_many(xs, outs, scales)
+    assert qz._many_stats["tables_built"] == built
+    for x, q, s in zip(xs, outs, scales):
+        assert_same((q, s), quantize_fp8_blocks(x.cpu()), "second call")
+    qz.quantize_fp8_blocks_many(xs[:10], outs[:10], scales[:10])  # another list: another plan
+    assert qz._many_stats["tables_built"] == built + 1
+    qz.quantize_fp8_blocks_many(xs, outs, scales)  # the first still cached (LRU of a few)
+    assert qz._many_stats["tables_built"] == built + 1

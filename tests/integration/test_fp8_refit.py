@@ -200,13 +200,51 @@ def test_reshard_refuses_fp8_shards_that_cut_blocks_before_writing(bf16_checkpoi
     assert not out.exists() and not [p for p in os.listdir(tmp_path) if p.startswith(".cut")]
 
 
-def test_bench_quantizes_inside_each_refit_and_verifies_every_element() -> None:
+@pytest.mark.parametrize("fmt", ["fp8", "mxfp8"])
+def test_bench_quantizes_inside_each_refit_and_verifies_every_element(fmt) -> None:
     from refit.bench.cli import run
     from refit.bench.cli import parse_args
 
     report = run(parse_args(["--model", "qwen3-30b-moe", "--src", "megatron:tp2ep2", "--dst", "vllm:tp2",
-                             "--dst-dtype", "fp8", "--cpu", "--iters", "1", "--warmup", "0"]))
+                             "--dst-dtype", fmt, "--cpu", "--iters", "1", "--warmup", "0"]))
     run0 = report["runs"][0]
-    assert report["verified"] and report["quantization"] == "fp8"
+    assert report["verified"] and report["quantization"] == fmt
     assert 0 < run0["quantize_seconds"]["median"] <= run0["seconds"]["median"]
     assert run0["checked_elements"] > 0 and run0["mismatches"] == 0
+
+
+def test_trainer_quantizes_to_mxfp8_as_vllms_online_method_would(server, tmp_path) -> None:
+    """MXFP8 (1x32 blocks along the input dim, e8m0 scales): each engine rank holds what vLLM's
+    MXFP8 quantization (`_mxfp8_e4m3_quantize_torch`, the torch reference of its online ``mxfp8``
+    method) makes of that rank's own bfloat16 tensor — the unquantized landing, checked elsewhere
+    against the frameworks.  (No MXFP8 checkpoint format is checked against vLLM's loaders: refit
+    writes none.)"""
+    from vllm.model_executor.layers.quantization.utils.mxfp8_utils import _mxfp8_e4m3_quantize_torch
+
+    srv, client = server
+    model = with_outliers(make_hf_model("Qwen3MoeForCausalLM", **QWEN3_MOE))
+    agent = refit_hf.attach(model, srv.address, group="mxfp8")
+    engine_spec = build_spec(agent.spec.name, dataclasses.replace(agent.spec.config, quantization="mxfp8"))
+    engines = Engines(srv.address, engine_spec, "vllm:tp2", group="mxfp8-engine")
+    try:
+        created = client.create_plan("mxfp8", "mxfp8-engine")
+        for version in (1, 2):
+            if version == 2:
+                train_step(model, seed=5)
+            assert client.refit(created["plan_id"], version=version, timeout=120).ok
+            ckpt = tmp_path / f"mxfp8-v{version}"
+            hf_state(model, str(ckpt))
+            plain = expected_engine_tensors(agent.spec, "vllm:tp2", str(ckpt))
+            want = []
+            for rank in plain:
+                mine = {}
+                for name, t in rank.items():
+                    if name + "_scale" in engines.tensors[0]:
+                        mine[name], mine[name + "_scale"] = _mxfp8_e4m3_quantize_torch(t)
+                want.append(mine)
+            assert sum(len(w) for w in want) > 0
+            bad = compare(engines.tensors, want, plain)
+            assert not bad, bad[:5]
+    finally:
+        agent.stop()
+        engines.close()

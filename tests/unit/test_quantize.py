@@ -27,7 +27,7 @@ from hypothesis import strategies as st
 from refit.errors import InvalidInput
 from refit.executor import quantize as qz
 from refit.executor.quantize import (FP8_BLOCK, dequantize_fp8_blocks, fp8_scale_shape, quantize_fp8_blocks,
-                                     quantize_mxfp8)
+                                     quantize_fp8_blocks_many, quantize_mxfp8)
 
 ROOT = Path(__file__).resolve().parents[2]
 DTYPES = [torch.bfloat16, torch.float16, torch.float32]
@@ -267,6 +267,116 @@ def test_refusals() -> None:
 
 
 # ------------------------------------------------------------------------------------------------
+# Many tensors at once
+
+
+def many_inputs(block: tuple[int, int]) -> list[torch.Tensor]:
+    """A mixed shard: repeated shapes, dtypes, 2-D and 3-D, partial blocks, a transposed
+    (non-contiguous) member and an empty one."""
+    bm, bn = block
+    specs = [((2 * bm + 3, 3 * bn - 1), torch.bfloat16), ((2 * bm + 3, 3 * bn - 1), torch.bfloat16),
+             ((3, 2 * bm, 2 * bn), torch.bfloat16), ((2 * bm, 2 * bn), torch.bfloat16),
+             ((bm + 1, 2 * bn + 5), torch.float16), ((2, bm - 1, bn + 2), torch.float32), ((1, 1), torch.float32),
+             ((2 * bm + 3, 3 * bn - 1), torch.float32)]
+    xs = [edge_data(shape, dtype, block, i, frozenset(["outliers", "zeroblocks", "tiny", "near448"]), i % 3 - 1)
+          for i, (shape, dtype) in enumerate(specs)]
+    xs.append(xs[3].t().contiguous().t())  # the same values, column-major
+    xs.append(torch.empty((0, 2 * bn), dtype=torch.bfloat16))
+    return xs
+
+
+def many_outputs(xs: list[torch.Tensor], block: tuple[int, int]) -> tuple[list[torch.Tensor], list[torch.Tensor]]:
+    """Outputs and scales filled with garbage; the first member's are views into wire buffers."""
+    outs = [torch.full(x.shape, 0.5).to(torch.float8_e4m3fn) for x in xs]
+    scales = [torch.full(fp8_scale_shape(x.shape, block), -1.0) for x in xs]
+    wire = torch.zeros(xs[0].numel() + 3, dtype=torch.uint8)
+    outs[0] = wire[3:].view(torch.float8_e4m3fn).view(xs[0].shape)
+    return outs, scales
+
+
+@pytest.mark.parametrize("block", [FP8_BLOCK, (4, 8)])
+def test_many_equals_per_tensor_calls(block: tuple[int, int]) -> None:
+    xs = many_inputs(block)
+    want = [quantize_fp8_blocks(x, block) for x in xs]
+    outs, scales = many_outputs(xs, block)
+    for _ in range(2):  # a second call into the same buffers
+        assert quantize_fp8_blocks_many(xs, outs, scales, block) is None
+        for i, (q, s) in enumerate(zip(outs, scales)):
+            assert_same((q, s), want[i])
+    # a non-contiguous output, and generators instead of lists
+    outs_t = [torch.empty(x.shape[::-1], dtype=torch.float8_e4m3fn).transpose(-1, -2) if x.ndim == 2 else
+              torch.empty(x.shape, dtype=torch.float8_e4m3fn) for x in xs]
+    quantize_fp8_blocks_many(iter(xs), (o for o in outs_t), iter(scales), block)
+    for i, q in enumerate(outs_t):
+        assert_same((q, scales[i]), want[i])
+    quantize_fp8_blocks_many([], [], [], block)
+
+
+def test_many_refusals() -> None:
+    xs = [torch.ones(130, 200, dtype=torch.bfloat16), torch.ones(2, 64, 300)]
+    outs = [torch.zeros(130, 200, dtype=torch.float8_e4m3fn), torch.zeros(2, 64, 300, dtype=torch.float8_e4m3fn)]
+    scales = [torch.zeros(2, 2), torch.zeros(2, 1, 3)]
+    with pytest.raises(InvalidInput, match=r"2 inputs, 1 outs and 2 scales"):
+        quantize_fp8_blocks_many(xs, outs[:1], scales)
+    with pytest.raises(InvalidInput, match=r"block must be two positive ints"):
+        quantize_fp8_blocks_many(xs, outs, scales, (128, -1))
+    with pytest.raises(InvalidInput, match=r"xs\[1\]: input dtype torch.int32 is not one of"):
+        quantize_fp8_blocks_many([xs[0], torch.zeros(2, 64, 300, dtype=torch.int32)], outs, scales)
+    with pytest.raises(InvalidInput, match=r"xs\[0\]: input needs at least 2 dims, got shape \(7,\)"):
+        quantize_fp8_blocks_many([torch.zeros(7), xs[1]], outs, scales)
+    with pytest.raises(InvalidInput, match=r"xs\[1\]: expected a torch.Tensor, got list"):
+        quantize_fp8_blocks_many([xs[0], [1.0]], outs, scales)
+    with pytest.raises(InvalidInput, match=r"outs\[1\]: expected a torch.Tensor, got NoneType"):
+        quantize_fp8_blocks_many(xs, [outs[0], None], scales)
+    with pytest.raises(InvalidInput, match=r"outs\[1\] must be torch.float8_e4m3fn of shape \(2, 64, 300\) on cpu, "
+                                           r"got torch.float8_e4m3fn of shape \(2, 300, 64\) on cpu"):
+        quantize_fp8_blocks_many(xs, [outs[0], outs[1].transpose(1, 2)], scales)
+    with pytest.raises(InvalidInput, match=r"outs\[0\] must be .* got torch.uint8 of shape \(130, 200\)"):
+        quantize_fp8_blocks_many(xs, [outs[0].view(torch.uint8), outs[1]], scales)
+    with pytest.raises(InvalidInput, match=r"scales\[1\] must be torch.float32 of shape \(2, 1, 3\) on cpu, got "
+                                           r"torch.float32 of shape \(2, 1, 2\) on cpu"):
+        quantize_fp8_blocks_many(xs, outs, [scales[0], torch.zeros(2, 1, 2)])
+    with pytest.raises(InvalidInput, match=r"scales\[0\] must be .* got torch.bfloat16 of shape \(2, 2\)"):
+        quantize_fp8_blocks_many(xs, outs, [scales[0].bfloat16(), scales[1]])
+    with pytest.raises(InvalidInput, match=r"scales\[0\] must be .* on cpu, got torch.float32 of shape \(2, 2\) on meta"):
+        quantize_fp8_blocks_many(xs, outs, [scales[0].to("meta"), scales[1]])
+    # nothing was written: every check runs before the first member is quantized
+    assert not any(o.view(torch.uint8).any() for o in outs) and not any(s.any() for s in scales)
+
+
+def test_many_plan_cache(monkeypatch: pytest.MonkeyPatch) -> None:
+    """The plan cache (used on CUDA): found again for the same tensor objects at the same
+    addresses; not for a new object, a tensor moved to other memory (``set_``), a freed one, or
+    another block; the oldest plan goes past a few."""
+    monkeypatch.setattr(qz, "_many_cache", type(qz._many_cache)())
+    xs, outs, scales = [torch.ones(4, 130, 200)], [torch.empty(4, 130, 200, dtype=torch.float8_e4m3fn)], \
+        [torch.empty(4, 2, 2)]
+    flat = [*xs, *outs, *scales]
+    key = qz._many_key(FP8_BLOCK, flat)
+    plan = qz._ManyPlan([], [])
+    assert qz._many_lookup(key, flat) is None
+    qz._many_remember(key, flat, plan)
+    assert qz._many_lookup(qz._many_key(FP8_BLOCK, [*xs, *outs, *scales]), [*xs, *outs, *scales]) is plan
+    assert qz._many_lookup(qz._many_key((4, 8), flat), flat) is None
+    other = [xs[0].clone(), *outs, *scales]
+    assert qz._many_lookup(qz._many_key(FP8_BLOCK, other), other) is None
+    forged = (FP8_BLOCK, id(other[0]), *key[2:])  # an id reused by another object
+    assert qz._many_lookup(forged, other) is None
+    scales[0].set_(torch.empty(4, 2, 2))  # the same object, other memory
+    assert qz._many_lookup(key, flat) is None
+    keys = []
+    for _ in range(qz._MANY_CACHE_SIZE + 1):
+        ts = [torch.ones(2, 2), torch.empty(2, 2, dtype=torch.float8_e4m3fn), torch.empty(1, 1)]
+        keys.append(qz._many_key(FP8_BLOCK, ts))
+        qz._many_remember(keys[-1], ts, plan)
+    assert list(qz._many_cache) == keys[1:]  # the oldest went
+    del ts  # the last list's tensors freed: its plan is not found for new tensors under a reused key
+    fresh = [torch.ones(2, 2), torch.empty(2, 2, dtype=torch.float8_e4m3fn), torch.empty(1, 1)]
+    assert qz._many_lookup(keys[-1], fresh) is None
+    assert qz._many_lookup(keys[-1], [None, None, None]) is None
+
+
+# ------------------------------------------------------------------------------------------------
 # MXFP8
 
 
@@ -333,4 +443,54 @@ def test_triton_kernel_indexing_in_the_interpreter() -> None:
     env = {**os.environ, "TRITON_INTERPRET": "1", "PYTHONPATH": path}
     res = subprocess.run([sys.executable, "-c", _INTERPRETED], env=env, cwd=ROOT, capture_output=True, text=True,
                          timeout=120)
+    assert res.returncode == 0 and res.stdout.strip().endswith("ok"), res.stdout + res.stderr
+
+
+_INTERPRETED_MANY = """
+import torch
+from refit.executor import quantize as qz
+qz._MAX_PROGRAMS = 10  # several launches for most groups
+g = torch.Generator().manual_seed(0)
+def mk(shape, dtype):
+    return (torch.randn(shape, generator=g) * 10.0 ** torch.randint(-5, 4, shape, generator=g)).to(dtype)
+cases = [((128, 128), [((300, 260), torch.bfloat16), ((300, 260), torch.bfloat16), ((2, 256, 384), torch.bfloat16),
+                       ((256, 384), torch.bfloat16), ((256, 384), torch.bfloat16), ((1, 129), torch.float32),
+                       ((3, 2, 136), torch.float32), ((130, 140), torch.float16)]),
+         ((4, 8), [((2, 9, 13), torch.float32), ((9, 13), torch.float32), ((10, 11), torch.float16)])]
+for block, specs in cases:
+    xs = [mk(s, d) for s, d in specs]
+    want = [qz.quantize_fp8_blocks(x, block) for x in xs]
+    outs = [torch.full_like(q, 0.5) for q, _ in want]
+    unaligned = len(xs) > 4
+    if unaligned:  # an output not 16-byte aligned: a group of its own
+        wire = torch.zeros(xs[4].numel() + 1, dtype=torch.uint8)
+        outs[4] = wire[1:].view(torch.float8_e4m3fn).view(xs[4].shape)
+    scales = [torch.full_like(s, -1.0) for _, s in want]
+    plan = qz._many_plan(xs, outs, scales, block, use_kernel=lambda x: True)
+    # a group per dtype and 2-D shape, split further by alignment (the unaligned output, 3-D
+    # members whose slices are not a multiple of 16 bytes long)
+    assert not plan.loop and len(plan.groups) >= len({(x.dtype, x.shape[-2:]) for x in xs}) + unaligned
+    assert sorted(i for gr in plan.groups for i in gr.members) == list(range(len(xs)))
+    assert any(len(gr.launches) > 1 for gr in plan.groups)
+    qz._many_run(plan, xs, outs, scales, block)
+    for x, q, s, (q0, s0) in zip(xs, outs, scales, want):
+        assert torch.equal(s, s0), (x.shape, block, int((s != s0).sum()))
+        a, b = q0.float(), q.float()
+        ok = (a == b) | ((a - b).abs() <= a.abs() * 0.5) | (a.abs() <= 2 ** -9)
+        assert ok.all(), (x.shape, block, int((~ok).sum()))
+        assert (a == b).float().mean() > 0.85, (x.shape, block)
+print("ok")
+"""
+
+
+def test_grouped_kernel_in_the_interpreter() -> None:
+    """The grouped kernel (`quantize_fp8_blocks_many` on CUDA) in Triton's interpreter: slices'
+    offsets loaded from the int64 tables (in 16 bytes, or elements), 2-D and 3-D members of a group,
+    partial blocks, an unaligned member, groups split over several launches.  Compared as the
+    single kernel is above (scales equal, values but for the interpreter's float8 emulation)."""
+    pytest.importorskip("triton")
+    path = str(ROOT) + os.pathsep + os.environ.get("PYTHONPATH", "")
+    env = {**os.environ, "TRITON_INTERPRET": "1", "PYTHONPATH": path}
+    res = subprocess.run([sys.executable, "-c", _INTERPRETED_MANY], env=env, cwd=ROOT, capture_output=True,
+                         text=True, timeout=120)
     assert res.returncode == 0 and res.stdout.strip().endswith("ok"), res.stdout + res.stderr

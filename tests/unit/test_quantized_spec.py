@@ -126,3 +126,18 @@ def test_each_side_runs_a_quantized_plan_with_its_own_spec() -> None:
         plan.spec_for(spec(vocab_size=256), source=True)
     with pytest.raises(InvalidInput, match="trainer's model is quantized"):
         casts_between(q, q)
+
+
+def test_mxfp8_blocks_are_32_columns_with_byte_scales() -> None:
+    q = quantize_spec(spec(), "mxfp8")
+    assert q["model.layers.*.self_attn.q_proj.weight_scale"].shape == (2, 256, 8)
+    assert q["model.layers.*.self_attn.q_proj.weight_scale"].dtype == "uint8"
+    plan = make_plan(q, "megatron:tp2", "vllm:tp2")
+    assert plan.plan.quantization == ("mxfp8", "bfloat16")
+    with pytest.raises(InvalidInput, match="refit writes no mxfp8 checkpoints"):
+        from refit.quantization import hf_quantization_config
+
+        hf_quantization_config("mxfp8", ())
+    odd = quantize_spec(spec(hidden_size=240), "mxfp8")  # 240 columns: no whole 32-blocks
+    with pytest.raises(InvalidInput, match="240 columns: mxfp8 needs a multiple of 32"):
+        make_plan(odd, "megatron:tp1", "vllm:tp1")
