@@ -48,24 +48,27 @@ def fill_finite(shards: Shards, spec: ModelSpec, seed: int) -> None:
                 finite_bf16(int_view(local.view(lt.view_shape(len(spec[p.tensor].shape)))[slices(p.local_start, p.size)]))
 
 
-def quantize_sources(base: Shards, wire: Shards, layout: QuantizedLayout, spec: ModelSpec, rank: int) -> None:
-    """One trainer rank's wire shard from its unquantized one: each quantized weight into its
-    values and scales; every other tensor copied as it is (a trainer sends those in place — here
-    they cost one device copy each, counted in the refit's time)."""
-    scales = layout.scale_locals(spec, rank)
-    plain_src, plain_dst = [], []
-    xs, outs, scale_outs = [], [], []
-    for name, t in base.tensors.items():
-        if name in scales:
-            xs.append(t)
-            outs.append(wire.tensors[name])
-            scale_outs.append(wire.tensors[scales[name]])
-        else:
-            plain_src.append(t)
-            plain_dst.append(wire.tensors[name])
-    quantize_many(layout.quantization, xs, outs, scale_outs)
-    if plain_dst:  # as bits: a CUDA copy of bfloat16 rewrites NaN patterns (the canonical values hold some)
-        torch._foreach_copy_([int_view(t) for t in plain_dst], [int_view(t) for t in plain_src])
+class SourceQuantizer:
+    """One trainer rank's wire shard from its unquantized one, each refit: each quantized weight
+    into its values and scales; every other tensor copied as it is (a trainer sends those in place
+    — here they cost one device copy each, counted in the refit's time).  The tensor lists are
+    made once: a MoE shard has ten thousand tensors, and deriving them again each refit cost
+    more than the quantizing (as `refit.control.dataplane_executor` derives them once a plan)."""
+
+    def __init__(self, base: Shards, wire: Shards, layout: QuantizedLayout, spec: ModelSpec, rank: int) -> None:
+        self.fmt = layout.quantization
+        scales = layout.scale_locals(spec, rank)
+        self.xs = [t for name, t in base.tensors.items() if name in scales]
+        self.outs = [wire.tensors[name] for name in base.tensors if name in scales]
+        self.scales = [wire.tensors[scales[name]] for name in base.tensors if name in scales]
+        # as bits: a CUDA copy of bfloat16 rewrites NaN patterns (the canonical values hold some)
+        self.plain_src = [int_view(t) for name, t in base.tensors.items() if name not in scales]
+        self.plain_dst = [int_view(wire.tensors[name]) for name in base.tensors if name not in scales]
+
+    def __call__(self) -> None:
+        quantize_many(self.fmt, self.xs, self.outs, self.scales)
+        if self.plain_dst:
+            torch._foreach_copy_(self.plain_dst, self.plain_src)
 
 
 def verify_quantized(shards: Shards, spec: ModelSpec, seed: int) -> Verdict:

@@ -28,7 +28,7 @@ from refit.executor.seating import connect
 from refit.executor.shards import Shards, Verdict, allocate, fill_sentinel, fill_source, verify
 from refit.executor.topology import Endpoint, Topology, endpoint_name
 from refit.executor.transports import PeerError
-from refit.bench.quantized import fill_finite, quantize_sources, verify_quantized
+from refit.bench.quantized import SourceQuantizer, fill_finite, verify_quantized
 from refit.layouts import Layout, LocalTensor, QuantizedLayout
 from refit.plan import Plan
 from refit.spec import ModelSpec, base_spec
@@ -137,6 +137,7 @@ class Session:
             torch.cuda.set_device(index)  # this process's context on its own GPU first
         self.shards: dict[Endpoint, Shards] = {}
         self.unquantized: dict[Endpoint, Shards] = {}  # quantizing trainers (`refit.bench.quantized`)
+        self.quantizers: dict[Endpoint, SourceQuantizer] = {}
         for ep in self.mine:  # a CPU shard another process reads lives in /dev/shm
             shm = self.shm_path(ep) if job.device == "cpu" and shares(topo, self.member, ep, ipc,
                                                                         ipc_direction(settings.current().ipc, cuda=False) == "push") else None
@@ -144,6 +145,7 @@ class Session:
             if ep[0] == "src" and isinstance(job.src, QuantizedLayout):  # what the trainer holds, unquantized
                 self.unquantized[ep] = allocate(job.src.inner.local_tensors(base_spec(job.spec), ep[1]),
                                                 torch.device(device), None, job.alloc == "framework")
+                self.quantizers[ep] = SourceQuantizer(self.unquantized[ep], self.shards[ep], job.src, job.spec, ep[1])
         names = [topo.describe_member(m) for m in range(len(topo.members))]
         store = connect(job.store_host, job.store_port, job.session, job.timeout_s)
         self.m = Member(store, topo, self.member, device, self.shards, job.spec, job.src, job.dst, names,
@@ -225,8 +227,8 @@ class Session:
         self.device.synchronize()
         t0 = time.perf_counter()
         with torch.no_grad():
-            for ep, base in self.unquantized.items():
-                quantize_sources(base, self.shards[ep], self.job.src, self.job.spec, ep[1])
+            for quantize in self.quantizers.values():
+                quantize()
         self.device.synchronize()
         return time.perf_counter() - t0
 
