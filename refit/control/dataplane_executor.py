@@ -226,7 +226,7 @@ class ExecutorDataPlane(BaseDataPlane):
         first, as writing a checkpoint would."""
         (fmt_name, base_dtype), scales = self._quantize[plan_hash]
         fmt, base = quant_format(fmt_name), getattr(torch, base_dtype)
-        xs, outs, scale_outs = [], [], []
+        xs, outs, scale_outs, casts, cast_from = [], [], [], [], []
         for name, (scale_name, scale_shape) in scales.items():
             t = tensors[name]
             values, scale = buffers.get(name), buffers.get(scale_name)
@@ -234,11 +234,20 @@ class ExecutorDataPlane(BaseDataPlane):
                 values = buffers[name] = torch.empty(t.shape, dtype=getattr(torch, fmt.value_dtype), device=t.device)
                 scale = buffers[scale_name] = torch.empty(scale_shape, dtype=getattr(torch, fmt.scale_dtype),
                                                           device=t.device)
-            xs.append(t if t.dtype == base else t.to(base))
+            if t.dtype != base:  # rounded into a buffer of its own: the same tensors every refit
+                rounded = buffers.get(name + "#rounded")
+                if rounded is None or rounded.shape != t.shape or rounded.device != t.device:
+                    rounded = buffers[name + "#rounded"] = torch.empty(t.shape, dtype=base, device=t.device)
+                casts.append(rounded)
+                cast_from.append(t)
+                t = rounded
+            xs.append(t)
             outs.append(values)
             scale_outs.append(scale)
             out[name], out[scale_name] = values, scale
-        with torch.no_grad():  # few launches for thousands of expert tensors
+        with torch.no_grad():  # few launches for thousands of expert tensors (cached while the tensors stay)
+            if casts:
+                torch._foreach_copy_(casts, cast_from)
             quantize_many(fmt_name, xs, outs, scale_outs)
 
     def _run_view(self, plan: Plan) -> tuple[ModelSpec, Layout, Layout]:

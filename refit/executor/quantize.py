@@ -186,16 +186,32 @@ def _as_3d(t: torch.Tensor) -> torch.Tensor | None:
         return None
 
 
+def _slices(x: torch.Tensor, q: torch.Tensor, s: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """``x``, ``q`` and ``s`` as ``[L, R, C]`` stacks of 2-D slices; an output whose leading dims
+    do not flatten gets a temporary (`_write_back` copies it over)."""
+    r, c = x.shape[-2:]
+    x3 = x.reshape(-1, r, c)
+    q3, s3 = _as_3d(q), _as_3d(s)
+    q_out = q3 if q3 is not None else torch.empty(x3.shape, dtype=FP8_DTYPE, device=x.device)
+    s_out = s3 if s3 is not None else torch.empty((x3.shape[0], *s.shape[-2:]), dtype=torch.float32, device=x.device)
+    return x3, q_out, s_out
+
+
+def _write_back(q: torch.Tensor, s: torch.Tensor, q_out: torch.Tensor, s_out: torch.Tensor) -> None:
+    """Copy `_slices`' temporaries into the real outputs (nothing where the outputs were used)."""
+    if q_out.data_ptr() != q.data_ptr():
+        q.copy_(q_out.view(q.shape))
+    if s_out.data_ptr() != s.data_ptr():
+        s.copy_(s_out.view(s.shape))
+
+
 def _quantize_fp8_torch(x: torch.Tensor, block: tuple[int, int], q: torch.Tensor, s: torch.Tensor) -> None:
     """The reference's operations on slabs of whole block rows: two float32 work buffers of at
     most `_CPU_CHUNK_ELEMS` elements, whatever the input's size."""
     bm, bn = block
     r, c = x.shape[-2:]
     nbr, nbc = s.shape[-2:]
-    x3 = x.reshape(-1, r, c)
-    q3, s3 = _as_3d(q), _as_3d(s)
-    q_out = q3 if q3 is not None else torch.empty(x3.shape, dtype=FP8_DTYPE, device=x.device)
-    s_out = s3 if s3 is not None else torch.empty((x3.shape[0], nbr, nbc), dtype=torch.float32, device=x.device)
+    x3, q_out, s_out = _slices(x, q, s)
     leads = x3.shape[0]
     cp = nbc * bn
     slice_elems = nbr * bm * cp
@@ -227,10 +243,7 @@ def _quantize_fp8_torch(x: torch.Tensor, block: tuple[int, int], q: torch.Tensor
             blocks.mul_(torch.reciprocal(sf)[:, :, None, :, None])  # the reference's x * (1.0 / sf)
             q_out[l0:l0 + nl, r0:r1].copy_(work[:, :r1 - r0, :c])
             s_out[l0:l0 + nl, b0:b0 + nb].copy_(sf)
-    if q3 is None:
-        q.copy_(q_out.view(q.shape))
-    if s3 is None:
-        s.copy_(s_out.view(s.shape))
+    _write_back(q, s, q_out, s_out)
 
 
 def dequantize_fp8_blocks(q: torch.Tensor, scale: torch.Tensor, block: tuple[int, int] = FP8_BLOCK,
@@ -406,10 +419,7 @@ def _quantize_fp8_triton(x: torch.Tensor, block: tuple[int, int], q: torch.Tenso
     bm, bn = block
     r, c = x.shape[-2:]
     nbr, nbc = s.shape[-2:]
-    x3 = x.reshape(-1, r, c)
-    q3, s3 = _as_3d(q), _as_3d(s)
-    q_out = q3 if q3 is not None else torch.empty(x3.shape, dtype=FP8_DTYPE, device=x.device)
-    s_out = s3 if s3 is not None else torch.empty((x3.shape[0], nbr, nbc), dtype=torch.float32, device=x.device)
+    x3, q_out, s_out = _slices(x, q, s)
     pbn, sub_m, n_sub, even = _tiling((bm, bn), r, c)
     programs = x3.shape[0] * nbr * nbc
     if programs >= 2 ** 31:
@@ -423,10 +433,7 @@ def _quantize_fp8_triton(x: torch.Tensor, block: tuple[int, int], q: torch.Tenso
             FP8MAX=FP8_MAX, AMIN=AMAX_MIN,
             num_warps=num_warps or _num_warps(sub_m * pbn), num_stages=1,
         )
-    if q3 is None:
-        q.copy_(q_out.view(q.shape))
-    if s3 is None:
-        s.copy_(s_out.view(s.shape))
+    _write_back(q, s, q_out, s_out)
 
 
 # ------------------------------------------------------------------------------------------------

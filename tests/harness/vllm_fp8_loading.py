@@ -91,26 +91,14 @@ from unittest import mock
 
 import torch
 
+from tests.harness.vllm_capture.direct import _DeviceGroup  # rank and size of a group, as vLLM reads them
+
 # HF model_type -> vLLM model class (its registry name), for configs that do not name it.
 ARCHITECTURES = {"qwen3": "Qwen3ForCausalLM", "qwen3_moe": "Qwen3MoeForCausalLM"}
 # The quant methods whose parameters the oracle reports (vLLM's block-FP8 linear and MoE methods).
 FP8_METHODS = ("Fp8LinearMethod", "Fp8MoEMethod")
 FP8 = torch.float8_e4m3fn
 SCALE_SUFFIX = ".weight_scale_inv"
-
-
-class _DeviceGroup:
-    """What vLLM's model constructors read of a group's torch process group: rank and size
-    (Qwen3-MoE's sparse block sizes its EP bookkeeping with ``get_ep_group().device_group.size()``)."""
-
-    def __init__(self, rank: int, size: int) -> None:
-        self._rank, self._size = rank, size
-
-    def rank(self) -> int:
-        return self._rank
-
-    def size(self) -> int:
-        return self._size
 
 
 class _GroupStandIn:
