@@ -119,8 +119,10 @@ class ExecutorDataPlane(BaseDataPlane):
             wire = mine.local_tensors(spec, seat.rank)
             scales = mine.scale_locals(spec, seat.rank) if isinstance(mine, QuantizedLayout) else {}
             shapes = {lt.name: lt.shape for lt in wire}
-            self._casts[plan.plan_hash] = {lt.name: lt.dtype for lt in wire
-                                           if lt.name in held and held[lt.name] != lt.dtype and lt.name not in scales}
+            # a weight the plan quantizes is cast first to the dtype it is quantized from (float32
+            # masters rounded to bfloat16, as writing a checkpoint would): `_cast`, then `_quantize_into`
+            want = {lt.name: plan.quantization[1] if lt.name in scales else lt.dtype for lt in wire if lt.name in held}
+            self._casts[plan.plan_hash] = {name: dtype for name, dtype in want.items() if held[name] != dtype}
             if scales:
                 self._quantize[plan.plan_hash] = (plan.quantization, {w: (s, shapes[s]) for w, s in scales.items()})
 
@@ -194,10 +196,11 @@ class ExecutorDataPlane(BaseDataPlane):
             raise
 
     def _cast(self, plan_hash: str, tensors: Tensors) -> Tensors:
-        """The trainer's tensors as the wire carries them: each one the plan quantizes in wire
-        buffers of its values and scales (`_quantize_into`); each one the plan casts copied into a
+        """The trainer's tensors as the wire carries them: each one the plan casts copied into a
         buffer of the engines' dtype (kept for the plan's life, so that the member built on it
-        stays valid); the rest as they are.  Rounding, and why here: `refit.casts`.  One
+        stays valid; a weight the plan quantizes: of the dtype it is quantized from), then each
+        one it quantizes in buffers of its values and scales (`_quantize_into`); the rest as they
+        are.  Rounding, and why here: `refit.casts`.  One
         ``_foreach_copy_`` for all: a loop of ``copy_`` over a MoE shard's thousands of expert
         tensors ran at a third of the GPU's bandwidth (bench/probes/cast_copy.py: 32 ms against 12)."""
         buffers = self._wire.setdefault(plan_hash, {})
@@ -205,49 +208,31 @@ class ExecutorDataPlane(BaseDataPlane):
         sources, targets = [], []
         for name, dtype in self._casts.get(plan_hash, {}).items():
             t = tensors[name]
-            buf = buffers.get(name)
-            if buf is None or buf.shape != t.shape or buf.device != t.device:
-                buf = buffers[name] = torch.empty(t.shape, dtype=getattr(torch, dtype), device=t.device)
             sources.append(t)
-            targets.append(buf)
-            out[name] = buf
+            targets.append(_buffer(buffers, f"{name}@{dtype}", t.shape, dtype, t.device))
+            out[name] = targets[-1]
         if targets:
             with torch.no_grad():
                 torch._foreach_copy_(targets, sources)
         if plan_hash in self._quantize:
-            self._quantize_into(plan_hash, tensors, out, buffers)
+            self._quantize_into(plan_hash, out, buffers)
         return out
 
-    def _quantize_into(self, plan_hash: str, tensors: Tensors, out: dict[str, torch.Tensor],
-                       buffers: dict[str, torch.Tensor]) -> None:
-        """Quantize each weight the plan quantizes into wire buffers of its values and its scales
-        (`refit.executor.quantize`: bit for bit what vLLM's block quantization of the same
-        tensor in the dtype quantized from gives); a trainer holding float32 rounds to that dtype
-        first, as writing a checkpoint would."""
-        (fmt_name, base_dtype), scales = self._quantize[plan_hash]
-        fmt, base = quant_format(fmt_name), getattr(torch, base_dtype)
-        xs, outs, scale_outs, casts, cast_from = [], [], [], [], []
+    def _quantize_into(self, plan_hash: str, out: dict[str, torch.Tensor], buffers: dict[str, torch.Tensor]) -> None:
+        """Quantize each weight the plan quantizes (in ``out``: already cast to the dtype it is
+        quantized from) into wire buffers of its values and its scales, which replace it in
+        ``out`` (`refit.executor.quantize`: bit for bit what vLLM's quantization of the same
+        tensor gives)."""
+        (fmt_name, _), scales = self._quantize[plan_hash]
+        fmt = quant_format(fmt_name)
+        xs, outs, scale_outs = [], [], []
         for name, (scale_name, scale_shape) in scales.items():
-            t = tensors[name]
-            values, scale = buffers.get(name), buffers.get(scale_name)
-            if values is None or values.shape != t.shape or values.device != t.device:
-                values = buffers[name] = torch.empty(t.shape, dtype=getattr(torch, fmt.value_dtype), device=t.device)
-                scale = buffers[scale_name] = torch.empty(scale_shape, dtype=getattr(torch, fmt.scale_dtype),
-                                                          device=t.device)
-            if t.dtype != base:  # rounded into a buffer of its own: the same tensors every refit
-                rounded = buffers.get(name + "#rounded")
-                if rounded is None or rounded.shape != t.shape or rounded.device != t.device:
-                    rounded = buffers[name + "#rounded"] = torch.empty(t.shape, dtype=base, device=t.device)
-                casts.append(rounded)
-                cast_from.append(t)
-                t = rounded
+            t = out[name]
             xs.append(t)
-            outs.append(values)
-            scale_outs.append(scale)
-            out[name], out[scale_name] = values, scale
+            outs.append(_buffer(buffers, name, t.shape, fmt.value_dtype, t.device))
+            scale_outs.append(_buffer(buffers, scale_name, scale_shape, fmt.scale_dtype, t.device))
+            out[name], out[scale_name] = outs[-1], scale_outs[-1]
         with torch.no_grad():  # few launches for thousands of expert tensors (cached while the tensors stay)
-            if casts:
-                torch._foreach_copy_(casts, cast_from)
             quantize_many(fmt_name, xs, outs, scale_outs)
 
     def _run_view(self, plan: Plan) -> tuple[ModelSpec, Layout, Layout]:
@@ -259,6 +244,17 @@ class ExecutorDataPlane(BaseDataPlane):
             held.close()
         self._members.clear()
         self._wire.clear()
+
+
+def _buffer(buffers: dict[str, torch.Tensor], key: str, shape: tuple[int, ...] | torch.Size, dtype: str,
+            device: torch.device) -> torch.Tensor:
+    """The wire buffer ``key`` of a plan, made anew only when the trainer's tensor changed shape or
+    device (kept for the plan's life: the member built on it stays valid, and the quantizer's
+    launch plan, cached per set of tensors, too)."""
+    buf = buffers.get(key)
+    if buf is None or buf.shape != shape or buf.device != device:
+        buf = buffers[key] = torch.empty(shape, dtype=getattr(torch, dtype), device=device)
+    return buf
 
 
 def close_store(store: dist.Store) -> None:

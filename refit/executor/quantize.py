@@ -42,11 +42,12 @@ from typing import Any, Callable, Sequence
 import torch
 
 from refit.errors import InvalidInput
+from refit.quantization import FORMATS, scale_shape
 
 log = logging.getLogger("refit.executor")
 
 FP8_MAX = 448.0
-FP8_BLOCK = (128, 128)
+FP8_BLOCK = FORMATS["fp8"].block  # (128, 128)
 FP8_DTYPE = torch.float8_e4m3fn
 # The reference clamps amax with the Python float 1e-4, which torch rounds to float32 first.
 AMAX_MIN = float(torch.tensor(1e-4, dtype=torch.float32).item())
@@ -90,11 +91,10 @@ def _check_block(block: Any) -> tuple[int, int]:
 def fp8_scale_shape(shape: torch.Size | tuple[int, ...], block: tuple[int, int] = FP8_BLOCK) -> tuple[int, ...]:
     """The scale tensor's shape for values of ``shape``: one scale per (partial) block of the
     last two dims, ``(*lead, ceil(R/bm), ceil(C/bn))``."""
-    bm, bn = _check_block(block)
+    block = _check_block(block)
     if len(shape) < 2:
         raise InvalidInput(f"per-block FP8 needs at least 2 dims, got shape {tuple(shape)}")
-    *lead, r, c = shape
-    return (*lead, -(-r // bm), -(-c // bn))
+    return scale_shape(tuple(shape), block)
 
 
 def _check_out(t: torch.Tensor | None, name: str, shape: tuple[int, ...], dtype: torch.dtype,

@@ -26,7 +26,7 @@ from typing import Any
 
 from refit.errors import InvalidInput
 from refit.layouts.base import Layout, LocalTensor, Piece
-from refit.quantization import QuantFormat, is_quantized, quant_format
+from refit.quantization import QuantFormat, is_quantized, quant_format, scale_shape
 from refit.spec import ModelSpec, base_spec
 
 _DIM_NAMES = ("rows", "columns")
@@ -94,9 +94,9 @@ class QuantizedLayout:
                 _check_cut(self.describe(), rank, lt.name, p, canon, local, d, block, fmt)
             scales.append(Piece(p.tensor + fmt.scale_suffix, _blocks(p.start, fmt.block, math.floor),
                                 _blocks(p.size, fmt.block, math.ceil), _blocks(p.local_start, fmt.block, math.floor)))
-        scale_shape = tuple(lt.shape[:-2]) + _blocks(lt.shape[-2:], fmt.block, math.ceil)
         return [LocalTensor(lt.name, lt.shape, fmt.value_dtype, lt.pieces),
-                LocalTensor(lt.name + fmt.scale_suffix, scale_shape, fmt.scale_dtype, tuple(scales))]
+                LocalTensor(lt.name + fmt.scale_suffix, scale_shape(lt.shape, fmt.block), fmt.scale_dtype,
+                            tuple(scales))]
 
 
 def _check_cut(layout: str, rank: int, local: str, p: Piece, canon: tuple[int, ...], local_shape: tuple[int, ...],
