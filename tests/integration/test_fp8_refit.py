@@ -114,6 +114,26 @@ def compare(got: list[dict[str, torch.Tensor]], quantized: list[dict[str, torch.
     return bad
 
 
+def refit_twice_as_vllm_loads(client, plan_id: str, engines: Engines, spec, change, checkpoint, tmp_path) -> None:
+    """Refit, ``change(2)`` the trainer's weights, refit: each time every engine tensor against
+    vLLM's loading of its own FP8 quantization of the checkpoint ``checkpoint(directory, version)``
+    writes (and returns, as HF tensors), the unquantized ones against refit's offline reshard of it."""
+    for version in (1, 2):
+        if version == 2:
+            change(version)
+        assert client.refit(plan_id, version=version, timeout=180).ok
+        ckpt = str(tmp_path / f"v{version}")
+        state = checkpoint(ckpt, version)
+        bad = compare(engines.tensors, oracle_ranks(state, 2), expected_engine_tensors(spec, "vllm:tp2", ckpt))
+        assert not bad, bad[:5]
+
+
+def fp8_engines(server, spec, group: str) -> Engines:
+    """Engine agents holding ``spec`` served FP8 in ``vllm:tp2``."""
+    return Engines(server.address, build_spec(spec.name, dataclasses.replace(spec.config, quantization="fp8")),
+                   "vllm:tp2", group=group)
+
+
 @pytest.mark.parametrize("held", [torch.bfloat16, torch.float32], ids=["bf16", "fp32-masters"])
 def test_trainer_quantizes_on_the_way_into_fp8_engines(server, tmp_path, held) -> None:
     srv, client = server
@@ -121,22 +141,15 @@ def test_trainer_quantizes_on_the_way_into_fp8_engines(server, tmp_path, held) -
     group = f"fp8-{held}".replace("torch.", "")
     agent = refit_hf.attach(model, srv.address, group=group)
     base = build_spec(agent.spec.name, dataclasses.replace(agent.spec.config, dtype="bfloat16"))
-    engine_spec = build_spec(agent.spec.name, dataclasses.replace(base.config, quantization="fp8"))
-    engines = Engines(srv.address, engine_spec, "vllm:tp2", group=f"{group}-engine")
+    engines = fp8_engines(srv, base, f"{group}-engine")
     try:
         created = client.create_plan(group, f"{group}-engine")
         plan = client.get_plan(created["plan_id"], include_plan=True)["plan"]
         assert plan.quantization == ("fp8", "bfloat16")
         wire = sum(b.nbytes for b in plan.buckets)
         assert wire < 0.55 * base.nbytes  # float8 weights: about half the bytes of the bfloat16 refit
-        for version in (1, 2):
-            if version == 2:
-                train_step(model, seed=3)
-            assert client.refit(created["plan_id"], version=version, timeout=120).ok
-            ckpt = tmp_path / f"{group}-v{version}"
-            state = hf_state(model, str(ckpt))
-            bad = compare(engines.tensors, oracle_ranks(state, 2), expected_engine_tensors(base, "vllm:tp2", str(ckpt)))
-            assert not bad, bad[:5]
+        refit_twice_as_vllm_loads(client, created["plan_id"], engines, base, lambda v: train_step(model, seed=v + 1),
+                                  lambda ckpt, _: hf_state(model, ckpt), tmp_path)
     finally:
         agent.stop()
         engines.close()
@@ -265,18 +278,14 @@ def test_fsdp2_trainer_ranks_quantize_their_own_shards(server, tmp_path) -> None
         answers = trainers.ready()
         assert all(a[0] == "ready" for a in answers), answers
         spec = answers[0][1]
-        engine_spec = build_spec(spec.name, dataclasses.replace(spec.config, quantization="fp8"))
-        engines = Engines(srv.address, engine_spec, "vllm:tp2", group="fp8-fsdp-engine")
+        engines = fp8_engines(srv, spec, "fp8-fsdp-engine")
         plan_id = client.create_plan("fp8-fsdp", "fp8-fsdp-engine")["plan_id"]
-        for version in (1, 2):
-            if version == 2:
-                trainers.ask("step", version)
-            assert client.refit(plan_id, version=version, timeout=180).ok
-            ckpt = str(tmp_path / f"v{version}")
+
+        def saved(ckpt: str, _: int) -> dict[str, torch.Tensor]:
             trainers.ask("save", ckpt)
-            state = load_file(os.path.join(ckpt, "model.safetensors"))
-            bad = compare(engines.tensors, oracle_ranks(state, 2), expected_engine_tensors(spec, "vllm:tp2", ckpt))
-            assert not bad, bad[:5]
+            return load_file(os.path.join(ckpt, "model.safetensors"))
+
+        refit_twice_as_vllm_loads(client, plan_id, engines, spec, lambda v: trainers.ask("step", v), saved, tmp_path)
     finally:
         trainers.close()
         if engines is not None:
@@ -308,18 +317,14 @@ def test_megatron_trainer_ranks_quantize_their_own_shards(server, tmp_path) -> N
         shapes = {}
         for s in trainers.ask("shapes"):
             shapes.update(s)
-        engine_spec = build_spec(spec.name, dataclasses.replace(spec.config, quantization="fp8"))
-        engines = Engines(srv.address, engine_spec, "vllm:tp2", group="fp8-megatron-engine")
+        engines = fp8_engines(srv, spec, "fp8-megatron-engine")
         plan_id = client.create_plan("fp8-megatron", "fp8-megatron-engine")["plan_id"]
-        for version in (1, 2):
-            if version == 2:
-                trainers.ask("fill", version)
-            assert client.refit(plan_id, version=version, timeout=180).ok
-            ckpt = str(tmp_path / f"v{version}")
+        def written(ckpt: str, version: int) -> dict[str, torch.Tensor]:  # the values Megatron's placement gave
             state = megatron_to_hf(shapes, spec, version)
             write_hf(ckpt, state)
-            bad = compare(engines.tensors, oracle_ranks(state, 2), expected_engine_tensors(spec, "vllm:tp2", ckpt))
-            assert not bad, bad[:5]
+            return state
+
+        refit_twice_as_vllm_loads(client, plan_id, engines, spec, lambda v: trainers.ask("fill", v), written, tmp_path)
     finally:
         trainers.close()
         if engines is not None:
