@@ -105,8 +105,9 @@ def report(spec: ModelSpec, plans: list[Any], timed: list[list[bool]], results: 
         s = r.summary
         per_worker = [w.runs[i] for w in results]  # this plan run, as every worker saw it
         # a quantizing plan's refit: the trainers quantize, then (after the start barrier) the shares
-        per_refit = [max(p.seconds[k] for p in per_worker) + max((p.quantize_seconds[k] for p in per_worker), default=0)
-                     for k, t in enumerate(timed[i]) if t]
+        counted = [k for k, t in enumerate(timed[i]) if t]
+        quantize = [max(p.quantize_seconds[k] for p in per_worker) for k in counted]
+        per_refit = [q + max(p.seconds[k] for p in per_worker) for q, k in zip(quantize, counted)]
         verdicts = [v for p in per_worker for vs in p.verdicts.values() for v in vs]
         dst_eps = {name for p in per_worker for name in p.verdicts}
         moved = s["remote_bytes"] + s["local_bytes"]
@@ -139,7 +140,6 @@ def report(spec: ModelSpec, plans: list[Any], timed: list[list[bool]], results: 
             "first_mismatch": next((v.first for v in verdicts if v.first), None),
         })
         if spec.config.quantization:  # the trainers' quantizing, inside each refit's seconds
-            quantize = [max(p.quantize_seconds[k] for p in per_worker) for k, t in enumerate(timed[i]) if t]
             out["runs"][-1]["quantize_seconds"] = {"median": statistics.median(quantize), "all": quantize}
     runs = out["runs"]
     out["speedup"] = runs[1]["seconds"]["median"] / runs[0]["seconds"]["median"] if len(runs) > 1 else None

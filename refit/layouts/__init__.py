@@ -21,7 +21,8 @@ from refit.layouts.vllm import VllmLayout
 from refit.spec import ModelSpec
 
 __all__ = ["Layout", "LocalTensor", "Piece", "parse_layout", "resolve_layout", "holdings", "all_holdings",
-           "MegatronLayout", "VllmLayout", "FsdpLayout", "HFLayout", "QuantizedLayout", "LAYOUTS", "LAYOUT_HELP", "register_layout"]
+           "MegatronLayout", "VllmLayout", "FsdpLayout", "HFLayout", "QuantizedLayout", "LAYOUTS", "LAYOUT_HELP",
+           "register_layout"]
 
 # framework name -> layout class (in the order LAYOUT_HELP lists them)
 LAYOUTS: dict[str, type[Layout]] = {}
