@@ -93,6 +93,16 @@ def server(coordinator_timeout: float) -> Iterator[tuple[Any, Any]]:
         yield both
 
 
+@pytest.fixture(scope="module")
+def coordinator() -> Iterator[tuple[str, Any]]:
+    """The vLLM tests' coordinator, one per module: ``(address, client)`` of
+    `tests.harness.vllm_rl.loopback_coordinator` (60 s refits)."""
+    from tests.harness.vllm_rl import loopback_coordinator
+
+    with loopback_coordinator() as both:
+        yield both
+
+
 @pytest.fixture
 def make_coordinator() -> Iterator[Callable[..., tuple[Any, Any]]]:
     """A factory of coordinators on loopback for one test: ``make_coordinator(**server_kw)`` starts

@@ -460,15 +460,10 @@ def differs(a: list, b: list) -> str:
 
 @contextlib.contextmanager
 def loopback_coordinator() -> Iterator[tuple[str, Any]]:
-    """A coordinator on loopback and a client of it: (address, client)."""
-    from refit.control.client import Client
-    from refit.control.server import ThreadedServer
+    """A coordinator on loopback (`tests.harness.loopback`, 60 s refits: live engines are slow
+    here) and a client of it: (address, client), what `Engine` and the trainers here take."""
+    from tests.harness.loopback import loopback
 
-    server = ThreadedServer(default_timeout=60.0)
-    client = Client(server.address)
-    try:
+    with loopback(default_timeout=60.0) as (server, client):
         yield server.address, client
-    finally:
-        client.close()
-        server.stop()
 

@@ -27,7 +27,7 @@ from __future__ import annotations
 import pytest
 import torch
 
-from tests.harness.vllm_rl import differs, loopback_coordinator, vllm_marks
+from tests.harness.vllm_rl import differs, vllm_marks
 
 pytestmark = vllm_marks()
 
@@ -74,12 +74,6 @@ def fresh_w2(ckpts):
         return done[model, tp]
 
     return get
-
-
-@pytest.fixture(scope="module")
-def coordinator():
-    with loopback_coordinator() as both:
-        yield both
 
 
 

@@ -28,7 +28,7 @@ import time
 
 import pytest
 
-from tests.harness.vllm_rl import differs, loopback_coordinator, vllm_marks
+from tests.harness.vllm_rl import differs, vllm_marks
 
 pytestmark = vllm_marks()
 
@@ -57,12 +57,6 @@ def ckpts(tmp_path_factory):
             maker(d, seed=seed)
             out[model, seed] = d
     return out
-
-
-@pytest.fixture(scope="module")
-def coordinator():
-    with loopback_coordinator() as both:
-        yield both
 
 
 class Setup:

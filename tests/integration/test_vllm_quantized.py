@@ -53,7 +53,7 @@ import sys
 import pytest
 import torch
 
-from tests.harness.vllm_rl import differs, loopback_coordinator, vllm_marks
+from tests.harness.vllm_rl import differs, vllm_marks
 
 pytestmark = vllm_marks()
 log = logging.getLogger(__name__)
@@ -111,12 +111,6 @@ def ckpts(tmp_path_factory):
         return made[model, seed]
 
     return get
-
-
-@pytest.fixture(scope="module")
-def coordinator():
-    with loopback_coordinator() as both:
-        yield both
 
 
 class Setup:
