@@ -151,6 +151,13 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
                    help="direct (default): the bench starts the workers and times the data plane; grpc: "
                         "each rank embeds a refit agent, a loopback coordinator runs the refits as an RL "
                         "loop would (refit.Client), and the control plane's share of each refit is reported")
+    p.add_argument("--atomic", action="store_true",
+                   help="with --via grpc: all-or-none refits (Client.refit(atomic=True)): every engine receives "
+                        "into a staging copy of its shard and switches when all are ready; the report adds the "
+                        "staging bytes per engine.  Compare with the same command without it")
+    p.add_argument("--verify", action="store_true",
+                   help="with --via grpc: verified refits (Client.refit(verify=True)): both ends checksum every "
+                        "transfer and the coordinator compares them; the report counts the transfers checked")
     p.add_argument("--ray", metavar="ADDRESS", default=None,
                    help="run every rank (source and destination) as a Ray actor placed across the cluster's nodes "
                         "(colocated: source rank i and destination rank i in one bundle, one GPU; disaggregated: "
@@ -180,6 +187,8 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
         p.error(f"--timeout must be more than 0 seconds, got {a.timeout:g}")
     if a.link_mb is not None and not a.link_mb > 0:
         p.error(f"--link-mb must be more than 0, got {a.link_mb:g}")
+    if (a.atomic or a.verify) and a.via != "grpc":
+        p.error("--atomic and --verify are options of Client.refit: run them with --via grpc")
     if a.via == "grpc" and a.vs:
         p.error("--vs compares planners on the direct bench; with --via grpc run each planner on its own")
     if a.ray is not None and a.via == "grpc":

@@ -8,6 +8,9 @@ holds its shard (source values or the destination sentinel, as in the direct ben
 ``Refit(plan_id, version)`` and times the round trip.  Reported per refit: the client's round trip,
 the data time (slowest worker's executor time, from its own clock) and the difference — what the
 control plane and the start/end barriers add.  The last version is verified on every engine.
+``--atomic`` and ``--verify`` pass the same options to every ``Refit`` (all or none: engines
+stage and switch; checksums of every transfer compared), so their cost reads against the same
+command without them.
 
 With ``--alloc framework`` (the default) each engine rank allocates every parameter on its own,
 one ``torch.empty`` each in model order, as vLLM does, and its agent registers those very tensors:
@@ -74,7 +77,7 @@ def _agent_main(conn: Any, address: str, spec: ModelSpec, role: str, rank: int, 
                 conn.send(("ok", None))
             elif cmd == "verify":
                 moved = [n for n, t in shards.tensors.items() if t.data_ptr() != addresses[n]]
-                conn.send(("ok", (verify(shards, spec, arg), moved)))
+                conn.send(("ok", (verify(shards, spec, arg), moved, agent.staging_bytes)))
             else:
                 agent.stop()
                 conn.send(("ok", None))
@@ -190,7 +193,8 @@ def run_grpc(args: argparse.Namespace, spec: ModelSpec, plan: Any, cuda: bool, t
             version = k + 1
             ranks.ask(ranks.of("trainer"), "fill", version)
             t0 = time.perf_counter()
-            result = client.refit(created["plan_id"], version=version, timeout=args.timeout)
+            result = client.refit(created["plan_id"], version=version, timeout=args.timeout, atomic=args.atomic,
+                                  verify=args.verify)
             trip = time.perf_counter() - t0
             if k >= args.warmup:
                 trips.append(trip)
@@ -212,8 +216,8 @@ def run_grpc(args: argparse.Namespace, spec: ModelSpec, plan: Any, cuda: bool, t
             server.stop()
         finally:
             coord_log.setLevel(level_before)  # a library caller's logging stays as it was
-    verdicts = [v for v, _ in checks]
-    moved = sum(len(m) for _, m in checks)
+    verdicts = [v for v, _, _ in checks]
+    moved = sum(len(m) for _, m, _ in checks)
     verified = all(v.ok for v in verdicts) and not moved
     return {
         "via": "grpc", "model": spec.name, "src": plan.src.describe(), "dst": plan.dst.describe(),
@@ -225,6 +229,8 @@ def run_grpc(args: argparse.Namespace, spec: ModelSpec, plan: Any, cuda: bool, t
         "engine_allocation": ("one allocation per parameter (as vLLM), written in place" if args.alloc == "framework"
                               else "one arena per rank"), "moved_parameters": moved,
         "checked_elements": sum(v.checked for v in verdicts), "mismatches": sum(v.mismatches for v in verdicts),
+        "atomic": args.atomic, "staging_bytes": max(s for _, _, s in checks),
+        "verify": args.verify, "verified_transfers": result.verified_transfers,
     }
 
 
@@ -246,4 +252,9 @@ def table_grpc(r: dict[str, Any]) -> str:
     lines += ["", f"engines received {fmt_bytes(r['engine_bytes'])} per refit into {r['engine_allocation']}; "
               f"verified: {'yes' if r['verified'] else 'NO'} ({r['checked_elements']} elements, {r['mismatches']} wrong, "
               f"{r['moved_parameters']} parameters moved)"]
+    if r.get("atomic"):
+        lines.append(f"atomic: every engine staged its shard and switched at the commit; staging "
+                     f"{fmt_bytes(r['staging_bytes'])} per engine (the largest)")
+    if r.get("verify"):
+        lines.append(f"verify: {r['verified_transfers']} transfers checksummed at both ends, all equal")
     return "\n".join(lines)

@@ -34,6 +34,8 @@ import threading
 import time
 from typing import Any, Callable, ClassVar, Iterator
 
+import torch
+
 from refit.control.agent_state import Expectation, Holding, Outcome, Outcomes
 from refit.control.agent_stream import AgentStream
 from refit.control.common import (KEEPALIVE_MS, KEEPALIVE_TIMEOUT_MS, Side, config_json, coordinator_address,
@@ -67,7 +69,8 @@ class Agent(AgentStream):
                  host: str = "127.0.0.1", gpu: int = -1, token: str | None = None, version: int = 0,
                  reconnect: bool = True, backoff: tuple[float, float] = (0.1, 5.0),
                  keepalive_ms: int = KEEPALIVE_MS, keepalive_timeout_ms: int = KEEPALIVE_TIMEOUT_MS,
-                 phase_layers: int = 0, phase_hook: PhaseHook | None = None, holding: Holding | None = None) -> None:
+                 phase_layers: int = 0, phase_hook: PhaseHook | None = None, holding: Holding | None = None,
+                 stages: bool = True) -> None:
         """``address``, ``token``: the coordinator's (default ``$REFIT_ADDRESS``, else
         127.0.0.1:50051, and ``$REFIT_TOKEN``).  ``tensors``: this rank's local tensors by local
         name, or a callable returning them at every refit (`TensorSource`); ``None``: none, for
@@ -79,7 +82,9 @@ class Agent(AgentStream):
         plans into this group are cut into phases of that many layers (`refit.phases`; 0: not
         phased); ``phase_hook`` checks each plan before it runs and hears each phase land.
         ``holding``: what the weights are, carried over from an earlier agent of the same weights
-        (registered again); by default a new record at ``version``."""
+        (registered again); by default a new record at ``version``.  ``stages`` (engines): under
+        an atomic refit, receive into staging and switch the tensors only at the commit
+        (`_staging`, `_switch`); False: this engine cannot, and atomic refits refuse it."""
         super().__init__(coordinator_address(address), coordinator_token(token), reconnect=reconnect,
                          backoff=backoff, keepalive_ms=keepalive_ms, keepalive_timeout_ms=keepalive_timeout_ms)
         self.group, self.rank, self.spec = group, rank, spec
@@ -103,6 +108,10 @@ class Agent(AgentStream):
             raise InvalidInput(f"phase_layers must be >= 0, got {phase_layers}")
         self.phase_layers, self.phase_hook = phase_layers, phase_hook
         self.holding = holding if holding is not None else Holding(version)
+        self.stages = stages and self.role is Side.ENGINE
+        self._stage_buffers: dict[str, torch.Tensor] = {}  # an atomic refit's staging, kept for the next
+        self._staged: tuple[str, int, Tensors, Tensors] | None = None  # (refit id, version, staged, live)
+        self._switch_task: asyncio.Future | None = None
         self._stale_before: tuple[str, bool] = ("", False)  # (refit id, staleness before it started here)
         self._running = ""  # refit id whose share runs on our thread
         self._last_refit = ""  # the refit we were last told to run: outcomes of others are ignored
@@ -140,6 +149,11 @@ class Agent(AgentStream):
     @property
     def stale(self) -> bool:
         return self.holding.stale
+
+    @property
+    def staging_bytes(self) -> int:
+        """Bytes this engine holds to stage atomic refits (its shard, once one ran; else 0)."""
+        return sum(t.numel() * t.element_size() for t in self._stage_buffers.values())
 
     @property
     def last_refit(self) -> str:
@@ -192,7 +206,8 @@ class Agent(AgentStream):
         return pb.WorkerInfo(role=self.role.role, group=self.group, rank=self.rank, host=self.host, gpu=self.gpu,
                              layout=self.layout.describe(), model_name=self.spec.name, model_digest=self.spec.digest(),
                              model_config_json=config_json(self.spec.config), version=self.holding.version,
-                             stale=self.holding.stale, pid=os.getpid(), phase_layers=self.phase_layers)
+                             stale=self.holding.stale, pid=os.getpid(), phase_layers=self.phase_layers,
+                             stages=self.stages)
 
     def _stream_ended(self) -> None:
         """A share still running is abandoned (a later run waits for it to end); a run queued behind
@@ -240,7 +255,8 @@ class Agent(AgentStream):
     async def _start(self, run: pb.RunRefit, deadline: float) -> None:
         if self.role is Side.ENGINE:
             self._stale_before = (run.refit_id, self.holding.stale)
-            self.holding.stale = True  # from now on our weights may be overwritten
+            if not run.atomic:  # from now on our weights may be overwritten (atomic: only the staging)
+                self.holding.stale = True
         try:
             plan = await self._plan(run)
         except Exception as e:
@@ -251,7 +267,8 @@ class Agent(AgentStream):
         self._members = {r.prefix: members}
         ctx = RunContext(run.plan_id, run.refit_id, run.version,
                          Rendezvous(r.host, r.port, r.prefix, r.world_size, r.rank, members), deadline,
-                         phase_hook=self.phase_hook, store=self._open_store(r.prefix))
+                         phase_hook=self.phase_hook, store=self._open_store(r.prefix), atomic=run.atomic,
+                         verify=run.verify)
         self._cancel = {run.refit_id: ctx.cancelled}
         if self._abandoned == run.refit_id:  # the coordinator gave it up before it could start
             ctx.cancelled.set()
@@ -283,16 +300,71 @@ class Agent(AgentStream):
             ctx.remaining()
             if self.phase_hook is not None:  # a refusal: nothing moves (we never reach the start barrier)
                 self.phase_hook.check(plan)
-            tensors = self.tensors
+            if ctx.verify and not getattr(self.data_plane, "verifies", False):
+                raise InvalidInput(f"verify: {type(self.data_plane).__name__} computes no checksums of its transfers")
+            tensors = live = self.tensors
+            if ctx.atomic and self.role is Side.ENGINE:
+                if not self.stages:
+                    raise InvalidInput(f"{self.worker_id} writes in place and cannot take an atomic refit")
+                tensors = self._staging(live)
             in_plane = True
             nbytes, seconds = self.data_plane.run(plan, tensors, ctx)
+            checksums = self.data_plane.checksums(plan) if ctx.verify else {}
+            if ctx.atomic and self.role is Side.ENGINE:
+                self._staged = (ctx.refit_id, ctx.version, tensors, live)
         except Exception as e:
             log.warning("%s: refit %s failed: %s: %s", self.worker_id, ctx.refit_id, type(e).__name__, e)
             # Only a data plane that says when it reaches the start barrier can prove it did not.
             before = not in_plane or (getattr(self.data_plane, "reports_start", False) and not ctx.reached_start.is_set())
             return pb.WorkerMessage(result=pb.RunResult(refit_id=ctx.refit_id, ok=False, error=f"{type(e).__name__}: {e}",
                                                         before_start=before))
-        return pb.WorkerMessage(result=pb.RunResult(refit_id=ctx.refit_id, ok=True, bytes=nbytes, seconds=seconds))
+        return pb.WorkerMessage(result=pb.RunResult(refit_id=ctx.refit_id, ok=True, bytes=nbytes, seconds=seconds,
+                                                    checksums=checksums))
+
+    # ------------------------------------------------------------------ atomic refits
+    def _staging(self, live: Tensors) -> Tensors:
+        """Where an atomic refit writes instead of ``live``: a copy of each tensor, made once and
+        kept for later atomic refits (one more shard of memory, for the agent's life).  Copies,
+        not empty buffers: elements no refit writes (padding) must switch in unchanged."""
+        bufs = self._stage_buffers
+        for name, t in live.items():
+            b = bufs.get(name)
+            if b is None or b.shape != t.shape or b.dtype != t.dtype or b.device != t.device:
+                with torch.no_grad():
+                    bufs[name] = t.detach().clone()
+        for name in set(bufs) - set(live):
+            del bufs[name]
+        return dict(bufs)
+
+    def _switch(self, staged: Tensors, live: Tensors) -> None:
+        """Put an atomic refit's staged version in place: one batched copy, finished before the
+        agent answers `Switched` (so that the caller of the refit finds the tensors switched)."""
+        names = list(live)
+        with torch.no_grad():
+            torch._foreach_copy_([live[n] for n in names], [staged[n] for n in names])
+        devices = {t.device for t in live.values() if t.device.type == "cuda"}
+        for d in devices:
+            torch.cuda.synchronize(d)
+
+    async def _switch_and_answer(self, refit_id: str, version: int, staged: Tensors, live: Tensors) -> None:
+        """The commit of an atomic refit reached this engine: switch, on the share thread (never
+        beside a share), then answer the coordinator."""
+        loop = asyncio.get_running_loop()
+        try:
+            await loop.run_in_executor(self._pool, self._switch, staged, live)
+        except Exception as e:  # noqa: BLE001 - reported to the coordinator, which names us
+            log.error("%s: could not switch to version %d of refit %s: %s", self.worker_id, version, refit_id, e)
+            self.holding.pin_stale()
+            answer = pb.Switched(refit_id=refit_id, ok=False, error=f"{type(e).__name__}: {e}")
+        else:
+            h = self.holding
+            h.version, h.stale = version, h.pinned
+            answer = pb.Switched(refit_id=refit_id, ok=True)
+            log.info("%s: switched to version %d (refit %s)", self.worker_id, version, refit_id)
+        try:
+            await self._write(pb.WorkerMessage(switched=answer))
+        except Exception as e:  # the stream is gone; the coordinator counts us out
+            log.info("%s: could not answer the switch of refit %s: %s", self.worker_id, refit_id, e)
 
     async def _reply(self, refit_id: str, ok: bool, error: str = "") -> None:
         """Answer a command without running it (refused, or busy): nothing of it moved."""
@@ -319,6 +391,12 @@ class Agent(AgentStream):
         return plan
 
     def _on_outcome(self, out: pb.Outcome) -> None:
+        staged, self._staged = self._staged, None
+        if staged is not None and staged[0] == out.refit_id and out.committed and out.refit_id == self._last_refit:
+            # an atomic refit commits: the outcome is heard once the tensors switched
+            self._switch_task = asyncio.ensure_future(self._switch_and_answer(*staged))  # held: the loop keeps weak refs
+            self._switch_task.add_done_callback(lambda _: self._outcomes.add(out.refit_id, Outcome(True, out.error)))
+            return
         self._hear(out)
         self._outcomes.add(out.refit_id, Outcome(out.committed, out.error, out.untouched))
 

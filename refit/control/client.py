@@ -127,6 +127,8 @@ class RefitResult:
     seconds: float
     total_bytes: int
     workers: dict[str, WorkerResult] = field(repr=False)
+    atomic: bool = False  # all or none across the engines, as asked
+    verified_transfers: int = 0  # transfers whose two ends' checksums matched (verify=True)
 
     @classmethod
     def from_pb(cls, r: pb.RefitResponse) -> "RefitResult":
@@ -135,7 +137,7 @@ class RefitResult:
             pb.WorkerOutcome.Name(w.outcome).removeprefix("WORKER_OUTCOME_").lower(), w.bytes, w.seconds, w.error)
             for w in r.workers}
         return cls(r.refit_id, r.plan_id, r.version, r.status == pb.REFIT_STATUS_OK, r.error, r.seconds,
-                   r.total_bytes, workers)
+                   r.total_bytes, workers, r.atomic, r.verified_transfers)
 
 
 class RefitFailed(errors.RefitFailed):
@@ -187,7 +189,8 @@ class Client:
         resp = _call("ListWorkers", self._stub.ListWorkers, req, metadata=self._md, timeout=self.timeout)
         return [to_dict(w) for w in resp.workers]
 
-    def refit(self, plan_id: str, version: int, timeout: float = 60.0, check: bool = True) -> RefitResult:
+    def refit(self, plan_id: str, version: int, timeout: float = 60.0, check: bool = True, *, atomic: bool = False,
+              verify: bool = False) -> RefitResult:
         """Run the plan for ``version``; returns within ``timeout`` seconds (0: the coordinator's
         default, ``refit serve --timeout``).  ``check``: raise `RefitFailed` when it failed (the
         default: an RL loop should not go on silently).  Idempotent: asking again for the version
@@ -195,9 +198,16 @@ class Client:
         engines) returns its result again.  Raises `RefitFailed` (a `refit.RefitFailed`: the refit
         started and failed; call `refit` again with a higher version once the named worker is
         back), `PlanNotFound`, `VersionRefused` (a version that does not increase) or another
-        `ControlError`."""
-        resp = _call("Refit", self._stub.Refit, pb.RefitRequest(plan_id=plan_id, version=version,
-                                                                timeout_seconds=timeout),
+        `ControlError`.
+
+        ``atomic``: all or none across the plan's engines — each stages the version, and they
+        switch together once every member succeeded; after a failure before that, every engine
+        serves its previous version, whole and not stale (every engine must stage: an
+        `EngineAgent` does, a vLLM engine with ``staging`` "atomic"; else `InvalidRequest`).
+        ``verify``: both ends checksum every transfer, and a mismatch fails the refit naming the
+        tensor, the box and both ranks (``verified_transfers`` counts the matches)."""
+        req = pb.RefitRequest(plan_id=plan_id, version=version, timeout_seconds=timeout, atomic=atomic, verify=verify)
+        resp = _call("Refit", self._stub.Refit, req,
                      metadata=self._md, timeout=timeout + 10.0 if timeout else None)  # the server answers in time
         result = RefitResult.from_pb(resp)
         if check and not result.ok:

@@ -39,7 +39,7 @@ from typing import Any, Callable
 
 from refit.control.common import PLACEMENT_NAMES, Exhausted, NotFound, Precondition, Side, short
 from refit.control.events import EventHub
-from refit.control.refits import Run, commands, failed_response, response
+from refit.control.refits import Run, commands, failed_response, response, verify_checksums
 from refit.control.registry import (MAX_VERSION, PlanEntry, Worker, absent_members, build_registration,
                                     check_info, check_joinable, check_plan_members, check_same_model, check_version,
                                     control_plan_id, group_members, holds_version, plan_json, prune_gone)
@@ -70,6 +70,7 @@ class Coordinator:
         self._plan_keys: dict[tuple, asyncio.Future] = {}
         self._specs: dict[tuple[str, str], ModelSpec] = {}
         self._runs: dict[str, Run] = {}  # by refit id, while members run
+        self._switching: dict[str, Run] = {}  # atomic refits whose engines are told to switch, by refit id
         self._waiters: set[asyncio.Future] = set()
         self._tasks: set[asyncio.Task] = set()  # refits and sends under way (see _spawn)
         self._ids = itertools.count(1)
@@ -106,6 +107,9 @@ class Coordinator:
         w.busy = ""
         if run is not None:
             self._resolve(run, w, pb.WorkerResult(outcome=pb.WORKER_OUTCOME_DISCONNECTED, error=f"disconnected: {why}"))
+        for switching in list(self._switching.values()):
+            if switching.by_id.get(w.worker_id) is w:
+                self.switched(w, pb.Switched(refit_id=switching.refit_id, ok=False, error=f"disconnected: {why}"))
         log.warning("%s disconnected: %s", w.worker_id, why)
         if self.workers.get(w.worker_id) is w:
             self._gone[w.worker_id] = None
@@ -122,9 +126,22 @@ class Coordinator:
             return
         run.answered.add(w.worker_id)
         run.before_start |= res.before_start and not res.ok
+        if run.verify and res.ok:
+            run.checksums[w.worker_id] = dict(res.checksums)
         outcome = pb.WORKER_OUTCOME_OK if res.ok else pb.WORKER_OUTCOME_ERROR
         self._resolve(run, w, pb.WorkerResult(outcome=outcome, bytes=res.bytes, seconds=res.seconds,
                                               error=res.error[:4096]))
+
+    def switched(self, w: Worker, msg: pb.Switched) -> None:
+        """An engine's answer to the commit of an atomic refit (`_switch`)."""
+        run = self._switching.get(msg.refit_id)
+        if run is None or run.by_id.get(w.worker_id) is not w or w.worker_id in run.switched:
+            log.info("%s: late switch answer for refit %s (ok=%s)", w.worker_id, short(msg.refit_id), msg.ok)
+            return
+        run.switched[w.worker_id] = msg
+        if run.wake is not None and not run.wake.done() and \
+                len(run.switched) == len(run.members) - run.entry.num_src:
+            run.wake.set_result(None)
 
     def _resolve(self, run: Run, w: Worker, res: pb.WorkerResult) -> None:
         if w.connected is False and res.outcome == pb.WORKER_OUTCOME_DISCONNECTED:
@@ -189,12 +206,17 @@ class Coordinator:
         return entry
 
     # ------------------------------------------------------------------ refits
-    async def refit(self, plan_id: str, version: int, timeout: float) -> pb.RefitResponse:
+    async def refit(self, plan_id: str, version: int, timeout: float, atomic: bool = False,
+                    verify: bool = False) -> pb.RefitResponse:
+        """Run plan ``plan_id`` for ``version`` (see the module docstring).  ``atomic``: all or none
+        across the engines (`_switch`); ``verify``: compare both ends' checksum of every transfer."""
         if not 0 < version <= MAX_VERSION:
             raise InvalidInput(f"version must be in [1, {MAX_VERSION}], got {version}")
         if timeout < 0:
             raise InvalidInput(f"timeout_seconds must be >= 0, got {timeout}")
         entry = self.get_plan(plan_id)
+        if atomic:
+            self._check_stages(entry)
         t0 = time.monotonic()
         deadline = t0 + (timeout or self.default_timeout)
         while True:  # no await between these checks and the reservation below
@@ -216,11 +238,20 @@ class Coordinator:
                     m: pb.WorkerResult(outcome=pb.WORKER_OUTCOME_BUSY, error=f"still running refit {run.refit_id}")
                     for m in entry.members})
         run = entry.running = Run(f"{plan_id[:8]}-{self.epoch}-{next(self._ids)}", entry, version, t0,
-                                  asyncio.get_running_loop().create_future())
+                                  asyncio.get_running_loop().create_future(), atomic=atomic, verify=verify)
         run.ended.add_done_callback(lambda f: f.cancelled() or f.exception())  # joiners may be none
         # Not in the caller's task: a caller gone (RPC cancelled) must not cut the refit short for all.
         self._spawn(self._own(run, deadline))
         return await asyncio.shield(run.ended)
+
+    def _check_stages(self, entry: PlanEntry) -> None:
+        """An atomic refit needs every engine of the plan to stage what it receives."""
+        direct = [m for m in entry.members[entry.num_src:] if m in self.workers and not self.workers[m].info.stages]
+        if direct:
+            raise InvalidInput(f"atomic refit of plan {entry.plan_id}: {', '.join(direct[:4])}"
+                               f"{' …' if len(direct) > 4 else ''} write in place and cannot stage a whole version "
+                               f"(a vLLM engine needs init_info staging 'atomic'); refit without atomic, or "
+                               f"register those engines again with staging")
 
     def _spawn(self, coro: Any) -> asyncio.Task:
         task = asyncio.ensure_future(coro)  # held until it ends: the loop keeps only weak references
@@ -337,6 +368,13 @@ class Coordinator:
 
     async def _finish(self, run: Run, results: dict[str, pb.WorkerResult], deadline: float) -> pb.RefitResponse:
         entry = run.entry
+        verified = 0
+        if run.verify and all(r.outcome == pb.WORKER_OUTCOME_OK for r in results.values()):
+            verified, mismatches = await asyncio.to_thread(verify_checksums, run)
+            for wid, res in mismatches.items():
+                res.worker_id, res.role, res.rank = wid, results[wid].role, results[wid].rank
+                res.bytes, res.seconds = results[wid].bytes, results[wid].seconds
+                results[wid] = res
         if any(r.outcome != pb.WORKER_OUTCOME_OK for r in results.values()):
             resp = failed_response(entry, run.refit_id, run.version, run.t0, results)
             # Members still waiting in the rendezvous for a peer that failed leave now, not at
@@ -346,12 +384,13 @@ class Coordinator:
             entry.broken = True
             run.settle(committed=False, registered=self.workers)
             outcome = pb.Outcome(refit_id=run.refit_id, committed=False, version=run.version, error=resp.error[:4096],
-                                 untouched=run.before_start)
+                                 untouched=run.untouched)
             targets = run.members
         else:
             entry.version = run.version
             run.settle(committed=True, registered=self.workers)
             resp = response(entry, run.refit_id, run.version, run.t0, results, pb.REFIT_STATUS_OK, "")
+            resp.verified_transfers = verified
             entry.committed = resp
             outcome = pb.Outcome(refit_id=run.refit_id, committed=True, version=run.version)
             targets = run.members[entry.num_src:]
@@ -364,12 +403,56 @@ class Coordinator:
         msg = pb.CoordinatorMessage(outcome=outcome)
         # Engines hear the outcome before the caller does (sent, not acknowledged); a stalled
         # stream cannot hold the response up past the deadline (the RPC's own has 50 ms more).
-        sends = [self._spawn(self._send(w, msg)) for w in targets if w.connected]
-        if sends:
-            await asyncio.wait(sends, timeout=min(1.0, max(0.02, deadline - time.monotonic())))
+        if run.atomic and outcome.committed:
+            resp = await self._switch(run, msg, resp, deadline)
+        else:
+            sends = [self._spawn(self._send(w, msg)) for w in targets if w.connected]
+            if sends:
+                await asyncio.wait(sends, timeout=min(1.0, max(0.02, deadline - time.monotonic())))
+        resp.atomic = run.atomic
         self.events.publish(pb.RefitEvent(kind=pb.RefitEvent.KIND_FINISHED, refit_id=run.refit_id,
                                           plan_id=entry.plan_id, version=run.version, done=run.done,
                                           total=len(run.members), result=resp))
+        return resp
+
+    async def _switch(self, run: Run, msg: pb.CoordinatorMessage, resp: pb.RefitResponse,
+                      deadline: float) -> pb.RefitResponse:
+        """The second half of an atomic refit: every engine staged the version; tell them all to
+        switch and wait for each to answer (`switched`).  An engine that cannot (its switch raised,
+        it left, it did not answer in time) is stale, and the refit fails naming it; the others
+        hold the new version (a switch is a local copy: the one step after which no failure can
+        be undone)."""
+        entry = run.entry
+        engines = run.members[entry.num_src:]
+        self._switching[run.refit_id] = run
+        run.wake = asyncio.get_running_loop().create_future()
+        try:
+            for w in engines:
+                if w.connected:
+                    self._spawn(self._send(w, msg))
+                else:
+                    run.switched[w.worker_id] = pb.Switched(refit_id=run.refit_id, ok=False, error="disconnected")
+            if len(run.switched) < len(engines):
+                # a switch is a copy of the engine's shard: at least a few seconds, past a deadline nearly spent
+                await asyncio.wait((run.wake,), timeout=max(5.0, deadline - time.monotonic()))
+        finally:
+            del self._switching[run.refit_id]
+        failed = {w.worker_id: run.switched.get(w.worker_id, pb.Switched(ok=False, error="no answer to the switch"))
+                  for w in engines if not run.switched.get(w.worker_id, pb.Switched()).ok}
+        if not failed:
+            return resp
+        for w in engines:
+            if w.worker_id in failed:
+                w.stale = True
+        names = "; ".join(f"{wid}: {s.error}" for wid, s in failed.items())
+        error = (f"refit {run.refit_id} of plan {entry.plan_id} committed version {run.version}, but "
+                 f"{len(failed)} engine(s) did not switch to it and hold torn weights (stale): {names}")
+        log.warning("%s", error)
+        entry.committed = None
+        for r in resp.workers:
+            if r.worker_id in failed:
+                r.outcome, r.error = pb.WORKER_OUTCOME_ERROR, f"switch: {failed[r.worker_id].error}"[:4096]
+        resp.status, resp.error = pb.REFIT_STATUS_FAILED, error
         return resp
 
     async def close(self) -> None:

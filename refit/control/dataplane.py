@@ -124,6 +124,8 @@ class RunContext:
     # at rendezvous.host:port.  Agents meet in the coordinator's store instead (authenticated).
     store: "Callable[[float], dist.Store] | None" = None
     reached_start: threading.Event = field(default_factory=threading.Event)  # see `starting`
+    atomic: bool = False  # all or none: an engine's tensors here are its staging (`Agent._staging`)
+    verify: bool = False  # the data plane is asked for its transfers' checksums after the run
 
     def open_store(self, timeout_s: float) -> "dist.Store":
         """The rendezvous store (keys under the rendezvous prefix)."""

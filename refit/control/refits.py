@@ -47,6 +47,10 @@ class Run:
     stale_before: dict[str, bool] = field(default_factory=dict)  # engines' staleness before this refit
     dispatched: bool = False
     wake: asyncio.Future | None = None
+    atomic: bool = False  # all or none: engines stage, and switch only once every member succeeded
+    verify: bool = False  # members checksum every transfer (`verify_checksums`)
+    checksums: dict[str, dict[int, int]] = field(default_factory=dict)  # verify: by member, by transfer
+    switched: dict[str, pb.Switched] = field(default_factory=dict)  # atomic: engines' answers to the commit
 
     def resolve(self, w: Worker, res: pb.WorkerResult) -> bool:
         """Record a member's result (the first one counts); True when it was new."""
@@ -63,30 +67,37 @@ class Run:
 
     def reserve(self, members: list[Worker]) -> None:
         """These workers run this refit: busy with it, and its engines stale while it runs (their
-        weights may be half written), what they held remembered (`settle`)."""
+        weights may be half written; not in an atomic refit: they stage, and serve what they held
+        until the switch), what they held remembered (`settle`)."""
         self.members = members
         for w in members:
             w.busy = self.refit_id
             self.by_id[w.worker_id] = w
             if w.role is Side.ENGINE:
                 self.stale_before[w.worker_id] = w.stale
-                w.stale = True
+                w.stale = w.stale or not self.atomic
 
     def settle(self, committed: bool, registered: Mapping[str, Worker]) -> None:
         """What each engine of this refit holds once it ended — the one place that decides it.
-        Committed: the new version, whole.  Failed before any byte moved (`before_start`): what it
-        held before.  Failed after: stale, also under a registration that replaced it meanwhile
-        (``registered``: the coordinator's workers by id), until a refit lands whole."""
+        Committed: the new version, whole.  Failed before any byte moved (`before_start`), or an
+        atomic refit failed (nothing live was written): what it held before.  Failed after: stale,
+        also under a registration that replaced it meanwhile (``registered``: the coordinator's
+        workers by id), until a refit lands whole."""
         engines = self.members[self.entry.num_src:]
         if committed:
             for w in engines:
                 w.version, w.stale = self.version, False
-        elif self.before_start:
+        elif self.untouched:
             for w in engines:
                 w.stale = self.stale_before.get(w.worker_id, w.stale)
         else:
             for w in engines + [registered[m] for m in self.entry.members[self.entry.num_src:] if m in registered]:
                 w.stale = True
+
+    @property
+    def untouched(self) -> bool:
+        """Whether a failure of this refit left every engine's live weights as they were."""
+        return self.before_start or self.atomic
 
     def final_results(self, timed_out: bool) -> dict[str, pb.WorkerResult]:
         """Every member's result; those without one timed out, or were abandoned after a failure."""
@@ -128,9 +139,37 @@ def commands(run: Run, member_timeout: float) -> list[tuple[Worker, pb.Coordinat
             w.sent_prefixes = {entry.prefix}
         out.append((w, pb.CoordinatorMessage(run=pb.RunRefit(
             refit_id=run.refit_id, plan_id=entry.plan_id, version=run.version, timeout_seconds=member_timeout,
-            rendezvous=rdv, plan_json=b"" if entry.plan_id in w.sent_plans else entry.plan_json))))
+            rendezvous=rdv, plan_json=b"" if entry.plan_id in w.sent_plans else entry.plan_json,
+            atomic=run.atomic, verify=run.verify))))
         w.sent_plans.add(entry.plan_id)
     return out
+
+
+def verify_checksums(run: Run) -> tuple[int, dict[str, pb.WorkerResult]]:
+    """Compare the two ends' checksums of every transfer of a verified refit: (transfers that
+    matched, an ERROR result for the receiving member of each mismatch or missing checksum,
+    naming the tensor, the box and both ranks; the first few per member)."""
+    entry, plan = run.entry, run.entry.plan
+    names = entry.members
+    bad: dict[str, list[str]] = {}
+    matched = 0
+    for i, t in enumerate(plan.transfers):
+        if t.stage != 1:
+            continue
+        sender, receiver = names[t.src], names[entry.num_src + t.dst]
+        sent, got = run.checksums.get(sender, {}).get(i), run.checksums.get(receiver, {}).get(i)
+        if sent is not None and sent == got:
+            matched += 1
+            continue
+        box = ", ".join(f"{a}:{a + n}" for a, n in zip(t.start, t.size))
+        what = "no checksum" if sent is None or got is None else f"checksum {got:#x} != sent {sent:#x}"
+        bad.setdefault(receiver, []).append(f"{t.tensor}[{box}] from {sender} to {receiver}: {what}")
+    out = {}
+    for wid, lines in bad.items():
+        more = f" (and {len(lines) - 3} more)" if len(lines) > 3 else ""
+        out[wid] = pb.WorkerResult(outcome=pb.WORKER_OUTCOME_ERROR,
+                                   error=f"verify: {len(lines)} transfer(s) differ: {'; '.join(lines[:3])}{more}")
+    return matched, out
 
 
 def failed_response(entry: PlanEntry, refit_id: str, version: int, t0: float,

@@ -117,10 +117,15 @@ class Servicer:
                 msg = await context.read()
                 if msg is grpc.aio.EOF:
                     break
-                if msg is MALFORMED or msg.WhichOneof("kind") != "result":
+                kind = None if msg is MALFORMED else msg.WhichOneof("kind")
+                if kind not in ("result", "switched"):
                     why = "it sent a malformed message"
-                    await context.abort(grpc.StatusCode.INVALID_ARGUMENT, "Connect: expected a `result` message")
-                self.coord.result(worker, msg.result)
+                    await context.abort(grpc.StatusCode.INVALID_ARGUMENT,
+                                        "Connect: expected a `result` or `switched` message")
+                if kind == "result":
+                    self.coord.result(worker, msg.result)
+                else:
+                    self.coord.switched(worker, msg.switched)
         except asyncio.CancelledError:
             if not worker.replaced:  # the server is stopping
                 raise
@@ -155,7 +160,7 @@ class Servicer:
         left = context.time_remaining()
         if left is not None:  # answer FAILED before the caller's own deadline cuts the call
             timeout = min(timeout, max(0.01, left - 0.05))
-        return await self.coord.refit(req.plan_id, req.version, timeout)
+        return await self.coord.refit(req.plan_id, req.version, timeout, atomic=req.atomic, verify=req.verify)
 
     @_rpc
     async def StoreSet(self, req: pb.StoreSetRequest, context: Any) -> pb.StoreSetResponse:

@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import multiprocessing as mp
 import os
+import signal
 import time
 from typing import Any
 
@@ -23,7 +24,7 @@ from refit.plan import Plan
 from refit.regions import slices
 from refit.spec import ModelSpec
 from tests.harness.tiny import tiny_spec
-from tests.harness.procs import AfterFirstPhase, PipedProcess
+from tests.harness.procs import AfterFirstPhase, PipedProcess, strike_self
 
 CTX = mp.get_context("spawn")
 MODEL, SRC, DST = "tiny-qwen3-moe", "megatron:tp2ep2", "vllm:tp2"
@@ -58,28 +59,41 @@ class HookedDataPlane(ExecutorDataPlane):
     """The executor data plane (gloo on CPU) with test hooks for a given version's share: sleep
     before it starts (``delays``: a fault at the start barrier), or strike once its first phase
     landed on every member (``faults``: an `AfterFirstPhase` action — bytes of the refit have
-    landed, the refit is not over).  Either sets ``entered``."""
+    landed, the refit is not over), or once its whole share ran, before it answers (``after``:
+    "kill" — every member passed the end barrier, so every engine holds the version, staged or
+    live — or ``("corrupt", local name)``: flip one bit of that received tensor, as a wire fault
+    would, before the share's checksums are taken).  Each sets ``entered``."""
 
     def __init__(self, entered: Any) -> None:
         super().__init__()
         self.delays: dict[int, float] = {}
         self.faults: dict[int, str] = {}
+        self.after: dict[int, Any] = {}
         self.entered = entered
 
     def run(self, plan, tensors, ctx):  # type: ignore[no-untyped-def]
         delay = self.delays.pop(ctx.version, 0.0)
         fault = self.faults.pop(ctx.version, None)
+        after = self.after.pop(ctx.version, None)
         if fault:
             ctx.phase_hook = AfterFirstPhase(ctx.phase_hook, self.entered, fault)
         if delay:
             self.entered.set()
             time.sleep(delay)
-        return super().run(plan, tensors, ctx)
+        out = super().run(plan, tensors, ctx)
+        if after == "kill":
+            self.entered.set()
+            strike_self(signal.SIGKILL)
+        elif after is not None:
+            _, name = after
+            tensors[name].view(torch.uint8).view(-1)[0] ^= 1
+            self.entered.set()
+        return out
 
 
 def worker_main(conn: Any, entered: Any, address: str, role: str, group: str, rank: int, layout: str,
-                version: int, phase_layers: int = 0) -> None:
-    spec = tiny_spec(MODEL)
+                version: int, phase_layers: int = 0, model: str = MODEL) -> None:
+    spec = tiny_spec(model)
     lay = resolve_layout(layout, spec, "src" if role == "trainer" else "dst")
     tensors = fill(spec, lay, rank, version)
     dp = HookedDataPlane(entered)
@@ -110,6 +124,10 @@ def worker_main(conn: Any, entered: Any, address: str, role: str, group: str, ra
             dp.faults[arg[0]] = arg[1]
             entered.clear()
             conn.send(("ok", None))
+        elif cmd == "after":  # (version, "kill" or ("corrupt", local name))
+            dp.after[arg[0]] = arg[1]
+            entered.clear()
+            conn.send(("ok", None))
         elif cmd == "state":
             conn.send(("ok", (agent.version, agent.stale, agent.connected)))
         elif cmd == "disconnect":
@@ -128,12 +146,12 @@ class Worker(PipedProcess):
     """A spawned agent process and the pipe that drives it."""
 
     def __init__(self, address: str, role: str, group: str, rank: int, layout: str, version: int = 0,
-                 phase_layers: int = 0) -> None:
-        self.role, self.group, self.rank, self.phase_layers = role, group, rank, phase_layers
+                 phase_layers: int = 0, model: str = MODEL) -> None:
+        self.role, self.group, self.rank, self.phase_layers, self.model = role, group, rank, phase_layers, model
         self.conn, child = CTX.Pipe()
         self.entered = CTX.Event()
         self.proc = CTX.Process(target=worker_main, daemon=True, args=(child, self.entered, address, role, group, rank,
-                                                                       layout, version, phase_layers))
+                                                                       layout, version, phase_layers, model))
         self.proc.start()
 
     @property

@@ -292,8 +292,10 @@ def _engine_main(conn: Any, model_dir: str, tp: int, ep: bool, coordinator: str 
             elif cmd == "refit":  # exactly the RL-loop contract
                 plan_id, version = arg[:2]
                 timeout = arg[2] if len(arg) > 2 else 60.0
+                extra = arg[3] if len(arg) > 3 else {}  # more update_info entries (atomic, verify)
                 llm.start_weight_update()
-                llm.update_weights({"update_info": {"plan_id": plan_id, "version": version, "timeout": timeout}})
+                llm.update_weights({"update_info": {"plan_id": plan_id, "version": version, "timeout": timeout,
+                                                    **extra}})
                 llm.finish_weight_update(weight_version=str(version))
                 conn.send(("ok", None))
             elif cmd == "probe":
@@ -420,8 +422,8 @@ class Engine(PipedProcess):
         assert status == "ok", value
         return unprobe(value)
 
-    def refit(self, plan_id: str, version: int, timeout: float = 60.0) -> tuple[str, Any]:
-        return self.ask("refit", (plan_id, version, timeout))
+    def refit(self, plan_id: str, version: int, timeout: float = 60.0, **update_info: Any) -> tuple[str, Any]:
+        return self.ask("refit", (plan_id, version, timeout, update_info))
 
 
 

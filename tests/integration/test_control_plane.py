@@ -376,10 +376,10 @@ def test_a_cancelled_refit_call_leaves_the_refit_to_its_joiners(cluster: Cluster
     calls: list[int] = []
     cancelled = threading.Event()
 
-    async def watched(plan_id: str, version: int, timeout: float):
+    async def watched(plan_id: str, version: int, timeout: float, **kw: bool):
         calls.append(version)
         try:
-            return await type(coord).refit(coord, plan_id, version, timeout)
+            return await type(coord).refit(coord, plan_id, version, timeout, **kw)
         except asyncio.CancelledError:
             cancelled.set()
             raise

@@ -23,12 +23,12 @@ from typing import Any, Callable
 import pytest
 
 from refit.control.agent import EngineAgent, TrainerAgent
-from refit.control.client import Client, VersionRefused
+from refit.control.client import Client, InvalidRequest, VersionRefused
 from refit.control.dataplane import NoopDataPlane
 from refit.control.dataplane_executor import ExecutorDataPlane
 from refit.control.server import ThreadedServer
 from refit.errors import RefitError
-from tests.harness.control_cluster import DST, SRC, Worker
+from tests.harness.control_cluster import DST, MODEL, SRC, Worker
 from tests.harness.loopback import close_all
 from tests.harness.tiny import tiny_spec
 
@@ -206,40 +206,56 @@ def _settle(cond: Callable[[], bool], timeout: float = 5.0) -> bool:
 # Real agent processes (gloo on CPU), killed or stopped at the start barrier or mid-transfer.
 
 class ProcCluster:
-    def __init__(self) -> None:
+    """Trainer and engine agent processes of one plan.  By default the engines register with
+    phase_layers=1: the plan runs in phases (one per non-layer tensor, then one per layer), and a
+    fault can strike between two of them."""
+
+    def __init__(self, model: str = MODEL, src: str = SRC, dst: str = DST, engines: int = 2,
+                 phase_layers: int = 1) -> None:
         self.server = ThreadedServer(default_timeout=20.0)
-        # the engines register with phase_layers=1: the plan runs in phases (one per non-layer
-        # tensor, then one per layer), and a fault can strike between two of them
+        self.model, self.src, self.dst = model, src, dst
         self.workers = {w.worker_id: w for w in
-                        [Worker(self.server.address, "trainer", "trainer", r, SRC) for r in range(2)]
-                        + [Worker(self.server.address, "engine", "engine", r, DST, phase_layers=1) for r in range(2)]}
+                        [Worker(self.server.address, "trainer", "trainer", r, src, model=model) for r in range(2)]
+                        + [Worker(self.server.address, "engine", "engine", r, dst, phase_layers=phase_layers,
+                                  model=model) for r in range(engines)]}
         for w in self.workers.values():
             w.ready()
         self.client = Client(self.server.address)
         summary = self.client.create_plan("trainer", "engine", bucket_bytes=4096)
         self.plan = summary["plan_id"]
-        assert summary["num_phases"] > 1, summary
-        plan = self.client.get_plan(self.plan, include_plan=True)["plan"]
+        assert (summary["num_phases"] > 1) == (phase_layers > 0), summary
+        plan = self.plan_obj = self.client.get_plan(self.plan, include_plan=True)["plan"]
         self.plan_dict, self.first_phase = plan.to_dict(), plan.phase_ranges()[0][0]
         self.version = 0
 
-    def refit_ok(self, v: int) -> None:
+    @property
+    def engines(self) -> list[Worker]:
+        return [w for w in self.workers.values() if w.role == "engine"]
+
+    def fill(self, v: int) -> None:
         for w in self.workers.values():
             if w.role == "trainer":
                 w.ask("fill", v)
-        assert self.client.refit(self.plan, v, timeout=20.0).ok
+
+    def refit_ok(self, v: int, **kw: Any) -> Any:
+        self.fill(v)
+        result = self.client.refit(self.plan, v, timeout=20.0, **kw)
+        assert result.ok
         self.version = v
         for w in self.workers.values():
             if w.role == "engine":  # it hears the commit just after the refit returns
                 assert w.ask("check", v) == [] and _settle(lambda w=w: w.ask("state") == (v, False, True)), \
                     (w.worker_id, w.ask("state"))
+        return result
 
     def replace(self, wid: str) -> None:
         old = self.workers[wid]
         old.kill()
         group, rank = wid.split("/")
-        self.workers[wid] = Worker(self.server.address, old.role, group, int(rank), SRC if old.role == "trainer" else DST,
-                                   version=self.version if old.role == "engine" else 0, phase_layers=old.phase_layers)
+        self.workers[wid] = Worker(self.server.address, old.role, group, int(rank),
+                                   self.src if old.role == "trainer" else self.dst,
+                                   version=self.version if old.role == "engine" else 0, phase_layers=old.phase_layers,
+                                   model=self.model)
         self.workers[wid].ready()
 
     def close(self) -> None:
@@ -301,6 +317,97 @@ def test_member_killed_or_stopped_is_named_in_time(procs: ProcCluster, sig: str,
         os.kill(victim.proc.pid, signal.SIGCONT)
     procs.replace(wid)  # a restarted worker re-registers; the next refit recovers, bit-exact
     procs.refit_ok(v + 1)
+
+
+# ------------------------------------------------------------------------------------------------
+# All or none across three engines, and verified refits (`Client.refit(atomic=..., verify=...)`)
+
+
+@pytest.fixture(scope="module")
+def fleet():
+    """Two Megatron tp2 trainers and three vLLM dp replicas (plain engine agents, not phased) of a
+    dense model: engine/0..2."""
+    c = ProcCluster(model="tiny-qwen2", src="megatron:tp2", dst="vllm:tp1dp3", engines=3, phase_layers=0)
+    c.refit_ok(1)
+    yield c
+    c.close()
+
+
+def _holding(fleet: ProcCluster) -> dict[str, tuple[int, bool]]:
+    return {w["worker_id"]: (w["version"], w["stale"]) for w in fleet.client.list_workers(role="engine")
+            if w["connected"]}
+
+
+FLEET_TRIALS = [(victim, atomic) for victim in ("engine/2", "trainer/1") for atomic in (True, False)]
+
+
+@pytest.mark.parametrize("victim,atomic", FLEET_TRIALS,
+                         ids=[f"{v}-{'atomic' if a else 'default'}" for v, a in FLEET_TRIALS])
+@bounded(90)
+def test_a_member_killed_after_the_engines_staged(fleet: ProcCluster, victim: str, atomic: bool) -> None:
+    """The victim dies once every member ran its share (every engine holds version v, staged or
+    written): atomic, no engine switches — each serves v - 1 whole and says so (not stale); by
+    default the engines hold v's bytes and report themselves stale (the documented torn state).
+    The refit fails naming the victim, and the next one, with a replacement, is exact."""
+    old, v = fleet.version, fleet.version + 1
+    fleet.fill(v)
+    fleet.workers[victim].ask("after", (v, "kill"))
+    t0 = time.monotonic()
+    r = fleet.client.refit(fleet.plan, v, timeout=10.0, check=False, atomic=atomic)
+    assert not r.ok and r.atomic == atomic and time.monotonic() - t0 < 12.0, r
+    assert r.error.split(": ", 1)[1].startswith(f"{victim} disconnected"), r.error
+    survivors = [e for e in fleet.engines if e.worker_id != victim]
+    for e in survivors:
+        if atomic:  # nothing live changed; it says it holds v - 1, whole
+            assert _settle(lambda e=e: e.ask("state") == (old, False, True)), (e.worker_id, e.ask("state"))
+            assert e.ask("check", old) == [], e.worker_id
+        else:  # it holds v's bytes, reported stale at version v - 1
+            assert e.ask("state")[:2] == (old, True) and e.ask("check", v) == [], e.worker_id
+    held = _holding(fleet)
+    assert all(held[e.worker_id] == (old, not atomic) for e in survivors), held
+    fleet.replace(victim)
+    fleet.refit_ok(v + 1, atomic=atomic)
+    assert all(h == (v + 1, False) for h in _holding(fleet).values())
+
+
+@bounded(90)
+def test_verify_names_a_corrupted_transfer(fleet: ProcCluster) -> None:
+    """One bit of one received tensor flipped after it landed (as a wire fault would): the
+    verified refit fails naming the tensor, the box and both ranks; atomic, so no engine switched.
+    A clean verified refit then counts every transfer as matched."""
+    old, v = fleet.version, fleet.version + 1
+    fleet.fill(v)
+    fleet.workers["engine/1"].ask("after", (v, ("corrupt", "model.norm.weight")))
+    r = fleet.client.refit(fleet.plan, v, timeout=10.0, check=False, atomic=True, verify=True)
+    assert not r.ok, r
+    assert "engine/1 error: verify: 1 transfer(s) differ: model.norm.weight[0:" in r.error, r.error
+    assert " from trainer/" in r.error and " to engine/1: checksum " in r.error, r.error
+    for e in fleet.engines:
+        assert _settle(lambda e=e: e.ask("state") == (old, False, True)) and e.ask("check", old) == [], e.worker_id
+    result = fleet.refit_ok(v + 1, atomic=True, verify=True)
+    stage1 = sum(1 for t in fleet.plan_obj.transfers if t.stage == 1)
+    assert result.verified_transfers == stage1 > 0, result
+
+
+@bounded(30)
+def test_atomic_refits_refuse_an_engine_that_writes_in_place() -> None:
+    srv = ThreadedServer()
+    spec = tiny_spec("tiny-qwen2")
+    team = [TrainerAgent(srv.address, group="t", rank=0, spec=spec, layout="megatron:tp1", data_plane=NoopDataPlane()),
+            EngineAgent(srv.address, group="e", rank=0, spec=spec, layout="vllm:tp1", data_plane=NoopDataPlane(),
+                        stages=False)]
+    for a in team:
+        a.start()
+    try:
+        with Client(srv.address) as c:
+            plan = c.create_plan("t", "e")["plan_id"]
+            with pytest.raises(InvalidRequest, match="e/0 write in place and cannot stage"):
+                c.refit(plan, 1, atomic=True)
+            assert c.refit(plan, 1).ok  # the default refit is not refused
+    finally:
+        for a in team:
+            a.stop()
+        srv.stop()
 
 
 # ------------------------------------------------------------------------------------------------

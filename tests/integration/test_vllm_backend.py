@@ -124,7 +124,7 @@ def test_refit_answers_as_a_fresh_engine(setups, model, layout, tp, ep) -> None:
         assert got == s.refs[w], f"after the refit to W{w}: {differs(got, s.refs[w])}"
 
 
-def kill_mid_refit(s: Setup, client) -> tuple[int, int]:
+def kill_mid_refit(s: Setup, client, **update_info: bool) -> tuple[int, int]:
     """Refit ``s`` towards another W and kill trainer 1 once bytes of that refit have landed in the
     engine (a hook, not a sleep, decides where); check the failure is reported as issue 9 asks.
     A phased plan (bounded staging, windows on): the engine SIGKILLs trainer 1 right after it
@@ -132,7 +132,8 @@ def kill_mid_refit(s: Setup, client) -> tuple[int, int]:
     next phase's start barrier, so nothing of that phase has moved.  An unphased plan (atomic
     staging): trainer 1 SIGKILLs itself once every member finished writing the whole plan, before
     it answers — every byte of the new weights sits in the engine's staging, uncommitted.
-    Returns (the W held before, the W aimed at)."""
+    With ``atomic=True`` in ``update_info`` (all or none) the engine is listed holding its old
+    version, not stale.  Returns (the W held before, the W aimed at)."""
     import signal
 
     before, v = s.holds, s.version + 1
@@ -147,7 +148,7 @@ def kill_mid_refit(s: Setup, client) -> tuple[int, int]:
         assert s.trainers.ask(1, "fault", "kill")[0] == "ok"
     out: dict = {}
     t0 = time.monotonic()
-    t = threading.Thread(target=lambda: out.update(r=s.engine.refit(s.plan_id, v, timeout=10.0)))
+    t = threading.Thread(target=lambda: out.update(r=s.engine.refit(s.plan_id, v, timeout=10.0, **update_info)))
     t.start()
     t.join(60)
     s.trainers.procs[1].join(30)
@@ -159,23 +160,24 @@ def kill_mid_refit(s: Setup, client) -> tuple[int, int]:
     assert status == "error" and elapsed < 10.0 + 15.0, (elapsed, error)
     assert f"{s.trainers.group}/1" in error.splitlines()[0], error  # the coordinator names the dead trainer
     mine = [r for r in client.list_workers(role="engine") if r["info"]["group"] == s.engine.group]
-    assert mine and all(r["stale"] and r["version"] == s.version for r in mine), mine
+    stale = not update_info.get("atomic", False)
+    assert mine and all(r["stale"] == stale and r["version"] == s.version for r in mine), mine
     assert s.engine.ask("weight_version") == held  # not the failed version
     return before, target
 
 
-def recover(s: Setup, client, target: int) -> None:
+def recover(s: Setup, client, target: int, **update_info: bool) -> None:
     """A new trainer process joins; the failed version, retried, lands: exact answers again."""
     v = s.version + 1
     s.trainers.respawn(1)
     s.trainers.load(s.ckpts[s.model, target])
-    lands_exactly(s, client, v, target)
+    lands_exactly(s, client, v, target, **update_info)
 
 
-def lands_exactly(s: Setup, client, v: int, target: int) -> None:
+def lands_exactly(s: Setup, client, v: int, target: int, **update_info: bool) -> None:
     """Refit to version ``v`` (the trainers hold checkpoint ``target``): it lands, the engine
     answers as a fresh one of ``target`` does, and every rank is listed holding ``v``, not stale."""
-    status, value = s.engine.refit(s.plan_id, v)
+    status, value = s.engine.refit(s.plan_id, v, **update_info)
     assert status == "ok", value
     s.version, s.holds = v, target
     assert s.engine.generate() == s.refs[target]
@@ -209,9 +211,23 @@ def test_trainer_killed_mid_refit_atomic(setups, coordinator) -> None:
         before, target = kill_mid_refit(s, client)
         assert s.engine.generate() == s.refs[before]  # still answers with its old weights, whole
         recover(s, client, target)
+        # update_info atomic (all or none): the same failure leaves it listed at its version, not stale
+        before, target = kill_mid_refit(s, client, atomic=True)
+        assert s.engine.generate() == s.refs[before]
+        recover(s, client, target, atomic=True)
     finally:
         assert s.engine.ask("init", "bounded") == ("ok", None)
         s.plan_id = phased
+
+
+def test_an_atomic_refit_refuses_an_engine_that_writes_in_place(setups, coordinator) -> None:
+    """update_info atomic on an engine with bounded staging: refused before anything moves."""
+    _, client = coordinator
+    s = setups(*CASES[0][:4])
+    s.trainers.load(s.ckpts[s.model, 3 if s.holds != 3 else 2])
+    status, error = s.engine.refit(s.plan_id, s.version + 1, timeout=20.0, atomic=True)
+    assert status == "error" and "init_info staging 'atomic'" in error, (status, error)
+    assert s.engine.generate() == s.refs[s.holds]  # untouched
 
 
 def test_refits_only_inside_update_weights(setups, coordinator) -> None:

@@ -51,7 +51,7 @@ WORKER_OUTCOME_NOT_CONNECTED: WorkerOutcome
 WORKER_OUTCOME_BUSY: WorkerOutcome
 
 class WorkerInfo(_message.Message):
-    __slots__ = ("role", "group", "rank", "host", "gpu", "layout", "model_name", "model_digest", "model_config_json", "version", "stale", "pid", "phase_layers")
+    __slots__ = ("role", "group", "rank", "host", "gpu", "layout", "model_name", "model_digest", "model_config_json", "version", "stale", "pid", "phase_layers", "stages")
     ROLE_FIELD_NUMBER: _ClassVar[int]
     GROUP_FIELD_NUMBER: _ClassVar[int]
     RANK_FIELD_NUMBER: _ClassVar[int]
@@ -65,6 +65,7 @@ class WorkerInfo(_message.Message):
     STALE_FIELD_NUMBER: _ClassVar[int]
     PID_FIELD_NUMBER: _ClassVar[int]
     PHASE_LAYERS_FIELD_NUMBER: _ClassVar[int]
+    STAGES_FIELD_NUMBER: _ClassVar[int]
     role: Role
     group: str
     rank: int
@@ -78,7 +79,8 @@ class WorkerInfo(_message.Message):
     stale: bool
     pid: int
     phase_layers: int
-    def __init__(self, role: _Optional[_Union[Role, str]] = ..., group: _Optional[str] = ..., rank: _Optional[int] = ..., host: _Optional[str] = ..., gpu: _Optional[int] = ..., layout: _Optional[str] = ..., model_name: _Optional[str] = ..., model_digest: _Optional[str] = ..., model_config_json: _Optional[str] = ..., version: _Optional[int] = ..., stale: bool = ..., pid: _Optional[int] = ..., phase_layers: _Optional[int] = ...) -> None: ...
+    stages: bool
+    def __init__(self, role: _Optional[_Union[Role, str]] = ..., group: _Optional[str] = ..., rank: _Optional[int] = ..., host: _Optional[str] = ..., gpu: _Optional[int] = ..., layout: _Optional[str] = ..., model_name: _Optional[str] = ..., model_digest: _Optional[str] = ..., model_config_json: _Optional[str] = ..., version: _Optional[int] = ..., stale: bool = ..., pid: _Optional[int] = ..., phase_layers: _Optional[int] = ..., stages: bool = ...) -> None: ...
 
 class Register(_message.Message):
     __slots__ = ("info",)
@@ -87,28 +89,49 @@ class Register(_message.Message):
     def __init__(self, info: _Optional[_Union[WorkerInfo, _Mapping]] = ...) -> None: ...
 
 class RunResult(_message.Message):
-    __slots__ = ("refit_id", "ok", "error", "bytes", "seconds", "before_start")
+    __slots__ = ("refit_id", "ok", "error", "bytes", "seconds", "before_start", "checksums")
+    class ChecksumsEntry(_message.Message):
+        __slots__ = ("key", "value")
+        KEY_FIELD_NUMBER: _ClassVar[int]
+        VALUE_FIELD_NUMBER: _ClassVar[int]
+        key: int
+        value: int
+        def __init__(self, key: _Optional[int] = ..., value: _Optional[int] = ...) -> None: ...
     REFIT_ID_FIELD_NUMBER: _ClassVar[int]
     OK_FIELD_NUMBER: _ClassVar[int]
     ERROR_FIELD_NUMBER: _ClassVar[int]
     BYTES_FIELD_NUMBER: _ClassVar[int]
     SECONDS_FIELD_NUMBER: _ClassVar[int]
     BEFORE_START_FIELD_NUMBER: _ClassVar[int]
+    CHECKSUMS_FIELD_NUMBER: _ClassVar[int]
     refit_id: str
     ok: bool
     error: str
     bytes: int
     seconds: float
     before_start: bool
-    def __init__(self, refit_id: _Optional[str] = ..., ok: bool = ..., error: _Optional[str] = ..., bytes: _Optional[int] = ..., seconds: _Optional[float] = ..., before_start: bool = ...) -> None: ...
+    checksums: _containers.ScalarMap[int, int]
+    def __init__(self, refit_id: _Optional[str] = ..., ok: bool = ..., error: _Optional[str] = ..., bytes: _Optional[int] = ..., seconds: _Optional[float] = ..., before_start: bool = ..., checksums: _Optional[_Mapping[int, int]] = ...) -> None: ...
+
+class Switched(_message.Message):
+    __slots__ = ("refit_id", "ok", "error")
+    REFIT_ID_FIELD_NUMBER: _ClassVar[int]
+    OK_FIELD_NUMBER: _ClassVar[int]
+    ERROR_FIELD_NUMBER: _ClassVar[int]
+    refit_id: str
+    ok: bool
+    error: str
+    def __init__(self, refit_id: _Optional[str] = ..., ok: bool = ..., error: _Optional[str] = ...) -> None: ...
 
 class WorkerMessage(_message.Message):
-    __slots__ = ("register", "result")
+    __slots__ = ("register", "result", "switched")
     REGISTER_FIELD_NUMBER: _ClassVar[int]
     RESULT_FIELD_NUMBER: _ClassVar[int]
+    SWITCHED_FIELD_NUMBER: _ClassVar[int]
     register: Register
     result: RunResult
-    def __init__(self, register: _Optional[_Union[Register, _Mapping]] = ..., result: _Optional[_Union[RunResult, _Mapping]] = ...) -> None: ...
+    switched: Switched
+    def __init__(self, register: _Optional[_Union[Register, _Mapping]] = ..., result: _Optional[_Union[RunResult, _Mapping]] = ..., switched: _Optional[_Union[Switched, _Mapping]] = ...) -> None: ...
 
 class Registered(_message.Message):
     __slots__ = ("worker_id", "session")
@@ -135,20 +158,24 @@ class Rendezvous(_message.Message):
     def __init__(self, host: _Optional[str] = ..., port: _Optional[int] = ..., prefix: _Optional[str] = ..., world_size: _Optional[int] = ..., rank: _Optional[int] = ..., members: _Optional[_Iterable[str]] = ...) -> None: ...
 
 class RunRefit(_message.Message):
-    __slots__ = ("refit_id", "plan_id", "plan_json", "version", "timeout_seconds", "rendezvous")
+    __slots__ = ("refit_id", "plan_id", "plan_json", "version", "timeout_seconds", "rendezvous", "atomic", "verify")
     REFIT_ID_FIELD_NUMBER: _ClassVar[int]
     PLAN_ID_FIELD_NUMBER: _ClassVar[int]
     PLAN_JSON_FIELD_NUMBER: _ClassVar[int]
     VERSION_FIELD_NUMBER: _ClassVar[int]
     TIMEOUT_SECONDS_FIELD_NUMBER: _ClassVar[int]
     RENDEZVOUS_FIELD_NUMBER: _ClassVar[int]
+    ATOMIC_FIELD_NUMBER: _ClassVar[int]
+    VERIFY_FIELD_NUMBER: _ClassVar[int]
     refit_id: str
     plan_id: str
     plan_json: bytes
     version: int
     timeout_seconds: float
     rendezvous: Rendezvous
-    def __init__(self, refit_id: _Optional[str] = ..., plan_id: _Optional[str] = ..., plan_json: _Optional[bytes] = ..., version: _Optional[int] = ..., timeout_seconds: _Optional[float] = ..., rendezvous: _Optional[_Union[Rendezvous, _Mapping]] = ...) -> None: ...
+    atomic: bool
+    verify: bool
+    def __init__(self, refit_id: _Optional[str] = ..., plan_id: _Optional[str] = ..., plan_json: _Optional[bytes] = ..., version: _Optional[int] = ..., timeout_seconds: _Optional[float] = ..., rendezvous: _Optional[_Union[Rendezvous, _Mapping]] = ..., atomic: bool = ..., verify: bool = ...) -> None: ...
 
 class Outcome(_message.Message):
     __slots__ = ("refit_id", "committed", "version", "error", "untouched")
@@ -349,14 +376,18 @@ class GetPlanResponse(_message.Message):
     def __init__(self, summary: _Optional[_Union[PlanSummary, _Mapping]] = ..., plan_json: _Optional[bytes] = ...) -> None: ...
 
 class RefitRequest(_message.Message):
-    __slots__ = ("plan_id", "version", "timeout_seconds")
+    __slots__ = ("plan_id", "version", "timeout_seconds", "atomic", "verify")
     PLAN_ID_FIELD_NUMBER: _ClassVar[int]
     VERSION_FIELD_NUMBER: _ClassVar[int]
     TIMEOUT_SECONDS_FIELD_NUMBER: _ClassVar[int]
+    ATOMIC_FIELD_NUMBER: _ClassVar[int]
+    VERIFY_FIELD_NUMBER: _ClassVar[int]
     plan_id: str
     version: int
     timeout_seconds: float
-    def __init__(self, plan_id: _Optional[str] = ..., version: _Optional[int] = ..., timeout_seconds: _Optional[float] = ...) -> None: ...
+    atomic: bool
+    verify: bool
+    def __init__(self, plan_id: _Optional[str] = ..., version: _Optional[int] = ..., timeout_seconds: _Optional[float] = ..., atomic: bool = ..., verify: bool = ...) -> None: ...
 
 class WorkerResult(_message.Message):
     __slots__ = ("worker_id", "role", "rank", "outcome", "bytes", "seconds", "error")
@@ -377,7 +408,7 @@ class WorkerResult(_message.Message):
     def __init__(self, worker_id: _Optional[str] = ..., role: _Optional[_Union[Role, str]] = ..., rank: _Optional[int] = ..., outcome: _Optional[_Union[WorkerOutcome, str]] = ..., bytes: _Optional[int] = ..., seconds: _Optional[float] = ..., error: _Optional[str] = ...) -> None: ...
 
 class RefitResponse(_message.Message):
-    __slots__ = ("refit_id", "plan_id", "version", "status", "error", "seconds", "total_bytes", "workers")
+    __slots__ = ("refit_id", "plan_id", "version", "status", "error", "seconds", "total_bytes", "workers", "atomic", "verified_transfers")
     REFIT_ID_FIELD_NUMBER: _ClassVar[int]
     PLAN_ID_FIELD_NUMBER: _ClassVar[int]
     VERSION_FIELD_NUMBER: _ClassVar[int]
@@ -386,6 +417,8 @@ class RefitResponse(_message.Message):
     SECONDS_FIELD_NUMBER: _ClassVar[int]
     TOTAL_BYTES_FIELD_NUMBER: _ClassVar[int]
     WORKERS_FIELD_NUMBER: _ClassVar[int]
+    ATOMIC_FIELD_NUMBER: _ClassVar[int]
+    VERIFIED_TRANSFERS_FIELD_NUMBER: _ClassVar[int]
     refit_id: str
     plan_id: str
     version: int
@@ -394,7 +427,9 @@ class RefitResponse(_message.Message):
     seconds: float
     total_bytes: int
     workers: _containers.RepeatedCompositeFieldContainer[WorkerResult]
-    def __init__(self, refit_id: _Optional[str] = ..., plan_id: _Optional[str] = ..., version: _Optional[int] = ..., status: _Optional[_Union[RefitStatus, str]] = ..., error: _Optional[str] = ..., seconds: _Optional[float] = ..., total_bytes: _Optional[int] = ..., workers: _Optional[_Iterable[_Union[WorkerResult, _Mapping]]] = ...) -> None: ...
+    atomic: bool
+    verified_transfers: int
+    def __init__(self, refit_id: _Optional[str] = ..., plan_id: _Optional[str] = ..., version: _Optional[int] = ..., status: _Optional[_Union[RefitStatus, str]] = ..., error: _Optional[str] = ..., seconds: _Optional[float] = ..., total_bytes: _Optional[int] = ..., workers: _Optional[_Iterable[_Union[WorkerResult, _Mapping]]] = ..., atomic: bool = ..., verified_transfers: _Optional[int] = ...) -> None: ...
 
 class WatchRefitsRequest(_message.Message):
     __slots__ = ("plan_id",)

@@ -66,6 +66,8 @@ class RefitUpdateInfo(WeightTransferUpdateInfo):
     plan_id: str
     version: int
     timeout: float = 60.0
+    atomic: bool = False  # all or none across the plan's engines (needs init_info staging "atomic")
+    verify: bool = False  # both ends checksum every transfer (`refit.Client.refit`)
 
 
 class VllmEngineAgent(EngineAgent):
@@ -85,6 +87,14 @@ class VllmEngineAgent(EngineAgent):
     before this worker expects it, which `Agent.EXPECT_GRACE` allows for."""
 
     expects_refits = True
+
+    # With ``staging`` "atomic" the tensors the agent is given are the landing's staging already,
+    # and the switch is the landing's `apply`, which ``update_weights`` runs after the commit.
+    def _staging(self, live: Any) -> Any:
+        return live
+
+    def _switch(self, staged: Any, live: Any) -> None:
+        pass
 
     def refusal(self, plan_id: str, version: int) -> str:
         return (f"{self.worker_id} is not inside vLLM's update_weights for plan {plan_id} version {version}; "
@@ -126,7 +136,8 @@ class RefitWeightTransferEngine(WeightTransferEngine[RefitInitInfo, RefitUpdateI
                                      layout=who.layout, tensors=self.landing.tensors, host=init_info.host,
                                      token=init_info.token, holding=self.holding,
                                      phase_layers=self.landing.phase_layers,
-                                     phase_hook=self.landing if phased else None)
+                                     phase_hook=self.landing if phased else None,
+                                     stages=init_info.staging == "atomic")
         self.agent.start()
         self.init_info = init_info
         log.info("refit: %s registered as %s rank %d of %s (%s; staging %s%s: %.1f MiB staged, %.1f MiB written in "
@@ -144,6 +155,10 @@ class RefitWeightTransferEngine(WeightTransferEngine[RefitInitInfo, RefitUpdateI
     def receive_weights(self, update_info: RefitUpdateInfo) -> None:
         self._require_target()
         agent, landing, info = self._require_init()
+        if update_info.atomic and info.staging != "atomic":
+            raise InvalidInput(f"refit: update_info atomic needs an engine that stages whole versions; this one "
+                               f"was initialised with staging {info.staging!r}: init_weight_transfer_engine with "
+                               f"init_info staging 'atomic'")
         if sleep.weights_asleep(self._pool):  # writing into unmapped memory would fault
             raise InvalidInput("refit: this engine's weights are asleep (llm.sleep): wake them first "
                                "(llm.wake_up(tags=['weights'])), then update_weights, then wake the KV cache")
@@ -156,7 +171,7 @@ class RefitWeightTransferEngine(WeightTransferEngine[RefitInitInfo, RefitUpdateI
             with agent.expecting(update_info.plan_id, version):
                 self._barrier()  # every worker expects it before the coordinator sends the command
                 if self._leader():
-                    outcome = self._run_refit(info, update_info.plan_id, version, update_info.timeout)
+                    outcome = self._run_refit(info, update_info)
                 ok, refit_id, error = self._broadcast(outcome)
                 if not ok:
                     # the share is cancelled with the failure; no write may land after we return
@@ -259,15 +274,16 @@ class RefitWeightTransferEngine(WeightTransferEngine[RefitInitInfo, RefitUpdateI
         return self.agent, self.landing, self.init_info
 
     @staticmethod
-    def _run_refit(info: RefitInitInfo, plan_id: str, version: int, timeout: float) -> tuple[bool, str, str]:
-        """(ok, refit id, error) of running the plan for ``version``."""
+    def _run_refit(info: RefitInitInfo, update: RefitUpdateInfo) -> tuple[bool, str, str]:
+        """(ok, refit id, error) of running the plan for the update's version."""
         import grpc
 
         from refit.control.client import Client, RefitFailed
 
         try:
             with Client(info.coordinator, token=info.token) as client:
-                return True, client.refit(plan_id, version, timeout=timeout).refit_id, ""
+                return True, client.refit(update.plan_id, int(update.version), timeout=update.timeout,
+                                          atomic=update.atomic, verify=update.verify).refit_id, ""
         except RefitFailed as e:
             return False, e.result.refit_id, str(e)
         except grpc.RpcError as e:
