@@ -39,7 +39,7 @@ from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Callable, Mapping, Protocol, Union
 
 from refit.control.common import Side
-from refit.errors import RefitFailed
+from refit.errors import InvalidInput, RefitFailed
 from refit.spec import check_tensor_table
 
 if TYPE_CHECKING:
@@ -182,6 +182,7 @@ class BaseDataPlane:
 
     inline = False
     reports_start = False
+    verifies = False  # whether `checksums` gives the transfers' checksums of a refit
     _seat: Seat | None = None
 
     def open(self, seat: Seat) -> None:
@@ -201,6 +202,11 @@ class BaseDataPlane:
 
     def run(self, plan: "Plan", tensors: Tensors, ctx: RunContext) -> tuple[int, float]:
         raise NotImplementedError
+
+    def checksums(self, plan: "Plan") -> dict[int, int]:
+        """After ``run``: this seat's checksum of each stage-1 transfer of ``plan`` it sent or
+        received, by transfer index (`refit.executor.checksum`), for a verified refit."""
+        raise InvalidInput("this data plane cannot verify refits")
 
     def close(self) -> None:
         pass

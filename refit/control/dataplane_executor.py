@@ -42,6 +42,7 @@ import torch.distributed as dist
 from refit.control.common import Side
 from refit.control.dataplane import BaseDataPlane, RunContext, Tensors
 from refit.errors import InvalidInput
+from refit.executor.checksum import share_checksums
 from refit.executor.member import Member, Rebuild
 from refit.executor.seating import locate
 from refit.executor.topology import Endpoint
@@ -86,6 +87,7 @@ class ExecutorDataPlane(BaseDataPlane):
     first transfer of a refit is posted."""
 
     reports_start = True  # calls ctx.starting() before the start barrier
+    verifies = True  # gives its transfers' checksums after a refit (`checksums`)
     refit_hook: Callable[[], None] | None = None
 
     def __init__(self, transport: str = "auto") -> None:
@@ -100,6 +102,8 @@ class ExecutorDataPlane(BaseDataPlane):
         # plan hash -> ((format, dtype quantized from), {weight local: (its scale local, shape)}) of a
         # trainer that quantizes on the way (`refit.quantization`)
         self._quantize: dict[str, tuple[tuple[str, str], dict[str, tuple[str, tuple[int, ...]]]]] = {}
+        # plan hash -> the tensors its last `run` moved (a trainer's as the wire carries them), for `checksums`
+        self._moved: dict[str, Tensors] = {}
 
     def prepare(self, plan: Plan) -> None:
         """Resolve the plan's layouts once (a trainer's own against the spec it runs the plan
@@ -131,6 +135,7 @@ class ExecutorDataPlane(BaseDataPlane):
             self.prepare(plan)
         if plan.plan_hash in self._casts or plan.plan_hash in self._quantize:
             tensors = self._cast(plan.plan_hash, tensors)  # before the start barrier: trainer-side work
+        self._moved[plan.plan_hash] = tensors
         held = self._members.get(ctx.plan_id)
         if held is None or held.prefix != ctx.rendezvous.prefix:
             if held is not None:  # an older generation: its peers have moved on
@@ -149,6 +154,16 @@ class ExecutorDataPlane(BaseDataPlane):
             del self._members[ctx.plan_id]
             held = self._build(plan, tensors, ctx, held.rebuilds + 1)
             return held.nbytes, held.member.refit(ctx.remaining, self.refit_hook, on_phase=on_phase)
+
+    def checksums(self, plan: Plan) -> dict[int, int]:
+        """This seat's checksum of every stage-1 transfer it sent or received in the refit `run`
+        just finished, by transfer index (`refit.executor.checksum`): a trainer's over the tensors
+        it sent (cast and quantized: the wire's), an engine's over the tensors it received into."""
+        tensors = self._moved.get(plan.plan_hash)
+        if tensors is None:
+            raise InvalidInput(f"plan {plan.plan_hash} has not run on this seat: no checksums to give")
+        spec, src, dst = self._run_view(plan)
+        return share_checksums(plan, spec, src, dst, self.seat.side.end, self.seat.rank, tensors)
 
     def _build(self, plan: Plan, tensors: Tensors, ctx: RunContext, rebuilds: int) -> Held:
         store = ctx.open_store(ctx.remaining())
@@ -244,6 +259,7 @@ class ExecutorDataPlane(BaseDataPlane):
             held.close()
         self._members.clear()
         self._wire.clear()
+        self._moved.clear()
 
 
 def _buffer(buffers: dict[str, torch.Tensor], key: str, shape: tuple[int, ...] | torch.Size, dtype: str,

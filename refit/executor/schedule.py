@@ -234,7 +234,9 @@ def _gather_tensors(plan: Plan, spec: ModelSpec, topo: Topology, mine: set[int])
     return out
 
 
-def _blocks(index: PieceIndex, t: Transfer, ep: Endpoint, whole: bool, sending: bool) -> list[Block]:
+def box_blocks(index: PieceIndex, t: Transfer, ep: Endpoint, whole: bool, sending: bool) -> list[Block]:
+    """The blocks of endpoint ``ep``'s local tensors that hold transfer ``t``'s box (``whole``: all
+    of it); refused when the layouts do not match the plan (`refit.executor.checksum` uses it too)."""
     blocks = index.regions(t.tensor, (t.start, t.size))
     got = sum(volume(r.size) for r in blocks)
     if (whole and got != t.numel) or got > t.numel:
@@ -250,7 +252,7 @@ def _wire(plan: Plan, bi: int, b: Bucket, transfers: tuple[Transfer, ...], index
     for t in transfers:
         # A sender must hold the whole box; a receiver of a gathering plan keeps what its pieces
         # cover (whole tensors are sent), otherwise the whole box too.
-        blocks = _blocks(index, t, ep, whole=sending or not plan.gathers, sending=sending)
+        blocks = box_blocks(index, t, ep, whole=sending or not plan.gathers, sending=sending)
         out.append(WireTransfer(offset, t.size, plan.tensors[t.tensor][0], tuple(blocks)))
         offset += plan.transfer_bytes(t)
     if offset != b.nbytes:
@@ -263,8 +265,8 @@ def _moves(plan: Plan, transfers: tuple[Transfer, ...], s_index: PieceIndex, d_i
     out = []
     for t in transfers:
         dtype = plan.tensors[t.tensor][0]
-        src_blocks = _blocks(s_index, t, s_ep, whole=True, sending=True)
-        dst_blocks = _blocks(d_index, t, d_ep, whole=not plan.gathers, sending=False)
+        src_blocks = box_blocks(s_index, t, s_ep, whole=True, sending=True)
+        dst_blocks = box_blocks(d_index, t, d_ep, whole=not plan.gathers, sending=False)
         for sr in src_blocks:
             for dr in dst_blocks:
                 inter = intersect((sr.box_start, sr.size), (dr.box_start, dr.size))

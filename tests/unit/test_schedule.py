@@ -108,6 +108,6 @@ def test_a_destination_missing_part_of_a_box_is_told_it_must_receive_it() -> Non
     index = PieceIndex([LocalTensor("x", (2, 4), "bfloat16", (Piece("a", (0, 0), (2, 4), (0, 0)),))])
     t = Transfer(1, 0, 3, "a", (0, 0), (4, 4))
     with pytest.raises(RefitError, match=r"dst rank 3 holds 8 of the 16 elements of a \[0, 0\]\+\[4, 4\] it must receive"):
-        schedule._blocks(index, t, ("dst", 3), whole=True, sending=False)
+        schedule.box_blocks(index, t, ("dst", 3), whole=True, sending=False)
     with pytest.raises(RefitError, match="src rank 0 holds 8 of the 16 elements .* it must send"):
-        schedule._blocks(index, t, ("src", 0), whole=True, sending=True)
+        schedule.box_blocks(index, t, ("src", 0), whole=True, sending=True)
