@@ -126,6 +126,7 @@ class RunContext:
     reached_start: threading.Event = field(default_factory=threading.Event)  # see `starting`
     atomic: bool = False  # all or none: an engine's tensors here are its staging (`Agent._staging`)
     verify: bool = False  # the data plane is asked for its transfers' checksums after the run
+    check_only: bool = False  # a Check: nothing moves, the agent reads checksums of its tensors
 
     def open_store(self, timeout_s: float) -> "dist.Store":
         """The rendezvous store (keys under the rendezvous prefix)."""
@@ -203,9 +204,10 @@ class BaseDataPlane:
     def run(self, plan: "Plan", tensors: Tensors, ctx: RunContext) -> tuple[int, float]:
         raise NotImplementedError
 
-    def checksums(self, plan: "Plan") -> dict[int, int]:
-        """After ``run``: this seat's checksum of each stage-1 transfer of ``plan`` it sent or
-        received, by transfer index (`refit.executor.checksum`), for a verified refit."""
+    def checksums(self, plan: "Plan", tensors: "Tensors | None" = None) -> dict[int, int]:
+        """This seat's checksum of each stage-1 transfer of ``plan`` it sends or receives, by
+        transfer index (`refit.executor.checksum`): after ``run`` (a verified refit), or of
+        ``tensors`` as they are (a Check, nothing moved)."""
         raise InvalidInput("this data plane cannot verify refits")
 
     def close(self) -> None:

@@ -104,6 +104,9 @@ class ExecutorDataPlane(BaseDataPlane):
         self._quantize: dict[str, tuple[tuple[str, str], dict[str, tuple[str, tuple[int, ...]]]]] = {}
         # plan hash -> the tensors its last `run` moved (a trainer's as the wire carries them), for `checksums`
         self._moved: dict[str, Tensors] = {}
+        # plan hash -> checksums an engine took phase by phase in its last verified `run` (its
+        # phase hook re-uses one staging for every phase: summed before each phase is applied)
+        self._phase_sums: dict[str, dict[int, int]] = {}
 
     def prepare(self, plan: Plan) -> None:
         """Resolve the plan's layouts once (a trainer's own against the spec it runs the plan
@@ -143,8 +146,7 @@ class ExecutorDataPlane(BaseDataPlane):
             self._members.pop(ctx.plan_id, None)
             held = self._build(plan, tensors, ctx, 0)
         moved = tensors is not held.tensors and where(tensors) != held.where
-        hook = ctx.phase_hook
-        on_phase = (lambda key: hook.landed(plan, key)) if hook is not None else None
+        on_phase = self._on_phase(plan, tensors, ctx)
         ctx.starting()
         try:
             return held.nbytes, held.member.refit(ctx.remaining, self.refit_hook, on_phase=on_phase, rebuild=moved)
@@ -155,15 +157,44 @@ class ExecutorDataPlane(BaseDataPlane):
             held = self._build(plan, tensors, ctx, held.rebuilds + 1)
             return held.nbytes, held.member.refit(ctx.remaining, self.refit_hook, on_phase=on_phase)
 
-    def checksums(self, plan: Plan) -> dict[int, int]:
-        """This seat's checksum of every stage-1 transfer it sent or received in the refit `run`
-        just finished, by transfer index (`refit.executor.checksum`): a trainer's over the tensors
-        it sent (cast and quantized: the wire's), an engine's over the tensors it received into."""
-        tensors = self._moved.get(plan.plan_hash)
-        if tensors is None:
+    def _on_phase(self, plan: Plan, tensors: Tensors, ctx: RunContext) -> Callable[[int], None] | None:
+        """What runs as each phase landed: the engine's phase hook, after (verify) the checksums
+        of that phase's transfers, taken before the hook re-uses the staging they landed in."""
+        hook = ctx.phase_hook
+        self._phase_sums.pop(plan.plan_hash, None)
+        if hook is None:
+            return None
+        if not ctx.verify:
+            return lambda key: hook.landed(plan, key)
+        sums = self._phase_sums[plan.plan_hash] = {}
+
+        def landed(key: int) -> None:
+            sums.update(self._sums(plan, tensors, key))
+            hook.landed(plan, key)
+        return landed
+
+    def checksums(self, plan: Plan, tensors: Tensors | None = None) -> dict[int, int]:
+        """This seat's checksum of every stage-1 transfer it sends or receives, by transfer index
+        (`refit.executor.checksum`).  Without ``tensors``: of the refit `run` just finished — a
+        trainer's over the tensors it sent (cast and quantized: the wire's), an engine's over the
+        tensors it received into (phase by phase where a phase hook re-uses its staging).  With
+        ``tensors``: of those as they are now (a trainer's cast and quantized first), nothing moved."""
+        if tensors is not None:
+            if self.seat.side is Side.TRAINER and (plan.plan_hash in self._casts or plan.plan_hash in self._quantize):
+                tensors = self._cast(plan.plan_hash, tensors)
+            return self._sums(plan, tensors)
+        if plan.plan_hash in self._phase_sums:
+            return self._phase_sums[plan.plan_hash]
+        moved = self._moved.get(plan.plan_hash)
+        if moved is None:
             raise InvalidInput(f"plan {plan.plan_hash} has not run on this seat: no checksums to give")
+        return self._sums(plan, moved)
+
+    def _sums(self, plan: Plan, tensors: Tensors, phase: int | None = None) -> dict[int, int]:
+        if plan.plan_hash not in self._resolved:
+            self.prepare(plan)
         spec, src, dst = self._run_view(plan)
-        return share_checksums(plan, spec, src, dst, self.seat.side.end, self.seat.rank, tensors)
+        return share_checksums(plan, spec, src, dst, self.seat.side.end, self.seat.rank, tensors, phase)
 
     def _build(self, plan: Plan, tensors: Tensors, ctx: RunContext, rebuilds: int) -> Held:
         store = ctx.open_store(ctx.remaining())

@@ -98,13 +98,15 @@ def box_checksum(box: torch.Tensor) -> int:
 
 
 def share_checksums(plan: Plan, spec: ModelSpec, src_layout: Layout, dst_layout: Layout, side: str, rank: int,
-                    tensors: Mapping[str, torch.Tensor]) -> dict[int, int]:
+                    tensors: Mapping[str, torch.Tensor], phase: int | None = None) -> dict[int, int]:
     """Checksum of every stage-1 transfer of ``plan`` that rank ``rank`` of ``side`` (``src`` or
     ``dst``) sends or receives, by its index in ``plan.transfers``.  ``tensors``: that rank's
     local tensors by local name, in the dtypes the wire carries (``spec`` is the one the plan runs
-    with, the layouts resolved against it).  Refuses (`InvalidInput`) a plan of another model or
+    with, the layouts resolved against it).  ``phase``: only the transfers of that phase of a
+    phased plan (its key in `Plan.phase_ranges`: an engine that stages one window at a time sums
+    each phase before the next overwrites it).  Refuses (`InvalidInput`) a plan of another model or
     other layouts, a plan that gathers, and tensors missing or unlike the layout's."""
-    share = _share(plan, spec, src_layout, dst_layout, side, rank)
+    share = _share(plan, spec, src_layout, dst_layout, side, rank, phase)
     views = _Views(share, tensors)
     sums = _sums(share, views, use_kernel=None)
     return {box.index: fold(s1, s2) for box, (s1, s2) in zip(share.boxes, sums.tolist())}
@@ -140,16 +142,17 @@ _shares: collections.OrderedDict[tuple[Any, ...], Share] = collections.OrderedDi
 _lock = threading.Lock()
 
 
-def _share(plan: Plan, spec: ModelSpec, src: Layout, dst: Layout, side: str, rank: int) -> Share:
+def _share(plan: Plan, spec: ModelSpec, src: Layout, dst: Layout, side: str, rank: int,
+           phase: int | None = None) -> Share:
     if side not in ("src", "dst"):
         raise InvalidInput(f"side must be src or dst, not {side!r}")
-    key = (plan.plan_hash, src.describe(), dst.describe(), side, rank)
+    key = (plan.plan_hash, src.describe(), dst.describe(), side, rank, phase)
     with _lock:
         share = _shares.get(key)
         if share is not None and share.spec is spec:
             _shares.move_to_end(key)
             return share
-    share = _make_share(plan, spec, src, dst, side, rank)
+    share = _make_share(plan, spec, src, dst, side, rank, phase)
     with _lock:
         _shares[key] = share
         while len(_shares) > _CACHE_SIZE:
@@ -157,7 +160,8 @@ def _share(plan: Plan, spec: ModelSpec, src: Layout, dst: Layout, side: str, ran
     return share
 
 
-def _make_share(plan: Plan, spec: ModelSpec, src: Layout, dst: Layout, side: str, rank: int) -> Share:
+def _make_share(plan: Plan, spec: ModelSpec, src: Layout, dst: Layout, side: str, rank: int,
+                phase: int | None = None) -> Share:
     check_plan(plan, spec, src, dst, Topology.one_per_rank(plan.placement))
     ranks = len(plan.placement.src_gpus if side == "src" else plan.placement.dst_gpus)
     if not 0 <= rank < ranks:
@@ -167,10 +171,19 @@ def _make_share(plan: Plan, spec: ModelSpec, src: Layout, dst: Layout, side: str
                            "its boxes leave from gathered copies no seat holds, so its transfers have no checksums")
     locals_ = (src if side == "src" else dst).local_tensors(spec, rank)
     index, ep, sending = PieceIndex(locals_), (side, rank), side == "src"
+    wanted = range(len(plan.transfers)) if phase is None else _phase_transfers(plan, phase)
     boxes = tuple(BoxBlocks(i, t.size, tuple(box_blocks(index, t, ep, whole=True, sending=sending)))
-                  for i, t in enumerate(plan.transfers)
+                  for i, t in ((i, plan.transfers[i]) for i in wanted)
                   if t.stage == 1 and (t.src if sending else t.dst) == rank)
     return Share(spec, {lt.name: lt for lt in locals_}, boxes)
+
+
+def _phase_transfers(plan: Plan, phase: int) -> list[int]:
+    """The indices of the transfers in phase ``phase``'s buckets."""
+    for key, first, end in plan.phase_ranges():
+        if key == phase:
+            return [i for b in plan.buckets[first:end] for i in range(b.first, b.first + b.count)]
+    raise InvalidInput(f"plan {plan.plan_hash} has no phase {phase}")
 
 
 @dataclass(frozen=True)

@@ -314,3 +314,21 @@ def test_the_data_planes() -> None:
     plane._moved[r.plan.plan_hash] = tensors  # what `run` keeps
     assert plane.checksums(r.plan) == share_checksums(r.plan, spec, r.src, r.dst, "dst", 0, tensors)
     plane.close()
+
+
+def test_a_phased_plan_sums_phase_by_phase_to_the_whole() -> None:
+    """An engine that stages one window at a time sums each phase as it lands (`phase`): the
+    phases' checksums together are the whole share's, each phase holding only its transfers."""
+    spec = spec_of("tiny-qwen3-moe")
+    r = make_plan(spec, "megatron:tp2ep2", "vllm:tp2", bucket_bytes=4096, phase_layers=1)
+    tensors = cut(spec, r.dst, 1, canonical(spec, seed=5))
+    whole = share_checksums(r.plan, spec, r.src, r.dst, "dst", 1, tensors)
+    parts: dict[int, int] = {}
+    for key, first, end in r.plan.phase_ranges():
+        part = share_checksums(r.plan, spec, r.src, r.dst, "dst", 1, tensors, phase=key)
+        mine = {i for b in r.plan.buckets[first:end] for i in range(b.first, b.first + b.count)}
+        assert set(part) <= mine and not set(part) & set(parts), key
+        parts.update(part)
+    assert len(r.plan.phase_ranges()) > 2 and parts == whole
+    with pytest.raises(InvalidInput, match="has no phase 999"):
+        share_checksums(r.plan, spec, r.src, r.dst, "dst", 1, tensors, phase=999)
