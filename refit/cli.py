@@ -18,7 +18,7 @@ from refit import __version__, settings
 from refit.casts import CASTABLE, casts_between
 from refit.catalog import CATALOG
 from refit.dtypes import DTYPE_BYTES
-from refit.entrypoint import run_main, setup_logging
+from refit.entrypoint import EXIT_FAILED, run_main, setup_logging
 from refit.errors import InvalidInput
 from refit.hf_checkpoint import hf_config, load_spec
 from refit.layouts import LAYOUT_HELP, resolve_layout
@@ -43,6 +43,7 @@ examples:
   refit reshard --model ./Qwen3-30B-A3B --src hf --dst megatron:tp4ep8 --in ./Qwen3-30B-A3B --out ./mcore
   refit reshard --model ./Qwen3-30B-A3B --src hf --dst hf --dst-dtype fp8 --in ./Qwen3-30B-A3B --out ./fp8
   refit serve --port 50051 --token $TOKEN
+  refit verify --plan PLAN_ID --coordinator 127.0.0.1:50051
 """
 
 
@@ -275,6 +276,35 @@ def dst_dtype_arg(p: argparse.ArgumentParser) -> None:
                         "layouts whose shards cut blocks are refused")
 
 
+# ---------------------------------------------------------------------------------------------
+# verify
+
+
+def cmd_verify(args: argparse.Namespace) -> int:
+    from refit.control.client import Client, ControlError
+
+    token = None
+    if args.token_file:
+        with open(args.token_file) as f:
+            token = f.read().strip()
+    try:
+        with Client(args.coordinator, token=token) as client:
+            result = client.check(args.plan, timeout=args.timeout, check=False)
+    except ControlError as e:
+        raise InvalidInput(f"coordinator {args.coordinator or '$REFIT_ADDRESS'}: {e.code().name}: {e.details()}") \
+            from None
+    if args.json:
+        print(json.dumps({"ok": result.ok, "plan_id": result.plan_id, "version": result.version,
+                          "verified_transfers": result.verified_transfers, "seconds": result.seconds,
+                          "error": result.error}))
+    elif result.ok:
+        print(f"plan {result.plan_id}: the engines hold version {result.version} exactly as the trainers' weights: "
+              f"{result.verified_transfers} transfers checked at both ends ({result.seconds:.3f} s)")
+    else:
+        print(f"plan {result.plan_id}: {result.error}")
+    return 0 if result.ok else EXIT_FAILED
+
+
 def build_parser() -> argparse.ArgumentParser:
     p = argparse.ArgumentParser(
         prog="refit",
@@ -345,6 +375,18 @@ def build_parser() -> argparse.ArgumentParser:
                                "process alone; bench: refit-bench alone")
     st.add_argument("--json", action="store_true", help="print JSON (one object per knob)")
     st.set_defaults(func=cmd_settings)
+
+    ve = sub.add_parser("verify", help="check what a plan's engines hold now against the trainers, moving no weights",
+                        description="Ask the coordinator to compare, transfer by transfer, a checksum of what "
+                                    "each engine holds with one of what the trainers hold (in the dtypes the "
+                                    "wire carries), moving nothing.  Exit 0 when all match, 3 naming each "
+                                    "differing tensor, box and both ranks, 2 for a bad request.")
+    ve.add_argument("--plan", required=True, help="the plan_id CreatePlan returned (refit.Client.create_plan)")
+    ve.add_argument("--coordinator", default=None, help="host:port (default $REFIT_ADDRESS, else 127.0.0.1:50051)")
+    ve.add_argument("--token-file", default=None, help="file holding the coordinator's token (default $REFIT_TOKEN)")
+    ve.add_argument("--timeout", type=float, default=60.0, help="seconds (default 60)")
+    ve.add_argument("--json", action="store_true", help="print one JSON object")
+    ve.set_defaults(func=cmd_verify)
 
     # `refit serve` has its own parser (refit.control.server); listed here so --help shows it.
     sub.add_parser("serve", help="run the refit coordinator (gRPC control plane); see `refit serve --help`",

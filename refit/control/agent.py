@@ -57,6 +57,9 @@ class Agent(AgentStream):
     sends over its stream (`AgentStream`), and tells its host how they ended."""
 
     role: ClassVar[Side]
+    # Whether the tensors this agent is given are the weights it serves (a Check reads them);
+    # False where they are a staging the host re-processes from (vLLM on CPU, quantized layers).
+    serves_its_tensors: bool = True
     # True: run only the refit announced with `expecting` (a host that drives its refits itself);
     # else any the coordinator sends, unless the host announced one.
     expects_refits: ClassVar[bool] = False
@@ -222,7 +225,7 @@ class Agent(AgentStream):
 
     # ------------------------------------------------------------------ refits
     async def _on_run(self, run: pb.RunRefit) -> None:
-        if self.expects_refits or self._expected.value is not None:
+        if (self.expects_refits or self._expected.value is not None) and not run.check_only:  # a check writes nothing
             # The stream reader waits too: nothing else is due on it before this worker answers.
             grace = min(self.EXPECT_GRACE, run.timeout_seconds)
             if not await self._expected.until((run.plan_id, run.version), grace):
@@ -253,7 +256,7 @@ class Agent(AgentStream):
             log.info("%s: could not run refit %s: %s", self.worker_id, run.refit_id, e)
 
     async def _start(self, run: pb.RunRefit, deadline: float) -> None:
-        if self.role is Side.ENGINE:
+        if self.role is Side.ENGINE and not run.check_only:
             self._stale_before = (run.refit_id, self.holding.stale)
             if not run.atomic:  # from now on our weights may be overwritten (atomic: only the staging)
                 self.holding.stale = True
@@ -268,7 +271,7 @@ class Agent(AgentStream):
         ctx = RunContext(run.plan_id, run.refit_id, run.version,
                          Rendezvous(r.host, r.port, r.prefix, r.world_size, r.rank, members), deadline,
                          phase_hook=self.phase_hook, store=self._open_store(r.prefix), atomic=run.atomic,
-                         verify=run.verify)
+                         verify=run.verify, check_only=run.check_only)
         self._cancel = {run.refit_id: ctx.cancelled}
         if self._abandoned == run.refit_id:  # the coordinator gave it up before it could start
             ctx.cancelled.set()
@@ -302,6 +305,8 @@ class Agent(AgentStream):
                 self.phase_hook.check(plan)
             if ctx.verify and not getattr(self.data_plane, "verifies", False):
                 raise InvalidInput(f"verify: {type(self.data_plane).__name__} computes no checksums of its transfers")
+            if ctx.check_only:
+                return self._checksums_now(plan, ctx)
             tensors = live = self.tensors
             if ctx.atomic and self.role is Side.ENGINE:
                 if not self.stages:
@@ -320,6 +325,17 @@ class Agent(AgentStream):
                                                         before_start=before))
         return pb.WorkerMessage(result=pb.RunResult(refit_id=ctx.refit_id, ok=True, bytes=nbytes, seconds=seconds,
                                                     checksums=checksums))
+
+    def _checksums_now(self, plan: Plan, ctx: RunContext) -> pb.WorkerMessage:
+        """A Check: the checksums of this worker's tensors as they are, nothing moved."""
+        if not self.serves_its_tensors:
+            raise InvalidInput(f"{self.worker_id} re-processes the weights it receives: what it serves is not in "
+                               f"the layout refit writes, so it cannot be checked in place (refit with verify=True "
+                               f"checks the bytes as they arrive)")
+        t0 = time.perf_counter()
+        checksums = self.data_plane.checksums(plan, self.tensors)
+        return pb.WorkerMessage(result=pb.RunResult(refit_id=ctx.refit_id, ok=True, checksums=checksums,
+                                                    seconds=time.perf_counter() - t0))
 
     # ------------------------------------------------------------------ atomic refits
     def _staging(self, live: Tensors) -> Tensors:

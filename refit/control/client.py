@@ -214,6 +214,18 @@ class Client:
             raise RefitFailed(result)
         return result
 
+    def check(self, plan_id: str, timeout: float = 60.0, check: bool = True) -> RefitResult:
+        """Compare what the plan's engines hold now with the trainers' weights, moving nothing:
+        both ends checksum every transfer of the plan (``verified_transfers`` counts the matches).
+        ``check``: raise `RefitFailed` naming each differing tensor, box and both ranks (else
+        return the result).  Runs after a refit of the plan under way; changes no version."""
+        resp = _call("Check", self._stub.Check, pb.CheckRequest(plan_id=plan_id, timeout_seconds=timeout),
+                     metadata=self._md, timeout=timeout + 10.0 if timeout else None)
+        result = RefitResult.from_pb(resp)
+        if check and not result.ok:
+            raise RefitFailed(result)
+        return result
+
     def watch(self, plan_id: str = "") -> Iterator[dict[str, Any]]:
         """Refit events as they happen (blocks; close the iterator, or the client, to stop)."""
         call = self._stub.WatchRefits(pb.WatchRefitsRequest(plan_id=plan_id), metadata=self._md)

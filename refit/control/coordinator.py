@@ -244,6 +244,25 @@ class Coordinator:
         self._spawn(self._own(run, deadline))
         return await asyncio.shield(run.ended)
 
+    async def check(self, plan_id: str, timeout: float) -> pb.RefitResponse:
+        """Compare what the plan's engines hold now with the trainers' weights (the Check call):
+        members checksum their tensors, nothing moves; after a refit of the plan under way."""
+        if timeout < 0:
+            raise InvalidInput(f"timeout_seconds must be >= 0, got {timeout}")
+        entry = self.get_plan(plan_id)
+        t0 = time.monotonic()
+        deadline = t0 + (timeout or self.default_timeout)
+        while entry.running is not None:
+            await asyncio.wait((entry.running.ended,), timeout=max(0.0, deadline - time.monotonic()))
+            if time.monotonic() >= deadline:
+                running = entry.running.refit_id if entry.running else "?"
+                return failed_response(entry, f"{plan_id[:8]}-{self.epoch}-{next(self._ids)}", entry.version, t0, {
+                    m: pb.WorkerResult(outcome=pb.WORKER_OUTCOME_BUSY, error=f"still running refit {running}")
+                    for m in entry.members})
+        run = Run(f"{plan_id[:8]}-{self.epoch}-{next(self._ids)}-check", entry, entry.version, t0,
+                  asyncio.get_running_loop().create_future(), verify=True, check=True)
+        return await self._run(run, deadline)
+
     def _check_stages(self, entry: PlanEntry) -> None:
         """An atomic refit needs every engine of the plan to stage what it receives."""
         direct = [m for m in entry.members[entry.num_src:] if m in self.workers and not self.workers[m].info.stages]
@@ -294,7 +313,8 @@ class Coordinator:
         absent = absent_members(self.workers, entry)
         if absent:
             return failed_response(entry, run.refit_id, run.version, run.t0, absent)
-        check_version(self.workers, entry, run.version)  # an engine may have re-registered meanwhile
+        if not run.check:
+            check_version(self.workers, entry, run.version)  # an engine may have re-registered meanwhile
         members = [self.workers[m] for m in entry.members]
         check_plan_members(entry, members)
         run.reserve(members)
@@ -337,8 +357,9 @@ class Coordinator:
         member_timeout = max(0.0, remaining - min(0.5, 0.2 * remaining))
         run.member_deadline = time.monotonic() + member_timeout
         sends = [self._spawn(self._send(w, msg)) for w, msg in commands(run, member_timeout)]
-        self.events.publish(pb.RefitEvent(kind=pb.RefitEvent.KIND_STARTED, refit_id=run.refit_id,
-                                          plan_id=entry.plan_id, version=run.version, total=len(run.members)))
+        if not run.check:  # the events are those of refits
+            self.events.publish(pb.RefitEvent(kind=pb.RefitEvent.KIND_STARTED, refit_id=run.refit_id,
+                                              plan_id=entry.plan_id, version=run.version, total=len(run.members)))
         # A stopped worker's full flow-control window blocks the write until keepalive drops it: _collect names it.
         await asyncio.wait(sends, timeout=max(0.0, deadline - time.monotonic()))
 
@@ -375,6 +396,8 @@ class Coordinator:
                 res.worker_id, res.role, res.rank = wid, results[wid].role, results[wid].rank
                 res.bytes, res.seconds = results[wid].bytes, results[wid].seconds
                 results[wid] = res
+        if run.check:
+            return self._checked(run, results, verified)
         if any(r.outcome != pb.WORKER_OUTCOME_OK for r in results.values()):
             resp = failed_response(entry, run.refit_id, run.version, run.t0, results)
             # Members still waiting in the rendezvous for a peer that failed leave now, not at
@@ -413,6 +436,19 @@ class Coordinator:
         self.events.publish(pb.RefitEvent(kind=pb.RefitEvent.KIND_FINISHED, refit_id=run.refit_id,
                                           plan_id=entry.plan_id, version=run.version, done=run.done,
                                           total=len(run.members), result=resp))
+        return resp
+
+    def _checked(self, run: Run, results: dict[str, pb.WorkerResult], verified: int) -> pb.RefitResponse:
+        """The end of a Check: members that answered are free; nothing to commit or abandon."""
+        for w in run.members:
+            if w.busy == run.refit_id and w.worker_id in run.answered:
+                w.busy = ""
+        self._notify()
+        if any(r.outcome != pb.WORKER_OUTCOME_OK for r in results.values()):
+            return failed_response(run.entry, run.refit_id, run.version, run.t0, results)
+        log.info("check %s of plan %s: %d transfers equal at both ends", run.refit_id, run.entry.plan_id, verified)
+        resp = response(run.entry, run.refit_id, run.version, run.t0, results, pb.REFIT_STATUS_OK, "")
+        resp.verified_transfers = verified
         return resp
 
     async def _switch(self, run: Run, msg: pb.CoordinatorMessage, resp: pb.RefitResponse,

@@ -49,6 +49,7 @@ class Run:
     wake: asyncio.Future | None = None
     atomic: bool = False  # all or none: engines stage, and switch only once every member succeeded
     verify: bool = False  # members checksum every transfer (`verify_checksums`)
+    check: bool = False  # Check: members checksum their tensors as they are; nothing moves, nothing commits
     checksums: dict[str, dict[int, int]] = field(default_factory=dict)  # verify: by member, by transfer
     switched: dict[str, pb.Switched] = field(default_factory=dict)  # atomic: engines' answers to the commit
 
@@ -75,7 +76,7 @@ class Run:
             self.by_id[w.worker_id] = w
             if w.role is Side.ENGINE:
                 self.stale_before[w.worker_id] = w.stale
-                w.stale = w.stale or not self.atomic
+                w.stale = w.stale or not (self.atomic or self.check)
 
     def settle(self, committed: bool, registered: Mapping[str, Worker]) -> None:
         """What each engine of this refit holds once it ended — the one place that decides it.
@@ -140,7 +141,7 @@ def commands(run: Run, member_timeout: float) -> list[tuple[Worker, pb.Coordinat
         out.append((w, pb.CoordinatorMessage(run=pb.RunRefit(
             refit_id=run.refit_id, plan_id=entry.plan_id, version=run.version, timeout_seconds=member_timeout,
             rendezvous=rdv, plan_json=b"" if entry.plan_id in w.sent_plans else entry.plan_json,
-            atomic=run.atomic, verify=run.verify))))
+            atomic=run.atomic, verify=run.verify, check_only=run.check))))
         w.sent_plans.add(entry.plan_id)
     return out
 

@@ -163,6 +163,18 @@ class Servicer:
         return await self.coord.refit(req.plan_id, req.version, timeout, atomic=req.atomic, verify=req.verify)
 
     @_rpc
+    async def Check(self, req: pb.CheckRequest, context: grpc.aio.ServicerContext) -> pb.RefitResponse:
+        if not req.plan_id:
+            raise InvalidInput("plan_id is required")
+        if not 0 <= req.timeout_seconds <= MAX_TIMEOUT:
+            raise InvalidInput(f"timeout_seconds must be a number in [0, {MAX_TIMEOUT:g}], got {req.timeout_seconds}")
+        timeout = req.timeout_seconds or self.coord.default_timeout
+        left = context.time_remaining()
+        if left is not None:
+            timeout = min(timeout, max(0.01, left - 0.05))
+        return await self.coord.check(req.plan_id, timeout)
+
+    @_rpc
     async def StoreSet(self, req: pb.StoreSetRequest, context: Any) -> pb.StoreSetResponse:
         self.coord.store.set(req.prefix, list(req.keys), list(req.values))
         return pb.StoreSetResponse()
@@ -207,6 +219,7 @@ def _handlers(s: Servicer) -> dict[str, grpc.RpcMethodHandler]:
         "GetPlan": grpc.unary_unary_rpc_method_handler(s.GetPlan, _parser(pb.GetPlanRequest), ser(pb.GetPlanResponse)),
         "ListWorkers": grpc.unary_unary_rpc_method_handler(s.ListWorkers, _parser(pb.ListWorkersRequest), ser(pb.ListWorkersResponse)),
         "Refit": grpc.unary_unary_rpc_method_handler(s.Refit, _parser(pb.RefitRequest), ser(pb.RefitResponse)),
+        "Check": grpc.unary_unary_rpc_method_handler(s.Check, _parser(pb.CheckRequest), ser(pb.RefitResponse)),
         "WatchRefits": grpc.unary_stream_rpc_method_handler(s.WatchRefits, _parser(pb.WatchRefitsRequest), ser(pb.RefitEvent)),
         "StoreSet": grpc.unary_unary_rpc_method_handler(s.StoreSet, _parser(pb.StoreSetRequest), ser(pb.StoreSetResponse)),
         "StoreGet": grpc.unary_unary_rpc_method_handler(s.StoreGet, _parser(pb.StoreGetRequest), ser(pb.StoreGetResponse)),

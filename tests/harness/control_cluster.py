@@ -128,6 +128,9 @@ def worker_main(conn: Any, entered: Any, address: str, role: str, group: str, ra
             dp.after[arg[0]] = arg[1]
             entered.clear()
             conn.send(("ok", None))
+        elif cmd == "corrupt":  # flip one bit of a local tensor, as memory going bad would
+            tensors[arg].view(torch.uint8).view(-1)[0] ^= 1
+            conn.send(("ok", None))
         elif cmd == "state":
             conn.send(("ok", (agent.version, agent.stale, agent.connected)))
         elif cmd == "disconnect":

@@ -12,7 +12,10 @@ the surviving engines must hold exactly that phase of the new version and the re
 
 from __future__ import annotations
 
+import contextlib
 import functools
+import io
+import json
 import os
 import signal
 import socket
@@ -22,6 +25,7 @@ from typing import Any, Callable
 
 import pytest
 
+from refit.cli import main as cli_main
 from refit.control.agent import EngineAgent, TrainerAgent
 from refit.control.client import Client, InvalidRequest, VersionRefused
 from refit.control.dataplane import NoopDataPlane
@@ -387,6 +391,34 @@ def test_verify_names_a_corrupted_transfer(fleet: ProcCluster) -> None:
     result = fleet.refit_ok(v + 1, atomic=True, verify=True)
     stage1 = sum(1 for t in fleet.plan_obj.transfers if t.stage == 1)
     assert result.verified_transfers == stage1 > 0, result
+
+
+@bounded(60)
+def test_check_compares_what_the_engines_hold_without_moving_weights(fleet: ProcCluster) -> None:
+    """`Client.check` (`refit verify --plan`): every transfer's two ends equal after a refit; one
+    bit of one engine's weights flipped is named (tensor, box, both ranks); versions unchanged."""
+    stage1 = sum(1 for t in fleet.plan_obj.transfers if t.stage == 1)
+    held = _holding(fleet)
+    r = fleet.client.check(fleet.plan)
+    assert r.ok and r.verified_transfers == stage1 and r.version == fleet.version, r
+    fleet.workers["engine/2"].ask("corrupt", "model.norm.weight")
+    r = fleet.client.check(fleet.plan, check=False)
+    assert not r.ok and "engine/2 error: verify: 1 transfer(s) differ: model.norm.weight[0:" in r.error, r.error
+    assert _holding(fleet) == held  # a check changes no version or staleness
+    assert refit_cli(["verify", "--plan", fleet.plan, "--coordinator", fleet.server.address, "--json"])[0] == 3
+    fleet.refit_ok(fleet.version + 1)  # the next refit rewrites it
+    status, out = refit_cli(["verify", "--plan", fleet.plan, "--coordinator", fleet.server.address, "--json"])
+    assert status == 0 and json.loads(out) == {**json.loads(out), "ok": True, "verified_transfers": stage1}, out
+    status, _ = refit_cli(["verify", "--plan", "nope", "--coordinator", fleet.server.address])
+    assert status == 2  # an unknown plan: a bad request
+
+
+def refit_cli(argv: list[str]) -> tuple[int, str]:
+    """`refit ARGV` in this process: (exit status, stdout)."""
+    out = io.StringIO()
+    with contextlib.redirect_stdout(out):
+        status = cli_main(argv)
+    return status, out.getvalue()
 
 
 @bounded(30)

@@ -196,7 +196,7 @@ def test_trainer_killed_mid_refit_bounded(setups, coordinator) -> None:
     got = s.engine.generate()
     assert got is not None  # still answers, with a mix: its first phase (a new embedding) over old layers
     assert differs(got, s.refs[before]) and differs(got, s.refs[target]), "the refit was not cut half way"
-    recover(s, client, target)
+    recover(s, client, target, verify=True)  # verified: each phase's staging checksummed before it is applied
 
 
 def test_trainer_killed_mid_refit_atomic(setups, coordinator) -> None:
@@ -214,7 +214,7 @@ def test_trainer_killed_mid_refit_atomic(setups, coordinator) -> None:
         # update_info atomic (all or none): the same failure leaves it listed at its version, not stale
         before, target = kill_mid_refit(s, client, atomic=True)
         assert s.engine.generate() == s.refs[before]
-        recover(s, client, target, atomic=True)
+        recover(s, client, target, atomic=True, verify=True)
     finally:
         assert s.engine.ask("init", "bounded") == ("ok", None)
         s.plan_id = phased

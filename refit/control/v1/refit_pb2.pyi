@@ -158,7 +158,7 @@ class Rendezvous(_message.Message):
     def __init__(self, host: _Optional[str] = ..., port: _Optional[int] = ..., prefix: _Optional[str] = ..., world_size: _Optional[int] = ..., rank: _Optional[int] = ..., members: _Optional[_Iterable[str]] = ...) -> None: ...
 
 class RunRefit(_message.Message):
-    __slots__ = ("refit_id", "plan_id", "plan_json", "version", "timeout_seconds", "rendezvous", "atomic", "verify")
+    __slots__ = ("refit_id", "plan_id", "plan_json", "version", "timeout_seconds", "rendezvous", "atomic", "verify", "check_only")
     REFIT_ID_FIELD_NUMBER: _ClassVar[int]
     PLAN_ID_FIELD_NUMBER: _ClassVar[int]
     PLAN_JSON_FIELD_NUMBER: _ClassVar[int]
@@ -167,6 +167,7 @@ class RunRefit(_message.Message):
     RENDEZVOUS_FIELD_NUMBER: _ClassVar[int]
     ATOMIC_FIELD_NUMBER: _ClassVar[int]
     VERIFY_FIELD_NUMBER: _ClassVar[int]
+    CHECK_ONLY_FIELD_NUMBER: _ClassVar[int]
     refit_id: str
     plan_id: str
     plan_json: bytes
@@ -175,7 +176,8 @@ class RunRefit(_message.Message):
     rendezvous: Rendezvous
     atomic: bool
     verify: bool
-    def __init__(self, refit_id: _Optional[str] = ..., plan_id: _Optional[str] = ..., plan_json: _Optional[bytes] = ..., version: _Optional[int] = ..., timeout_seconds: _Optional[float] = ..., rendezvous: _Optional[_Union[Rendezvous, _Mapping]] = ..., atomic: bool = ..., verify: bool = ...) -> None: ...
+    check_only: bool
+    def __init__(self, refit_id: _Optional[str] = ..., plan_id: _Optional[str] = ..., plan_json: _Optional[bytes] = ..., version: _Optional[int] = ..., timeout_seconds: _Optional[float] = ..., rendezvous: _Optional[_Union[Rendezvous, _Mapping]] = ..., atomic: bool = ..., verify: bool = ..., check_only: bool = ...) -> None: ...
 
 class Outcome(_message.Message):
     __slots__ = ("refit_id", "committed", "version", "error", "untouched")
@@ -430,6 +432,14 @@ class RefitResponse(_message.Message):
     atomic: bool
     verified_transfers: int
     def __init__(self, refit_id: _Optional[str] = ..., plan_id: _Optional[str] = ..., version: _Optional[int] = ..., status: _Optional[_Union[RefitStatus, str]] = ..., error: _Optional[str] = ..., seconds: _Optional[float] = ..., total_bytes: _Optional[int] = ..., workers: _Optional[_Iterable[_Union[WorkerResult, _Mapping]]] = ..., atomic: bool = ..., verified_transfers: _Optional[int] = ...) -> None: ...
+
+class CheckRequest(_message.Message):
+    __slots__ = ("plan_id", "timeout_seconds")
+    PLAN_ID_FIELD_NUMBER: _ClassVar[int]
+    TIMEOUT_SECONDS_FIELD_NUMBER: _ClassVar[int]
+    plan_id: str
+    timeout_seconds: float
+    def __init__(self, plan_id: _Optional[str] = ..., timeout_seconds: _Optional[float] = ...) -> None: ...
 
 class WatchRefitsRequest(_message.Message):
     __slots__ = ("plan_id",)

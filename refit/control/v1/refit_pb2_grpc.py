@@ -79,6 +79,11 @@ class CoordinatorStub(object):
                 request_serializer=refit_dot_v1_dot_refit__pb2.WatchRefitsRequest.SerializeToString,
                 response_deserializer=refit_dot_v1_dot_refit__pb2.RefitEvent.FromString,
                 _registered_method=True)
+        self.Check = channel.unary_unary(
+                '/refit.v1.Coordinator/Check',
+                request_serializer=refit_dot_v1_dot_refit__pb2.CheckRequest.SerializeToString,
+                response_deserializer=refit_dot_v1_dot_refit__pb2.RefitResponse.FromString,
+                _registered_method=True)
 
 
 class CoordinatorServicer(object):
@@ -189,6 +194,19 @@ class CoordinatorServicer(object):
         context.set_details('Method not implemented!')
         raise NotImplementedError('Method not implemented!')
 
+    def Check(self, request, context):
+        """Compare what the engines of a plan hold now with the trainers' weights, moving none: every
+        member checksums its end of each transfer of the plan (trainers in the dtypes the wire
+        carries) and the coordinator compares them.  Answers a RefitResponse whose `version` is the
+        plan's last committed one: OK with `verified_transfers` when every transfer matches, FAILED
+        naming each differing tensor, box and both ranks.  Waits for a refit of the plan under way;
+        changes no engine's version or staleness.  An engine whose tensors are not the weights it
+        serves (a vLLM engine that re-processes what it receives) answers with an error.
+        """
+        context.set_code(grpc.StatusCode.UNIMPLEMENTED)
+        context.set_details('Method not implemented!')
+        raise NotImplementedError('Method not implemented!')
+
 
 def add_CoordinatorServicer_to_server(servicer, server):
     rpc_method_handlers = {
@@ -236,6 +254,11 @@ def add_CoordinatorServicer_to_server(servicer, server):
                     servicer.WatchRefits,
                     request_deserializer=refit_dot_v1_dot_refit__pb2.WatchRefitsRequest.FromString,
                     response_serializer=refit_dot_v1_dot_refit__pb2.RefitEvent.SerializeToString,
+            ),
+            'Check': grpc.unary_unary_rpc_method_handler(
+                    servicer.Check,
+                    request_deserializer=refit_dot_v1_dot_refit__pb2.CheckRequest.FromString,
+                    response_serializer=refit_dot_v1_dot_refit__pb2.RefitResponse.SerializeToString,
             ),
     }
     generic_handler = grpc.method_handlers_generic_handler(
@@ -481,6 +504,33 @@ class Coordinator(object):
             '/refit.v1.Coordinator/WatchRefits',
             refit_dot_v1_dot_refit__pb2.WatchRefitsRequest.SerializeToString,
             refit_dot_v1_dot_refit__pb2.RefitEvent.FromString,
+            options,
+            channel_credentials,
+            insecure,
+            call_credentials,
+            compression,
+            wait_for_ready,
+            timeout,
+            metadata,
+            _registered_method=True)
+
+    @staticmethod
+    def Check(request,
+            target,
+            options=(),
+            channel_credentials=None,
+            call_credentials=None,
+            insecure=False,
+            compression=None,
+            wait_for_ready=None,
+            timeout=None,
+            metadata=None):
+        return grpc.experimental.unary_unary(
+            request,
+            target,
+            '/refit.v1.Coordinator/Check',
+            refit_dot_v1_dot_refit__pb2.CheckRequest.SerializeToString,
+            refit_dot_v1_dot_refit__pb2.RefitResponse.FromString,
             options,
             channel_credentials,
             insecure,

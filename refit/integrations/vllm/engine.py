@@ -138,6 +138,8 @@ class RefitWeightTransferEngine(WeightTransferEngine[RefitInitInfo, RefitUpdateI
                                      phase_layers=self.landing.phase_layers,
                                      phase_hook=self.landing if phased else None,
                                      stages=init_info.staging == "atomic")
+        # staged (re-processed) parameters are not what the engine serves: a Check cannot read them
+        self.agent.serves_its_tensors = self.landing.nbytes == 0
         self.agent.start()
         self.init_info = init_info
         log.info("refit: %s registered as %s rank %d of %s (%s; staging %s%s: %.1f MiB staged, %.1f MiB written in "
