@@ -229,6 +229,7 @@ def run_grpc(args: argparse.Namespace, spec: ModelSpec, plan: Any, cuda: bool, t
         "engine_allocation": ("one allocation per parameter (as vLLM), written in place" if args.alloc == "framework"
                               else "one arena per rank"), "moved_parameters": moved,
         "checked_elements": sum(v.checked for v in verdicts), "mismatches": sum(v.mismatches for v in verdicts),
+        "first_mismatch": next((v.first for v in verdicts if v.first), None),
         "atomic": args.atomic, "staging_bytes": max(s for _, _, s in checks),
         "verify": args.verify, "verified_transfers": result.verified_transfers,
     }
@@ -252,6 +253,8 @@ def table_grpc(r: dict[str, Any]) -> str:
     lines += ["", f"engines received {fmt_bytes(r['engine_bytes'])} per refit into {r['engine_allocation']}; "
               f"verified: {'yes' if r['verified'] else 'NO'} ({r['checked_elements']} elements, {r['mismatches']} wrong, "
               f"{r['moved_parameters']} parameters moved)"]
+    if r.get("first_mismatch"):
+        lines.append(f"first wrong: {r['first_mismatch']}")
     if r.get("atomic"):
         lines.append(f"atomic: every engine staged its shard and switched at the commit; staging "
                      f"{fmt_bytes(r['staging_bytes'])} per engine (the largest)")

@@ -45,6 +45,7 @@ from refit.control.dataplane import (DataPlane, PhaseHook, Rendezvous, RunContex
 from refit.control.store_client import CoordinatorStore
 from refit.control.v1 import refit_pb2 as pb
 from refit.errors import InvalidInput
+from refit.executor.values import int_view
 from refit.layouts import Layout, resolve_layout
 from refit.plan import Plan
 from refit.spec import ModelSpec
@@ -356,8 +357,8 @@ class Agent(AgentStream):
         """Put an atomic refit's staged version in place: one batched copy, finished before the
         agent answers `Switched` (so that the caller of the refit finds the tensors switched)."""
         names = list(live)
-        with torch.no_grad():
-            torch._foreach_copy_([live[n] for n in names], [staged[n] for n in names])
+        with torch.no_grad():  # as integers: a float copy on CUDA canonicalizes NaN payloads
+            torch._foreach_copy_([int_view(live[n]) for n in names], [int_view(staged[n]) for n in names])
         devices = {t.device for t in live.values() if t.device.type == "cuda"}
         for d in devices:
             torch.cuda.synchronize(d)
