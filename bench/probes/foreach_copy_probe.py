@@ -1,5 +1,6 @@
+"""Whether torch._foreach_copy_ of bfloat16 on CUDA keeps every bit (it does not: NaN payloads are
+rewritten, which the atomic switch ran into); copy_ per tensor for comparison.  Run on a GPU."""
 import torch
-from refit.catalog import CATALOG
 from refit.hf_checkpoint import load_spec
 from refit.layouts import resolve_layout
 from refit.executor.shards import allocate_each
