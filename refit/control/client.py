@@ -227,7 +227,9 @@ class Client:
         return result
 
     def watch(self, plan_id: str = "") -> Iterator[dict[str, Any]]:
-        """Refit events as they happen (blocks; close the iterator, or the client, to stop)."""
+        """Refit events as they happen (of ``plan_id``'s refits, or all), and workers joining and
+        leaving (``kind`` KIND_WORKER_JOINED / KIND_WORKER_LEFT, ``member`` as `list_workers`
+        shows it), whatever plan is watched (blocks; close the iterator, or the client, to stop)."""
         call = self._stub.WatchRefits(pb.WatchRefitsRequest(plan_id=plan_id), metadata=self._md)
         try:
             while True:

@@ -97,6 +97,8 @@ class Coordinator:
         self.workers[w.worker_id] = w
         log.info("registered %s %s %s on %s (pid %d)", w.role, w.worker_id, layout.describe(), info.host, info.pid)
         self._notify()
+        if self.events:
+            self.events.publish(pb.RefitEvent(kind=pb.RefitEvent.KIND_WORKER_JOINED, member=w.status()))
         return w
 
     def disconnected(self, w: Worker, why: str = "its stream ended") -> None:
@@ -111,6 +113,8 @@ class Coordinator:
             if switching.by_id.get(w.worker_id) is w:
                 self.switched(w, pb.Switched(refit_id=switching.refit_id, ok=False, error=f"disconnected: {why}"))
         log.warning("%s disconnected: %s", w.worker_id, why)
+        if self.events:
+            self.events.publish(pb.RefitEvent(kind=pb.RefitEvent.KIND_WORKER_LEFT, member=w.status()))
         if self.workers.get(w.worker_id) is w:
             self._gone[w.worker_id] = None
             prune_gone(self.workers, self._gone, MAX_GONE)

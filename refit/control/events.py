@@ -1,4 +1,5 @@
-"""WatchRefits: the coordinator's progress events, fanned out to bounded per-watcher queues."""
+"""WatchRefits: the coordinator's progress events — refits, and workers joining and leaving —
+fanned out to bounded per-watcher queues."""
 
 from __future__ import annotations
 
@@ -31,7 +32,7 @@ class EventHub:
             return
         event.unix_time = time.time()
         for plan_id, q in list(self._watchers):
-            if plan_id and plan_id != event.plan_id:
+            if plan_id and event.plan_id and plan_id != event.plan_id:  # membership (no plan) goes to all
                 continue
             try:
                 q.put_nowait(event)

@@ -422,6 +422,41 @@ def refit_cli(argv: list[str]) -> tuple[int, str]:
 
 
 @bounded(30)
+def test_watchers_see_workers_join_and_leave() -> None:
+    """Membership changes reach every watcher (whatever plan it watches) as they happen: an engine
+    that registers, one that leaves, and one that dies (its stream ends)."""
+    srv = ThreadedServer()
+    spec = tiny_spec("tiny-qwen2")
+    team = [TrainerAgent(srv.address, group="t", rank=0, spec=spec, layout="megatron:tp1", data_plane=NoopDataPlane()),
+            EngineAgent(srv.address, group="e", rank=0, spec=spec, layout="vllm:tp1", data_plane=NoopDataPlane())]
+    try:
+        with Client(srv.address) as c:
+            team[0].start()
+            seen: list[tuple[str, str, bool]] = []
+            stream = c.watch()
+
+            def watch() -> None:
+                for e in stream:
+                    seen.append((e["kind"], e["member"]["worker_id"], e["member"]["connected"]))
+                    if len(seen) == 2:
+                        return
+
+            t = threading.Thread(target=watch, daemon=True)
+            t.start()
+            coord = srv.server.coord
+            assert _settle(lambda: srv.call(lambda: bool(coord.events)))
+            team[1].start()
+            team[1].stop()
+            t.join(10)
+            assert seen == [("KIND_WORKER_JOINED", "e/0", True), ("KIND_WORKER_LEFT", "e/0", False)], seen
+            stream.close()
+    finally:
+        for a in team:
+            a.stop()
+        srv.stop()
+
+
+@bounded(30)
 def test_atomic_refits_refuse_an_engine_that_writes_in_place() -> None:
     srv = ThreadedServer()
     spec = tiny_spec("tiny-qwen2")

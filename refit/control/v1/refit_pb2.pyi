@@ -448,17 +448,21 @@ class WatchRefitsRequest(_message.Message):
     def __init__(self, plan_id: _Optional[str] = ...) -> None: ...
 
 class RefitEvent(_message.Message):
-    __slots__ = ("kind", "refit_id", "plan_id", "version", "unix_time", "done", "total", "worker", "result")
+    __slots__ = ("kind", "refit_id", "plan_id", "version", "unix_time", "done", "total", "worker", "result", "member")
     class Kind(int, metaclass=_enum_type_wrapper.EnumTypeWrapper):
         __slots__ = ()
         KIND_UNSPECIFIED: _ClassVar[RefitEvent.Kind]
         KIND_STARTED: _ClassVar[RefitEvent.Kind]
         KIND_WORKER_DONE: _ClassVar[RefitEvent.Kind]
         KIND_FINISHED: _ClassVar[RefitEvent.Kind]
+        KIND_WORKER_JOINED: _ClassVar[RefitEvent.Kind]
+        KIND_WORKER_LEFT: _ClassVar[RefitEvent.Kind]
     KIND_UNSPECIFIED: RefitEvent.Kind
     KIND_STARTED: RefitEvent.Kind
     KIND_WORKER_DONE: RefitEvent.Kind
     KIND_FINISHED: RefitEvent.Kind
+    KIND_WORKER_JOINED: RefitEvent.Kind
+    KIND_WORKER_LEFT: RefitEvent.Kind
     KIND_FIELD_NUMBER: _ClassVar[int]
     REFIT_ID_FIELD_NUMBER: _ClassVar[int]
     PLAN_ID_FIELD_NUMBER: _ClassVar[int]
@@ -468,6 +472,7 @@ class RefitEvent(_message.Message):
     TOTAL_FIELD_NUMBER: _ClassVar[int]
     WORKER_FIELD_NUMBER: _ClassVar[int]
     RESULT_FIELD_NUMBER: _ClassVar[int]
+    MEMBER_FIELD_NUMBER: _ClassVar[int]
     kind: RefitEvent.Kind
     refit_id: str
     plan_id: str
@@ -477,4 +482,5 @@ class RefitEvent(_message.Message):
     total: int
     worker: WorkerResult
     result: RefitResponse
-    def __init__(self, kind: _Optional[_Union[RefitEvent.Kind, str]] = ..., refit_id: _Optional[str] = ..., plan_id: _Optional[str] = ..., version: _Optional[int] = ..., unix_time: _Optional[float] = ..., done: _Optional[int] = ..., total: _Optional[int] = ..., worker: _Optional[_Union[WorkerResult, _Mapping]] = ..., result: _Optional[_Union[RefitResponse, _Mapping]] = ...) -> None: ...
+    member: WorkerStatus
+    def __init__(self, kind: _Optional[_Union[RefitEvent.Kind, str]] = ..., refit_id: _Optional[str] = ..., plan_id: _Optional[str] = ..., version: _Optional[int] = ..., unix_time: _Optional[float] = ..., done: _Optional[int] = ..., total: _Optional[int] = ..., worker: _Optional[_Union[WorkerResult, _Mapping]] = ..., result: _Optional[_Union[RefitResponse, _Mapping]] = ..., member: _Optional[_Union[WorkerStatus, _Mapping]] = ...) -> None: ...

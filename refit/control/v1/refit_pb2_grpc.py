@@ -188,7 +188,8 @@ class CoordinatorServicer(object):
         raise NotImplementedError('Method not implemented!')
 
     def WatchRefits(self, request, context):
-        """Progress events of refits (all plans, or one), from the moment of the call on.
+        """Progress events of refits (all plans, or one), from the moment of the call on, and every
+        worker joining or leaving (whatever plan is watched).
         """
         context.set_code(grpc.StatusCode.UNIMPLEMENTED)
         context.set_details('Method not implemented!')
