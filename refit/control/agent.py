@@ -357,6 +357,8 @@ class Agent(AgentStream):
         """Put an atomic refit's staged version in place: one batched copy, finished before the
         agent answers `Switched` (so that the caller of the refit finds the tensors switched)."""
         names = list(live)
+        if not names:  # an agent with no tensors (a data plane that needs none)
+            return
         with torch.no_grad():  # as integers: a float copy on CUDA canonicalizes NaN payloads
             torch._foreach_copy_([int_view(live[n]) for n in names], [int_view(staged[n]) for n in names])
         devices = {t.device for t in live.values() if t.device.type == "cuda"}

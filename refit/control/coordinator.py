@@ -482,8 +482,8 @@ class Coordinator:
         if not failed:
             return resp
         for w in engines:
-            if w.worker_id in failed:
-                w.stale = True
+            if w.worker_id in failed:  # torn: stale, at the version it held before (as it reports itself)
+                w.version, w.stale = run.version_before.get(w.worker_id, w.version), True
         names = "; ".join(f"{wid}: {s.error}" for wid, s in failed.items())
         error = (f"refit {run.refit_id} of plan {entry.plan_id} committed version {run.version}, but "
                  f"{len(failed)} engine(s) did not switch to it and hold torn weights (stale): {names}")

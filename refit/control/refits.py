@@ -45,6 +45,7 @@ class Run:
     failed: bool = False
     before_start: bool = False  # a member failed before the start barrier: nothing moved
     stale_before: dict[str, bool] = field(default_factory=dict)  # engines' staleness before this refit
+    version_before: dict[str, int] = field(default_factory=dict)  # engines' versions before this refit
     dispatched: bool = False
     wake: asyncio.Future | None = None
     atomic: bool = False  # all or none: engines stage, and switch only once every member succeeded
@@ -76,6 +77,7 @@ class Run:
             self.by_id[w.worker_id] = w
             if w.role is Side.ENGINE:
                 self.stale_before[w.worker_id] = w.stale
+                self.version_before[w.worker_id] = w.version
                 w.stale = w.stale or not (self.atomic or self.check)
 
     def settle(self, committed: bool, registered: Mapping[str, Worker]) -> None:

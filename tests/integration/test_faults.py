@@ -421,6 +421,44 @@ def refit_cli(argv: list[str]) -> tuple[int, str]:
     return status, out.getvalue()
 
 
+class FailingSwitch(EngineAgent):
+    """An engine whose switch to a staged version raises (a device error mid-copy, say)."""
+
+    def _switch(self, staged, live):  # type: ignore[no-untyped-def]
+        raise RuntimeError("injected: the switch failed")
+
+
+@bounded(30)
+def test_an_engine_that_fails_to_switch_is_named_and_listed_stale() -> None:
+    """The one window of an atomic refit that cannot be undone: every engine staged, the
+    coordinator said switch, and one engine's switch failed.  The refit fails naming it; it is
+    listed stale, the other engine holds the new version; the next version lands on both."""
+    srv = ThreadedServer()
+    spec = tiny_spec("tiny-qwen2")
+    team = [TrainerAgent(srv.address, group="t", rank=0, spec=spec, layout="megatron:tp1", data_plane=NoopDataPlane()),
+            EngineAgent(srv.address, group="e", rank=0, spec=spec, layout="vllm:tp1dp2", data_plane=NoopDataPlane()),
+            FailingSwitch(srv.address, group="e", rank=1, spec=spec, layout="vllm:tp1dp2", data_plane=NoopDataPlane())]
+    for a in team:
+        a.start()
+    try:
+        with Client(srv.address) as c:
+            plan = c.create_plan("t", "e")["plan_id"]
+            r = c.refit(plan, 1, atomic=True, check=False)
+            assert not r.ok and "1 engine(s) did not switch" in r.error and "e/1: RuntimeError: injected" in r.error, r
+            assert r.workers["e/1"].outcome == "error" and r.workers["e/0"].outcome == "ok"
+            held = {w["worker_id"]: (w["version"], w["stale"]) for w in c.list_workers(role="engine")}
+            assert held == {"e/0": (1, False), "e/1": (0, True)}, held
+            assert _settle(lambda: (team[2].version, team[2].stale) == (0, True))
+            team[2].__class__ = EngineAgent  # repaired
+            assert c.refit(plan, 2, atomic=True).ok
+            assert {w["worker_id"]: (w["version"], w["stale"]) for w in c.list_workers(role="engine")} == \
+                {"e/0": (2, False), "e/1": (2, False)}
+    finally:
+        for a in team:
+            a.stop()
+        srv.stop()
+
+
 @bounded(30)
 def test_watchers_see_workers_join_and_leave() -> None:
     """Membership changes reach every watcher (whatever plan it watches) as they happen: an engine
