@@ -47,7 +47,6 @@ from __future__ import annotations
 import collections
 import contextlib
 import functools
-import importlib
 import itertools
 import logging
 import operator
@@ -60,6 +59,7 @@ import torch
 
 from refit.boxes import Index, shift, split_box
 from refit.errors import InvalidInput
+from refit.executor.triton_support import triton_importable
 from refit.executor.schedule import box_blocks, check_plan
 from refit.executor.topology import Topology
 from refit.executor.values import DEFAULT_CHUNK, _linear_index, int_view
@@ -247,7 +247,7 @@ def _sums(share: Share, views: _Views, use_kernel: bool | None) -> torch.Tensor:
     """``[boxes, 2]`` int64 (S1, S2) of every box, on the tensors' device.  ``use_kernel``: None
     picks the kernel on CUDA with Triton; True forces it (Triton's interpreter, in the tests)."""
     if use_kernel is None:
-        use_kernel = views.device.type == "cuda" and _triton_importable()
+        use_kernel = views.device.type == "cuda" and triton_importable("checksums on CUDA use the torch path")
     if use_kernel:
         out = _sums_kernel(share, views)
         if out is not None:
@@ -553,12 +553,3 @@ def _kernel() -> Any:
     return box_sums_kernel
 
 
-@functools.lru_cache(maxsize=None)
-def _triton_importable() -> bool:
-    try:
-        importlib.import_module("triton")
-        importlib.import_module("triton.language")
-    except Exception as e:  # ImportError, or a triton that cannot load its backend
-        log.warning("triton unavailable (%s: %s): checksums on CUDA use the torch path", type(e).__name__, e)
-        return False
-    return True

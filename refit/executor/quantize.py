@@ -32,7 +32,6 @@ import collections
 import contextlib
 import dataclasses
 import functools
-import importlib
 import logging
 import operator
 import threading
@@ -42,6 +41,7 @@ from typing import Any, Callable, Sequence
 import torch
 
 from refit.errors import InvalidInput
+from refit.executor.triton_support import triton_importable
 from refit.quantization import FORMATS, scale_shape
 
 log = logging.getLogger("refit.executor")
@@ -371,21 +371,12 @@ def _triton_kernels() -> tuple[Any, Any]:
     return fp8_block_kernel, fp8_block_many_kernel
 
 
-@functools.lru_cache(maxsize=None)
-def _triton_importable() -> bool:
-    try:
-        importlib.import_module("triton")
-        importlib.import_module("triton.language")
-    except Exception as e:  # ImportError, or a triton that cannot load its backend
-        log.warning("triton unavailable (%s: %s): FP8 quantization on CUDA uses the torch path", type(e).__name__, e)
-        return False
-    return True
 
 
 @functools.lru_cache(maxsize=None)
 def _triton_usable(device: torch.device) -> bool:
     """Triton converts to e4m3fn in hardware from compute capability 8.9 (Ada, Hopper) on."""
-    if not _triton_importable():
+    if not triton_importable("FP8 quantization on CUDA uses the torch path"):
         return False
     cap = torch.cuda.get_device_capability(device)
     if cap < (8, 9):

@@ -13,6 +13,7 @@ from __future__ import annotations
 import pytest
 import torch
 
+from refit.executor.triton_support import triton_importable
 from refit.executor import checksum as ck
 from refit.executor.checksum import share_checksums
 from refit.executor.values import int_view
@@ -29,7 +30,7 @@ PLANS = [("tiny-qwen3-moe", "megatron:tp2ep2", "vllm:tp2ep2"), ("tiny-deepseek-v
 
 
 def needs_triton() -> None:
-    if not ck._triton_importable():
+    if not triton_importable("the kernel tests skip"):
         pytest.skip("triton is not installed: checksums on CUDA use the torch path")
 
 

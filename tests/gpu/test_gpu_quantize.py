@@ -12,6 +12,7 @@ from __future__ import annotations
 import pytest
 import torch
 
+from refit.executor.triton_support import triton_importable
 from refit.executor import quantize as qz
 from refit.executor.quantize import FP8_BLOCK, fp8_scale_shape, quantize_fp8_blocks
 from tests.unit.test_quantize import edge_data
@@ -34,7 +35,7 @@ CASES = [  # (shape, block)
 
 
 def needs_triton() -> None:
-    if not qz._triton_importable():
+    if not triton_importable("the kernel tests skip"):
         pytest.skip("triton is not installed: quantize_fp8_blocks uses the torch path on CUDA")
     if not qz._triton_usable(torch.device("cuda", torch.cuda.current_device())):
         pytest.skip("this GPU has no FP8 conversion (compute capability < 8.9): the torch path runs instead")

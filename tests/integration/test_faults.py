@@ -428,91 +428,78 @@ class FailingSwitch(EngineAgent):
         raise RuntimeError("injected: the switch failed")
 
 
+@contextlib.contextmanager
+def noop_team(*engines: tuple[type, str, int, dict], start: bool = True):
+    """A coordinator, a trainer t/0 (megatron:tp1) and engines of group e — (class, layout, rank,
+    extra arguments) — over the no-op data plane, in this process: (server, client, agents)."""
+    srv = ThreadedServer()
+    spec = tiny_spec("tiny-qwen2")
+    team = [TrainerAgent(srv.address, group="t", rank=0, spec=spec, layout="megatron:tp1", data_plane=NoopDataPlane())]
+    team += [cls(srv.address, group="e", rank=rank, spec=spec, layout=layout, data_plane=NoopDataPlane(), **kw)
+             for cls, layout, rank, kw in engines]
+    try:
+        if start:
+            for a in team:
+                a.start()
+        with Client(srv.address) as c:
+            yield srv, c, team
+    finally:
+        for a in team:
+            a.stop()
+        srv.stop()
+
+
 @bounded(30)
 def test_an_engine_that_fails_to_switch_is_named_and_listed_stale() -> None:
     """The one window of an atomic refit that cannot be undone: every engine staged, the
     coordinator said switch, and one engine's switch failed.  The refit fails naming it; it is
     listed stale, the other engine holds the new version; the next version lands on both."""
-    srv = ThreadedServer()
-    spec = tiny_spec("tiny-qwen2")
-    team = [TrainerAgent(srv.address, group="t", rank=0, spec=spec, layout="megatron:tp1", data_plane=NoopDataPlane()),
-            EngineAgent(srv.address, group="e", rank=0, spec=spec, layout="vllm:tp1dp2", data_plane=NoopDataPlane()),
-            FailingSwitch(srv.address, group="e", rank=1, spec=spec, layout="vllm:tp1dp2", data_plane=NoopDataPlane())]
-    for a in team:
-        a.start()
-    try:
-        with Client(srv.address) as c:
-            plan = c.create_plan("t", "e")["plan_id"]
-            r = c.refit(plan, 1, atomic=True, check=False)
-            assert not r.ok and "1 engine(s) did not switch" in r.error and "e/1: RuntimeError: injected" in r.error, r
-            assert r.workers["e/1"].outcome == "error" and r.workers["e/0"].outcome == "ok"
-            held = {w["worker_id"]: (w["version"], w["stale"]) for w in c.list_workers(role="engine")}
-            assert held == {"e/0": (1, False), "e/1": (0, True)}, held
-            assert _settle(lambda: (team[2].version, team[2].stale) == (0, True))
-            team[2].__class__ = EngineAgent  # repaired
-            assert c.refit(plan, 2, atomic=True).ok
-            assert {w["worker_id"]: (w["version"], w["stale"]) for w in c.list_workers(role="engine")} == \
-                {"e/0": (2, False), "e/1": (2, False)}
-    finally:
-        for a in team:
-            a.stop()
-        srv.stop()
+    with noop_team((EngineAgent, "vllm:tp1dp2", 0, {}), (FailingSwitch, "vllm:tp1dp2", 1, {})) as (_, c, team):
+        plan = c.create_plan("t", "e")["plan_id"]
+        r = c.refit(plan, 1, atomic=True, check=False)
+        assert not r.ok and "1 engine(s) did not switch" in r.error and "e/1: RuntimeError: injected" in r.error, r
+        assert r.workers["e/1"].outcome == "error" and r.workers["e/0"].outcome == "ok"
+        held = {w["worker_id"]: (w["version"], w["stale"]) for w in c.list_workers(role="engine")}
+        assert held == {"e/0": (1, False), "e/1": (0, True)}, held
+        assert _settle(lambda: (team[2].version, team[2].stale) == (0, True))
+        team[2].__class__ = EngineAgent  # repaired
+        assert c.refit(plan, 2, atomic=True).ok
+        assert {w["worker_id"]: (w["version"], w["stale"]) for w in c.list_workers(role="engine")} == \
+            {"e/0": (2, False), "e/1": (2, False)}
 
 
 @bounded(30)
 def test_watchers_see_workers_join_and_leave() -> None:
     """Membership changes reach every watcher (whatever plan it watches) as they happen: an engine
     that registers, one that leaves, and one that dies (its stream ends)."""
-    srv = ThreadedServer()
-    spec = tiny_spec("tiny-qwen2")
-    team = [TrainerAgent(srv.address, group="t", rank=0, spec=spec, layout="megatron:tp1", data_plane=NoopDataPlane()),
-            EngineAgent(srv.address, group="e", rank=0, spec=spec, layout="vllm:tp1", data_plane=NoopDataPlane())]
-    try:
-        with Client(srv.address) as c:
-            team[0].start()
-            seen: list[tuple[str, str, bool]] = []
-            stream = c.watch()
+    with noop_team((EngineAgent, "vllm:tp1", 0, {}), start=False) as (srv, c, team):
+        seen: list[tuple[str, str, bool]] = []
+        stream = c.watch()
 
-            def watch() -> None:
-                for e in stream:
-                    seen.append((e["kind"], e["member"]["worker_id"], e["member"]["connected"]))
-                    if len(seen) == 2:
-                        return
+        def watch() -> None:
+            for e in stream:
+                seen.append((e["kind"], e["member"]["worker_id"], e["member"]["connected"]))
+                if len(seen) == 2:
+                    return
 
-            t = threading.Thread(target=watch, daemon=True)
-            t.start()
-            coord = srv.server.coord
-            assert _settle(lambda: srv.call(lambda: bool(coord.events)))
-            team[1].start()
-            team[1].stop()
-            t.join(10)
-            assert seen == [("KIND_WORKER_JOINED", "e/0", True), ("KIND_WORKER_LEFT", "e/0", False)], seen
-            stream.close()
-    finally:
-        for a in team:
-            a.stop()
-        srv.stop()
+        t = threading.Thread(target=watch, daemon=True)
+        t.start()
+        coord = srv.server.coord
+        assert _settle(lambda: srv.call(lambda: bool(coord.events)))
+        team[1].start()
+        team[1].stop()
+        t.join(10)
+        assert seen == [("KIND_WORKER_JOINED", "e/0", True), ("KIND_WORKER_LEFT", "e/0", False)], seen
+        stream.close()
 
 
 @bounded(30)
 def test_atomic_refits_refuse_an_engine_that_writes_in_place() -> None:
-    srv = ThreadedServer()
-    spec = tiny_spec("tiny-qwen2")
-    team = [TrainerAgent(srv.address, group="t", rank=0, spec=spec, layout="megatron:tp1", data_plane=NoopDataPlane()),
-            EngineAgent(srv.address, group="e", rank=0, spec=spec, layout="vllm:tp1", data_plane=NoopDataPlane(),
-                        stages=False)]
-    for a in team:
-        a.start()
-    try:
-        with Client(srv.address) as c:
-            plan = c.create_plan("t", "e")["plan_id"]
-            with pytest.raises(InvalidRequest, match="e/0 write in place and cannot stage"):
-                c.refit(plan, 1, atomic=True)
-            assert c.refit(plan, 1).ok  # the default refit is not refused
-    finally:
-        for a in team:
-            a.stop()
-        srv.stop()
+    with noop_team((EngineAgent, "vllm:tp1", 0, {"stages": False})) as (_, c, _team):
+        plan = c.create_plan("t", "e")["plan_id"]
+        with pytest.raises(InvalidRequest, match="e/0 write in place and cannot stage"):
+            c.refit(plan, 1, atomic=True)
+        assert c.refit(plan, 1).ok  # the default refit is not refused
 
 
 # ------------------------------------------------------------------------------------------------
