@@ -24,6 +24,7 @@ from refit.hf_checkpoint import hf_config, load_spec
 from refit.layouts import LAYOUT_HELP, resolve_layout
 from refit.plan import DEFAULT_BUCKET_BYTES
 from refit.planners import make_plan
+from refit.predict import HARDWARE, TERMS, TRANSPORTS, hardware, predict
 from refit.reshard import check_output, reshard
 from refit.quantization import FORMATS, hf_quantization_config
 from refit.spec import ModelSpec, build_spec, quantize_spec
@@ -142,6 +143,12 @@ def cmd_plan(args: argparse.Namespace) -> int:
     result = make_plan(spec, args.src, args.dst, args.placement, args.planner, int(args.bucket_mb * MiB),
                        args.phase_layers, casts)
     s = result.summary
+    prediction = None
+    if args.predict:
+        prediction = predict(result.plan, hardware(args.hardware or "h200-nvl8", args.link_gbps, args.nic_gbps), args.transport)
+        s = {**s, **prediction.to_dict()}
+    elif (args.hardware, args.link_gbps, args.nic_gbps, args.transport) != (None, None, None, None):
+        raise InvalidInput("--hardware, --link-gbps, --nic-gbps and --transport shape a prediction: add --predict")
     if args.out:
         write_file_atomically(args.out, json.dumps(result.plan.to_dict(), separators=(",", ":")))
     if args.json:
@@ -176,9 +183,26 @@ def cmd_plan(args: argparse.Namespace) -> int:
               f"{fmt_bytes(q['bytes'])} served against {fmt_bytes(q['unquantized_bytes'])} unquantized")
     for line in s.get("not_moved", ()):
         print(f"  not moved: {line}")
+    if prediction is not None:
+        _print_prediction(prediction)
     if args.out:
         print(f"\nplan written to {args.out}")
     return 0
+
+
+def _print_prediction(p: Any) -> None:
+    hw = p.hardware
+    print(f"\npredicted {p.seconds * 1e3:.1f} ms  on {hw.name}, {p.num_hosts} host(s) of {hw.gpus_per_host} GPUs, "
+          f"transport {p.transport} (a model, not a measurement: `refit plan --help`)")
+    print(f"  bottleneck  {p.bottleneck}")
+    for ph in p.phases:
+        print(f"  {ph.name}: {ph.seconds * 1e3:.1f} ms")
+        for term in TERMS:
+            t = ph.largest.get(term)
+            if t is not None:
+                print(f"    {term:<11} largest on gpu {t.gpu:<4} {t.nbytes / 1e9:>9.2f} GB at {t.rate_gbs:>6.0f} GB/s "
+                      f"= {t.seconds * 1e3:8.2f} ms")
+    print(f"  + fixed overhead {hw.overhead_s * 1e3:.1f} ms")
 
 
 # ---------------------------------------------------------------------------------------------
@@ -352,8 +376,34 @@ def build_parser() -> argparse.ArgumentParser:
                     help="the dtype the trainer holds the model in, when not the model's (verl's FSDP2: "
                          "float32 masters): the plan casts on the way (bfloat16, float16 or float32)")
     dst_dtype_arg(pl)
-    pl.add_argument("--json", action="store_true", help="print one JSON object (layouts and summary)")
+    pl.add_argument("--json", action="store_true", help="print one JSON object (layouts and summary; with "
+                    "--predict the summary gains predicted_seconds, bottleneck and the per-term breakdown)")
     pl.add_argument("--out", help="write the full plan (JSON) to this file")
+    pr = pl.add_argument_group(
+        "prediction (--predict)",
+        "A cost model (refit/predict.py), not a measurement.  Every GPU's bytes of the plan split into "
+        "same-GPU copies, NVLink in / out (peers of its host) and NIC in / out (GPUs of other hosts; GPU g "
+        "is on host g // GPUs-per-host, placement as --placement says); a GPU's time is the largest of "
+        "bytes / rate over those five terms, the refit's the slowest GPU's plus a fixed overhead; a "
+        "broadcast plan's gathers (stage 0) are a phase before it, their times added.  Rates are per GPU "
+        "and per direction, in GB/s (10^9 bytes/s; a 400 Gb/s NIC is 50 GB/s), calibrated on H200 refits "
+        "(bench/RESULTS.md, 'Predicted vs measured').  Not modelled: contention between NVLink and the "
+        "NICs beyond the max, CPU time (control plane, launching many small copies) beyond the fixed "
+        "term, NCCL's slower small buckets, quantizing or casting on the trainers.")
+    pr.add_argument("--predict", action="store_true", help="add a 'predicted' section: the refit's time and "
+                    "which GPU and which link set it")
+    pr.add_argument("--hardware", choices=sorted(HARDWARE), default=None,
+                    help="the machines (default h200-nvl8): " + "; ".join(
+                        f"{h.name}: {h.gpus_per_host} GPUs per host, NVLink {h.ipc_link_gbs:.0f} GB/s over "
+                        f"ipc, {h.nccl_link_gbs:.0f} over nccl, NIC {h.nic_gbs:.0f} GB/s per GPU, same-GPU "
+                        f"{h.same_gpu_gbs:.0f} GB/s, overhead {h.overhead_s * 1e3:.1f} ms" for h in HARDWARE.values()))
+    pr.add_argument("--link-gbps", type=float, default=None, metavar="GB/S",
+                    help="NVLink rate per GPU per direction in GB/s (gigabytes per second), for either transport")
+    pr.add_argument("--nic-gbps", type=float, default=None, metavar="GB/S",
+                    help="NIC rate per GPU per direction in GB/s (gigabytes per second: a 400 Gb/s NIC is 50)")
+    pr.add_argument("--transport", choices=list(TRANSPORTS), default=None,
+                    help="which transport's link rate: ipc (CUDA IPC, the default when the plan's GPUs fit one "
+                         "host) or nccl (the default across hosts)")
     pl.set_defaults(func=cmd_plan)
 
     rs = sub.add_parser("reshard", help="convert a checkpoint between layouts, offline and bit-exact",
