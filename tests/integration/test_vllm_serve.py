@@ -6,7 +6,8 @@ through its entry point) and driven over HTTP only: /init_weight_transfer_engine
 client thread keeps sending completion requests, 10 refits alternate W2 and W1 (two trainer
 groups, one holding each): every generated sequence must be exactly the fresh-W1 or the fresh-W2
 answer for its prompt (greedy tokens; over HTTP a server without a tokenizer returns no
-logprobs), and /weight_info shows the last refit's version.
+logprobs), and /weight_info shows the last refit's version.  Then one refit with ``update_info``
+``atomic`` and ``verify`` over the same routes, into the engine registered again with atomic staging.
 """
 
 from __future__ import annotations
@@ -116,6 +117,21 @@ def test_serve_refits_over_http_while_requests_stream(served) -> None:
         assert http(base, "/weight_info") == {"weight_version": "11"}
         rows = client.list_workers(group="engine")
         assert [(r["version"], r["stale"]) for r in rows] == [(11, False)], rows
+        # All or none and verified, over HTTP: staging "atomic" (registered again, plans without
+        # phases), then update_info atomic + verify between /pause and /resume.
+        http(base, "/init_weight_transfer_engine", {"init_info": {"coordinator": server.address, "group": "engine",
+                                                                  "staging": "atomic"}})
+        whole = client.create_plan("trainer-w1", "engine")["plan_id"]
+        assert whole != plans[1]  # not phased
+        http(base, "/pause?mode=wait", {})
+        http(base, "/start_weight_update", {})
+        http(base, "/update_weights", {"update_info": {"plan_id": whole, "version": 12, "atomic": True,
+                                                       "verify": True}})
+        http(base, "/finish_weight_update", {"weight_version": "12"})
+        http(base, "/resume", {})
+        assert completions(base, dirs[1]) == fresh[1]
+        rows = client.list_workers(group="engine")
+        assert [(r["version"], r["stale"]) for r in rows if r["connected"]] == [(12, False)], rows
     finally:
         for tr in trainers.values():
             tr.close()

@@ -195,7 +195,7 @@ def test_grpc_failed_refit_is_exit_3_not_a_traceback(monkeypatch, capsys) -> Non
         def close(self) -> None:
             pass
 
-    def refit(self: Any, plan_id: str, version: int, timeout: float | None = None) -> Any:
+    def refit(self: Any, plan_id: str, version: int, timeout: float | None = None, **options: bool) -> Any:
         raise RefitFailed(RefitResult("r1", plan_id, version, False, "engine/1 disconnected during the refit",
                                       0.0, 0, {}))
 
