@@ -163,7 +163,8 @@ class CoordinatorServicer(object):
         """Run a plan once: every member moves its share for `version`.  Returns when all members
         succeeded, or as soon as the refit has failed (a member died, disconnected, reported an
         error or overran the timeout) — never later than the timeout.  After a failure the engines
-        of the plan are stale until a later refit succeeds (a failed version may be retried).
+        of the plan are stale until a later refit succeeds (a failed version may be retried) —
+        except after an atomic refit (RefitRequest.atomic), which leaves them on their previous version.
 
         One refit of a plan runs at a time, end to end (dispatch to commit).  For a request
         Refit(plan_id, version):
