@@ -39,7 +39,7 @@ from typing import Any, Callable
 
 from refit.control.common import PLACEMENT_NAMES, Exhausted, NotFound, Precondition, Side, short
 from refit.control.events import EventHub
-from refit.control.refits import Run, commands, failed_response, response, verify_checksums
+from refit.control.refits import Run, busy_results, commands, failed_response, response, verify_checksums
 from refit.control.registry import (MAX_VERSION, PlanEntry, Worker, absent_members, build_registration,
                                     check_info, check_joinable, check_plan_members, check_same_model, check_version,
                                     control_plan_id, group_members, holds_version, plan_json, prune_gone)
@@ -238,9 +238,8 @@ class Coordinator:
                 break
             await asyncio.wait((run.ended,), timeout=max(0.0, deadline - time.monotonic()))
             if not run.ended.done():
-                return failed_response(entry, f"{plan_id[:8]}-{self.epoch}-{next(self._ids)}", version, t0, {
-                    m: pb.WorkerResult(outcome=pb.WORKER_OUTCOME_BUSY, error=f"still running refit {run.refit_id}")
-                    for m in entry.members})
+                return failed_response(entry, f"{plan_id[:8]}-{self.epoch}-{next(self._ids)}", version, t0,
+                                       busy_results(entry, run.refit_id))
         run = entry.running = Run(f"{plan_id[:8]}-{self.epoch}-{next(self._ids)}", entry, version, t0,
                                   asyncio.get_running_loop().create_future(), atomic=atomic, verify=verify)
         run.ended.add_done_callback(lambda f: f.cancelled() or f.exception())  # joiners may be none
@@ -260,9 +259,8 @@ class Coordinator:
             await asyncio.wait((entry.running.ended,), timeout=max(0.0, deadline - time.monotonic()))
             if time.monotonic() >= deadline:
                 running = entry.running.refit_id if entry.running else "?"
-                return failed_response(entry, f"{plan_id[:8]}-{self.epoch}-{next(self._ids)}", entry.version, t0, {
-                    m: pb.WorkerResult(outcome=pb.WORKER_OUTCOME_BUSY, error=f"still running refit {running}")
-                    for m in entry.members})
+                return failed_response(entry, f"{plan_id[:8]}-{self.epoch}-{next(self._ids)}", entry.version, t0,
+                                       busy_results(entry, running))
         run = Run(f"{plan_id[:8]}-{self.epoch}-{next(self._ids)}-check", entry, entry.version, t0,
                   asyncio.get_running_loop().create_future(), verify=True, check=True)
         return await self._run(run, deadline)
@@ -300,8 +298,7 @@ class Coordinator:
         await asyncio.wait((run.ended,), timeout=max(0.0, deadline - time.monotonic()))
         if run.ended.done():
             return run.ended.result()  # raises as the refit itself did
-        results = {m: pb.WorkerResult(outcome=pb.WORKER_OUTCOME_BUSY, error=f"still running refit {run.refit_id}")
-                   for m in run.entry.members}
+        results = busy_results(run.entry, run.refit_id)
         error = f"refit {run.refit_id} of plan {run.entry.plan_id} (version {run.version}) did not end within the timeout"
         return response(run.entry, run.refit_id, run.version, t0, results, pb.REFIT_STATUS_FAILED, error)
 
@@ -423,10 +420,7 @@ class Coordinator:
             targets = run.members[entry.num_src:]
         log.info("refit %s of plan %s (version %d): %s in %.3f s, %d bytes", run.refit_id, entry.plan_id, run.version,
                  "committed" if resp.status == pb.REFIT_STATUS_OK else "failed", resp.seconds, resp.total_bytes)
-        # Members that answered are free; a silent one stays busy until it answers or leaves.
-        for w in run.members:
-            if w.busy == run.refit_id and w.worker_id in run.answered:
-                w.busy = ""
+        run.free_answered()
         msg = pb.CoordinatorMessage(outcome=outcome)
         # Engines hear the outcome before the caller does (sent, not acknowledged); a stalled
         # stream cannot hold the response up past the deadline (the RPC's own has 50 ms more).
@@ -444,9 +438,7 @@ class Coordinator:
 
     def _checked(self, run: Run, results: dict[str, pb.WorkerResult], verified: int) -> pb.RefitResponse:
         """The end of a Check: members that answered are free; nothing to commit or abandon."""
-        for w in run.members:
-            if w.busy == run.refit_id and w.worker_id in run.answered:
-                w.busy = ""
+        run.free_answered()
         self._notify()
         if any(r.outcome != pb.WORKER_OUTCOME_OK for r in results.values()):
             return failed_response(run.entry, run.refit_id, run.version, run.t0, results)

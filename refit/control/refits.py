@@ -97,6 +97,12 @@ class Run:
             for w in engines + [registered[m] for m in self.entry.members[self.entry.num_src:] if m in registered]:
                 w.stale = True
 
+    def free_answered(self) -> None:
+        """Members that answered are free; a silent one stays busy until it answers or leaves."""
+        for w in self.members:
+            if w.busy == self.refit_id and w.worker_id in self.answered:
+                w.busy = ""
+
     @property
     def untouched(self) -> bool:
         """Whether a failure of this refit left every engine's live weights as they were."""
@@ -146,6 +152,12 @@ def commands(run: Run, member_timeout: float) -> list[tuple[Worker, pb.Coordinat
             atomic=run.atomic, verify=run.verify, check_only=run.check))))
         w.sent_plans.add(entry.plan_id)
     return out
+
+
+def busy_results(entry: PlanEntry, refit_id: str) -> dict[str, pb.WorkerResult]:
+    """Every member of ``entry`` BUSY with refit ``refit_id`` (a caller's timeout ran out waiting)."""
+    return {m: pb.WorkerResult(outcome=pb.WORKER_OUTCOME_BUSY, error=f"still running refit {refit_id}")
+            for m in entry.members}
 
 
 def verify_checksums(run: Run) -> tuple[int, dict[str, pb.WorkerResult]]:

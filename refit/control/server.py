@@ -152,27 +152,25 @@ class Servicer:
 
     @_rpc
     async def Refit(self, req: pb.RefitRequest, context: grpc.aio.ServicerContext) -> pb.RefitResponse:
+        timeout = self._run_timeout(req, context)
+        return await self.coord.refit(req.plan_id, req.version, timeout, atomic=req.atomic, verify=req.verify)
+
+    @_rpc
+    async def Check(self, req: pb.CheckRequest, context: grpc.aio.ServicerContext) -> pb.RefitResponse:
+        return await self.coord.check(req.plan_id, self._run_timeout(req, context))
+
+    def _run_timeout(self, req: pb.RefitRequest | pb.CheckRequest, context: grpc.aio.ServicerContext) -> float:
+        """The seconds a Refit or Check of ``req.plan_id`` may run: its own timeout (checked) or
+        the coordinator's default, cut to answer FAILED before the caller's deadline cuts the call."""
         if not req.plan_id:
             raise InvalidInput("plan_id is required")
         if not 0 <= req.timeout_seconds <= MAX_TIMEOUT:  # beyond it, members' timers overflow (timedelta)
             raise InvalidInput(f"timeout_seconds must be a number in [0, {MAX_TIMEOUT:g}], got {req.timeout_seconds}")
         timeout = req.timeout_seconds or self.coord.default_timeout
         left = context.time_remaining()
-        if left is not None:  # answer FAILED before the caller's own deadline cuts the call
-            timeout = min(timeout, max(0.01, left - 0.05))
-        return await self.coord.refit(req.plan_id, req.version, timeout, atomic=req.atomic, verify=req.verify)
-
-    @_rpc
-    async def Check(self, req: pb.CheckRequest, context: grpc.aio.ServicerContext) -> pb.RefitResponse:
-        if not req.plan_id:
-            raise InvalidInput("plan_id is required")
-        if not 0 <= req.timeout_seconds <= MAX_TIMEOUT:
-            raise InvalidInput(f"timeout_seconds must be a number in [0, {MAX_TIMEOUT:g}], got {req.timeout_seconds}")
-        timeout = req.timeout_seconds or self.coord.default_timeout
-        left = context.time_remaining()
         if left is not None:
             timeout = min(timeout, max(0.01, left - 0.05))
-        return await self.coord.check(req.plan_id, timeout)
+        return timeout
 
     @_rpc
     async def StoreSet(self, req: pb.StoreSetRequest, context: Any) -> pb.StoreSetResponse:
