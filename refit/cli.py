@@ -306,13 +306,10 @@ def dst_dtype_arg(p: argparse.ArgumentParser) -> None:
 
 def cmd_verify(args: argparse.Namespace) -> int:
     from refit.control.client import Client, ControlError
+    from refit.control.server import read_token
 
-    token = None
-    if args.token_file:
-        with open(args.token_file) as f:
-            token = f.read().strip()
     try:
-        with Client(args.coordinator, token=token) as client:
+        with Client(args.coordinator, token=read_token(args)) as client:
             result = client.check(args.plan, timeout=args.timeout, check=False)
     except ControlError as e:
         raise InvalidInput(f"coordinator {args.coordinator or '$REFIT_ADDRESS'}: {e.code().name}: {e.details()}") \
@@ -436,7 +433,7 @@ def build_parser() -> argparse.ArgumentParser:
     ve.add_argument("--token-file", default=None, help="file holding the coordinator's token (default $REFIT_TOKEN)")
     ve.add_argument("--timeout", type=float, default=60.0, help="seconds (default 60)")
     ve.add_argument("--json", action="store_true", help="print one JSON object")
-    ve.set_defaults(func=cmd_verify)
+    ve.set_defaults(func=cmd_verify, token=None)  # read_token's last resort is `refit serve`'s --token
 
     # `refit serve` has its own parser (refit.control.server); listed here so --help shows it.
     sub.add_parser("serve", help="run the refit coordinator (gRPC control plane); see `refit serve --help`",
