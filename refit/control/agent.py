@@ -40,6 +40,7 @@ from refit.control.agent_state import Expectation, Holding, Outcome, Outcomes
 from refit.control.agent_stream import AgentStream
 from refit.control.common import (KEEPALIVE_MS, KEEPALIVE_TIMEOUT_MS, Side, config_json, coordinator_address,
                                   coordinator_token, on_agent_loop, worker_id)
+from refit.control.membership import interchangeable
 from refit.control.dataplane import (DataPlane, PhaseHook, Rendezvous, RunContext, Seat, Tensors, TensorSource,
                                      check_tensors)
 from refit.control.store_client import CoordinatorStore
@@ -125,6 +126,7 @@ class Agent(AgentStream):
         self._expected = Expectation()
         self._outcomes = Outcomes()
         self._plans: dict[str, Plan] = {}
+        self._plays: dict[str, int] = {}  # plan hash -> the rank this worker last played in it (`_play`)
         self._pool = concurrent.futures.ThreadPoolExecutor(1, thread_name_prefix=f"refit-{self.worker_id}")
         self._job: asyncio.Future | None = None
         self._cancel: dict[str, threading.Event] = {}
@@ -263,6 +265,7 @@ class Agent(AgentStream):
                 self.holding.stale = True
         try:
             plan = await self._plan(run)
+            self._play(plan, run.rendezvous.rank)
         except Exception as e:
             await self._reply(run.refit_id, False, error=f"plan {run.plan_id}: {e}")
             return
@@ -400,14 +403,34 @@ class Agent(AgentStream):
             resp = await self._stub.GetPlan(pb.GetPlanRequest(plan_id=run.plan_id, include_plan=True), metadata=self._md)
             data = resp.plan_json
         plan = Plan.from_dict(json.loads(data))
-        mine = self.role.layout_of(plan)
-        if mine != self.layout.describe():
-            raise InvalidInput(f"plan is for {plan.model_digest} {mine}, this worker holds "
-                               f"{self.spec.digest()} {self.layout.describe()}")
         plan.spec_for(self.spec, self.role is Side.TRAINER)  # the same model (dtype casts aside)
-        self.data_plane.prepare(plan)
+        if self.role.layout_of(plan) == self.layout.describe():
+            self.data_plane.prepare(plan)
         self._plans[run.plan_id] = plan
         return plan
+
+    def _play(self, plan: Plan, member: int) -> None:
+        """Take this worker's rank in ``plan``: its own, or — a replica of an elastic engine group
+        (`refit.control.membership`) — the one its place among the replicas gives (``member``: its
+        rendezvous rank), once checked that it holds the very tensors of that rank."""
+        rank = member - (len(plan.placement.src_gpus) if self.role is Side.ENGINE else 0)
+        mine = self.role.layout_of(plan)
+        played = self._plays.get(plan.plan_hash)
+        if played == rank:
+            return
+        self._plays[plan.plan_hash] = rank
+        if mine == self.layout.describe() and rank == self.rank:
+            if played is not None:  # it played another rank of this plan before
+                self.data_plane.prepare(plan, rank)
+            return
+        self._plays.pop(plan.plan_hash)
+        other = resolve_layout(mine, self.spec, self.role.end) if mine != self.layout.describe() else self.layout
+        if not interchangeable(self.spec, self.layout, self.rank, other, rank):
+            raise InvalidInput(f"plan is for {plan.model_digest} {mine} and has this worker play its rank {rank}; "
+                               f"this worker holds {self.spec.digest()} {self.layout.describe()} rank {self.rank}, "
+                               f"whose tensors differ")
+        self.data_plane.prepare(plan, rank)
+        self._plays[plan.plan_hash] = rank
 
     def _on_outcome(self, out: pb.Outcome) -> None:
         staged, self._staged = self._staged, None

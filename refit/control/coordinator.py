@@ -39,6 +39,7 @@ from typing import Any, Callable
 
 from refit.control.common import PLACEMENT_NAMES, Exhausted, NotFound, Precondition, Side, short
 from refit.control.events import EventHub
+from refit.control.membership import View, engine_view
 from refit.control.refits import Run, busy_results, commands, failed_response, response, verify_checksums
 from refit.control.registry import (MAX_VERSION, PlanEntry, Worker, absent_members, build_registration,
                                     check_info, check_joinable, check_plan_members, check_same_model, check_version,
@@ -55,13 +56,16 @@ log = logging.getLogger(__name__)
 MAX_WORKERS = 16_384  # registrations held at once
 MAX_GONE = 256  # rows of disconnected workers kept for ListWorkers; older ones are pruned
 MAX_PLANS = 1_024
+DROP_AFTER = 30.0  # seconds an elastic group's engine may be gone before refits run without its replica
 
 
 class Coordinator:
-    def __init__(self, default_timeout: float = 60.0, grace: float = 0.25) -> None:
+    def __init__(self, default_timeout: float = 60.0, grace: float = 0.25, drop_after: float | None = DROP_AFTER) -> None:
         """``grace``: how long a failed refit waits for further failures to arrive, so that the
-        cause (a disconnect) is named before its symptoms (peers' errors)."""
-        self.default_timeout, self.grace = default_timeout, grace
+        cause (a disconnect) is named before its symptoms (peers' errors).  ``drop_after``: how long
+        an engine of an elastic group may be gone before its plans' refits run without its replica
+        (`refit.control.membership`; None: never)."""
+        self.default_timeout, self.grace, self.drop_after = default_timeout, grace, drop_after
         self.store = RendezvousStore()  # where members' data planes meet (the Store* calls)
         self.workers: dict[str, Worker] = {}
         self.plans: dict[str, PlanEntry] = {}
@@ -104,7 +108,7 @@ class Coordinator:
     def disconnected(self, w: Worker, why: str = "its stream ended") -> None:
         if not w.connected:
             return
-        w.connected = False
+        w.connected, w.left_at = False, time.monotonic()
         run = self._runs.get(w.busy)
         w.busy = ""
         if run is not None:
@@ -175,27 +179,39 @@ class Coordinator:
         spec, placement = dst[0].spec, PLACEMENT_NAMES[opts.placement]
         bucket = opts.bucket_bytes or DEFAULT_BUCKET_BYTES
         phase_layers = dst[0].info.phase_layers  # group_members checked that every engine rank agrees
-        key = (src_group, dst_group, src[0].info.model_name, src[0].info.model_config_json,
-               dst[0].info.model_config_json, src[0].layout_str, dst[0].layout_str, placement, planner, bucket,
-               phase_layers)
+        base = (src_group, dst_group, src[0].info.model_name, src[0].info.model_config_json,
+                dst[0].info.model_config_json, src[0].layout_str, placement, planner, bucket, phase_layers)
+        args = (spec, src[0].layout, placement, planner, bucket, phase_layers, casts)
+        engines, dst_layout = dst, dst[0].layout
+        if dst[0].elastic:  # planned for the whole replicas registered now; re-planned as they change
+            view = engine_view(dst, spec, self.drop_after)
+            engines, dst_layout = list(view.engines), view.layout
+        key = base + (dst_layout.describe(),)
         cached = key in self._plan_keys
-        if not cached:
-            if len(self._plan_keys) >= MAX_PLANS:
-                raise Exhausted(f"the coordinator holds {MAX_PLANS} plans, its limit")
-            self._plan_keys[key] = asyncio.ensure_future(asyncio.to_thread(
-                make_plan, spec, src[0].layout, dst[0].layout, placement, planner, bucket, phase_layers, casts))
-        try:
-            result = await asyncio.shield(self._plan_keys[key])
-        except Exception:  # not cached: a later request plans again
-            self._plan_keys.pop(key, None)
-            raise
-        plan_id = control_plan_id(result.plan.plan_hash, src_group, dst_group)
+        result = await self._planned(key, args, dst_layout)
+        # An elastic group's plan id names the groups and options, not one set of replicas.
+        plan_id = control_plan_id(f"elastic:{base}" if dst[0].elastic else result.plan.plan_hash, src_group, dst_group)
         if plan_id not in self.plans:
-            members = tuple(w.worker_id for w in src + dst)
+            members = tuple(w.worker_id for w in src + engines)
             self.plans[plan_id] = PlanEntry(plan_id, result.plan, result.summary, src_group, dst_group,
-                                            plan_json(result.plan), members, src_digest=src[0].info.model_digest)
+                                            plan_json(result.plan), members, src_digest=src[0].info.model_digest,
+                                            dst_shape=dst[0].shape if dst[0].elastic else "",
+                                            replan=(base, args) if dst[0].elastic else None)
             log.info("plan %s: %s -> %s, %d transfers", plan_id, src_group, dst_group, len(result.plan.transfers))
         return self.plans[plan_id], cached
+
+    def _planned(self, key: tuple, args: tuple, dst_layout: Any) -> "asyncio.Future":
+        """The plan of ``key`` (`make_plan` of ``args`` with the destination layout inserted), made
+        once on a thread and kept: an awaitable, done at once for a plan made before."""
+        if key not in self._plan_keys:
+            if len(self._plan_keys) >= MAX_PLANS:
+                raise Exhausted(f"the coordinator holds {MAX_PLANS} plans, its limit")
+            spec, src_layout, *rest = args
+            fut = self._plan_keys[key] = asyncio.ensure_future(
+                asyncio.to_thread(make_plan, spec, src_layout, dst_layout, *rest))
+            # a failed plan is not kept: a later request plans again
+            fut.add_done_callback(lambda f: f.cancelled() or f.exception() is None or self._plan_keys.pop(key, None))
+        return asyncio.shield(self._plan_keys[key])
 
     def get_plan(self, plan_id: str) -> PlanEntry:
         if not plan_id:
@@ -227,6 +243,9 @@ class Coordinator:
             run = entry.running
             if run is not None and run.version == version:
                 return await self._join(run, deadline, t0)
+            behind = self._behind(entry, version) if run is None else frozenset()
+            if behind:  # replicas that joined (or came back) after the plan committed this version
+                break
             done = entry.committed
             if done is not None and done.version == version and holds_version(self.workers, entry, version):
                 return done
@@ -241,7 +260,11 @@ class Coordinator:
                 return failed_response(entry, f"{plan_id[:8]}-{self.epoch}-{next(self._ids)}", version, t0,
                                        busy_results(entry, run.refit_id))
         run = entry.running = Run(f"{plan_id[:8]}-{self.epoch}-{next(self._ids)}", entry, version, t0,
-                                  asyncio.get_running_loop().create_future(), atomic=atomic, verify=verify)
+                                  asyncio.get_running_loop().create_future(), atomic=atomic, verify=verify,
+                                  catch_up=behind or None)
+        if behind:
+            log.info("refit %s of plan %s: catching replicas %s up to version %d", run.refit_id, plan_id,
+                     sorted(behind), version)
         run.ended.add_done_callback(lambda f: f.cancelled() or f.exception())  # joiners may be none
         # Not in the caller's task: a caller gone (RPC cancelled) must not cut the refit short for all.
         self._spawn(self._own(run, deadline))
@@ -264,6 +287,58 @@ class Coordinator:
         run = Run(f"{plan_id[:8]}-{self.epoch}-{next(self._ids)}-check", entry, entry.version, t0,
                   asyncio.get_running_loop().create_future(), verify=True, check=True)
         return await self._run(run, deadline)
+
+    def _behind(self, entry: PlanEntry, version: int) -> frozenset[int]:
+        """The replicas of an elastic plan, all ranks connected, that hold a version below
+        ``version`` — the version the plan committed last: they joined, or were replaced, since.
+        A catch-up refit brings them to it from the trainers, which must still hold it (the
+        caller's word; `refit.control.membership`).  Not engines torn by a later failed refit:
+        they hold ``version`` stale, and the trainers have moved on to the one that failed."""
+        if not entry.dst_shape or version != entry.version:
+            return frozenset()
+        try:
+            view = self._view(entry)
+        except InvalidInput:
+            return frozenset()
+        tp = len(view.engines) // len(view.replicas)
+        return frozenset(idx for i, idx in enumerate(view.replicas)
+                         if any(w.version < version for w in view.engines[i * tp:(i + 1) * tp])
+                         and all(w.connected for w in view.engines[i * tp:(i + 1) * tp]))
+
+    def _view(self, entry: PlanEntry, only: frozenset[int] | None = None) -> View:
+        """The whole replicas of an elastic plan's engine group (`refit.control.membership`)."""
+        rows = [w for w in self.workers.values() if w.info.group == entry.dst_group and w.shape == entry.dst_shape]
+        if not rows:
+            raise InvalidInput(f"no engine of plan {entry.plan_id}'s group {entry.dst_group!r} is registered")
+        return engine_view(rows, rows[0].spec, self.drop_after, set(only) if only is not None else None)
+
+    async def _take_view(self, run: Run, deadline: float) -> pb.RefitResponse | None:
+        """Point an elastic plan at the replicas there now (planning their layout the first time
+        it is seen); a failed response when there is none or planning fails."""
+        entry = run.entry
+        try:
+            view = self._view(entry, run.catch_up)
+            base, args = entry.replan
+            planned = self._planned(base + (view.layout.describe(),), args, view.layout)
+            if not planned.done():
+                await asyncio.wait((planned,), timeout=max(0.0, deadline - time.monotonic()))
+                view = self._view(entry, run.catch_up)  # replicas may have come or gone meanwhile
+                planned = self._planned(base + (view.layout.describe(),), args, view.layout)
+            if not planned.done():
+                raise InvalidInput(f"planning {view.layout.describe()} did not end within the timeout")
+            result = planned.result()
+        except InvalidInput as e:
+            results = {m: pb.WorkerResult(outcome=pb.WORKER_OUTCOME_NOT_CONNECTED, error=str(e))
+                       for m in entry.members[entry.num_src:]}
+            return failed_response(entry, run.refit_id, run.version, run.t0, results)
+        members = entry.members[:entry.num_src] + view.members
+        if members != entry.members or result.plan is not entry.plan:
+            if view.left_out and run.catch_up is None:
+                log.warning("plan %s runs for replicas %s of group %s; left out: %s", entry.plan_id,
+                            list(view.replicas), entry.dst_group, ", ".join(view.left_out))
+            entry.members, entry.plan, entry.summary = members, result.plan, result.summary
+            entry.plan_json = plan_json(result.plan)
+        return None
 
     def _check_stages(self, entry: PlanEntry) -> None:
         """An atomic refit needs every engine of the plan to stage what it receives."""
@@ -304,17 +379,27 @@ class Coordinator:
 
     async def _run(self, run: Run, deadline: float) -> pb.RefitResponse:
         entry = run.entry
+        while True:
+            # An elastic plan's members change only here, once the members of its last run are free.
+            if entry.dst_shape and not await self._wait_free(entry, deadline):
+                return self._busy_response(run)
+            if entry.dst_shape:
+                failed = await self._take_view(run, deadline)
+                if failed is not None:
+                    return failed
+            absent = absent_members(self.workers, entry)
+            if absent:
+                return failed_response(entry, run.refit_id, run.version, run.t0, absent)
+            if not await self._wait_free(entry, deadline):
+                return self._busy_response(run)
+            if not entry.dst_shape or not self._view_moved(run):
+                break
         absent = absent_members(self.workers, entry)
         if absent:
             return failed_response(entry, run.refit_id, run.version, run.t0, absent)
-        if not await self._wait_free(entry, deadline):
-            busy = {m: pb.WorkerResult(outcome=pb.WORKER_OUTCOME_BUSY, error=f"still running refit {self.workers[m].busy}")
-                    for m in entry.members if m in self.workers and self.workers[m].busy}
-            return failed_response(entry, run.refit_id, run.version, run.t0, busy or absent_members(self.workers, entry))
-        absent = absent_members(self.workers, entry)
-        if absent:
-            return failed_response(entry, run.refit_id, run.version, run.t0, absent)
-        if not run.check:
+        if run.atomic:
+            self._check_stages(entry)
+        if not run.check and not run.catch_up:
             check_version(self.workers, entry, run.version)  # an engine may have re-registered meanwhile
         members = [self.workers[m] for m in entry.members]
         check_plan_members(entry, members)
@@ -326,6 +411,19 @@ class Coordinator:
         finally:
             del self._runs[run.refit_id]
         return await self._finish(run, results, deadline)
+
+    def _view_moved(self, run: Run) -> bool:
+        """Whether an elastic plan's replicas changed while its run waited for busy members."""
+        try:
+            return self._view(run.entry, run.catch_up).members != run.entry.members[run.entry.num_src:]
+        except InvalidInput:
+            return True
+
+    def _busy_response(self, run: Run) -> pb.RefitResponse:
+        entry = run.entry
+        busy = {m: pb.WorkerResult(outcome=pb.WORKER_OUTCOME_BUSY, error=f"still running refit {self.workers[m].busy}")
+                for m in entry.members if m in self.workers and self.workers[m].busy}
+        return failed_response(entry, run.refit_id, run.version, run.t0, busy or absent_members(self.workers, entry))
 
     async def _wait_free(self, entry: PlanEntry, deadline: float) -> bool:
         """Wait until no member is busy (absent members count as free: the caller checks them)."""
@@ -415,7 +513,8 @@ class Coordinator:
             run.settle(committed=True, registered=self.workers)
             resp = response(entry, run.refit_id, run.version, run.t0, results, pb.REFIT_STATUS_OK, "")
             resp.verified_transfers = verified
-            entry.committed = resp
+            if not run.catch_up:  # a catch-up brings replicas to the version committed already
+                entry.committed = resp
             outcome = pb.Outcome(refit_id=run.refit_id, committed=True, version=run.version)
             targets = run.members[entry.num_src:]
         log.info("refit %s of plan %s (version %d): %s in %.3f s, %d bytes", run.refit_id, entry.plan_id, run.version,

@@ -171,7 +171,7 @@ class DataPlane(Protocol):
 
     def open(self, seat: Seat) -> None: ...
 
-    def prepare(self, plan: "Plan") -> None: ...
+    def prepare(self, plan: "Plan", rank: int | None = None) -> None: ...
 
     def run(self, plan: "Plan", tensors: Tensors, ctx: RunContext) -> tuple[int, float]: ...
 
@@ -198,8 +198,8 @@ class BaseDataPlane:
             raise RefitFailed("the data plane was not opened: an agent opens it (`open(seat)`) before any refit")
         return self._seat
 
-    def prepare(self, plan: "Plan") -> None:
-        pass
+    def prepare(self, plan: "Plan", rank: int | None = None) -> None:
+        """Get ready to run ``plan`` as this seat's rank, or as ``rank`` of the plan's layout."""
 
     def run(self, plan: "Plan", tensors: Tensors, ctx: RunContext) -> tuple[int, float]:
         raise NotImplementedError

@@ -107,18 +107,32 @@ class ExecutorDataPlane(BaseDataPlane):
         # plan hash -> checksums an engine took phase by phase in its last verified `run` (its
         # phase hook re-uses one staging for every phase: summed before each phase is applied)
         self._phase_sums: dict[str, dict[int, int]] = {}
+        # plan hash -> the rank this seat plays in it: its own, or, for a replica of an elastic
+        # engine group, its place among the replicas the plan was made for (`prepare`)
+        self._played: dict[str, int] = {}
 
-    def prepare(self, plan: Plan) -> None:
+    def prepare(self, plan: Plan, rank: int | None = None) -> None:
         """Resolve the plan's layouts once (a trainer's own against the spec it runs the plan
-        with: its own, with the plan's casts applied), and check that this seat is in it."""
+        with: its own, with the plan's casts applied), and check that this seat is in it, as its
+        own rank or as ``rank`` of the plan's layout (a replica the agent checked holds the
+        same tensors: `refit.control.membership`)."""
         seat = self.seat
         trainer = seat.side is Side.TRAINER
         ranks = len(plan.placement.src_gpus if trainer else plan.placement.dst_gpus)
-        if seat.rank >= ranks:
-            raise InvalidInput(f"plan {plan.plan_hash} has {ranks} {seat.side.plural}; this is rank {seat.rank}")
+        played = self._played[plan.plan_hash] = seat.rank if rank is None else rank
+        if played >= ranks:
+            raise InvalidInput(f"plan {plan.plan_hash} has {ranks} {seat.side.plural}; this is rank {played}")
+        if plan.plan_hash in self._resolved:
+            return
         spec = plan.spec_for(seat.spec, trainer)
         other_side = seat.side.other
-        mine = resolve_layout(seat.layout, spec, seat.side.end) if spec is not seat.spec else seat.layout
+        own_text = seat.side.layout_of(plan)
+        if own_text != seat.layout.describe():  # a replica playing a rank of the plan's replica count
+            mine = resolve_layout(own_text, spec, seat.side.end)
+        elif spec is not seat.spec:
+            mine = resolve_layout(seat.layout, spec, seat.side.end)
+        else:
+            mine = seat.layout
         other = resolve_layout(other_side.layout_of(plan), spec, other_side.end)
         self._resolved[plan.plan_hash] = (spec, mine, other) if trainer else (spec, other, mine)
         if spec is not seat.spec:  # this rank's local tensors whose dtype the wire changes
@@ -194,7 +208,7 @@ class ExecutorDataPlane(BaseDataPlane):
         if plan.plan_hash not in self._resolved:
             self.prepare(plan)
         spec, src, dst = self._run_view(plan)
-        return share_checksums(plan, spec, src, dst, self.seat.side.end, self.seat.rank, tensors, phase)
+        return share_checksums(plan, spec, src, dst, self.seat.side.end, self._rank(plan), tensors, phase)
 
     def _build(self, plan: Plan, tensors: Tensors, ctx: RunContext, rebuilds: int) -> Held:
         store = ctx.open_store(ctx.remaining())
@@ -210,20 +224,20 @@ class ExecutorDataPlane(BaseDataPlane):
         except BaseException:
             close_store(store)
             raise
-        side, rank = self.seat.side, self.seat.rank
+        side, rank = self.seat.side, self._rank(plan)
         nbytes = sum(b.nbytes for b in plan.buckets if b.stage == 1 and side.rank_in(b) == rank)
         held = self._members[ctx.plan_id] = Held(ctx.rendezvous.prefix, store, member, nbytes, tensors, where(tensors),
                                                  rebuilds)
         return held
 
     def _setup(self, store: dist.Store, plan: Plan, tensors: Tensors, ctx: RunContext) -> Member:
-        rdv, seat = ctx.rendezvous, self.seat
-        me: Endpoint = seat.endpoint
+        rdv, seat, rank = ctx.rendezvous, self.seat, self._rank(plan)
+        me: Endpoint = (seat.side.end, rank)
         eps = [("src", r) for r in range(len(plan.placement.src_gpus))] + \
               [("dst", r) for r in range(len(plan.placement.dst_gpus))]
         if len(eps) != rdv.world_size or eps[rdv.rank] != me:
             raise InvalidInput(f"rendezvous says member {rdv.rank} of {rdv.world_size}; the plan has "
-                             f"{len(eps)} ranks and this is {me[0]} rank {seat.rank}")
+                             f"{len(eps)} ranks and this is {me[0]} rank {rank}")
         names = [rdv.member(i) for i in range(len(eps))]
         device = _device_name(tensors)
         topo, cuda, one_host = locate(store, rdv.rank, eps, device, seat.host, names)
@@ -232,7 +246,7 @@ class ExecutorDataPlane(BaseDataPlane):
             raise InvalidInput("transport ipc needs every member on GPUs of one host")
         spec, src, dst = self._run_view(plan)
         mine = src if seat.side is Side.TRAINER else dst
-        local = {lt.name: tensors[lt.name] for lt in mine.local_tensors(spec, seat.rank)}
+        local = {lt.name: tensors[lt.name] for lt in mine.local_tensors(spec, rank)}
         member = Member(store, topo, rdv.rank, device, {me: local}, spec, src, dst, names, ctx.remaining,
                         ipc=ipc, host=seat.host)
         try:
@@ -280,6 +294,10 @@ class ExecutorDataPlane(BaseDataPlane):
             out[name], out[scale_name] = outs[-1], scale_outs[-1]
         with torch.no_grad():  # few launches for thousands of expert tensors (cached while the tensors stay)
             quantize_many(fmt_name, xs, outs, scale_outs)
+
+    def _rank(self, plan: Plan) -> int:
+        """The rank this seat plays in ``plan`` (`prepare`)."""
+        return self._played.get(plan.plan_hash, self.seat.rank)
 
     def _run_view(self, plan: Plan) -> tuple[ModelSpec, Layout, Layout]:
         """(the spec this seat runs ``plan`` with, its src and dst layouts), as `prepare` resolved them."""

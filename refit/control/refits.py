@@ -53,6 +53,7 @@ class Run:
     check: bool = False  # Check: members checksum their tensors as they are; nothing moves, nothing commits
     checksums: dict[str, dict[int, int]] = field(default_factory=dict)  # verify: by member, by transfer
     switched: dict[str, pb.Switched] = field(default_factory=dict)  # atomic: engines' answers to the commit
+    catch_up: frozenset[int] | None = None  # a catch-up of an elastic plan: the replicas it brings to its version
 
     def resolve(self, w: Worker, res: pb.WorkerResult) -> bool:
         """Record a member's result (the first one counts); True when it was new."""
@@ -148,9 +149,9 @@ def commands(run: Run, member_timeout: float) -> list[tuple[Worker, pb.Coordinat
             w.sent_prefixes = {entry.prefix}
         out.append((w, pb.CoordinatorMessage(run=pb.RunRefit(
             refit_id=run.refit_id, plan_id=entry.plan_id, version=run.version, timeout_seconds=member_timeout,
-            rendezvous=rdv, plan_json=b"" if entry.plan_id in w.sent_plans else entry.plan_json,
+            rendezvous=rdv, plan_json=b"" if w.sent_plans.get(entry.plan_id) == entry.plan.plan_hash else entry.plan_json,
             atomic=run.atomic, verify=run.verify, check_only=run.check))))
-        w.sent_plans.add(entry.plan_id)
+        w.sent_plans[entry.plan_id] = entry.plan.plan_hash
     return out
 
 

@@ -10,6 +10,7 @@ import time
 from dataclasses import dataclass, field
 from typing import Any, Awaitable, Callable
 
+from refit.control.membership import one_replica, replica_shape
 from refit.control.common import Conflict, Exhausted, Precondition, Side, short, spec_from_registration, worker_id
 from refit.casts import casts_between
 from refit.control.v1 import refit_pb2 as pb
@@ -36,16 +37,25 @@ class Worker:
     stale: bool = False
     connected: bool = True
     busy: str = ""  # refit id this worker has not answered yet
-    sent_plans: set[str] = field(default_factory=set)
+    sent_plans: dict[str, str] = field(default_factory=dict)  # plan id -> hash of the plan it was sent last
     sent_prefixes: set[str] = field(default_factory=set)
     registered_unix: float = field(default_factory=time.time)
     replaced: bool = False  # a newer registration of the same group/rank took over
+    left_at: float = 0.0  # monotonic time its stream ended (an elastic plan drops it `drop_after` later)
     worker_id: str = field(init=False)
     layout_str: str = field(init=False)  # resolved, as plans name layouts
+    # what the ranks of its group must agree on: the layout, or, for an engine of an elastic group
+    # (`refit.control.membership`), the layout of one replica
+    shape: str = field(init=False)
 
     def __post_init__(self) -> None:
         self.worker_id = worker_id(self.info.group, self.info.rank)
         self.layout_str = self.layout.describe()
+        self.shape = one_replica(self.layout) if self.elastic else self.layout_str
+
+    @property
+    def elastic(self) -> bool:
+        return self.info.role == pb.ROLE_ENGINE and replica_shape(self.layout) is not None
 
     @property
     def role(self) -> Side:
@@ -74,6 +84,12 @@ class PlanEntry:
     running: Any = None  # the refits.Run under way (one per plan at a time), else None
     committed: pb.RefitResponse | None = None  # the response of the refit that committed `version`
     src_digest: str = ""  # the trainers' model digest, when it is not the plan's (`Plan.casts`)
+    # An elastic engine group (`refit.control.membership`): the layout of one of its replicas, and
+    # what re-plans it for another set of replicas: (key of `Coordinator._plan_keys` less the
+    # destination layout, `make_plan`'s arguments less the destination layout).  `plan` and
+    # `members` are then those of the replicas its last refit ran for.
+    dst_shape: str = ""
+    replan: tuple[tuple, tuple] | None = None
 
     @property
     def trainer_digest(self) -> str:
@@ -197,7 +213,7 @@ def check_group_role(workers: dict[str, Worker], info: pb.WorkerInfo) -> None:
 def group_members(workers: dict[str, Worker], group: str, side: Side) -> list[Worker]:
     """Every rank of ``group``, checked: right role, one layout, one model, no rank missing."""
     members = sorted((w for w in workers.values() if w.info.group == group), key=lambda w: w.info.rank)
-    shape = lambda w: (w.layout_str, w.info.model_digest, w.info.phase_layers)  # noqa: E731
+    shape = lambda w: (w.shape, w.info.model_digest, w.info.phase_layers)  # noqa: E731
     live = [shape(w) for w in members if w.connected]
     if live:  # rows of workers gone before the group came back in another shape (tp2 -> tp1) are none of it
         members = [w for w in members if w.connected or shape(w) == live[0]]
@@ -208,7 +224,7 @@ def group_members(workers: dict[str, Worker], group: str, side: Side) -> list[Wo
         raise InvalidInput(f"group {short(group)} holds {ref.role.plural}; a plan's "
                            f"{'source' if side is Side.TRAINER else 'destination'} must be {side.with_article} group")
     for w in members[1:]:
-        if w.layout_str != ref.layout_str:
+        if w.shape != ref.shape:
             raise InvalidInput(f"group {group!r}: {w.worker_id} registered layout {w.layout_str}, "
                              f"{ref.worker_id} {ref.layout_str}")
         if w.info.model_digest != ref.info.model_digest:
@@ -220,6 +236,8 @@ def group_members(workers: dict[str, Worker], group: str, side: Side) -> list[Wo
         if w.info.phase_layers != ref.info.phase_layers:  # phases are one plan's: every rank cuts alike
             raise InvalidInput(f"group {group!r}: {w.worker_id} declares phase_layers {w.info.phase_layers}, "
                              f"{ref.worker_id} {ref.info.phase_layers}")
+    if ref.elastic:  # replicas come and go: `refit.control.membership.engine_view` takes the whole ones
+        return members
     ranks = {w.info.rank for w in members}
     for r in range(ref.layout.world_size):
         if r not in ranks:
@@ -271,9 +289,9 @@ def check_plan_members(entry: PlanEntry, members: list[Worker]) -> None:
     """Workers re-registered since the plan was made must still hold what it was made for."""
     plan = entry.plan
     for i, w in enumerate(members):
-        want = plan.src_layout if i < entry.num_src else plan.dst_layout
+        want = plan.src_layout if i < entry.num_src else entry.dst_shape or plan.dst_layout
         digest = entry.trainer_digest if i < entry.num_src else plan.model_digest
-        if w.layout_str != want or w.info.model_digest != digest:
+        if (w.shape if i >= entry.num_src else w.layout_str) != want or w.info.model_digest != digest:
             raise Precondition(f"plan {entry.plan_id} was made for {want} of model {digest}; "
                                f"{w.worker_id} now holds {w.layout_str} of {w.info.model_digest}: create a new plan")
         if i >= entry.num_src and w.info.phase_layers != plan.phase_layers:

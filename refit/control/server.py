@@ -37,7 +37,7 @@ from refit.control.auth import TokenInterceptor
 from refit.control.common import (DEFAULT_PORT, KEEPALIVE_MS, KEEPALIVE_TIMEOUT_MS, SERVICE_NAME, Aborted, Conflict,
                                   Exhausted,
                                   NotFound, Precondition, new_event_loop, server_options)
-from refit.control.coordinator import Coordinator
+from refit.control.coordinator import DROP_AFTER, Coordinator
 from refit.control.v1 import refit_pb2 as pb
 from refit.entrypoint import run_main, setup_logging
 from refit.errors import InvalidInput, RefitError
@@ -230,9 +230,14 @@ class CoordinatorServer:
 
     def __init__(self, host: str = "127.0.0.1", port: int = DEFAULT_PORT, token: str | None = None,
                  default_timeout: float = 60.0, grace: float = 0.25, advertise_host: str | None = None,
-                 keepalive_ms: int = KEEPALIVE_MS, keepalive_timeout_ms: int = KEEPALIVE_TIMEOUT_MS) -> None:
+                 keepalive_ms: int = KEEPALIVE_MS, keepalive_timeout_ms: int = KEEPALIVE_TIMEOUT_MS,
+                 drop_after: float | None = DROP_AFTER) -> None:
         """``advertise_host``: unused (it placed a separate rendezvous store, now part of the
-        gRPC service); accepted for compatibility."""
+        gRPC service); accepted for compatibility.  ``drop_after``: `Coordinator`'s."""
+        if drop_after is not None and not 0 <= drop_after <= MAX_TIMEOUT:
+            raise InvalidInput(f"--drop-engines-after must be a number of seconds in [0, {MAX_TIMEOUT:g}], "
+                               f"got {drop_after}")
+        self.drop_after = drop_after
         self.host, self.port, self.token = host, port, token
         self.advertise_host = advertise_host or host
         if not 0 < default_timeout <= MAX_TIMEOUT:  # 0 would fail every refit that gives none, at once
@@ -245,7 +250,7 @@ class CoordinatorServer:
     async def start(self) -> int:
         from grpc_health.v1 import health, health_pb2, health_pb2_grpc
 
-        self.coord = Coordinator(self.default_timeout, self.grace)
+        self.coord = Coordinator(self.default_timeout, self.grace, self.drop_after)
         interceptors = [TokenInterceptor(self.token)] if self.token else []
         self.server = grpc.aio.server(options=self.options, interceptors=interceptors)
         handlers = _handlers(Servicer(self.coord))
@@ -349,6 +354,10 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
                    "prefer $REFIT_TOKEN or --token-file)")
     p.add_argument("--advertise-host", help=argparse.SUPPRESS)  # placed the old separate rendezvous store: unused
     p.add_argument("--timeout", type=float, default=60.0, help="refit timeout when a request gives none (seconds)")
+    p.add_argument("--drop-engines-after", type=float, default=DROP_AFTER, metavar="SECONDS",
+                   help=f"an engine replica of an elastic group (dense vLLM dp replicas) gone this long is left out "
+                        f"of its plans' refits, which run for the replicas still there (default {DROP_AFTER:g}; "
+                        f"docs/control-plane.md 'Engines that join and leave')")
     p.add_argument("-v", "--verbose", action="store_true", help="log registrations, plans and refits")
 
 
@@ -358,11 +367,12 @@ def build_parser() -> argparse.ArgumentParser:
     return p
 
 
-async def serve(host: str, port: int, token: str | None, timeout: float, advertise_host: str | None = None) -> None:
+async def serve(host: str, port: int, token: str | None, timeout: float, advertise_host: str | None = None,
+                drop_after: float | None = DROP_AFTER) -> None:
     """Serve until SIGINT or SIGTERM, then stop gracefully.  The signals are handled on the event
     loop: a KeyboardInterrupt raised wherever the main thread happens to be can land inside one of
     grpc's callbacks, which swallows it, and the server would serve on."""
-    server = CoordinatorServer(host, port, token, timeout, advertise_host=advertise_host)
+    server = CoordinatorServer(host, port, token, timeout, advertise_host=advertise_host, drop_after=drop_after)
     bound = await server.start()
     print(f"refit coordinator listening on {host}:{bound}", file=sys.stderr, flush=True)
     loop, stopping = asyncio.get_running_loop(), asyncio.Event()
@@ -390,7 +400,8 @@ def serve_main(argv: list[str] | None = None) -> int:
         token = read_token(args)
         loop = new_event_loop()
         try:
-            loop.run_until_complete(serve(args.host, args.port, token, args.timeout, args.advertise_host))
+            loop.run_until_complete(serve(args.host, args.port, token, args.timeout, args.advertise_host,
+                                          args.drop_engines_after))
         finally:
             loop.close()
         return 0

@@ -137,6 +137,16 @@ class VllmLayout:
             raise InvalidInput(f"vllm: {c.num_experts} experts cannot fill ep{self.ep}")
         return replace(self, dp=self.dp_, _moe_model=c.is_moe)
 
+    def replicas(self) -> tuple[int, int] | None:
+        """(ranks per replica, replicas) when each dp replica holds a whole copy of the model (a
+        dense model: rank ``r`` holds what rank ``r % tp`` holds), else None (MoE experts are split
+        over every rank).  Such replicas come and go on their own (`refit.control.membership`)."""
+        return None if self._moe_model else (self.tp, self.dp_)
+
+    def with_replicas(self, n: int) -> "VllmLayout":
+        """This layout with ``n`` dp replicas (to be resolved again)."""
+        return replace(self, dp=n)
+
     def replica_key(self, rank: int) -> tuple[int, ...]:
         # dp replicas share attention and dense weights, but MoE experts differ on every rank
         return (rank,) if self._moe_model else (rank % self.tp,)
@@ -152,6 +162,10 @@ class VllmLayout:
 
     def local_tensors(self, spec: ModelSpec, rank: int) -> list[LocalTensor]:
         c = spec.config
+        if c.lora_rank:  # one LoRA adapter: the engine's LoRA slots (refit/layouts/vllm_lora.py)
+            from refit.layouts.vllm_lora import lora_local_tensors
+
+            return lora_local_tensors(self, spec, rank)
         T = self.tp
         t = rank % T
         H, dt = c.hidden_size, c.dtype

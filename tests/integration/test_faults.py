@@ -215,8 +215,8 @@ class ProcCluster:
     fault can strike between two of them."""
 
     def __init__(self, model: str = MODEL, src: str = SRC, dst: str = DST, engines: int = 2,
-                 phase_layers: int = 1) -> None:
-        self.server = ThreadedServer(default_timeout=20.0)
+                 phase_layers: int = 1, **server: Any) -> None:
+        self.server = ThreadedServer(default_timeout=20.0, **server)
         self.model, self.src, self.dst = model, src, dst
         self.workers = {w.worker_id: w for w in
                         [Worker(self.server.address, "trainer", "trainer", r, src, model=model) for r in range(2)]
@@ -252,15 +252,20 @@ class ProcCluster:
                     (w.worker_id, w.ask("state"))
         return result
 
-    def replace(self, wid: str) -> None:
+    def replace(self, wid: str, version: int | None = None) -> None:
+        """Kill ``wid`` and start another in its place; an engine holding ``version`` (default:
+        the current one, as if loaded from the last checkpoint)."""
         old = self.workers[wid]
         old.kill()
         group, rank = wid.split("/")
-        self.workers[wid] = Worker(self.server.address, old.role, group, int(rank),
-                                   self.src if old.role == "trainer" else self.dst,
-                                   version=self.version if old.role == "engine" else 0, phase_layers=old.phase_layers,
-                                   model=self.model)
-        self.workers[wid].ready()
+        self.add(Worker(self.server.address, old.role, group, int(rank), self.src if old.role == "trainer" else self.dst,
+                        version=(self.version if version is None else version) if old.role == "engine" else 0,
+                        phase_layers=old.phase_layers, model=self.model))
+
+    def add(self, worker: Worker) -> Worker:
+        self.workers[worker.worker_id] = worker
+        worker.ready()
+        return worker
 
     def close(self) -> None:
         close_all(self.workers.values(), self.client, self.server)
@@ -327,11 +332,15 @@ def test_member_killed_or_stopped_is_named_in_time(procs: ProcCluster, sig: str,
 # All or none across three engines, and verified refits (`Client.refit(atomic=..., verify=...)`)
 
 
+DROP_AFTER = 3.0  # the fleet's coordinator: a replica gone this long is left out of refits
+
+
 @pytest.fixture(scope="module")
 def fleet():
     """Two Megatron tp2 trainers and three vLLM dp replicas (plain engine agents, not phased) of a
     dense model: engine/0..2."""
-    c = ProcCluster(model="tiny-qwen2", src="megatron:tp2", dst="vllm:tp1dp3", engines=3, phase_layers=0)
+    c = ProcCluster(model="tiny-qwen2", src="megatron:tp2", dst="vllm:tp1dp3", engines=3, phase_layers=0,
+                    drop_after=DROP_AFTER)
     c.refit_ok(1)
     yield c
     c.close()
@@ -411,6 +420,58 @@ def test_check_compares_what_the_engines_hold_without_moving_weights(fleet: Proc
     assert status == 0 and json.loads(out) == {**json.loads(out), "ok": True, "verified_transfers": stage1}, out
     status, _ = refit_cli(["verify", "--plan", "nope", "--coordinator", fleet.server.address])
     assert status == 2  # an unknown plan: a bad request
+
+
+def _listed(fleet: ProcCluster, wid: str) -> tuple[int, bool]:
+    return _holding(fleet)[wid]
+
+
+@bounded(120)
+def test_a_replica_joins_and_is_caught_up_before_it_serves(fleet: ProcCluster) -> None:
+    """A fourth replica starts mid-run (``vllm:tp1dp4`` rank 3, holding its initial weights) and
+    registers into the engine group: it is listed at version 0 — not to be sent requests.  The
+    same Refit call with the version the plan committed (trainers still hold it) is a catch-up:
+    only the newcomer receives, under the same plan id, and then holds exactly the trainers'
+    weights of that version.  The next refit moves all four."""
+    v = fleet.version
+    refits_before = {e.worker_id: e.ask("state") for e in fleet.engines}
+    joiner = fleet.add(Worker(fleet.server.address, "engine", "engine", 3, "vllm:tp1dp4", model=fleet.model))
+    assert _settle(lambda: "engine/3" in _holding(fleet)) and _listed(fleet, "engine/3") == (0, False)
+    assert joiner.ask("check", v) != []  # it holds other weights
+    r = fleet.client.refit(fleet.plan, v, timeout=20.0)
+    assert r.ok and r.plan_id == fleet.plan, r
+    assert set(r.workers) == {"trainer/0", "trainer/1", "engine/3"}, r.workers
+    assert joiner.ask("check", v) == [] and _settle(lambda: joiner.ask("state") == (v, False, True))
+    assert _listed(fleet, "engine/3") == (v, False)
+    assert {e.worker_id: e.ask("state") for e in fleet.engines if e is not joiner} == refits_before
+    fleet.refit_ok(v + 1)  # all four, as vllm:tp1dp4
+    assert fleet.client.get_plan(fleet.plan)["dst_layout"] == "vllm:tp1dp4"
+
+
+@bounded(120)
+def test_a_killed_replica_is_dropped_then_replaced(fleet: ProcCluster) -> None:
+    """A replica is SIGKILLed.  A refit at once fails naming it (it may be reconnecting); once it
+    has been gone ``drop_after`` the refit runs for the replicas still there.  A replacement starts
+    in its slot holding its initial weights, is caught up alone, and the next refit moves all."""
+    victim = "engine/1"
+    fleet.workers[victim].kill()
+    v = fleet.version + 1
+    fleet.fill(v)
+    r = fleet.client.refit(fleet.plan, v, timeout=10.0, check=False)
+    assert not r.ok and f"{victim} not connected" in r.error, r.error
+    time.sleep(DROP_AFTER + 0.2)
+    r = fleet.client.refit(fleet.plan, v, timeout=20.0)
+    assert r.ok and victim not in r.workers and len(r.workers) == len(fleet.workers) - 1, r
+    fleet.version = v
+    for e in fleet.engines:
+        if e.worker_id != victim:
+            assert e.ask("check", v) == [] and _settle(lambda e=e: e.ask("state") == (v, False, True)), e.worker_id
+    fleet.replace(victim, version=0)
+    r = fleet.client.refit(fleet.plan, v, timeout=20.0)
+    assert r.ok and set(r.workers) == {"trainer/0", "trainer/1", victim}, r
+    assert fleet.workers[victim].ask("check", v) == [] and _listed(fleet, victim) == (v, False)
+    fleet.refit_ok(v + 1)
+    assert all(h == (v + 1, False) for h in _holding(fleet).values())
 
 
 def refit_cli(argv: list[str]) -> tuple[int, str]:

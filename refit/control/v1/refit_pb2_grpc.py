@@ -174,6 +174,9 @@ class CoordinatorServicer(object):
         again to join again, or to get the committed result);
         * `version` equal to the version this plan committed last, while every engine of the plan
         still holds it fresh: the committed RefitResponse again (idempotent; nothing runs);
+        * the same, in an elastic engine group (dense replicas) where replicas registered since hold
+        a lower version: a catch-up — that version moves from the trainers (which must still hold
+        it) to those replicas only;
         * `version` below the one under way, or not above what the plan or any of its engines hold:
         FAILED_PRECONDITION;
         * a higher version: waits, within its timeout, for the refit under way to end, then is
@@ -182,7 +185,9 @@ class CoordinatorServicer(object):
         until the refit it took part in has ended *and* it answered (or left), so nothing is sent to
         a worker that may still be writing.  An Outcome applies only to the refit it names.
         FAILED_PRECONDITION also when a member re-registered with a layout or model other than the
-        plan's (create a new plan).  Refit ids are unique across coordinator restarts.
+        plan's (create a new plan).  Refit ids are unique across coordinator restarts.  In an elastic
+        engine group a replica gone longer than the coordinator's drop_after is left out: the plan
+        runs for the replicas registered, under the same plan_id.
         """
         context.set_code(grpc.StatusCode.UNIMPLEMENTED)
         context.set_details('Method not implemented!')

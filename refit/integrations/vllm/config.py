@@ -60,8 +60,11 @@ def dp_rank_and_size(pc: Any) -> tuple[int, int]:
     return index, size
 
 
-def identify(vllm_config: Any) -> WorkerIdentity:
-    """This worker's rank, layout and spec (call inside a vLLM worker, after the model loaded)."""
+def identify(vllm_config: Any, replica: int | None = None) -> WorkerIdentity:
+    """This worker's rank, layout and spec (call inside a vLLM worker, after the model loaded).
+    ``replica``: a server started on its own to serve replica ``replica`` of an elastic engine group
+    (`refit.control.membership`): its ranks are that replica's, in a layout of ``replica + 1``
+    replicas (the group's engines agree on everything but the count)."""
     from vllm.distributed import parallel_state as ps
 
     mc, pc = vllm_config.model_config, vllm_config.parallel_config
@@ -101,5 +104,15 @@ def identify(vllm_config: Any) -> WorkerIdentity:
                          f"under all2all backend {getattr(pc, 'all2all_backend', '?')} (tp{tp} dp{dp}, expert "
                          f"parallel {ep_on}), not as refit's vllm layout places them: use the default backend "
                          f"(allgather_reducescatter) or a DeepEP one")
+    if replica is not None:
+        if isinstance(replica, bool) or not isinstance(replica, int) or replica < 0:
+            raise InvalidInput(f"init_info replica must be a replica index (an int >= 0), got {replica!r}")
+        if dp > 1:
+            raise InvalidInput(f"init_info replica={replica}: this server runs {dp} data-parallel replicas itself, "
+                               f"which register as such; replica is for a server that serves one")
+        if c.is_moe:
+            raise InvalidInput(f"init_info replica={replica}: {spec.name} is a MoE model, whose data-parallel ranks "
+                               f"each hold part of the experts; only a dense model's replicas come and go")
+        dp_rank, dp = replica, replica + 1
     layout = resolve_layout(layout_text(tp, dp, ep_on), spec, "dst")
     return WorkerIdentity(dp_rank * tp + ps.get_tensor_model_parallel_rank(), layout, spec)
