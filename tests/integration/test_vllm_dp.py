@@ -7,6 +7,12 @@
   with the refit backend, driven over HTTP: both replicas register (``vllm:tp1dp2`` ranks 0 and
   1), a refit lands W2 in both (and the next W1 again), and each replica, addressed on its own with vLLM's
   ``X-data-parallel-rank`` header, answers exactly as a fresh engine started from those weights.
+* Replicas that join and die (`refit.control.membership`), on the same server: a third replica —
+  a server of its own, as vLLM serves a dense model's extra replicas, registered with
+  ``init_info["replica"] = 2`` — joins holding other weights, is caught up alone to the version
+  the plan committed (its own ``update_weights``), and answers as a fresh engine; the next refit
+  lands in all three; then it is killed, and once it has been gone past the coordinator's
+  ``drop_after`` the refit runs for the two replicas left, under the same plan id.
 """
 
 from __future__ import annotations
@@ -74,14 +80,32 @@ def served_dp2(request, tmp_path_factory):
         yield base, dirs, request.param
 
 
-def test_refit_into_dp2_serve(served_dp2) -> None:
+@pytest.fixture(scope="module")
+def fresh(served_dp2) -> dict[int, list[list[int]]]:
+    """The greedy tokens of fresh engines started from W1 and W2."""
+    from tests.harness.vllm_rl import fresh_outputs
+
+    _, dirs, _ = served_dp2
+    out = {w: [toks for toks, _ in o] for w, o in zip((1, 2), fresh_outputs([dirs[1], dirs[2]]))}
+    assert out[1] != out[2]
+    return out
+
+
+def update(base: str, plan_id: str, version: int) -> None:
+    """One refit through a server's HTTP API, as an RL loop drives it."""
+    http(base, "/pause?mode=wait", {})
+    http(base, "/start_weight_update", {})
+    http(base, "/update_weights", {"update_info": {"plan_id": plan_id, "version": version}})
+    http(base, "/finish_weight_update", {"weight_version": str(version)})
+    http(base, "/resume", {})
+
+
+def test_refit_into_dp2_serve(served_dp2, fresh) -> None:
     from refit.control.client import Client
     from refit.control.server import ThreadedServer
-    from tests.harness.vllm_rl import Trainers, fresh_outputs
+    from tests.harness.vllm_rl import Trainers
 
     base, dirs, kind = served_dp2
-    fresh = {w: [toks for toks, _ in out] for w, out in zip((1, 2), fresh_outputs([dirs[1], dirs[2]]))}
-    assert fresh[1] != fresh[2]
     for replica in (0, 1):
         assert replica_answers(base, dirs[1], replica) == fresh[1], replica
     server = ThreadedServer(default_timeout=60.0)
@@ -96,16 +120,60 @@ def test_refit_into_dp2_serve(served_dp2) -> None:
         plan_id = client.create_plan("trainer", "engine")["plan_id"]
         for version, w in ((1, 2), (2, 1)):
             trainers.load(dirs[w])
-            http(base, "/pause?mode=wait", {})
-            http(base, "/start_weight_update", {})
-            http(base, "/update_weights", {"update_info": {"plan_id": plan_id, "version": version}})
-            http(base, "/finish_weight_update", {"weight_version": str(version)})
-            http(base, "/resume", {})
+            update(base, plan_id, version)
             for replica in (0, 1):
                 assert replica_answers(base, dirs[1], replica) == fresh[w], (version, replica)
         assert http(base, "/weight_info") == {"weight_version": "2"}
         rows = client.list_workers(group="engine")
         assert sorted((r["info"]["rank"], r["version"], r["stale"]) for r in rows) == [(0, 2, False), (1, 2, False)]
+    finally:
+        trainers.close()
+        client.close()
+        server.stop()
+
+
+def test_a_replica_joins_and_one_dies(served_dp2, fresh, tmp_path) -> None:
+    import concurrent.futures
+    import time
+
+    from refit.control.client import Client
+    from refit.control.server import ThreadedServer
+    from tests.harness.vllm_rl import Trainers
+
+    base, dirs, kind = served_dp2
+    if kind != "dense":
+        pytest.skip("a MoE model's data-parallel ranks each hold part of the experts: no replica is whole")
+    drop_after = 3.0
+    server = ThreadedServer(default_timeout=60.0, drop_after=drop_after)
+    trainers = Trainers(server.address, "megatron:tp2", dirs[2], group="trainer")
+    client = Client(server.address)
+    init = {"coordinator": server.address, "group": "engine"}
+    try:
+        http(base, "/init_weight_transfer_engine", {"init_info": init})
+        plan_id = client.create_plan("trainer", "engine")["plan_id"]
+        v = 1 + max(r["version"] for r in client.list_workers(group="engine"))  # the test above refitted them
+        update(base, plan_id, v)  # W2 in replicas 0 and 1
+        with vllm_serve(dirs[1], str(tmp_path / "third.log"), threads=1) as third:
+            assert replica_answers(third, dirs[1], 0) == fresh[1]
+            http(third, "/init_weight_transfer_engine", {"init_info": {**init, "replica": 2}})
+            rows = {r["worker_id"]: r for r in client.list_workers(group="engine")}
+            assert rows["engine/2"]["info"]["layout"] == "vllm:tp1dp3" and rows["engine/2"]["version"] == 0
+            update(third, plan_id, v)  # the catch-up: only the newcomer receives W2
+            assert replica_answers(third, dirs[1], 0) == fresh[2]
+            assert {r["worker_id"]: r["version"] for r in client.list_workers(group="engine")} == \
+                {"engine/0": v, "engine/1": v, "engine/2": v}
+            trainers.load(dirs[1])  # W1, into all three: each server enters update_weights
+            with concurrent.futures.ThreadPoolExecutor(2) as pool:
+                list(pool.map(lambda b: update(b, plan_id, v + 1), (base, third)))
+            assert client.get_plan(plan_id)["dst_layout"] == "vllm:tp1dp3"
+            for b, replica in ((base, 0), (base, 1), (third, 0)):
+                assert replica_answers(b, dirs[1], replica) == fresh[1], (b, replica)
+        time.sleep(drop_after + 0.5)  # the third server is gone; past drop_after its replica is left out
+        trainers.load(dirs[2])
+        update(base, plan_id, v + 2)
+        assert client.get_plan(plan_id)["dst_layout"] == "vllm:tp1dp2"
+        for replica in (0, 1):
+            assert replica_answers(base, dirs[1], replica) == fresh[2], replica
     finally:
         trainers.close()
         client.close()

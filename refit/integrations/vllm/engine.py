@@ -2,8 +2,9 @@
 
 Lifecycle (one instance per vLLM worker, created by vLLM after the model loaded):
 
-* ``init_transfer_engine({"coordinator", "group", "token"?, "staging"?, "window_layers"?})``: this
-  worker's rank, layout and spec come from vLLM's configs (`config.identify`); it decides how each
+* ``init_transfer_engine({"coordinator", "group", "token"?, "staging"?, "window_layers"?, "replica"?})``:
+  this worker's rank, layout and spec come from vLLM's configs (`config.identify`; ``replica``: the
+  index of the replica a server of its own serves in an elastic group); it decides how each
   parameter of its own shard lands (`landing.Landing`: in place, or staged and re-processed;
   ``staging`` is ``bounded`` or ``atomic``) and registers an engine agent with the coordinator.
   With ``bounded`` staging, ``window_layers`` (default 1; 0: off) and something staged, the agent
@@ -59,6 +60,8 @@ class RefitInitInfo(WeightTransferInitInfo):
     host: str = "127.0.0.1"
     staging: str = "bounded"  # see landing.py
     window_layers: int = 1  # bounded staging: layers staged at a time (0: the whole shard)
+    # a server serving one replica of an elastic engine group on its own: its index (config.identify)
+    replica: int | None = None
 
 
 @dataclass
@@ -128,7 +131,7 @@ class RefitWeightTransferEngine(WeightTransferEngine[RefitInitInfo, RefitUpdateI
         # Registered again over weights a failed refit may have torn: stale whatever outcomes say
         # until a refit lands whole.
         self.holding.pinned = self.holding.stale
-        who = identify(self.vllm_config)
+        who = identify(self.vllm_config, init_info.replica)
         self.landing = Landing(self.model, who.spec, who.layout, who.rank, self.device, init_info.staging,
                                init_info.window_layers, self.model_config)
         phased = self.landing.phase_layers > 0
