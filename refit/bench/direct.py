@@ -42,6 +42,7 @@ def run_direct(args: argparse.Namespace, spec: ModelSpec, plans: list[Any], devi
     # otherwise: the ipc transport's peer copies are GBs in one go.
     a2a_mb = args.link_mb if args.link_mb is not None else max(256, first.plan.bucket_bytes / MiB)
     a2a = _measure_a2a(first.plan.placement.num_gpus, a2a_mb, args.link_mb) if device == "cuda" else {}
+    copy = measure_copy() if device == "cuda" else {}
 
     try:
         from tqdm import tqdm
@@ -56,7 +57,7 @@ def run_direct(args: argparse.Namespace, spec: ModelSpec, plans: list[Any], devi
             results = run_job(job, on_progress=progress)
     timed = [[rf.timed for rf in ph.refits] for ph in runs]
     return report(spec, plans, timed, results, device, reduced, len(topo.members), int(link_mb * MiB), transport,
-                  a2a, args.alloc)
+                  a2a, args.alloc, copy)
 
 
 def _measure_a2a(gpus: int, pair_mb: float, ce_pair_mb: float | None) -> dict[str, Any]:
@@ -75,12 +76,52 @@ def _measure_a2a(gpus: int, pair_mb: float, ce_pair_mb: float | None) -> dict[st
         if gbps else {}
 
 
+COPY_BYTES = 4 << 30  # the device copy of the same-GPU floor: GiBs, the size of a refit's shards
+COPY_REPS = 5
+
+
+def measure_copy(nbytes: int = COPY_BYTES) -> dict[str, Any]:
+    """One device-to-device copy within GPU 0 (``torch`` ``copy_`` of ``nbytes``, best of
+    `COPY_REPS`): the primitive a same-GPU refit is measured against — each byte read once and
+    written once, bytes copied per second.  Halved until it fits the free memory."""
+    import torch
+
+    free, _ = torch.cuda.mem_get_info(0)
+    while nbytes > 64 << 20 and 2 * nbytes > free * 0.8:
+        nbytes //= 2
+    src = torch.empty(nbytes, dtype=torch.uint8, device="cuda:0").random_(0, 256)
+    dst = torch.empty_like(src)
+    times = []
+    for _ in range(COPY_REPS + 1):  # the first warms up
+        start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+        start.record()
+        dst.copy_(src)
+        end.record()
+        end.synchronize()
+        times.append(start.elapsed_time(end) / 1e3)
+    del src, dst
+    torch.cuda.empty_cache()
+    best = min(times[1:])
+    return {"bytes": nbytes, "seconds": best, "gbps": nbytes / best / 1e9, "stat": f"best of {COPY_REPS}"}
+
+
+def same_gpu_bytes(plan: Any) -> int:
+    """The most bytes any one GPU copies within itself in ``plan`` (colocated source and destination)."""
+    from refit.predict import gpu_bytes
+
+    per_gpu = gpu_bytes(plan, gpus_per_host=max(1, plan.placement.num_gpus))
+    return max((g.same_gpu for g in per_gpu), default=0)
+
+
 def report(spec: ModelSpec, plans: list[Any], timed: list[list[bool]], results: list[Any], device: str,
            reduced: dict[str, list[int]] | None, processes: int, link_bytes: int,
-           transport: str | None = None, a2a: dict[str, Any] | None = None, alloc: str = "arena") -> dict[str, Any]:
+           transport: str | None = None, a2a: dict[str, Any] | None = None, alloc: str = "arena",
+           copy: dict[str, Any] | None = None) -> dict[str, Any]:
     """Everything the table prints, as one JSON-able dict.  The floor is the largest per-device
     remote volume over the best all-to-all primitive measured among the run's GPUs (``a2a``: copy
-    engines in rounds, NCCL), else over the link between the first two devices (CPU)."""
+    engines in rounds, NCCL), else over the link between the first two devices (CPU).  ``copy``
+    (`measure_copy`): the device copy a GPU's same-GPU bytes are held against; on one GPU, where
+    nothing crosses a link, that is the floor."""
     link_s = next((w.link_seconds for w in results if w.link_seconds), None)
     link_gbps = link_bytes / link_s / 1e9 if link_s else None
     best = max(a2a["gbps"].values()) if a2a else None
@@ -97,7 +138,7 @@ def report(spec: ModelSpec, plans: list[Any], timed: list[list[bool]], results: 
         "params": spec.num_params, "model_bytes": spec.nbytes,
         "link": {"bytes": link_bytes, "seconds": link_s, "gbps": link_gbps,
                  "what": ("NCCL" if device == "cuda" else "gloo") + " send/recv between the first two devices"},
-        "a2a": a2a or None, "floor_gbps": floor_gbps,
+        "a2a": a2a or None, "floor_gbps": floor_gbps, "copy": copy or None,
         "floor_what": "best all-to-all primitive among the run's GPUs" if best else "link between the first two devices",
         "alloc": alloc, "quantization": spec.config.quantization or None, "runs": [],
     }
@@ -115,6 +156,10 @@ def report(spec: ModelSpec, plans: list[Any], timed: list[list[bool]], results: 
         floor_bytes = max(s["max_send_bytes"], s["max_recv_bytes"])
         floor = floor_bytes / (floor_gbps * 1e9) if floor_gbps and floor_bytes else None
         own_floor = transport_floor(a2a, out["transport"], floor_bytes)
+        local = same_gpu_bytes(r.plan) if copy else 0
+        copy_floor = local / (copy["gbps"] * 1e9) if local else None
+        if not floor_bytes and copy_floor:  # one GPU: the refit is a copy within it
+            floor_bytes, floor = local, copy_floor
         peaks = [p.peak_extra_bytes for p in per_worker if p.peak_extra_bytes is not None]
         staging = max(p.staging_bytes + p.gather_bytes for p in per_worker)
         out["runs"].append({
@@ -126,6 +171,8 @@ def report(spec: ModelSpec, plans: list[Any], timed: list[list[bool]], results: 
             "dst_gbps": s["total_bytes"] / median / 1e9,
             "floor_bytes": floor_bytes, "floor_seconds": floor, "x_floor": median / floor if floor else None,
             "transport_floor_seconds": own_floor, "x_transport_floor": median / own_floor if own_floor else None,
+            "same_gpu_bytes": local, "copy_floor_seconds": copy_floor,
+            "x_copy_floor": median / copy_floor if copy_floor else None,
             "peak_extra_bytes": max(peaks) if peaks else staging,
             "peak_extra_what": "CUDA allocator peak minus own shards" if peaks else "staging + gather buffers allocated",
             "staging_bytes": max(p.staging_bytes for p in per_worker),
@@ -173,9 +220,12 @@ def table(r: dict[str, Any]) -> str:
         lines.append("device: CUDA (" + ("CUDA IPC peer reads between GPUs, no staging; NCCL only for "
                                          "broadcast stage 1" if ipc else "NCCL between GPUs")
                      + ", CUDA IPC within a GPU), full size")
-    link = r["link"]
+    link, copy = r["link"], r.get("copy")
     lines.append(f"link: {link['gbps']:.2f} GB/s ({link['what']}, {_size(link['bytes'])} messages)" if link["gbps"]
                  else "link: not measured (no remote bytes between two devices)")
+    if copy:
+        lines.append(f"device copy within GPU 0: {copy['gbps']:.0f} GB/s (torch copy_ of {_size(copy['bytes'])}, "
+                     f"{copy['stat']}); the floor of same-GPU bytes")
     if r.get("a2a"):
         g = r["a2a"]["gbps"]
         lines.append(f"all-to-all among the {r['gpus_used']} GPUs, per GPU in, {r['a2a']['stat']}: copy engines "
@@ -199,6 +249,11 @@ def table(r: dict[str, Any]) -> str:
                          f"refit's start barrier: median {run['quantize_seconds']['median'] * 1e3:.2f} ms, counted in "
                          f"every refit's time; extra memory includes the wire shards (values and scales)")
     for run in r["runs"]:
+        if run.get("x_copy_floor"):
+            lines.append(f"{run['planner']}: the busiest GPU copies {_size(run['same_gpu_bytes'])} within itself; "
+                         f"one device copy of those bytes takes {run['copy_floor_seconds'] * 1e3:.2f} ms: "
+                         f"{run['x_copy_floor']:.2f}x that")
+    for run in r["runs"]:
         if run.get("x_transport_floor") and run["transport_floor_seconds"] != run["floor_seconds"]:
             lines.append(f"{run['planner']}: {run['x_transport_floor']:.2f}x the floor of its own transport's "
                          f"primitive ({r['transport']}: {run['transport_floor_seconds'] * 1e3:.1f} ms), "
@@ -216,7 +271,8 @@ def table(r: dict[str, Any]) -> str:
                      + (f"; {fmt_bytes(run['direct_wire_bytes'])} of wire ends sent from / received into tensors "
                         f"directly (no staging)" if run.get("direct_wire_bytes") else ""))
     lines.append("GB/s = plan bytes moved (remote + local, each byte once) / median seconds; floor = largest "
-                 f"per-device remote bytes (send or receive) / {r.get('floor_what', 'link')} measured in this run; "
+                 f"per-device remote bytes (send or receive) / {r.get('floor_what', 'link')} measured in this run "
+                 f"(on one GPU: its same-GPU bytes / the device copy); "
                  "extra mem = " + r["runs"][0]["peak_extra_what"] + ", largest process"
                  + ("; transport ipc: buckets between devices are direct peer reads (no staging)"
                     if r["transport"] == "ipc" else ""))

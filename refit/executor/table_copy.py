@@ -54,7 +54,26 @@ extern "C" __global__ void copy_table(const unsigned long long* __restrict__ t, 
         char* dst = (char*)d[0];
         const char* src = (const char*)d[2];
         unsigned long long dp = d[1], sp = d[3], w = d[4], h = d[5];
-        if ((((unsigned long long)dst | (unsigned long long)src | dp | sp | w) & 15) == 0) {
+        if (h == 1 && (((unsigned long long)dst | (unsigned long long)src | w) & 15) == 0) {
+            // One run of 16-byte words (most rows: pieces of contiguous blocks): no per-word
+            // row / column division, which costs more than the copy within one GPU's HBM.
+            IDX words = (IDX)(w >> 4);
+            const uint4* s4 = (const uint4*)src;
+            uint4* d4 = (uint4*)dst;
+            for (IDX base = threadIdx.x; base < words; base += UNROLL * blockDim.x) {
+                uint4 v[UNROLL];
+                #pragma unroll
+                for (int k = 0; k < UNROLL; k++) {
+                    IDX i = base + k * blockDim.x;
+                    if (i < words) v[k] = s4[i];
+                }
+                #pragma unroll
+                for (int k = 0; k < UNROLL; k++) {
+                    IDX i = base + k * blockDim.x;
+                    if (i < words) d4[i] = v[k];
+                }
+            }
+        } else if ((((unsigned long long)dst | (unsigned long long)src | dp | sp | w) & 15) == 0) {
             // UNROLL loads in flight per thread before the stores: reads of a peer over NVLink
             // take microseconds each, so bandwidth needs many outstanding loads.
             IDX words = (IDX)(w >> 4), total = words * (IDX)h;

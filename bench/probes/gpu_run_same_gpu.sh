@@ -1,0 +1,46 @@
+#!/usr/bin/env bash
+# Same-GPU refits against one device copy of the same bytes (issue: same-GPU refits at copy speed):
+# refit-bench tp1 -> tp1 on one GPU (two processes, CUDA IPC) for the three direct cases, with the
+# default copy path (copy-engine memcpys for big blocks) and with every same-GPU copy in the
+# descriptor-table kernel (REFIT_TABLE_COPY=on; REFIT_TABLE_BLOCKS' second value: its grid).  Each
+# report carries the device copy (torch copy_ of 4 GiB) and the ratio to it.
+# Usage: gpu_run_same_gpu.sh [suite] [8b|30b|235b] ...   JSON and logs under ${OUT:-bench/out}.
+set -u
+export NCCL_NVLS_ENABLE=0 PYTHONUNBUFFERED=1 REFIT_ALLOW_MISSING_DEPS=1
+ROOT="$(cd "$(dirname "$0")/../.." && pwd)"
+if ls "$ROOT"/.whl/*.whl >/dev/null 2>&1; then  # what the device lacks (grpcio-health-checking)
+  python3 -m pip install -q --no-index --no-deps --target /tmp/site "$ROOT"/.whl/*.whl
+  export PYTHONPATH=/tmp/site
+fi
+export PYTHONPATH="$ROOT${PYTHONPATH:+:$PYTHONPATH}"
+OUT=${OUT:-bench/out}; mkdir -p "$OUT"
+nvidia-smi --query-gpu=name,memory.total,driver_version --format=csv,noheader
+run() {  # name, environment (VAR=value ...), then refit-bench arguments
+  local name=$1 envs=$2; shift 2
+  echo "=== $name: $envs refit-bench $*"
+  env $envs timeout 300 python3 -m refit.bench "$@" --json >"$OUT/$name.json" 2>"$OUT/$name.log"
+  echo "rc=$?"
+  python3 - "$OUT/$name.json" <<'PY' 2>&1 | tail -3
+import json, sys
+r = json.load(open(sys.argv[1])); run = r["runs"][0]; c = r.get("copy") or {}
+print(f"median {run['seconds']['median']*1e3:.2f} ms  min {run['seconds']['min']*1e3:.2f}  copy floor "
+      f"{(run.get('copy_floor_seconds') or 0)*1e3:.2f} ms ({c.get('gbps', 0):.0f} GB/s)  x {run.get('x_copy_floor')}  "
+      f"memcpys {run['memcpys']} copies {run['copies']} verified {run['verified']}")
+PY
+}
+case_args() {
+  case "$1" in
+    8b) echo "--model qwen3-8b --src tp1 --dst tp1 --iters 10" ;;
+    30b) echo "--model qwen3-30b-moe --src tp1 --dst tp1 --iters 10" ;;
+    235b) echo "--model qwen3-235b-moe --layers 8 --src tp1 --dst tp1 --iters 10" ;;
+  esac
+}
+for what in "$@"; do case "$what" in
+  suite) timeout 400 python3 -m pytest -q -p no:cacheprovider -m gpu tests/gpu 2>&1 | tail -5 ;;
+  8b|30b|235b)
+    args=$(case_args "$what")
+    run "same-$what-default" "REFIT_TABLE_COPY=auto" $args
+    run "same-$what-table132" "REFIT_TABLE_COPY=on REFIT_TABLE_BLOCKS=528,132" $args
+    run "same-$what-table528" "REFIT_TABLE_COPY=on REFIT_TABLE_BLOCKS=528,528" $args ;;
+  *) echo "usage: $0 [suite] [8b|30b|235b] ..."; exit 2 ;;
+esac; done
