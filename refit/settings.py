@@ -92,7 +92,7 @@ KNOBS: tuple[Knob, ...] = (
               "or torch.distributed's ProcessGroupNCCL"),
     Knob("REFIT_TABLE_COPY", "auto", "run", choices=("auto", "on", "off"), see=PERF,
          what="many small block copies as one descriptor-table kernel: `auto` when more than 64 copies "
-              "average under 8 MiB, or beside other work; `off`: one memcpy call each"),
+              "average under 8 MiB, beside other work, or within one GPU alone; `off`: one memcpy call each"),
     Knob("REFIT_TABLE_BLOCKS", f"528,132,{_DEFAULT_BESIDE}", "run", convert=_blocks,
          form="PEER,LOCAL[,BESIDE] thread block counts, each at least 1", see=PERF,
          what="thread blocks of the table kernels: peer copies, same-GPU copies, same-GPU copies beside an "

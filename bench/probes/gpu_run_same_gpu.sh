@@ -35,12 +35,24 @@ case_args() {
     235b) echo "--model qwen3-235b-moe --layers 8 --src tp1 --dst tp1 --iters 10" ;;
   esac
 }
+# OLD=dir: a tree holding the package before the change (its refit/ first on the path), run beside.
+OLD=${OLD:-}
+old() { [ -n "$OLD" ] && PYTHONPATH="$OLD:$PYTHONPATH" run "$@"; }
 for what in "$@"; do case "$what" in
   suite) timeout 400 python3 -m pytest -q -p no:cacheprovider -m gpu tests/gpu 2>&1 | tail -5 ;;
-  8b|30b|235b)
-    args=$(case_args "$what")
-    run "same-$what-default" "REFIT_TABLE_COPY=auto" $args
-    run "same-$what-table132" "REFIT_TABLE_COPY=on REFIT_TABLE_BLOCKS=528,132" $args
-    run "same-$what-table528" "REFIT_TABLE_COPY=on REFIT_TABLE_BLOCKS=528,528" $args ;;
-  *) echo "usage: $0 [suite] [8b|30b|235b] ..."; exit 2 ;;
+  8b|30b|235b) run "same-$what" "" $(case_args "$what") ;;
+  ab-8b|ab-30b|ab-235b)  # the copy paths side by side
+    args=$(case_args "${what#ab-}")
+    run "same-${what#ab-}-default" "REFIT_TABLE_COPY=auto" $args
+    run "same-${what#ab-}-table132" "REFIT_TABLE_COPY=on REFIT_TABLE_BLOCKS=528,132" $args
+    run "same-${what#ab-}-table528" "REFIT_TABLE_COPY=on REFIT_TABLE_BLOCKS=528,528" $args ;;
+  grpc8b) run "same-grpc-8b" "" --model qwen3-8b --src tp1 --dst tp1 --iters 10 --via grpc ;;
+  2gpu)  # colocated 2-GPU cases, whose same-GPU part runs beside the peer copies: new, then OLD
+    for variant in "" "--alloc arena" "--transport nccl --bucket-mb 1024"; do
+      tag=$(echo "$variant" | tr -d ' -' | tr -c 'a-z0-9\n' '_'); tag=${tag:-framework}
+      run "two-q30-$tag" "" --model qwen3-30b-moe --src megatron:tp2ep2 --dst vllm:tp2 --iters 10 $variant
+      old "two-q30-$tag-old" "" --model qwen3-30b-moe --src megatron:tp2ep2 \
+        --dst vllm:tp2 --iters 10 $variant
+    done ;;
+  *) echo "usage: $0 [suite] [8b|30b|235b|ab-8b|ab-30b|ab-235b|grpc8b|2gpu] ..."; exit 2 ;;
 esac; done

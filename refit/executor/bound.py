@@ -183,8 +183,10 @@ def _find_direct(program: Program, views: _Views, scratch: torch.Tensor, direct:
 
 def _moves(pairs: list[Pair], pulls: list[CopyBatch], pipelined: bool, dma: bool) -> CopyBatch:
     """A stage's same-GPU moves, told what they run beside (`table_copy.enabled`): the NCCL steps
-    (``pipelined``: `run_refit` issues them beside the pipeline) or the peer copies' table kernels."""
-    return CopyBatch(pairs, dma=dma, beside=pipelined, beside_kernel=any(p.table for p in pulls))
+    (``pipelined``: `run_refit` issues them beside the pipeline), the peer copies' table kernels,
+    or nothing (a refit within one GPU)."""
+    return CopyBatch(pairs, dma=dma, beside=pipelined, beside_kernel=any(p.table for p in pulls),
+                     alone=not pipelined and not pulls)
 
 
 def _bind_stages(program: Program, views: _Views, direct: dict[tuple[int, bool], torch.Tensor],

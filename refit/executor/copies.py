@@ -223,8 +223,9 @@ class CopyBatch:
     that means pulled by our own device, in our own context."""
 
     def __init__(self, pairs: list[Pair], do_merge: bool = True, peer: torch.device | None = None,
-                 dma: bool = False, beside: bool = False, beside_kernel: bool = False) -> None:
+                 dma: bool = False, beside: bool = False, beside_kernel: bool = False, alone: bool = False) -> None:
         self.peer = peer
+        self.alone = alone  # a stage's same-GPU moves with nothing beside them: `table_copy.enabled`
         self.beside = beside  # same-GPU moves beside an NCCL pipeline: a smaller table grid
         self.beside_kernel = beside_kernel  # same-GPU moves beside a peer table kernel: `table_copy.enabled`
         self.blocks = len(pairs)
@@ -280,7 +281,7 @@ class CopyBatch:
         (bench/RESULTS.md, "2026-11-22 — push instead of pull")."""
         if self._use_table is None:
             self._use_table = bool(self.memcpys) and (
-                self.pushes or table_copy.enabled(self.memcpys, self.beside_kernel, self.beside))
+                self.pushes or table_copy.enabled(self.memcpys, self.beside_kernel, self.beside, self.alone))
         return self._use_table
 
     def run_bulk(self, stream: int) -> None:

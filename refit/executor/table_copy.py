@@ -138,12 +138,17 @@ def table_rows(memcpys: Sequence["Memcpy"], piece: int = PIECE_BYTES) -> list[tu
     return out
 
 
-def enabled(memcpys: Sequence["Memcpy"], beside_kernel: bool = False, beside_pipeline: bool = False) -> bool:
+def enabled(memcpys: Sequence["Memcpy"], beside_kernel: bool = False, beside_pipeline: bool = False,
+            alone: bool = False) -> bool:
     """Whether ``memcpys`` run as one table kernel (``REFIT_TABLE_COPY``): ``auto`` when more than
     `MIN_CALLS` memcpys average under `MAX_MEAN_BYTES` (big merged copies stay on the copy engines,
-    which move them faster); ``on``; ``off`` (one memcpy call each).
+    which cost the host and the SMs nothing); ``on``; ``off`` (one memcpy call each).
 
-    Same-GPU copies beside the rest of a refit go to the table in more cases:
+    A stage's same-GPU moves with nothing beside them (``alone``: a refit within one GPU) always
+    do: there the kernel runs at 0.93 of a device copy, the copy engines at 0.45-0.61 of it, big
+    copies or small (bench/RESULTS.md, "Same-GPU refits at copy speed").  Beside peer copies or an
+    NCCL pipeline the copy engines keep the big ones, which leaves the SMs and HBM to the work
+    beside (there the same rule cost an NCCL refit 8%).  Beside the rest of a refit:
 
     * ``beside_kernel`` (beside a peer table kernel, which fills every SM): any memcpys; one call
       each, they crawl behind the kernel;
@@ -155,7 +160,7 @@ def enabled(memcpys: Sequence["Memcpy"], beside_kernel: bool = False, beside_pip
     mode = settings.current().table_copy
     if mode != "auto":
         return mode == "on"
-    if beside_kernel:
+    if beside_kernel or alone:
         return bool(memcpys)
     many = len(memcpys) > MIN_CALLS
     return many and (beside_pipeline or sum(m.width * m.height for m in memcpys) < MAX_MEAN_BYTES * len(memcpys))

@@ -112,9 +112,10 @@ def test_engine_split_sends_many_small_copies_to_the_table_and_keeps_big_ones_ap
 
 
 def test_same_gpu_copies_beside_other_work_take_the_table() -> None:
-    """Big same-GPU memcpys stay on the copy engines on their own; beside a peer table kernel
-    (which fills every SM) any of them become a table kernel, beside an NCCL pipeline many of them
-    (their host calls held the pipeline back), not a few big ones.  ``REFIT_TABLE_COPY`` still rules."""
+    """A stage's same-GPU moves with nothing beside them are a table kernel, big or few (it runs
+    nearer a device copy than the copy engines); beside a peer table kernel (which fills every SM)
+    any of them; beside an NCCL pipeline many of them (their host calls held the pipeline back),
+    not a few big ones; other big copies stay on the copy engines.  ``REFIT_TABLE_COPY`` rules."""
     from refit import settings
     from refit.executor import table_copy
     from refit.executor.copies import CopyBatch
@@ -127,10 +128,13 @@ def test_same_gpu_copies_beside_other_work_take_the_table() -> None:
         assert table_copy.enabled(few, beside_kernel=True) and table_copy.enabled(big, beside_kernel=True)
         assert table_copy.enabled(big, beside_pipeline=True) and not table_copy.enabled(few, beside_pipeline=True)
         assert not table_copy.enabled([], beside_kernel=True)
+        assert table_copy.enabled(few, alone=True) and table_copy.enabled(big, alone=True)
+        assert not table_copy.enabled([], alone=True)
         with settings.using(table_copy="off"):
-            assert not table_copy.enabled(big, beside_kernel=True)
-        cases = [(False, False, big, False), (True, False, big, True), (True, False, few, False), (False, True, few, True)]
-        for beside, beside_kernel, memcpys, table in cases:  # the batch asks with its own flags (memcpys set by hand)
-            batch = CopyBatch([], beside=beside, beside_kernel=beside_kernel)
+            assert not table_copy.enabled(big, beside_kernel=True) and not table_copy.enabled(big, alone=True)
+        cases = [(False, False, False, big, False), (False, False, True, big, True), (False, False, True, few, True),
+                 (True, False, False, big, True), (True, False, False, few, False), (False, True, False, few, True)]
+        for beside, beside_kernel, alone, memcpys, table in cases:  # the batch asks with its own flags
+            batch = CopyBatch([], beside=beside, beside_kernel=beside_kernel, alone=alone)
             batch.memcpys = memcpys
             assert batch.table is table
