@@ -36,6 +36,7 @@ from refit import settings
 from refit.entrypoint import run_main, setup_logging
 from refit.errors import InvalidInput, RefitError
 from refit.layouts import LAYOUT_HELP, resolve_layout
+from refit.layouts.quantized import shared_scale_table
 from refit.hf_checkpoint import load_spec
 from refit.planners import MIN_BUCKET_BYTES, make_plan
 from refit.quantization import FORMATS
@@ -101,7 +102,9 @@ def reduce_spec(spec: ModelSpec, src: str, dst: str, quantization: str | None = 
             small = build_spec(spec.name, cfg)
             try:
                 if quantization:  # every rank's shards checked against the blocks
-                    make_plan(quantize_spec(small, quantization), src, dst)
+                    q = quantize_spec(small, quantization)
+                    if shared_scale_table(q, make_plan(q, src, dst).src):  # trainers cutting blocks: see `run`
+                        continue
                 else:
                     resolve_layout(src, small, "src")
                     resolve_layout(dst, small, "dst")
@@ -264,6 +267,11 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
     planners = [args.planner] + ([args.vs] if args.vs and args.vs != args.planner else [])
     plans = [make_plan(spec, args.src, args.dst, args.placement, p, bucket) for p in planners]
     first = plans[0]
+    cut = shared_scale_table(spec, first.src)
+    if cut:  # the workers' shards are arenas, which the shared-scale quantization does not take yet
+        raise InvalidInput(f"--dst-dtype {args.dst_dtype}: {first.src.describe()} cuts {args.dst_dtype} blocks on the "
+                           f"trainers ({', '.join(sorted(cut))[:200]}); refit's agents share those blocks' scales, "
+                           f"the bench does not yet: choose trainer degrees that keep blocks whole")
     need = first.plan.placement.num_gpus
     if device == "cuda" and need > gpus:
         raise InvalidInput(f"placement {args.placement} of {first.src.describe()} -> {first.dst.describe()} needs "

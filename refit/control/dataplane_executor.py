@@ -163,13 +163,17 @@ class ExecutorDataPlane(BaseDataPlane):
         on_phase = self._on_phase(plan, tensors, ctx)
         ctx.starting()
         try:
-            return held.nbytes, held.member.refit(ctx.remaining, self.refit_hook, on_phase=on_phase, rebuild=moved)
+            seconds = held.member.refit(ctx.remaining, self.refit_hook, on_phase=on_phase, rebuild=moved)
         except Rebuild:  # some member's tensors moved: every member builds again, in this refit
             log.info("%s: rebuilding for plan %s: a member's tensors moved", rendezvous_name(ctx), ctx.plan_id)
             held.close()
             del self._members[ctx.plan_id]
             held = self._build(plan, tensors, ctx, held.rebuilds + 1)
-            return held.nbytes, held.member.refit(ctx.remaining, self.refit_hook, on_phase=on_phase)
+            seconds = held.member.refit(ctx.remaining, self.refit_hook, on_phase=on_phase)
+        # what was sent includes what the executor derived (a trainer's FP8 blocks cut across ranks)
+        derived = held.member.tensors.get((self.seat.side.end, self._rank(plan)), {})
+        self._moved[plan.plan_hash] = {**derived, **tensors}
+        return held.nbytes, seconds
 
     def _on_phase(self, plan: Plan, tensors: Tensors, ctx: RunContext) -> Callable[[int], None] | None:
         """What runs as each phase landed: the engine's phase hook, after (verify) the checksums
@@ -196,6 +200,11 @@ class ExecutorDataPlane(BaseDataPlane):
         if tensors is not None:
             if self.seat.side is Side.TRAINER and (plan.plan_hash in self._casts or plan.plan_hash in self._quantize):
                 tensors = self._cast(plan.plan_hash, tensors)
+                spec, src, _ = self._run_view(plan)
+                if getattr(src, "derived_tensors", None) and src.derived_tensors(spec, self._rank(plan)):
+                    raise InvalidInput(f"{self.seat.side.value} rank {self._rank(plan)} cuts FP8 blocks whose scales "
+                                       f"it shares with other ranks at each refit: it cannot be checked in place "
+                                       f"(refit with verify=True checks what it sends)")
             return self._sums(plan, tensors)
         if plan.plan_hash in self._phase_sums:
             return self._phase_sums[plan.plan_hash]

@@ -63,7 +63,8 @@ from refit.executor.triton_support import triton_importable
 from refit.executor.schedule import box_blocks, check_plan
 from refit.executor.topology import Topology
 from refit.executor.values import DEFAULT_CHUNK, _linear_index, int_view
-from refit.layouts import Layout, LocalTensor
+from refit.layouts import Layout, LocalTensor, sent_tensors
+from refit.layouts.quantized import DERIVED_PREFIX
 from refit.plan import Plan
 from refit.regions import Block, PieceIndex, slices
 from refit.spec import ModelSpec
@@ -169,7 +170,7 @@ def _make_share(plan: Plan, spec: ModelSpec, src: Layout, dst: Layout, side: str
     if plan.gathers:
         raise InvalidInput(f"plan {plan.plan_hash} gathers whole tensors on source roots (planner {plan.planner}): "
                            "its boxes leave from gathered copies no seat holds, so its transfers have no checksums")
-    locals_ = (src if side == "src" else dst).local_tensors(spec, rank)
+    locals_ = sent_tensors(spec, src if side == "src" else dst, rank)
     index, ep, sending = PieceIndex(locals_), (side, rank), side == "src"
     wanted = range(len(plan.transfers)) if phase is None else _phase_transfers(plan, phase)
     boxes = tuple(BoxBlocks(i, t.size, tuple(box_blocks(index, t, ep, whole=True, sending=sending)))
@@ -232,6 +233,9 @@ def _check(share: Share, tensors: Mapping[str, torch.Tensor | None]) -> torch.de
     """Refuse tensors missing or unlike the layout's, or on several devices; their device."""
     for name, t in tensors.items():
         lt = share.locals[name]
+        if not isinstance(t, torch.Tensor) and name.startswith(DERIVED_PREFIX):
+            raise InvalidInput(f"{name} is missing: a trainer that cuts FP8 blocks sends values its executor derives "
+                               f"each refit (`refit.executor.shared_blocks`); checksums need the member's tensors")
         if not isinstance(t, torch.Tensor):
             raise InvalidInput(f"local tensor {name} is missing: checksums need every tensor the plan moves")
         if tuple(t.shape) != lt.shape or str(t.dtype).removeprefix("torch.") != lt.dtype:

@@ -13,7 +13,9 @@ whole sequence:
 5. the control group (barriers) over all members and the data communicator over the drivers;
 6. per plan (`prepare`): compile the schedule, allocate gather tensors, bind (drivers only) —
    one program per phase of a phased plan (`refit.phases`), all over one set of staging buffers;
-7. per refit (`refit`): barrier, replay, barrier — per phase, then the phase's ``on_phase``.
+7. per refit (`refit`): barrier, replay, barrier — per phase, then the phase's ``on_phase``;
+   where trainer ranks cut FP8 blocks, first their shared-scale quantization
+   (`refit.executor.shared_blocks`: an all-reduce of block amaxes, then a barrier).
 
 Every wait is bounded by the caller's ``remaining`` (seconds left in this refit; it raises once
 the refit is past its deadline or abandoned), so no wait outlives the refit that started it.  A
@@ -40,10 +42,13 @@ from refit.executor.bound import Bound, Remaining, bind_all, run_refit
 from refit.executor.device import Device, enable_peer_access, make_device
 from refit.executor.schedule import compile_program
 from refit.executor.shards import Shards, allocate, check_own, remove_file, views
+from refit.executor.shared_blocks import SharedQuantizer, allocate_derived
 from refit.executor.topology import Endpoint, Topology
 from refit.executor.transports import (Comm, PeerError, export_arena, export_tensors, first_line, gloo_group,
                                        import_share, make_comm, ended, retire)
 from refit.layouts import Layout
+from refit.layouts.quantized import QuantizedLayout, scale_table
+from refit.quantization import is_quantized, quant_format
 from refit.plan import WHOLE, Plan
 from refit.spec import ModelSpec
 
@@ -106,6 +111,7 @@ class Member:
         self.device: Device = make_device("cuda" if self.cuda else "cpu", torch.device(device).index or 0)
         for ep, tensors in own.items():
             check_own(ep, tensors, src if ep[0] == "src" else dst, spec, self.device.torch, self.name)
+        own, derived = self._derive(own)
         driven = set(topology.driven_devices(member))
         self.driver = bool(driven)
         self.rounds = 0  # barriers passed, in lockstep on every member
@@ -153,6 +159,7 @@ class Member:
             raise PeerError(f"building the control group of {len(topology.members)} members: {first_line(e)}") from None
         try:
             self.barrier("setup", remaining)
+            self.shared = self._agree_shared(derived, remaining)
         except BaseException:  # nobody will close a member never built: let its group go now
             self._retire_ctl()
             raise
@@ -173,6 +180,52 @@ class Member:
         self.gathers: list[Shards] = []
         log.info("%s: member %d, device %s, %s, drives %s", self.name, member, device,
                  ("ipc push" if self.push else "ipc") if ipc else "communicator", sorted(driven) or "nothing")
+
+    def _derive(self, own: Mapping[Endpoint, Own]) -> tuple[dict[Endpoint, Own], dict[int, dict[str, torch.Tensor]]]:
+        """``own`` with the tensors its source ranks derive from local tensors that cut FP8
+        blocks (`refit.executor.shared_blocks`), made before anything is shared; and those
+        ranks' tensors (none where they cut no block)."""
+        own, mine = dict(own), {}
+        if not isinstance(self.src, QuantizedLayout):
+            return own, mine
+        for ep, tensors in own.items():
+            derived = allocate_derived(self.spec, self.src, ep[1], self.device.torch) if ep[0] == "src" else {}
+            if derived and isinstance(tensors, Shards):
+                raise InvalidInput(f"{self.name}: {ep[0]} rank {ep[1]} of {self.src.describe()} cuts FP8 blocks, "
+                                   f"which needs separate tensors, not an arena (the bench's --alloc arena)")
+            if derived:
+                own[ep] = mine[ep[1]] = {**tensors, **derived}
+        return own, mine
+
+    def _agree_shared(self, mine: dict[int, dict[str, torch.Tensor]], remaining: Remaining) -> SharedQuantizer | None:
+        """Every member learns which scale tensors some trainer rank cuts — a MAX all-reduce of
+        one flag per scale tensor of the spec (a handful: they are stacked), instead of every
+        member walking every rank's tensors — and gets the quantizer of its own cut tensors over
+        the table of those (None, on every member, where no rank cuts a block)."""
+        if not isinstance(self.src, QuantizedLayout):
+            return None
+        suffix = quant_format(self.src.quantization).scale_suffix
+        names = [t.name + suffix for t in self.spec.tensors if is_quantized(t.name)]
+        cut = {name for rank in mine for name in self.src.shared_scales(self.spec, rank)}
+        flags = torch.tensor([float(name in cut) for name in names])
+        self._reduce("setup (shared scales)", flags, dist.ReduceOp.MAX, remaining)
+        used = [name for name, flag in zip(names, flags.tolist()) if flag]
+        return SharedQuantizer(self.spec, self.src, mine, scale_table(self.spec, used)) if used else None
+
+    def share_scales(self, remaining: Remaining) -> None:
+        """Quantize the source ranks' local tensors that cut FP8 blocks, with each block's scale
+        shared: partial amaxes, all-reduced (MAX) over every member, then each rank its own part
+        (`refit.executor.shared_blocks`); a barrier after, so that no driver reads a peer's values
+        before they are written.  Every member calls it, in lockstep, when the plan's trainers cut blocks."""
+        if self.shared is None:
+            return
+        table = self.shared.partial_amax(self.device.torch)
+        host = table.cpu()
+        self._reduce("shared-scale", host, dist.ReduceOp.MAX, remaining)
+        self.shared.quantize(host.to(self.device.torch))
+        if self.cuda:
+            self.device.synchronize()
+        self.barrier("shared-scale", remaining)
 
     # ------------------------------------------------------------------ sharing
     def _export(self, ep: Endpoint, tensors: Own) -> bytes:
@@ -263,6 +316,8 @@ class Member:
                 started()
             first_hook = hook if i == 0 else None
             t0 = time.perf_counter()
+            if i == 0:  # the trainers' weights are final now: blocks cut across them get their scales
+                self.share_scales(remaining)
             if bound is not None:
                 run_refit(bound, self.comm, self.device, remaining, first_hook)
             elif first_hook:
@@ -282,14 +337,20 @@ class Member:
         refit, costs no store call).  A barrier given up stays posted in the control group until
         its own timeout (the refit's deadline): it is kept in ``self.abandoned`` so that `close`
         does not wait for it."""
+        flags = torch.full((1,), flag)
+        self._reduce(what, flags, dist.ReduceOp.SUM, remaining)
+        return float(flags.item())
+
+    def _reduce(self, what: str, values: torch.Tensor, op: dist.ReduceOp, remaining: Remaining) -> None:
+        """All-reduce the CPU tensor ``values`` in place over every member (`barrier`'s waits)."""
         if self.ctl is None:
-            raise RefitFailed(f"{self.name}: barrier after close")
+            raise RefitFailed(f"{self.name}: {what} barrier after close")
         self.rounds += 1
         opts = dist.AllreduceOptions()
+        opts.reduceOp = op
         opts.timeout = datetime.timedelta(seconds=max(remaining(), 0.001))
-        flags = torch.full((1,), flag)
         try:
-            work = self.ctl.allreduce([flags], opts)
+            work = self.ctl.allreduce([values], opts)
         except RuntimeError as e:
             raise PeerError(f"lost contact with another member at the {what} barrier: {first_line(e)}") from None
         try:
@@ -311,7 +372,6 @@ class Member:
             self._left(what, remaining)  # the group's own timeout (the same deadline) fired first
             raise PeerError(f"lost contact with another member at the {what} barrier (a worker died?): "
                             f"{first_line(e)}; {self._absent()}") from None
-        return float(flags.item())
 
     def _left(self, what: str, remaining: Remaining) -> None:
         try:
@@ -336,6 +396,7 @@ class Member:
         """Drop every view of peers' memory (then the mappings go), before anyone exits."""
         self.phases = []
         self.gathers = []
+        self.shared = None
         self.tensors.clear()
         self.imported.clear()
         if self.cuda:

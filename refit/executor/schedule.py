@@ -39,7 +39,7 @@ from dataclasses import dataclass, field
 from refit.boxes import intersect, shift, volume
 from refit.errors import InvalidInput
 from refit.executor.topology import Endpoint, Topology
-from refit.layouts import Layout, LocalTensor, Piece
+from refit.layouts import Layout, LocalTensor, Piece, sent_tensors
 from refit.plan import Bucket, Plan, Transfer
 from refit.regions import Block, PieceIndex
 from refit.spec import ModelSpec
@@ -140,11 +140,11 @@ def compile_program(plan: Plan, spec: ModelSpec, src: Layout, dst: Layout, topo:
     for dev in mine:
         for ep in topo.endpoints_on(dev):
             layout = src if ep[0] == "src" else dst
-            locals_[ep] = list(layout.local_tensors(spec, ep[1]))
+            locals_[ep] = sent_tensors(spec, layout, ep[1])
     if ipc:  # every source shard on the host is readable (push: every destination shard writable)
         for ep, _ in topo.devices:
             if ep not in locals_ and (ep[0] == "src" or push):
-                locals_[ep] = list((src if ep[0] == "src" else dst).local_tensors(spec, ep[1]))
+                locals_[ep] = sent_tensors(spec, src if ep[0] == "src" else dst, ep[1])
     gather = _gather_tensors(plan, spec, topo, mine)
     index = {ep: PieceIndex(lts + list(gather.get(ep, ()))) for ep, lts in locals_.items()}
 

@@ -175,7 +175,11 @@ def check_own(ep: Endpoint, tensors: Shards | Mapping[str, torch.Tensor], layout
     names = {v: k for k, v in TORCH_DTYPES.items()}
     found = {n: (tuple(t.shape), names.get(t.dtype, str(t.dtype).removeprefix("torch."))) for n, t in table.items()}
     where = f"{who}: {ep[0]} rank {ep[1]} of {layout.describe()}"
-    check_tensor_table(found, {lt.name: (lt.shape, lt.dtype) for lt in layout.local_tensors(spec, ep[1])}, where)
+    expected = {lt.name: (lt.shape, lt.dtype) for lt in layout.local_tensors(spec, ep[1])}
+    derived = getattr(layout, "derived_tensors", None)
+    if derived is not None:  # what the executor derives from cut blocks (`refit.executor.shared_blocks`), once added
+        expected.update({lt.name: (lt.shape, lt.dtype) for lt in derived(spec, ep[1]) if lt.name in found})
+    check_tensor_table(found, expected, where)
     for n, t in table.items():
         if device is not None and (t.device.type != device.type
                                    or (device.type == "cuda" and t.device.index != device.index)):

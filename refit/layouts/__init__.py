@@ -12,7 +12,7 @@ import re
 from typing import Literal
 
 from refit.errors import InvalidInput
-from refit.layouts.base import Layout, LocalTensor, Piece, all_holdings, holdings
+from refit.layouts.base import Layout, LocalTensor, Piece, all_holdings, holdings, sent_tensors
 from refit.layouts.fsdp import FsdpLayout
 from refit.layouts.hf import HFLayout
 from refit.layouts.megatron import MegatronLayout
@@ -21,8 +21,8 @@ from refit.layouts.vllm import VllmLayout
 from refit.spec import ModelSpec
 
 __all__ = ["Layout", "LocalTensor", "Piece", "parse_layout", "resolve_layout", "holdings", "all_holdings",
-           "MegatronLayout", "VllmLayout", "FsdpLayout", "HFLayout", "QuantizedLayout", "LAYOUTS", "LAYOUT_HELP",
-           "register_layout"]
+           "sent_tensors", "MegatronLayout", "VllmLayout", "FsdpLayout", "HFLayout", "QuantizedLayout", "LAYOUTS",
+           "LAYOUT_HELP", "register_layout"]
 
 # framework name -> layout class (in the order LAYOUT_HELP lists them)
 LAYOUTS: dict[str, type[Layout]] = {}
@@ -105,7 +105,8 @@ def resolve_layout(text: str | Layout, spec: ModelSpec, role: Literal["src", "ds
     `refit.InvalidInput` when the model cannot be split that way, with the numbers."""
     layout = parse_layout(text, role) if isinstance(text, str) else text
     if spec.config.quantization and not isinstance(layout, QuantizedLayout):  # an FP8 engine, or a trainer sending to one
-        layout = QuantizedLayout(layout, spec.config.quantization)
+        # a trainer's shards may cut blocks (their scales are shared); an engine's may not
+        layout = QuantizedLayout(layout, spec.config.quantization, shares_blocks=role == "src")
     if not spec.config.quantization and isinstance(layout, QuantizedLayout):
         layout = layout.inner
     return layout.resolve(spec)

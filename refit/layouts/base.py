@@ -100,7 +100,16 @@ def vocab_pieces(tensor: str, vocab: int, hidden: int, padded: int, tp: int, tp_
 
 def holdings(spec: ModelSpec, layout: Layout, rank: int) -> dict[str, list[Box]]:
     """Canonical tensor -> the boxes a rank holds, coalesced."""
-    return holdings_of(layout.local_tensors(spec, rank))
+    return holdings_of(sent_tensors(spec, layout, rank))
+
+
+def sent_tensors(spec: ModelSpec, layout: Layout, rank: int) -> list[LocalTensor]:
+    """A rank's local tensors, and those the executor derives from them before sending (a
+    trainer's local tensors that cut FP8 blocks: `refit.layouts.quantized`): what a plan's boxes
+    are read from or written into."""
+    tensors = layout.local_tensors(spec, rank)
+    derived = getattr(layout, "derived_tensors", None)
+    return tensors if derived is None else [*tensors, *derived(spec, rank)]
 
 
 def holdings_of(tensors: Iterable[LocalTensor]) -> dict[str, list[Box]]:

@@ -29,6 +29,7 @@ from safetensors.torch import load_file
 from refit.cli import main as refit_main
 from refit.errors import RefitError
 from refit.hf_checkpoint import load_spec
+from refit.layouts import resolve_layout
 from refit.integrations import hf as refit_hf
 from refit.quantization import hf_quantization_config, is_quantized
 from refit.reshard import rank_file
@@ -114,14 +115,17 @@ def compare(got: list[dict[str, torch.Tensor]], quantized: list[dict[str, torch.
     return bad
 
 
-def refit_twice_as_vllm_loads(client, plan_id: str, engines: Engines, spec, change, checkpoint, tmp_path) -> None:
+def refit_twice_as_vllm_loads(client, plan_id: str, engines: Engines, spec, change, checkpoint, tmp_path,
+                              verify: bool = False) -> None:
     """Refit, ``change(2)`` the trainer's weights, refit: each time every engine tensor against
     vLLM's loading of its own FP8 quantization of the checkpoint ``checkpoint(directory, version)``
-    writes (and returns, as HF tensors), the unquantized ones against refit's offline reshard of it."""
+    writes (and returns, as HF tensors), the unquantized ones against refit's offline reshard of it.
+    ``verify``: the second refit with both ends' checksums compared."""
     for version in (1, 2):
         if version == 2:
             change(version)
-        assert client.refit(plan_id, version=version, timeout=180).ok
+        result = client.refit(plan_id, version=version, timeout=180, verify=verify and version == 2)
+        assert result.ok and (result.verified_transfers > 0) == (verify and version == 2), result
         ckpt = str(tmp_path / f"v{version}")
         state = checkpoint(ckpt, version)
         bad = compare(engines.tensors, oracle_ranks(state, 2), expected_engine_tensors(spec, "vllm:tp2", ckpt))
@@ -265,27 +269,41 @@ def test_trainer_quantizes_to_mxfp8_as_vllms_online_method_would(server, tmp_pat
         engines.close()
 
 
-def test_fsdp2_trainer_ranks_quantize_their_own_shards(server, tmp_path) -> None:
-    """Two FSDP2 ranks (real ``fully_shard`` over gloo, transformers 5 fused experts split on the
-    expert dim) each quantize the rows they hold — 128 of every 256, whole blocks — and the
-    engines hold what vLLM's loading of vLLM's own quantization gives; then a real FSDP2 step."""
+@pytest.mark.parametrize("ranks", [2, 4], ids=["dp2-whole-blocks", "dp4-cuts-blocks"])
+def test_fsdp2_trainer_ranks_quantize_their_own_shards(server, tmp_path, ranks) -> None:
+    """FSDP2 ranks (real ``fully_shard`` over gloo, transformers 5 fused experts split on the
+    expert dim) quantize the rows they hold and the engines hold what vLLM's loading of vLLM's
+    own quantization gives; then a real FSDP2 step.  Two ranks hold 128 of every 256 rows, whole
+    blocks; four hold 64 of the attention's 256-row q, k, v and o: every such block lies on two
+    ranks, which share its scale (`refit.executor.shared_blocks`)."""
     from tests.integration.test_attach_fsdp import fsdp_trainer
 
     srv, client = server
-    trainers = Trainers(2, fsdp_trainer, "Qwen3MoeForCausalLM", QWEN3_MOE, srv.address, "fp8-fsdp")
+    group = f"fp8-fsdp{ranks}"
+    trainers = Trainers(ranks, fsdp_trainer, "Qwen3MoeForCausalLM", QWEN3_MOE, srv.address, group)
     engines = None
     try:
         answers = trainers.ready()
         assert all(a[0] == "ready" for a in answers), answers
         spec = answers[0][1]
-        engines = fp8_engines(srv, spec, "fp8-fsdp-engine")
-        plan_id = client.create_plan("fp8-fsdp", "fp8-fsdp-engine")["plan_id"]
+        engines = fp8_engines(srv, spec, f"{group}-engine")
+        created = client.create_plan(group, f"{group}-engine")
+        plan_id = created["plan_id"]
+        if ranks == 4:  # the plan sends each value once and each shared scale from one rank
+            plan = client.get_plan(plan_id, include_plan=True)["plan"]
+            run = plan.spec_for(spec, True)
+            assert resolve_layout(plan.src_layout, run, "src").shared_blocks(run, 0)
+            assert sum(b.nbytes for b in plan.buckets) < 0.55 * spec.nbytes
 
         def saved(ckpt: str, _: int) -> dict[str, torch.Tensor]:
             trainers.ask("save", ckpt)
             return load_file(os.path.join(ckpt, "model.safetensors"))
 
-        refit_twice_as_vllm_loads(client, plan_id, engines, spec, lambda v: trainers.ask("step", v), saved, tmp_path)
+        refit_twice_as_vllm_loads(client, plan_id, engines, spec, lambda v: trainers.ask("step", v), saved, tmp_path,
+                                  verify=True)
+        if ranks == 4:  # what a rank sends depends on its peers' amaxes: checked at a refit, not in place
+            checked = client.check(plan_id, check=False)
+            assert not checked.ok and "cannot be checked in place" in checked.error, checked.error
     finally:
         trainers.close()
         if engines is not None:
