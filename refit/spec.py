@@ -23,6 +23,7 @@ import math
 from dataclasses import dataclass, field
 from typing import Any, Iterator, Mapping
 
+from refit.adapters import adapter_tensors
 from refit.archs import FAMILY_ARCHS, family_fields, gqa_tensors, mla_tensors, moe_extra_tensors, not_moved
 from refit.dtypes import DTYPE_BYTES
 from refit.errors import InvalidInput
@@ -80,6 +81,11 @@ class ModelConfig:
     # "" or a format of `refit.quantization` (an engine serving FP8): the decoder's linear weights
     # are held quantized, each with a scale tensor (`quantize_spec`)
     quantization: str = ""
+    # an adapter-only refit (`refit.adapters`): the spec holds one LoRA adapter of this model, of
+    # rank lora_rank on the comma-joined lora_targets (q_proj,...,down_proj), scaled by lora_scaling
+    lora_rank: int = 0
+    lora_targets: str = ""
+    lora_scaling: float = 0.0
 
     @property
     def is_mla(self) -> bool:
@@ -270,11 +276,18 @@ def build_spec(name: str, cfg: ModelConfig) -> ModelSpec:
     """The canonical tensors of a model with config ``cfg``."""
     H, dt = cfg.hidden_size, cfg.dtype
     all_layers = tuple(range(cfg.num_layers))
-    out: list[TensorSpec] = [TensorSpec("model.embed_tokens.weight", (cfg.vocab_size, H), dt)]
+    out: list[TensorSpec] = []
 
     def per_layer(suffix: str, shape: tuple[int, ...], layers: tuple[int, ...] = all_layers, dtype: str = dt) -> None:
         if layers:
             out.append(TensorSpec(f"model.layers.*.{suffix}", (len(layers),) + shape, dtype, layers))
+
+    if cfg.lora_rank:  # one LoRA adapter of the model, nothing of the base (refit/adapters.py)
+        if cfg.quantization:
+            raise InvalidInput(f"adapter of {name}: LoRA adapters are moved unquantized")
+        adapter_tensors(cfg, per_layer)
+        return ModelSpec(name, cfg, tuple(out))
+    out.append(TensorSpec("model.embed_tokens.weight", (cfg.vocab_size, H), dt))
 
     per_layer("input_layernorm.weight", (H,))
     if cfg.is_mla:

@@ -122,7 +122,7 @@ MAX_VERSION_STEP = 2**32  # the most a version may jump past what the engines ho
 # Model config fields: generous for today's largest models (Qwen3-235B: 94 layers, 128 experts).
 CONFIG_BOUNDS = {"hidden_size": 2**17, "num_layers": 1024, "num_heads": 4096, "num_kv_heads": 4096,
                  "head_dim": 4096, "intermediate_size": 2**20, "vocab_size": 2**23, "num_experts": 4096,
-                 "moe_intermediate_size": 2**20}
+                 "moe_intermediate_size": 2**20, "lora_rank": 2**14}
 MAX_SPEC_TENSORS = 2_000_000
 
 

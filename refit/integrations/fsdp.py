@@ -38,13 +38,17 @@ __all__ = ["attach"]
 
 
 def attach(model: torch.nn.Module, address: str | None = None, *, group: str = "trainer", token: str | None = None,
-           **agent_options: Any) -> TrainerAgent:
+           adapter: str | None = None, **agent_options: Any) -> TrainerAgent:
     """Register this rank's shard of an FSDP2-sharded transformers ``model`` as rank (global rank)
     of ``group``; call it on every rank.  Returns the started agent.  Raises `refit.InvalidInput`,
     before registering, for a mesh, placement or parameter refit cannot serve.  ``address`` and
-    ``token`` default to ``$REFIT_ADDRESS`` (else 127.0.0.1:50051) and ``$REFIT_TOKEN``."""
+    ``token`` default to ``$REFIT_ADDRESS`` (else 127.0.0.1:50051) and ``$REFIT_TOKEN``.
+    ``adapter="name"``: ``model`` is a sharded PEFT LoRA model; only that adapter's A/B shards are
+    served (`refit.adapters`, docs/lora.md)."""
     from torch.distributed.tensor import DTensor
 
+    if adapter is not None:
+        return _attach_adapter(model, adapter, address, group=group, token=token, **agent_options)
     named = list(model.named_parameters(remove_duplicate=False))
     if not named:
         raise InvalidInput("the model has no parameters")
@@ -60,6 +64,29 @@ def attach(model: torch.nn.Module, address: str | None = None, *, group: str = "
                                  buffer_local=lambda b: b.detach().narrow(0, *chunk_rows(b.shape[0], dp, shard)))
     return start_trainer(address, group=group, rank=rank, spec=spec, layout=layout, served=served, token=token,
                          **agent_options)
+
+
+def _attach_adapter(model: torch.nn.Module, adapter: str, address: str | None, *, group: str, token: str | None,
+                    **agent_options: Any) -> TrainerAgent:
+    """This rank's shards (``to_local()``) of one LoRA adapter's A/B matrices, layout ``fsdp:dp<N>``
+    (or HSDP) over the adapter's spec: FSDP2 splits A's rank rows and B's output rows like any
+    parameter's dim 0."""
+    from torch.distributed.tensor import DTensor
+
+    from refit.adapters import adapter_spec
+    from refit.integrations._common import Served
+    from refit.integrations.lora import adapter_parameters
+
+    base, named, rank_r, targets, scaling = adapter_parameters(model, adapter)
+    dp, rep, tp = _mesh_degrees(named, DTensor)
+    if tp > 1:
+        raise InvalidInput(f"adapter={adapter!r}: the adapter is split by tensor parallelism (tp{tp}); refit's "
+                           f"adapter refits take FSDP2 / HSDP shards (Shard(0)) only")
+    spec = adapter_spec(spec_of_hf_config(base.config, {n: p.to_local() for n, p in named}), rank_r, targets, scaling)
+    layout = FsdpLayout(dp=dp, rep=rep).resolve(spec)
+    served = {n: Served(n, lambda p=p: p.to_local().detach()) for n, p in named}
+    return start_trainer(address, group=group, rank=global_rank(), spec=spec, layout=layout, served=served,
+                         token=token, **agent_options)
 
 
 def _mesh_degrees(named: list[tuple[str, torch.Tensor]], dtensor: type) -> tuple[int, int, int]:

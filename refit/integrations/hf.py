@@ -40,23 +40,31 @@ FUSED_EXPERTS = re.compile(r"^(?P<experts>.*\.mlp\.experts)\.(?P<kind>gate_up_pr
 
 
 def attach(model: torch.nn.Module, address: str | None = None, *, group: str = "trainer", token: str | None = None,
-           lora: str | None = None, **agent_options: Any) -> TrainerAgent:
+           lora: str | None = None, adapter: str | None = None, **agent_options: Any) -> TrainerAgent:
     """Register this process's unsharded transformers ``model`` as rank (global rank) of ``group``
     and serve its live parameters; returns the started agent.  Raises `refit.InvalidInput`, before
     registering, for a parameter refit cannot place or a dtype the config does not name; a refit
     after a parameter moved fails with `refit.RefitFailed` naming it (attach again).  ``address`` and
     ``token`` default to ``$REFIT_ADDRESS`` (else 127.0.0.1:50051) and ``$REFIT_TOKEN``.
-    ``lora="merge"``: ``model`` is a PEFT LoRA model, served merged (`refit.integrations.lora`)."""
+    ``lora="merge"``: ``model`` is a PEFT LoRA model, served merged (`refit.integrations.lora`).
+    ``adapter="name"``: only that LoRA adapter's A/B matrices are served, into engines holding it in
+    their LoRA slots (`refit.adapters`, docs/lora.md)."""
     from refit.integrations import lora as refit_lora
 
     merged: dict[str, Callable[[], torch.Tensor]] = {}
+    if adapter is not None:
+        if lora is not None:
+            raise InvalidInput(f"lora={lora!r} and adapter={adapter!r}: pick one (merged weights, or the adapter "
+                               f"alone into the engines' LoRA slots)")
+        return _attach_adapter(model, adapter, address, group=group, token=token, **agent_options)
     if lora == "merge":
         model, named, merged = refit_lora.merged_parameters(model)
     elif lora is not None:
-        raise InvalidInput(f"lora={lora!r}: the one mode is 'merge' (the engine serves W + scaling * B @ A)")
+        raise InvalidInput(f"lora={lora!r}: the one mode is 'merge' (the engine serves W + scaling * B @ A); "
+                           f"adapter='name' moves one adapter alone")
     elif refit_lora.is_lora_model(model):
         raise InvalidInput("the model holds LoRA layers: attach with lora='merge' to serve the merged weights "
-                           "(the engine then needs no LoRA)")
+                           "(the engine then needs no LoRA), or with adapter='name' to move that adapter alone")
     else:
         named = list(model.named_parameters(remove_duplicate=False))
     spec = spec_of_hf_config(model.config, dict(named))
@@ -67,6 +75,24 @@ def attach(model: torch.nn.Module, address: str | None = None, *, group: str = "
                          f"is global rank {rank}: use refit_fsdp.attach for a sharded model, or attach on rank 0 only")
     served = serve_hf_parameters(named, spec, layout, 0, local=lambda p: p.detach(), buffer=model.get_buffer)
     served.update({name: Served(f"{name} (LoRA merged)", compute) for name, compute in merged.items()})
+    return start_trainer(address, group=group, rank=0, spec=spec, layout=layout, served=served, token=token,
+                         **agent_options)
+
+
+def _attach_adapter(model: torch.nn.Module, adapter: str, address: str | None, *, group: str, token: str | None,
+                    **agent_options: Any) -> TrainerAgent:
+    """Serve one LoRA adapter's A/B matrices (views of the live parameters) as the one rank of
+    layout ``hf``, under its adapter spec (`refit.adapters`)."""
+    from refit.adapters import adapter_spec
+    from refit.integrations.lora import adapter_parameters
+
+    base, named, rank, targets, scaling = adapter_parameters(model, adapter)
+    spec = adapter_spec(spec_of_hf_config(base.config, dict(named)), rank, targets, scaling)
+    layout = HFLayout().resolve(spec)
+    if global_rank() != 0:
+        raise InvalidInput(f"refit_hf.attach serves an unsharded model as the one rank of layout hf, but this process "
+                           f"is global rank {global_rank()}: attach on rank 0 only")
+    served = {name: Served(name, lambda p=p: p.detach()) for name, p in named}
     return start_trainer(address, group=group, rank=0, spec=spec, layout=layout, served=served, token=token,
                          **agent_options)
 

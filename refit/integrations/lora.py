@@ -1,4 +1,6 @@
-"""LoRA merged on the way: a PEFT LoRA model served as the merged weights ``W + scaling · B·A``.
+"""LoRA from a PEFT model: merged on the way (``lora="merge"``) or the adapter alone (``adapter=``).
+
+**Merged.**  A PEFT LoRA model served as the merged weights ``W + scaling · B·A``.
 
     from refit.integrations import hf as refit_hf
     agent = refit_hf.attach(peft_model, "127.0.0.1:50051", group="trainer", lora="merge")
@@ -14,6 +16,19 @@ trainer's parameters are never changed.  Extra memory: one copy of the LoRA laye
 Refused, naming the layer: LoRA on a layer other than ``nn.Linear`` (embeddings, convolutions),
 several active adapters, DoRA and other variants, ``lora_bias``, adapters already merged into the
 base weights.
+
+**The adapter alone.**
+
+    agent = refit_hf.attach(peft_model, "127.0.0.1:50051", group="trainer", adapter="policy")
+
+Serves only adapter ``policy``'s A and B matrices (views of the live LoRA parameters, in the dtype
+PEFT keeps them: float32 under a bfloat16 base by default; plans cast on the way), under the spec
+of `refit.adapters` (the base config plus rank, targets and scaling).  The engines hold the same
+adapter in vLLM's LoRA slots (`refit.integrations.vllm.lora_slot`).  Refused, naming the layer and
+the numbers: a target other than the q/k/v/o and gate/up/down projections (embeddings, lm_head),
+a target on some layers only, ranks or scalings that differ between layers (``rank_pattern`` /
+``alpha_pattern``: refit's adapter spec holds one of each), DoRA and other variants, ``lora_bias``,
+an adapter merged into the base weights, ``modules_to_save``.
 """
 
 from __future__ import annotations
@@ -25,7 +40,7 @@ import torch
 
 from refit.errors import InvalidInput
 
-__all__ = ["is_lora_model", "merged_parameters"]
+__all__ = ["is_lora_model", "merged_parameters", "adapter_parameters"]
 
 _ADAPTER_PARAM = re.compile(r"\.lora_[A-Za-z_]+\.")  # lora_A / lora_B / lora_embedding_* / lora_magnitude_vector
 
@@ -86,3 +101,63 @@ def _merged_weight(name: str, layer: torch.nn.Module) -> Callable[[], torch.Tens
         return out
 
     return compute
+
+
+def adapter_parameters(model: torch.nn.Module, adapter: str) -> tuple[torch.nn.Module, list[tuple[str, torch.Tensor]],
+                                                                       int, list[str], float]:
+    """(the transformers model inside ``model``, adapter ``adapter``'s LoRA parameters under
+    refit's adapter names (``model.layers.0.self_attn.q_proj.lora_A.weight``), its rank, targets
+    and scaling); refuses what refit's adapter spec cannot describe (module docstring)."""
+    from refit.adapters import TARGETS
+
+    base = getattr(getattr(model, "base_model", None), "model", model)
+    layers = {n: m for n, m in _lora_layers(base).items()
+              if adapter in getattr(m, "lora_A", {}) or adapter in getattr(m, "lora_embedding_A", {})}
+    if not layers:
+        known = sorted(getattr(model, "peft_config", {}) or {})
+        raise InvalidInput(f"adapter={adapter!r}: no LoRA layer holds that adapter (the model's adapters: {known})")
+    cfg = (getattr(model, "peft_config", None) or {}).get(adapter)
+    if cfg is not None and getattr(cfg, "modules_to_save", None):
+        raise InvalidInput(f"adapter={adapter!r}: modules_to_save {sorted(cfg.modules_to_save)} are whole modules, "
+                           f"not LoRA: an adapter-only refit moves A and B matrices only")
+    named: list[tuple[str, torch.Tensor]] = []
+    held: dict[str, set[int]] = {}
+    ranks: dict[str, int] = {}
+    scalings: dict[str, float] = {}
+    for name, layer in layers.items():
+        m = re.fullmatch(r"model\.layers\.(\d+)\.(self_attn|mlp)\.(\w+)", name)
+        if m is None or m[3] not in TARGETS or TARGETS[m[3]] != m[2] or adapter not in layer.lora_A:
+            raise InvalidInput(f"adapter={adapter!r}: LoRA on {name!r}; refit moves LoRA of the q/k/v/o and "
+                               f"gate/up/down projections only ({', '.join(TARGETS)})")
+        _check_plain(f"adapter={adapter!r}", name, layer, adapter)
+        if adapter in layer.merged_adapters:
+            raise InvalidInput(f"adapter={adapter!r}: {name!r} has it merged into its base weight; unmerge it first "
+                               f"(the engine adds the adapter to the base weights it holds)")
+        held.setdefault(m[3], set()).add(int(m[1]))
+        ranks[name], scalings[name] = int(layer.r[adapter]), float(layer.scaling[adapter])
+        named.append((f"{name}.lora_A.weight", layer.lora_A[adapter].weight))
+        named.append((f"{name}.lora_B.weight", layer.lora_B[adapter].weight))
+    layer_count = base.config.num_hidden_layers
+    for target, got in held.items():
+        if len(got) != layer_count:
+            missing = sorted(set(range(layer_count)) - got)
+            raise InvalidInput(f"adapter={adapter!r}: {target} holds LoRA on {len(got)} of {layer_count} layers "
+                               f"(not on layers {missing[:8]}); refit's adapter spec puts each target on every layer")
+    for what, values in (("rank", ranks), ("scaling", scalings)):
+        if len(set(values.values())) > 1:
+            (a, va), (b, vb) = next(iter(values.items())), next((k, v) for k, v in values.items()
+                                                                 if v != next(iter(values.values())))
+            raise InvalidInput(f"adapter={adapter!r}: LoRA {what} {va} on {a!r} but {vb} on {b!r} (rank_pattern / "
+                               f"alpha_pattern); refit's adapter spec holds one {what} for every module")
+    return base, named, next(iter(ranks.values())), sorted(held), next(iter(scalings.values()))
+
+
+def _check_plain(mode: str, name: str, layer: torch.nn.Module, adapter: str) -> None:
+    """Plain LoRA on an nn.Linear: no variant (DoRA, ...), no lora_bias."""
+    base_layer = layer.get_base_layer()
+    if type(base_layer) is not torch.nn.Linear:
+        raise InvalidInput(f"{mode}: {name!r} puts LoRA on a {type(base_layer).__name__}; only nn.Linear layers")
+    if adapter in getattr(layer, "lora_variant", {}) or getattr(layer, "use_dora", {}).get(adapter):
+        raise InvalidInput(f"{mode}: {name!r} uses a LoRA variant (DoRA, ...) for adapter {adapter!r}; plain LoRA only")
+    if getattr(layer, "lora_bias", {}).get(adapter):
+        raise InvalidInput(f"{mode}: {name!r} has lora_bias for adapter {adapter!r}; vLLM's LoRA holds no bias")

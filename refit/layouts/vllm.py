@@ -32,6 +32,7 @@ from typing import ClassVar
 from refit.archs import DEEPSEEK_ARCHS
 from refit.errors import InvalidInput
 from refit.layouts.base import LocalTensor, Piece, divides, pad_to, vocab_pieces
+from refit.layouts.vllm_lora import lora_local_tensors
 from refit.spec import ModelSpec
 
 VOCAB_PADDING = 64  # vllm.model_executor.layers.vocab_parallel_embedding.DEFAULT_VOCAB_PADDING_SIZE
@@ -163,8 +164,6 @@ class VllmLayout:
     def local_tensors(self, spec: ModelSpec, rank: int) -> list[LocalTensor]:
         c = spec.config
         if c.lora_rank:  # one LoRA adapter: the engine's LoRA slots (refit/layouts/vllm_lora.py)
-            from refit.layouts.vllm_lora import lora_local_tensors
-
             return lora_local_tensors(self, spec, rank)
         T = self.tp
         t = rank % T

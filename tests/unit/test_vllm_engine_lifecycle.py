@@ -1,9 +1,11 @@
 """The ``refit`` backend's `RefitWeightTransferEngine` around vLLM's worker calls, without an engine.
 
-* A speculative draft model cannot be refitted: the landing is the target model's, fixed at
-  init.  vLLM's own worker code (`Worker._start_weight_update`, run here on a stand-in worker)
-  refuses ``start_draft_weight_update`` for the backend, and the engine refuses a retargeted
-  model itself.
+* A draft session (``start_draft_weight_update``) of an engine that registered no agent for its
+  drafter (an EAGLE head, MTP layers, a drafter the trainer does not train) is refused before any
+  byte moves: vLLM's own worker code (`Worker._start_weight_update`, run here on a stand-in worker)
+  retargets the backend, the engine refuses naming the drafter, and the worker restores the target.
+  A separate draft model's own agent is tested live (integration/test_vllm_draft.py); a target
+  refit whose drafter skipped the previous version names it.
 * ``shutdown`` (vLLM's ``shutdown_weight_transfer_engine``) drops the landing, whose staging can be
   a whole extra shard: nothing may keep it alive after the trainer connection is released.
 * Engines refit cannot land into correctly (EPLB, prefill context parallel, a quantized
@@ -31,24 +33,22 @@ def make_engine():  # noqa: ANN201 - RefitWeightTransferEngine, imported with vl
     return RefitWeightTransferEngine(None, vllm_config, torch.device("cpu"), torch.nn.Linear(4, 4))
 
 
-def test_draft_model_updates_are_refused() -> None:
+def test_a_draft_session_without_a_drafter_agent_is_refused() -> None:
     from vllm.v1.worker.gpu_worker import Worker
 
     from refit.errors import RefitError
 
     engine = make_engine()
-    retargeted: list[torch.nn.Module] = []
+    engine.vllm_config.speculative_config = SimpleNamespace(method="eagle", model="eagle-head",
+                                                            draft_model_config=SimpleNamespace(model="eagle-head"))
+    draft = torch.nn.Linear(2, 2)
     worker = SimpleNamespace(weight_transfer_engine=engine, _weight_update_active=False,
                              _check_weight_transfer_engine=lambda: None,
-                             _set_draft_weight_update_target=lambda: retargeted.append(torch.nn.Linear(2, 2)))
-    with pytest.raises(RuntimeError, match="does not support draft model weight updates"):
+                             _set_draft_weight_update_target=lambda: engine.set_weight_update_target(
+                                 draft, SimpleNamespace()))
+    with pytest.raises(RefitError, match="registered no agent for its eagle drafter eagle-head"):
         Worker._start_weight_update(worker, is_draft=True)
-    assert not retargeted and not worker._weight_update_active
-    # and should anything retarget the engine, it refuses rather than write the target model
-    engine.set_weight_update_target(torch.nn.Linear(2, 2), SimpleNamespace())
-    with pytest.raises(RefitError, match="not a speculative draft model"):
-        engine.start_weight_update()
-    engine.reset_weight_update_target()
+    assert engine.model is not draft and not worker._weight_update_active
     with pytest.raises(RefitError, match="call init_weight_transfer_engine"):  # the target: on to the next check
         engine.start_weight_update()
 
@@ -135,3 +135,22 @@ def test_deepseek_shared_experts_split_by_another_all2all_backend_are_refused(mo
     with pytest.raises(RefitError, match=r"deepseek_v3's shared experts are split over tp under all2all backend "
                                          r"flashinfer_nvlink_two_sided"):
         _deepseek_identity(monkeypatch, use_sequence_parallel_moe=False, all2all_backend="flashinfer_nvlink_two_sided")
+
+
+def test_a_drafter_that_skips_a_version_is_named(caplog) -> None:
+    """The RL loop refits the target, then the drafter, with the same version: a target refit whose
+    drafter did not follow the previous one names it (its acceptance rate falls)."""
+    from refit.integrations.vllm import draft as drafts
+
+    spec = SimpleNamespace(method="draft_model", model="d", draft_model_config=SimpleNamespace(model="/ckpt/draft"))
+    drafter = SimpleNamespace(version=None, target_version=None)
+    engine = SimpleNamespace(draft=drafter, vllm_config=SimpleNamespace(speculative_config=spec))
+    with caplog.at_level("WARNING", logger="refit.integrations.vllm.draft"):
+        drafts.after_target(engine, 1)
+        drafter.version = 1  # the draft session of version 1
+        drafts.after_target(engine, 2)
+        assert not caplog.records
+        drafts.after_target(engine, 3)  # the drafter skipped version 2
+    assert [r.getMessage() for r in caplog.records] == [
+        "refit: the draft_model drafter /ckpt/draft still holds version 1 while the target moves from version 2 to 3: "
+        "refit it each step (start_draft_weight_update) or its acceptance rate falls"]

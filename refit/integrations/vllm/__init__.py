@@ -13,5 +13,6 @@ Installing ``refit[vllm]`` registers it through vLLM's ``vllm.general_plugins`` 
 Modules: ``plugin`` (registration), ``config`` (rank, layout and spec from vLLM's configs),
 ``landing`` (which parameters are written in place, which staged and re-processed; the staging
 modes), ``window`` (the one staging buffer of a phased refit, ``window_layers``), ``engine``
-(the worker-side `WeightTransferEngine` and its engine agent).
+(the worker-side `WeightTransferEngine` and its engine agent), ``draft`` (a speculative engine's
+separate draft model, refitted in vLLM's draft update sessions).
 """

@@ -60,14 +60,16 @@ def dp_rank_and_size(pc: Any) -> tuple[int, int]:
     return index, size
 
 
-def identify(vllm_config: Any, replica: int | None = None) -> WorkerIdentity:
+def identify(vllm_config: Any, replica: int | None = None, model_config: Any = None) -> WorkerIdentity:
     """This worker's rank, layout and spec (call inside a vLLM worker, after the model loaded).
     ``replica``: a server started on its own to serve replica ``replica`` of an elastic engine group
     (`refit.control.membership`): its ranks are that replica's, in a layout of ``replica + 1``
-    replicas (the group's engines agree on everything but the count)."""
+    replicas (the group's engines agree on everything but the count).  ``model_config``: the model
+    to identify when it is not the target (a speculative draft model's ``draft_model_config``,
+    which vLLM runs at the target's tensor-parallel size)."""
     from vllm.distributed import parallel_state as ps
 
-    mc, pc = vllm_config.model_config, vllm_config.parallel_config
+    mc, pc = model_config or vllm_config.model_config, vllm_config.parallel_config
     if pc.pipeline_parallel_size > 1:
         raise InvalidInput(f"vllm: pipeline parallel (pp{pc.pipeline_parallel_size}) is not supported by refit yet")
     if getattr(pc, "decode_context_parallel_size", 1) > 1:

@@ -7,6 +7,8 @@ Lifecycle (one instance per vLLM worker, created by vLLM after the model loaded)
   index of the replica a server of its own serves in an elastic group); it decides how each
   parameter of its own shard lands (`landing.Landing`: in place, or staged and re-processed;
   ``staging`` is ``bounded`` or ``atomic``) and registers an engine agent with the coordinator.
+  With ``adapter`` (an engine started with ``enable_lora``) the agent holds one LoRA adapter
+  instead of the base weights, landed in its pinned slot (`lora_slot.AdapterLanding`, docs/lora.md).
   With ``bounded`` staging, ``window_layers`` (default 1; 0: off) and something staged, the agent
   registers with ``phase_layers=window_layers`` and the landing as its phase hook: plans into this
   group run in phases, and each phase is re-processed as soon as it landed (one window staged).
@@ -26,6 +28,9 @@ Lifecycle (one instance per vLLM worker, created by vLLM after the model loaded)
   worker registers again.
 * ``start_weight_update`` / ``finish_weight_update``: nothing to do (the writes happen inside
   ``update_weights``, which vLLM runs between engine steps).
+* A speculative engine's separate draft model has an agent of its own (``draft_group``, default
+  ``<group>-draft``), registered by ``init_transfer_engine``; a ``start_draft_weight_update``
+  session is answered by it (`draft.py`); other drafters are kept and named in the log.
 """
 
 from __future__ import annotations
@@ -48,6 +53,7 @@ from refit.errors import InvalidInput, RefitFailed
 from refit.integrations.vllm.config import identify
 from refit.integrations.vllm import sleep
 from refit.integrations.vllm.landing import Landing, check_options
+from refit.integrations.vllm.lora_slot import AdapterLanding
 
 log = logging.getLogger(__name__)
 
@@ -62,6 +68,12 @@ class RefitInitInfo(WeightTransferInitInfo):
     window_layers: int = 1  # bounded staging: layers staged at a time (0: the whole shard)
     # a server serving one replica of an elastic engine group on its own: its index (config.identify)
     replica: int | None = None
+    # an adapter-only engine: {"name", "id", "r", "lora_alpha", "target_modules", "use_rslora"?}
+    # (lora_slot.py); the refits then move that LoRA adapter alone, into its pinned slot
+    adapter: dict[str, Any] | None = None
+    # a speculative engine's draft model: its agent's group (default "<group>-draft"; "": the
+    # trainer trains no drafter, which is kept as loaded); draft.py
+    draft_group: str | None = None
 
 
 @dataclass
@@ -107,9 +119,9 @@ class VllmEngineAgent(EngineAgent):
 class RefitWeightTransferEngine(WeightTransferEngine[RefitInitInfo, RefitUpdateInfo]):
     init_info_cls = RefitInitInfo
     update_info_cls = RefitUpdateInfo
-    # The landing and the agent's tensors are the target model's, fixed at init: a draft model
-    # (``start_draft_weight_update``) would be retargeted by vLLM while refit wrote the target.
-    supports_draft_weight_update = False
+    # A draft session (``start_draft_weight_update``) is answered by the drafter's own agent and
+    # landing (`draft.DraftEngine`), registered at init: the target's stay fixed.
+    supports_draft_weight_update = True
 
     def __init__(self, config: Any, vllm_config: Any, device: torch.device, model: torch.nn.Module) -> None:
         super().__init__(config, vllm_config, device, model)
@@ -118,6 +130,7 @@ class RefitWeightTransferEngine(WeightTransferEngine[RefitInitInfo, RefitUpdateI
         self.init_info: RefitInitInfo | None = None
         # What the weights are: outlives each agent (a later init_transfer_engine registers holding them)
         self.holding = Holding()
+        self.draft: Any = None  # the drafter's engine (`draft.attach`), kept across inits for its holding
         # vLLM's sleep mode (CUDA): refits wait for the weights to be awake; a sleep that drops
         # them makes this engine stale at once (`sleep.py`)
         self._pool = sleep.allocator()
@@ -131,28 +144,39 @@ class RefitWeightTransferEngine(WeightTransferEngine[RefitInitInfo, RefitUpdateI
         # Registered again over weights a failed refit may have torn: stale whatever outcomes say
         # until a refit lands whole.
         self.holding.pinned = self.holding.stale
-        who = identify(self.vllm_config, init_info.replica)
-        self.landing = Landing(self.model, who.spec, who.layout, who.rank, self.device, init_info.staging,
-                               init_info.window_layers, self.model_config)
+        who = identify(self.vllm_config, init_info.replica, self.model_config)
+        spec, layout = who.spec, who.layout
+        if init_info.adapter is not None:  # one LoRA adapter into its slot (lora_slot.py); always staged
+            self.landing = AdapterLanding(self.model, who.spec, who.layout, who.rank, self.device, init_info.adapter)
+            spec, layout = self.landing.spec, self.landing.layout
+        else:
+            self.landing = Landing(self.model, who.spec, who.layout, who.rank, self.device, init_info.staging,
+                                   init_info.window_layers, self.model_config)
         phased = self.landing.phase_layers > 0
-        self.agent = VllmEngineAgent(init_info.coordinator, group=init_info.group, rank=who.rank, spec=who.spec,
-                                     layout=who.layout, tensors=self.landing.tensors, host=init_info.host,
+        self.agent = VllmEngineAgent(init_info.coordinator, group=init_info.group, rank=who.rank, spec=spec,
+                                     layout=layout, tensors=self.landing.tensors, host=init_info.host,
                                      token=init_info.token, holding=self.holding,
                                      phase_layers=self.landing.phase_layers,
                                      phase_hook=self.landing if phased else None,
-                                     stages=init_info.staging == "atomic")
+                                     stages=init_info.staging == "atomic" or init_info.adapter is not None)
         # staged (re-processed) parameters are not what the engine serves: a Check cannot read them
         self.agent.serves_its_tensors = self.landing.nbytes == 0
         self.agent.start()
         self.init_info = init_info
         log.info("refit: %s registered as %s rank %d of %s (%s; staging %s%s: %.1f MiB staged, %.1f MiB written in "
-                 "place)", self.agent.worker_id, init_info.group, who.rank, who.layout.describe(), who.spec.name,
+                 "place)", self.agent.worker_id, init_info.group, who.rank, layout.describe(), spec.name,
                  init_info.staging, f", phases of {self.landing.phase_layers} layers" if phased else "",
                  self.landing.nbytes / 2**20, self.landing.direct_nbytes / 2**20)
+        from refit.integrations.vllm import draft as drafts  # draft.py subclasses this engine
+
+        self.draft = drafts.attach(self, init_info, self.draft)
 
     def start_weight_update(self) -> None:
-        self._require_target()
-        self._require_init()
+        from refit.integrations.vllm import draft as drafts
+
+        engine = drafts.session_engine(self)  # a draft session: the drafter's agent, or refused here
+        engine._require_target()
+        engine._require_init()
 
     def finish_weight_update(self) -> None:
         pass
@@ -160,7 +184,7 @@ class RefitWeightTransferEngine(WeightTransferEngine[RefitInitInfo, RefitUpdateI
     def receive_weights(self, update_info: RefitUpdateInfo) -> None:
         self._require_target()
         agent, landing, info = self._require_init()
-        if update_info.atomic and info.staging != "atomic":
+        if update_info.atomic and info.staging != "atomic" and info.adapter is None:
             raise InvalidInput(f"refit: update_info atomic needs an engine that stages whole versions; this one "
                                f"was initialised with staging {info.staging!r}: init_weight_transfer_engine with "
                                f"init_info staging 'atomic'")
@@ -210,7 +234,13 @@ class RefitWeightTransferEngine(WeightTransferEngine[RefitInitInfo, RefitUpdateI
                  seconds, time.perf_counter() - t0)
 
     def update_weights(self, update_info: dict[str, Any]) -> None:
-        self.receive_weights(self.parse_update_info(update_info))
+        from refit.integrations.vllm import draft as drafts
+
+        engine = drafts.session_engine(self)  # vLLM retargets a draft session at the drafter
+        info = engine.parse_update_info(update_info)
+        engine.receive_weights(info)
+        if engine is self:
+            drafts.after_target(self, int(info.version))
         if self.device.type == "cuda":  # copies and re-processing are queued on the stream
             torch.cuda.synchronize(self.device)
 
@@ -245,6 +275,8 @@ class RefitWeightTransferEngine(WeightTransferEngine[RefitInitInfo, RefitUpdateI
         if self.agent is not None:
             # the weights stay (`self.holding`): a later init_transfer_engine registers holding them
             self.agent.stop()
+        if self.draft is not None:  # the drafter's agent too; its engine stays, holding its version
+            self.draft.shutdown()
         # the landing's staging (a whole shard with atomic staging) serves no later refit: a new
         # init_transfer_engine builds its own
         self.agent = self.landing = self.init_info = None
