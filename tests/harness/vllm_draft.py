@@ -23,7 +23,7 @@ from typing import Any
 import torch
 
 from tests.harness.procs import PipedProcess
-from tests.harness.vllm_rl import CTX, PROMPTS, _setup_process, _shutdown, make_llm, unprobe
+from tests.harness.vllm_rl import CTX, EngineProcess, PROMPTS, _setup_process, _shutdown, make_llm, unprobe
 
 SPEC_TOKENS = 3
 MAX_TOKENS = 32  # per prompt: enough drafts for an acceptance rate
@@ -265,9 +265,7 @@ def _engine_main(conn: Any, target_dir: str, llm_kwargs: dict[str, Any], coordin
             conn.send(("error", f"{type(e).__name__}: {e}\n{traceback.format_exc()[-3000:]}"))
 
 
-class SpecEngine(PipedProcess):
-    stop_timeout, join_timeout = 60.0, 30.0
-
+class SpecEngine(EngineProcess):
     def __init__(self, target_dir: str, draft_dir: str | None, coordinator: str | None = None,
                  init_info: dict[str, Any] | None = None, speculative: dict[str, Any] | None = None,
                  tp: int = 1) -> None:
@@ -275,18 +273,7 @@ class SpecEngine(PipedProcess):
         kwargs = spec_kwargs(draft_dir or "")
         if speculative is not None:
             kwargs["speculative_config"] = speculative
-        self.conn, child = CTX.Pipe()
-        self.proc = CTX.Process(target=_engine_main, args=(child, target_dir, kwargs, coordinator, init_info or {},
-                                                           tp))
-        self.proc.start()
-        assert self.conn.poll(600), "engine did not start"
-        status, value = self.conn.recv()
-        assert status == "ready", value
-
-    def ask(self, cmd: str, arg: Any = None, timeout: float = 300.0) -> tuple[str, Any]:
-        self.conn.send((cmd, arg))
-        assert self.conn.poll(timeout), f"engine: no answer to {cmd}"
-        return self.conn.recv()
+        self._spawn(_engine_main, target_dir, kwargs, coordinator, init_info or {}, tp)
 
     def get(self, cmd: str, arg: Any = None) -> Any:
         status, value = self.ask(cmd, arg)

@@ -15,8 +15,7 @@ import time
 import traceback
 from typing import Any
 
-from tests.harness.procs import PipedProcess
-from tests.harness.vllm_rl import CTX, PROMPTS, MAX_TOKENS, _setup_process, _shutdown, make_llm
+from tests.harness.vllm_rl import CTX, EngineProcess, PROMPTS, MAX_TOKENS, _setup_process, _shutdown, make_llm
 
 Answers = list[tuple[list[int], list[float]]]
 
@@ -75,21 +74,9 @@ def _engine_main(conn: Any, model_dir: str, tp: int, llm_kwargs: dict[str, Any])
             conn.send(("error", f"{type(e).__name__}: {e}\n{traceback.format_exc()[-1500:]}"))
 
 
-class LoraEngine(PipedProcess):
-    stop_timeout, join_timeout = 60.0, 30.0
-
+class LoraEngine(EngineProcess):
     def __init__(self, model_dir: str, tp: int = 1, **llm_kwargs: Any) -> None:
-        self.conn, child = CTX.Pipe()
-        self.proc = CTX.Process(target=_engine_main, args=(child, model_dir, tp, {"enable_lora": True, **llm_kwargs}))
-        self.proc.start()
-        assert self.conn.poll(600), "engine did not start"
-        status, value = self.conn.recv()
-        assert status == "ready", value
-
-    def ask(self, cmd: str, arg: Any = None, timeout: float = 300.0) -> tuple[str, Any]:
-        self.conn.send((cmd, arg))
-        assert self.conn.poll(timeout), f"engine: no answer to {cmd}"
-        return self.conn.recv()
+        self._spawn(_engine_main, model_dir, tp, {"enable_lora": True, **llm_kwargs})
 
     def generate(self, lora: tuple[str, int, str] | None) -> Answers:
         status, value = self.ask("generate", lora)

@@ -392,16 +392,15 @@ def _references_main(conn: Any, model_dirs: list[str], tp: int, ep: bool, suffix
     conn.send(("ok", out))
 
 
-class Engine(PipedProcess):
+class EngineProcess(PipedProcess):
+    """A vLLM engine in a spawned process, ``main(conn, *args)``: it answers "ready" once the
+    engine is up, then ``(status, value)`` to each command (`ask`)."""
+
     stop_timeout, join_timeout = 60.0, 30.0  # an engine shuts vLLM down first
 
-    def __init__(self, model_dir: str, tp: int = 1, ep: bool = False, coordinator: str | None = None,
-                 group: str = "engine", staging: str | dict[str, Any] | None = None,
-                 llm_kwargs: dict[str, Any] | None = None) -> None:
-        self.group = group
+    def _spawn(self, main: Any, *args: Any) -> None:
         self.conn, child = CTX.Pipe()
-        self.proc = CTX.Process(target=_engine_main, args=(child, model_dir, tp, ep, coordinator, group, staging,
-                                                           llm_kwargs))
+        self.proc = CTX.Process(target=main, args=(child, *args))
         self.proc.start()
         assert self.conn.poll(600), "engine did not start"
         status, value = self.conn.recv()
@@ -411,6 +410,14 @@ class Engine(PipedProcess):
         self.conn.send((cmd, arg))
         assert self.conn.poll(timeout), f"engine: no answer to {cmd}"
         return self.conn.recv()
+
+
+class Engine(EngineProcess):
+    def __init__(self, model_dir: str, tp: int = 1, ep: bool = False, coordinator: str | None = None,
+                 group: str = "engine", staging: str | dict[str, Any] | None = None,
+                 llm_kwargs: dict[str, Any] | None = None) -> None:
+        self.group = group
+        self._spawn(_engine_main, model_dir, tp, ep, coordinator, group, staging, llm_kwargs)
 
     def generate(self) -> list[tuple[list[int], list[float]]]:
         status, value = self.ask("generate")
