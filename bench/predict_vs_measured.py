@@ -46,8 +46,9 @@ class Case:
 
 
 CTRL = "round trip through the coordinator and agents: the control plane's ~4-6 ms is not modelled"
-ARENA = ("2026-11-22, packed arenas then the default: few big copies run near the 2.1 TB/s primitive, "
-         "faster than the model's same-GPU rate for framework allocations")
+BEFORE_TABLE = ("measured before 2026-11-27, when a one-GPU refit's same-GPU copies ran on the copy engines "
+                "(966-1316 GB/s); the model's rate is the table kernel's since")
+SAME_GPU = "Same-GPU refits at copy speed, 1× H200 (newest)"
 CASES = [
     Case("q30 tp2ep2→tp2 ipc", "qwen3-30b-moe", "megatron:tp2ep2", "vllm:tp2", 2, 40.35,
          "qwen3-30b-moe megatron:tp2ep2 → vllm:tp2, 2× H200, CUDA IPC (newest, framework)"),
@@ -62,15 +63,13 @@ CASES = [
          "qwen3-30b-moe … --via grpc (newest, data)"),
     Case("q30 tp2ep2→tp2 --via grpc, round trip", "qwen3-30b-moe", "megatron:tp2ep2", "vllm:tp2", 2, 46.18,
          "qwen3-30b-moe … --via grpc (newest, round trip)", why=CTRL),
-    Case("q8 tp1→tp1 --via grpc, data", "qwen3-8b", "megatron:tp1", "vllm:tp1", 1, 9.98,
-         "qwen3-8b megatron:tp1 → vllm:tp1, one H200, --via grpc (newest, data)",
-         why="one GPU, dense: a few big copies at ~1640 GB/s, faster than the one same-GPU rate (MoE-weighted)"),
-    Case("q8 tp1→tp1 --via grpc, round trip", "qwen3-8b", "megatron:tp1", "vllm:tp1", 1, 14.47,
-         "same section (newest, round trip)", why=CTRL),
-    Case("q8 tp1→tp1 direct bench", "qwen3-8b", "megatron:tp1", "vllm:tp1", 1, 12.46,
-         "same section (the direct bench)",
-         why="one GPU, dense: 83 big copies at 1316 GB/s; the model's one same-GPU rate (1100) sits between "
-             "dense and MoE"),
+    Case("q8 tp1→tp1 --via grpc, data", "qwen3-8b", "megatron:tp1", "vllm:tp1", 1, 8.67, SAME_GPU + ", --via grpc"),
+    Case("q8 tp1→tp1 --via grpc, round trip", "qwen3-8b", "megatron:tp1", "vllm:tp1", 1, 14.25,
+         "same section, --via grpc round trip", why=CTRL),
+    Case("q8 tp1→tp1 one GPU", "qwen3-8b", "megatron:tp1", "vllm:tp1", 1, 8.52, SAME_GPU),
+    Case("q30 tp1→tp1 one GPU", "qwen3-30b-moe", "megatron:tp1", "vllm:tp1", 1, 30.92, SAME_GPU),
+    Case("q235 --layers 8 tp1→tp1 one GPU", "qwen3-235b-moe", "megatron:tp1", "vllm:tp1", 1, 21.60, SAME_GPU,
+         layers=8),
     Case("q30 tp4ep4→tp4 ipc", "qwen3-30b-moe", "megatron:tp4ep4", "vllm:tp4", 4, 30.50,
          "qwen3-30b-moe megatron:tp4ep4 → vllm:tp4, 4× H200, CUDA IPC (newest)"),
     Case("q30 tp4ep4→tp4 ipc --alloc arena", "qwen3-30b-moe", "megatron:tp4ep4", "vllm:tp4", 4, 32.70,
@@ -97,18 +96,10 @@ CASES = [
          "One direction and one GPU: tp1 → tp1 (newest)", transport="nccl", placement="disaggregated"),
     Case("q8 tp1→tp1 disaggregated ipc", "qwen3-8b", "tp1", "tp1", 2, 43.6,
          "same section, 2026-11-22 (copy-engine executor)", placement="disaggregated"),
-    Case("q30 tp1→tp1 one GPU (2026-11-22)", "qwen3-30b-moe", "tp1", "tp1", 1, 39.3,
-         "same section, 2026-11-22 (copy-engine executor)", why=ARENA),
-    Case("q30 --layers 20 tp1→tp1 one GPU", "qwen3-30b-moe", "megatron:tp1", "vllm:tp1", 1, 27.08,
-         "same section, 2026-11-24", layers=20),
+    Case("q30 --layers 20 tp1→tp1 one GPU (2026-11-24)", "qwen3-30b-moe", "megatron:tp1", "vllm:tp1", 1, 27.08,
+         "same section, 2026-11-24", layers=20, why=BEFORE_TABLE),
     Case("q8 tp1→tp2 colocated ipc", "qwen3-8b", "megatron:tp1", "vllm:tp2", 2, 24.2,
          "same section, 2026-11-22 (copy-engine executor)"),
-    Case("q8 tp1→tp1 one GPU (fp8 section, bf16)", "qwen3-8b", "tp1", "tp1", 1, 12.45,
-         "Quantizing on the wire: FP8 engines, one H200 (bf16 row)",
-         why="one GPU, dense: 83 big copies at 1316 GB/s; the model's one same-GPU rate (1100) sits between "
-             "dense and MoE"),
-    Case("q30 tp1→tp1 one GPU (fp8 section, bf16)", "qwen3-30b-moe", "tp1", "tp1", 1, 62.53,
-         "same section (bf16 row)"),
     Case("q8 --layers 8 hf→hf, Client.refit (H100)", "qwen3-8b", "hf", "hf", 1, 9.23,
          "Dtype casts: … one H100 (bf16 trainer)", layers=8, hw="h100-nvl8", why=CTRL),
     Case("q30 --layers 8 hf→hf, Client.refit (H100)", "qwen3-30b-moe", "hf", "hf", 1, 13.80,

@@ -81,20 +81,21 @@ class Hardware:
 # Calibrated on 2x and 4x H200 (bench/RESULTS.md, docs/performance.md): copy engines in rounds
 # 383-390 GB/s inbound per GPU; a refit's remote bytes over CUDA IPC at 338-376 GB/s per GPU
 # (0.87-0.97 of it: 360 taken); over NCCL 297-305 GB/s beside the refit's own copies (303 taken;
-# 277 with 256 MiB buckets, not modelled); same-GPU copies inside refits 1316 GB/s (dense
-# qwen3-8b, 83 big copies) and 966-976 GB/s (qwen3-30b-moe, ~130 copy-engine memcpys per layer)
-# against 2131 GB/s for one big device copy: 1100 taken, between the two (the model has no
-# per-copy term).  NICs: 8x 400 Gb/s per host, one per GPU, 50 GB/s line rate, x NIC_EFFICIENCY.
+# 277 with 256 MiB buckets, not modelled); same-GPU copies inside one-GPU refits, one table
+# kernel since 2026-11-27, 1923-1975 GB/s (qwen3-8b, qwen3-30b-moe, qwen3-235b-moe's shapes,
+# framework allocations) against 2088-2125 GB/s for one big device copy in the same runs: 1950
+# taken (before, on the copy engines, 966-1316 GB/s).  Where peer copies run beside them, the
+# peer term sets the time.  NICs: 8x 400 Gb/s per host, one per GPU, 50 GB/s line rate, x NIC_EFFICIENCY.
 # Overhead: the 2- and 4-GPU refits end ~0.3 ms after their last peer copy.
 H200_NVL8 = Hardware(
     name="h200-nvl8", gpus_per_host=8, ipc_link_gbs=360.0, nccl_link_gbs=303.0,
-    nic_gbs=50.0 * NIC_EFFICIENCY, same_gpu_gbs=1100.0, overhead_s=0.3e-3,
+    nic_gbs=50.0 * NIC_EFFICIENCY, same_gpu_gbs=1950.0, overhead_s=0.3e-3,
     notes="8x H200 per host, NVLink 4 (NV18) between them, 8x 400 Gb/s NICs per host")
 # H100 SXM: the same NVLink 4 and NICs (link rates taken from the H200 runs, not measured on H100);
 # HBM3 at 3.35 TB/s against the H200's 4.8, so same-GPU copies scaled by 3.35 / 4.8.
 H100_NVL8 = Hardware(
     name="h100-nvl8", gpus_per_host=8, ipc_link_gbs=360.0, nccl_link_gbs=303.0,
-    nic_gbs=50.0 * NIC_EFFICIENCY, same_gpu_gbs=round(1100.0 * 3.35 / 4.8, 1), overhead_s=0.3e-3,
+    nic_gbs=50.0 * NIC_EFFICIENCY, same_gpu_gbs=round(1950.0 * 3.35 / 4.8, 1), overhead_s=0.3e-3,
     notes="8x H100 SXM per host, NVLink 4 (NV18) between them, 8x 400 Gb/s NICs per host")
 HARDWARE: dict[str, Hardware] = {h.name: h for h in (H200_NVL8, H100_NVL8)}
 
