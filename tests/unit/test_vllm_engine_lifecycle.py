@@ -67,6 +67,18 @@ def test_shutdown_releases_the_staging() -> None:
         engine.staging_report()
 
 
+def test_a_bad_adapter_init_info_leaves_the_registered_agent() -> None:
+    """A malformed ``init_info["adapter"]`` is refused before the engine drops the agent it holds."""
+    from refit.errors import RefitError
+    from refit.integrations.vllm.engine import RefitInitInfo
+
+    engine = make_engine()
+    held = engine.agent = SimpleNamespace(stop=lambda: pytest.fail("the registered agent was stopped"))
+    with pytest.raises(RefitError, match="init_info adapter"):
+        engine.init_transfer_engine(RefitInitInfo(adapter={"name": "policy", "id": 0, "r": 8}))
+    assert engine.agent is held
+
+
 @pytest.mark.parametrize("setting,message", [
     ({"enable_eplb": True}, r"expert-parallel load balancing \(enable_eplb\) is not supported"),
     ({"prefill_context_parallel_size": 2}, r"prefill context parallel \(pcp2\) is not supported"),

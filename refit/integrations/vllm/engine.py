@@ -53,7 +53,7 @@ from refit.errors import InvalidInput, RefitFailed
 from refit.integrations.vllm.config import identify
 from refit.integrations.vllm import sleep
 from refit.integrations.vllm.landing import Landing, check_options
-from refit.integrations.vllm.lora_slot import AdapterLanding
+from refit.integrations.vllm.lora_slot import AdapterLanding, adapter_of
 
 log = logging.getLogger(__name__)
 
@@ -139,6 +139,8 @@ class RefitWeightTransferEngine(WeightTransferEngine[RefitInitInfo, RefitUpdateI
     # ------------------------------------------------------------------ lifecycle
     def init_transfer_engine(self, init_info: RefitInitInfo) -> None:
         check_options(init_info.staging, init_info.window_layers)  # before dropping a registered agent
+        if init_info.adapter is not None:
+            adapter_of(init_info.adapter)  # its fields too (what the engine can hold is checked once built)
         if self.agent is not None:
             self.shutdown()
         # Registered again over weights a failed refit may have torn: stale whatever outcomes say
