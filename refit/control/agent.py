@@ -418,18 +418,15 @@ class Agent(AgentStream):
         played = self._plays.get(plan.plan_hash)
         if played == rank:
             return
-        self._plays[plan.plan_hash] = rank
-        if mine == self.layout.describe() and rank == self.rank:
-            if played is not None:  # it played another rank of this plan before
-                self.data_plane.prepare(plan, rank)
-            return
-        self._plays.pop(plan.plan_hash)
-        other = resolve_layout(mine, self.spec, self.role.end) if mine != self.layout.describe() else self.layout
-        if not interchangeable(self.spec, self.layout, self.rank, other, rank):
-            raise InvalidInput(f"plan is for {plan.model_digest} {mine} and has this worker play its rank {rank}; "
-                               f"this worker holds {self.spec.digest()} {self.layout.describe()} rank {self.rank}, "
-                               f"whose tensors differ")
-        self.data_plane.prepare(plan, rank)
+        own = mine == self.layout.describe() and rank == self.rank
+        if not own:
+            other = resolve_layout(mine, self.spec, self.role.end) if mine != self.layout.describe() else self.layout
+            if not interchangeable(self.spec, self.layout, self.rank, other, rank):
+                raise InvalidInput(f"plan is for {plan.model_digest} {mine} and has this worker play its rank {rank}; "
+                                   f"this worker holds {self.spec.digest()} {self.layout.describe()} rank {self.rank}, "
+                                   f"whose tensors differ")
+        if not own or played is not None:  # `_plan` prepared its own rank; another was played since
+            self.data_plane.prepare(plan, rank)
         self._plays[plan.plan_hash] = rank
 
     def _on_outcome(self, out: pb.Outcome) -> None:

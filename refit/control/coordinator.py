@@ -310,7 +310,7 @@ class Coordinator:
         rows = [w for w in self.workers.values() if w.info.group == entry.dst_group and w.shape == entry.dst_shape]
         if not rows:
             raise InvalidInput(f"no engine of plan {entry.plan_id}'s group {entry.dst_group!r} is registered")
-        return engine_view(rows, rows[0].spec, self.drop_after, set(only) if only is not None else None)
+        return engine_view(rows, rows[0].spec, self.drop_after, only)
 
     async def _take_view(self, run: Run, deadline: float) -> pb.RefitResponse | None:
         """Point an elastic plan at the replicas there now (planning their layout the first time

@@ -23,7 +23,7 @@ from __future__ import annotations
 
 import time
 from dataclasses import dataclass
-from typing import TYPE_CHECKING, Iterable
+from typing import TYPE_CHECKING, Collection, Iterable
 
 from refit.errors import InvalidInput
 from refit.layouts import Layout, resolve_layout
@@ -70,7 +70,7 @@ class View:
 
 
 def engine_view(engines: Iterable["Worker"], spec: ModelSpec, drop_after: float | None,
-                only: set[int] | None = None, now: float | None = None) -> View:
+                only: Collection[int] | None = None, now: float | None = None) -> View:
     """The view of an elastic group's registered engines (rows of one group, one replica shape):
     whole replicas whose ranks are connected or gone for at most ``drop_after`` seconds (None:
     never dropped); ``only``: just these replica indices (a catch-up).  Raises `InvalidInput`
