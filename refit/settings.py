@@ -102,6 +102,9 @@ KNOBS: tuple[Knob, ...] = (
               "in one call, `all` pitched blocks too (a gain on 2 GPUs, a loss on 4: opt-in)"),
     Knob("REFIT_TRACE", "0", "process", convert=_flag, form="1 or 0", see=PERF,
          what="log each GPU's timeline after every refit (CUDA events around each copy batch and NCCL step)"),
+    Knob("REFIT_CONTROL_TRACE", "", "process", form="a path prefix", see="docs/control-plane.md#where-the-control-time-goes",
+         what="append each refit's control-plane steps (client, coordinator, agents, barriers) with their "
+              "monotonic clock to the file PREFIX.PID; `bench/probes/control_breakdown.py` reads them"),
     Knob("REFIT_ADDRESS", "", "process", form="HOST:PORT", see="docs/control-plane.md",
          what="the coordinator that clients, agents, `attach` and the vLLM backend reach when the code names "
               "none (else 127.0.0.1:50051)"),
@@ -139,6 +142,7 @@ class Settings:
     table_blocks: tuple[int, int, int]
     batch_memcpy: str
     trace: bool
+    control_trace: str
     address: str
     token: str = dataclasses.field(repr=False)  # "" when unset
     uvloop: bool

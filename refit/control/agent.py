@@ -50,6 +50,7 @@ from refit.executor.values import int_view
 from refit.layouts import Layout, resolve_layout
 from refit.plan import Plan
 from refit.spec import ModelSpec
+from refit.timeline import mark
 
 log = logging.getLogger(__name__)
 
@@ -228,6 +229,7 @@ class Agent(AgentStream):
 
     # ------------------------------------------------------------------ refits
     async def _on_run(self, run: pb.RunRefit) -> None:
+        mark(f"{self.role.value}: RunRefit received")
         if (self.expects_refits or self._expected.value is not None) and not run.check_only:  # a check writes nothing
             # The stream reader waits too: nothing else is due on it before this worker answers.
             grace = min(self.EXPECT_GRACE, run.timeout_seconds)
@@ -294,6 +296,7 @@ class Agent(AgentStream):
             self._share_ended()
         try:
             await self._write(result)
+            mark(f"{self.role.value}: result sent")
         except Exception as e:  # the stream is gone; the coordinator already counts us out
             log.info("%s: could not report refit %s: %s", self.worker_id, result.result.refit_id, e)
 
@@ -317,7 +320,9 @@ class Agent(AgentStream):
                     raise InvalidInput(f"{self.worker_id} writes in place and cannot take an atomic refit")
                 tensors = self._staging(live)
             in_plane = True
+            mark(f"{self.role.value}: data plane entered")
             nbytes, seconds = self.data_plane.run(plan, tensors, ctx)
+            mark(f"{self.role.value}: data plane left")
             checksums = self.data_plane.checksums(plan) if ctx.verify else {}
             if ctx.atomic and self.role is Side.ENGINE:
                 self._staged = (ctx.refit_id, ctx.version, tensors, live)
@@ -430,6 +435,7 @@ class Agent(AgentStream):
         self._plays[plan.plan_hash] = rank
 
     def _on_outcome(self, out: pb.Outcome) -> None:
+        mark(f"{self.role.value}: outcome received")
         staged, self._staged = self._staged, None
         if staged is not None and staged[0] == out.refit_id and out.committed and out.refit_id == self._last_refit:
             # an atomic refit commits: the outcome is heard once the tensors switched

@@ -50,6 +50,7 @@ from refit.errors import InvalidInput
 from refit.plan import DEFAULT_BUCKET_BYTES
 from refit.planners import PLANNERS, make_plan
 from refit.spec import ModelSpec
+from refit.timeline import mark
 
 log = logging.getLogger(__name__)
 
@@ -230,6 +231,7 @@ class Coordinator:
                     verify: bool = False) -> pb.RefitResponse:
         """Run plan ``plan_id`` for ``version`` (see the module docstring).  ``atomic``: all or none
         across the engines (`_switch`); ``verify``: compare both ends' checksum of every transfer."""
+        mark("coordinator: Refit received")
         if not 0 < version <= MAX_VERSION:
             raise InvalidInput(f"version must be in [1, {MAX_VERSION}], got {version}")
         if timeout < 0:
@@ -406,8 +408,11 @@ class Coordinator:
         run.reserve(members)
         self._runs[run.refit_id] = run
         try:
+            mark("coordinator: dispatching")
             await self._dispatch(run, deadline)
+            mark("coordinator: dispatched")
             results = await self._collect(run, deadline)
+            mark("coordinator: every result in")
         finally:
             del self._runs[run.refit_id]
         return await self._finish(run, results, deadline)
@@ -529,6 +534,7 @@ class Coordinator:
             sends = [self._spawn(self._send(w, msg)) for w in targets if w.connected]
             if sends:
                 await asyncio.wait(sends, timeout=min(1.0, max(0.02, deadline - time.monotonic())))
+        mark("coordinator: outcome sent")
         resp.atomic = run.atomic
         self.events.publish(pb.RefitEvent(kind=pb.RefitEvent.KIND_FINISHED, refit_id=run.refit_id,
                                           plan_id=entry.plan_id, version=run.version, done=run.done,

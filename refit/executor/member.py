@@ -51,6 +51,7 @@ from refit.layouts.quantized import QuantizedLayout, scale_table
 from refit.quantization import is_quantized, quant_format
 from refit.plan import WHOLE, Plan
 from refit.spec import ModelSpec
+from refit.timeline import mark
 
 log = logging.getLogger("refit.executor")
 
@@ -309,7 +310,9 @@ class Member:
             if self.cuda:  # a trainer's step, or an engine's last use (its previous on_phase), is finished
                 self.device.synchronize()
             where = f"phase {key} " if phased else "refit "
+            mark(f"{self.name}: at the start barrier")
             asked = self.barrier(where + "start", remaining, flag=float(rebuild and i == 0))
+            mark(f"{self.name}: past the start barrier")
             if asked:
                 raise Rebuild(f"{self.name}: a member's tensors moved since the plan's members were built")
             if started and i == 0:
@@ -323,7 +326,9 @@ class Member:
             elif first_hook:
                 first_hook()
             seconds += time.perf_counter() - t0
+            mark(f"{self.name}: at the end barrier")
             self.barrier(where + "end", remaining)
+            mark(f"{self.name}: past the end barrier")
             if on_phase:
                 remaining()  # an abandoned refit applies nothing more
                 on_phase(key)

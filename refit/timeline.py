@@ -1,0 +1,35 @@
+"""Where a refit's control time goes: timestamps of its steps in every process, when asked.
+
+A refit driven through the control plane crosses four processes' worth of steps — the caller's
+``Refit`` call, the coordinator's dispatch and collection, each agent's hand-off to its data plane,
+the members' start and end barriers — and the time between them is what ``refit-bench --via grpc``
+reports as "control + barriers".  With ``REFIT_CONTROL_TRACE=PREFIX`` each process appends one line
+per step, ``<CLOCK_MONOTONIC ns> <step>``, to ``PREFIX.<pid>``; every process of one host reads the
+same clock, so the files merge into one timeline (`bench/probes/control_breakdown.py` does, and
+prints each step's median offset from the call).  Unset, `mark` costs one attribute read.
+"""
+
+from __future__ import annotations
+
+import os
+import threading
+import time
+from typing import TextIO
+
+from refit import settings
+
+_lock = threading.Lock()
+_files: dict[int, TextIO] = {}  # by pid: a forked child opens its own
+
+
+def mark(step: str) -> None:
+    """Record that this process reached ``step`` now (only under ``REFIT_CONTROL_TRACE``)."""
+    prefix = settings.current().control_trace
+    if not prefix:
+        return
+    ns, pid = time.monotonic_ns(), os.getpid()
+    with _lock:
+        f = _files.get(pid)
+        if f is None:
+            f = _files[pid] = open(f"{prefix}.{pid}", "a", buffering=1)  # a line at a time: nothing lost at exit
+        f.write(f"{ns} {step}\n")
