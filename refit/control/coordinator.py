@@ -302,10 +302,8 @@ class Coordinator:
             view = self._view(entry)
         except InvalidInput:
             return frozenset()
-        tp = len(view.engines) // len(view.replicas)
-        return frozenset(idx for i, idx in enumerate(view.replicas)
-                         if any(w.version < version for w in view.engines[i * tp:(i + 1) * tp])
-                         and all(w.connected for w in view.engines[i * tp:(i + 1) * tp]))
+        return frozenset(idx for idx, engines in view.by_replica().items()
+                         if any(w.version < version for w in engines) and all(w.connected for w in engines))
 
     def _view(self, entry: PlanEntry, only: frozenset[int] | None = None) -> View:
         """The whole replicas of an elastic plan's engine group (`refit.control.membership`)."""

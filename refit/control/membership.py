@@ -68,6 +68,11 @@ class View:
     def members(self) -> tuple[str, ...]:
         return tuple(w.worker_id for w in self.engines)
 
+    def by_replica(self) -> dict[int, tuple["Worker", ...]]:
+        """The engines of each of the view's replicas, by replica index (tp ranks in order)."""
+        tp = len(self.engines) // len(self.replicas)
+        return {idx: self.engines[i * tp:(i + 1) * tp] for i, idx in enumerate(self.replicas)}
+
 
 def engine_view(engines: Iterable["Worker"], spec: ModelSpec, drop_after: float | None,
                 only: Collection[int] | None = None, now: float | None = None) -> View:

@@ -183,6 +183,8 @@ def test_engine_view_and_interchangeable() -> None:
     rows = [Row(r) for r in (0, 1, 2, 3, 4)]  # replica 2 lacks its rank 5
     view = engine_view(rows, spec, 10.0, now=now)
     assert view.replicas == (0, 1) and view.members == ("e/0", "e/1", "e/2", "e/3") and view.left_out == ("e/4",)
+    assert {idx: [w.worker_id for w in ws] for idx, ws in view.by_replica().items()} == {0: ["e/0", "e/1"],
+                                                                                        1: ["e/2", "e/3"]}
     rows[1] = Row(1, connected=False, left_at=now - 20)
     view = engine_view(rows, spec, 10.0, now=now)
     assert view.replicas == (1,) and view.layout.describe() == "vllm:tp2"
