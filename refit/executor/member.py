@@ -10,7 +10,8 @@ whole sequence:
 4. sharing: what a device's driver must read is exported once, as plain data through the store
    (`refit.executor.handles`) — a passive member's shards, and with ipc every source shard — and
    each driver maps the peers' shards of its devices (and with ipc every source shard);
-5. the control group (barriers) over all members and the data communicator over the drivers;
+5. the control group (gloo) over all members and the data communicator over the drivers; members
+   on one host with GPUs meet at the refit barriers in shared memory (`refit.executor.shm_barrier`);
 6. per plan (`prepare`): compile the schedule, allocate gather tensors, bind (drivers only) —
    one program per phase of a phased plan (`refit.phases`), all over one set of staging buffers;
 7. per refit (`refit`): barrier, replay, barrier — per phase, then the phase's ``on_phase``;
@@ -43,6 +44,7 @@ from refit.executor.device import Device, enable_peer_access, make_device
 from refit.executor.schedule import compile_program
 from refit.executor.shards import Shards, allocate, check_own, remove_file, views
 from refit.executor.shared_blocks import SharedQuantizer, allocate_derived
+from refit.executor.shm_barrier import ShmBarrier
 from refit.executor.topology import Endpoint, Topology
 from refit.executor.transports import (Comm, PeerError, export_arena, export_tensors, first_line, gloo_group,
                                        import_share, make_comm, ended, retire)
@@ -153,13 +155,18 @@ class Member:
             self.tensors[ep] = self._import(ep)
 
         self.abandoned: list[dist.Work] = []  # barriers left unfinished: the control group still runs them
+        # one host (ipc): the refit barriers meet in shared memory (`refit.executor.shm_barrier`)
+        self.shm_barrier: ShmBarrier | None = self._offer_shm_barrier() if ipc else None
         try:
             self.ctl: dist.ProcessGroupGloo | None = gloo_group(
                 dist.PrefixStore("ctl", self.store), member, len(topology.members), remaining(), host)
         except RuntimeError as e:
+            self._drop_shm_barrier()
             raise PeerError(f"building the control group of {len(topology.members)} members: {first_line(e)}") from None
         try:
             self.barrier("setup", remaining)
+            if ipc:
+                self._agree_shm_barrier()
             self.shared = self._agree_shared(derived, remaining)
         except BaseException:  # nobody will close a member never built: let its group go now
             self._retire_ctl()
@@ -181,6 +188,44 @@ class Member:
         self.gathers: list[Shards] = []
         log.info("%s: member %d, device %s, %s, drives %s", self.name, member, device,
                  ("ipc push" if self.push else "ipc") if ipc else "communicator", sorted(driven) or "nothing")
+
+    def _offer_shm_barrier(self) -> ShmBarrier | None:
+        """Map the members' shared barrier (member 0 creates it) and say in the store whether
+        this member could; `_agree_shm_barrier` decides, after the setup barrier."""
+        barrier = None
+        try:
+            if not self.cuda:  # CPU runs keep gloo, whose errors name a peer that died at once
+                raise OSError("not a CUDA member")
+            if self.member == 0:
+                barrier = ShmBarrier(ShmBarrier.new_path(), 0, len(self.topo.members), create=True)
+                self.store.set("barrier/shm", barrier.path)
+            else:
+                path = self.store.get("barrier/shm").decode()
+                barrier = ShmBarrier(path, self.member, len(self.topo.members), create=False) if path else None
+        except OSError as e:  # no /dev/shm shared with the others (another container?): gloo, as before
+            log.info("%s: refit barriers over gloo: the shared barrier cannot be mapped here (%s)", self.name, e)
+            if self.member == 0:
+                self.store.set("barrier/shm", "")
+        self.store.set(f"barrier/ok/{self.member}", "1" if barrier is not None else "0")
+        return barrier
+
+    def _agree_shm_barrier(self) -> None:
+        """Keep the shared barrier only if every member mapped it (each said so before the setup
+        barrier); member 0 then removes its name, so nothing is left behind however the run ends."""
+        keys = [f"barrier/ok/{m}" for m in range(len(self.topo.members))]
+        multi_get = getattr(self.store, "multi_get", None)
+        oks = multi_get(keys) if multi_get is not None else [self.store.get(k) for k in keys]
+        if self.member == 0 and self.shm_barrier is not None:
+            self.shm_barrier.unlink()
+        if not all(v == b"1" for v in oks):
+            self._drop_shm_barrier()
+
+    def _drop_shm_barrier(self) -> None:
+        barrier, self.shm_barrier = self.shm_barrier, None
+        if barrier is not None:
+            if self.member == 0:
+                barrier.unlink()
+            barrier.close()
 
     def _derive(self, own: Mapping[Endpoint, Own]) -> tuple[dict[Endpoint, Own], dict[int, dict[str, torch.Tensor]]]:
         """``own`` with the tensors its source ranks derive from local tensors that cut FP8
@@ -342,6 +387,11 @@ class Member:
         refit, costs no store call).  A barrier given up stays posted in the control group until
         its own timeout (the refit's deadline): it is kept in ``self.abandoned`` so that `close`
         does not wait for it."""
+        if self.shm_barrier is not None:
+            if self.ctl is None:
+                raise RefitFailed(f"{self.name}: {what} barrier after close")
+            self.rounds += 1
+            return float(self.shm_barrier.wait(self.rounds, bool(flag), lambda: self._left(what, remaining)))
         flags = torch.full((1,), flag)
         self._reduce(what, flags, dist.ReduceOp.SUM, remaining)
         return float(flags.item())
@@ -385,9 +435,13 @@ class Member:
             raise TimeoutError(f"timed out at the {what} barrier; {self._absent()}") from None
 
     def _absent(self) -> str:
-        """Which members have not reached the current barrier (asked of the store)."""
+        """Which members have not reached the current barrier (asked of the shared barrier or
+        of the store)."""
         try:
-            missing = [self.names[m] for m in range(len(self.topo.members)) if not self._arrived(m)]
+            if self.shm_barrier is not None:
+                missing = [self.names[m] for m in self.shm_barrier.absent(self.rounds)]
+            else:
+                missing = [self.names[m] for m in range(len(self.topo.members)) if not self._arrived(m)]
         except Exception as e:  # the store itself is gone: say so rather than guess
             return f"could not ask the store who is missing ({first_line(e)})"
         return f"waiting on {', '.join(missing)} (never reached it)" if missing else "every member reached it"
@@ -428,3 +482,4 @@ class Member:
         if ctl is not None:
             retire(ctl, self.abandoned, f"{self.name}: control group")
         self.abandoned = []
+        self._drop_shm_barrier()
