@@ -16,7 +16,9 @@ reader never sees half of it.  Two lines, because a member that passed round ``r
 one arrives at ``r + 1``.  A waiter spins for its first `SPIN_S`, then sleeps in short naps (longer
 ones after `NAP_AFTER_S`, to leave the cores to the work it waits for), and asks ``remaining``
 every `CHECK_S`: a refit abandoned or past its deadline ends the wait, and the slots name who never
-arrived.
+arrived.  A member that dies is not seen in the slots (gloo's broken connection said so at once):
+its agent's stream closes, the coordinator abandons the refit, and ``remaining`` ends the others'
+waits; under `refit-bench` without agents, the launcher names the dead worker and stops the rest.
 """
 
 from __future__ import annotations
