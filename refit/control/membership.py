@@ -44,9 +44,23 @@ def one_replica(layout: Layout) -> str:
     return layout.with_replicas(1).describe()
 
 
+_RESOLVED: dict[tuple[str, int, int], tuple[ModelSpec, Layout]] = {}  # `layout_with`'s, by (layout, n, id(spec))
+_RESOLVED_MAX = 64
+
+
 def layout_with(layout: Layout, n: int, spec: ModelSpec) -> Layout:
-    """The resolved layout of ``n`` replicas of ``layout``'s kind."""
-    return resolve_layout(layout.with_replicas(n).describe(), spec, "dst")
+    """The resolved layout of ``n`` replicas of ``layout``'s kind.  Cached: the coordinator asks
+    for its elastic plans' views a few times per refit, and parsing and resolving a layout costs
+    more than the rest of a view (the cache holds the spec, so its id stays its own)."""
+    key = (layout.describe(), n, id(spec))
+    hit = _RESOLVED.get(key)
+    if hit is not None and hit[0] is spec:
+        return hit[1]
+    if len(_RESOLVED) >= _RESOLVED_MAX:
+        _RESOLVED.clear()
+    resolved = resolve_layout(layout.with_replicas(n).describe(), spec, "dst")
+    _RESOLVED[key] = (spec, resolved)
+    return resolved
 
 
 def interchangeable(spec: ModelSpec, a: Layout, a_rank: int, b: Layout, b_rank: int) -> bool:
