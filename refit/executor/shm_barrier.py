@@ -23,10 +23,10 @@ waits; under `refit-bench` without agents, the launcher names the dead worker an
 
 from __future__ import annotations
 
+import ctypes
 import mmap
 import os
 import secrets
-import struct
 import time
 from typing import Callable
 
@@ -34,7 +34,6 @@ LINE = 64  # bytes per slot: one cache line
 SPIN_S = 200e-6  # spin this long before the first nap (members of one refit arrive within it)
 NAP_S, LONG_NAP_S, NAP_AFTER_S = 20e-6, 200e-6, 0.02
 CHECK_S = 0.01  # how often a waiter asks ``remaining`` (the refit abandoned? past its deadline?)
-_WORD = struct.Struct("<q")
 
 
 class ShmBarrier:
@@ -52,23 +51,24 @@ class ShmBarrier:
             self.mem = mmap.mmap(fd, size)
         finally:
             os.close(fd)
+        # ctypes reads and writes each word with one aligned 8-byte load or store (struct's
+        # little-endian formats go byte by byte, and a reader could see half a word)
+        self.words = [[ctypes.c_int64.from_buffer(self.mem, (2 * m + parity) * LINE) for parity in (0, 1)]
+                      for m in range(members)]
 
     @staticmethod
     def new_path() -> str:
         """An unguessable name in ``/dev/shm`` for member 0 to create."""
         return f"/dev/shm/refit-barrier-{secrets.token_hex(8)}"
 
-    def _offset(self, member: int, round_: int) -> int:
-        return (2 * member + round_ % 2) * LINE
-
     def _word(self, member: int, round_: int) -> int:
-        return _WORD.unpack_from(self.mem, self._offset(member, round_))[0]
+        return self.words[member][round_ % 2].value
 
     def wait(self, round_: int, flag: bool, remaining: Callable[[], float]) -> int:
         """Arrive at round ``round_`` with ``flag`` and wait for every member; returns how many
         members raised their flag.  ``remaining`` raises to give up (the caller names who is
         missing with `absent`)."""
-        _WORD.pack_into(self.mem, self._offset(self.member, round_), round_ << 1 | int(flag))
+        self.words[self.member][round_ % 2].value = round_ << 1 | int(flag)
         start = time.perf_counter()
         checked = start
         while True:
@@ -95,4 +95,5 @@ class ShmBarrier:
             pass
 
     def close(self) -> None:
+        self.words = []  # the views first: a mapping with views into it cannot close
         self.mem.close()
