@@ -7,9 +7,11 @@ multi-head latent attention (MLA); GLM-4.5 keeps GQA with a qkv bias and partial
 the first half of each head, which changes no tensor's shape or order).
 
 Multi-token-prediction (MTP) layers — ``num_nextn_predict_layers`` extra decoder layers stored as
-``model.layers.{num_hidden_layers + i}.*`` — are *not moved*: vLLM's main model skips them
-(``get_spec_layer_idx_from_weight_name``) and holds them only in its MTP drafter.  They are not
-canonical tensors; `ModelSpec.not_moved` names them and checkpoint checks accept them.
+``model.layers.{num_hidden_layers + i}.*`` — are *not moved with the target*: vLLM's main model
+skips them (``get_spec_layer_idx_from_weight_name``) and holds them only in its MTP drafter.  They
+are not canonical tensors of the target; `ModelSpec.not_moved` names them and checkpoint checks
+accept them.  The drafter's own spec (``ModelConfig.drafter == "mtp"``, `refit.drafters`) holds
+them, refitted into the engine's drafter in the same version.
 """
 
 from __future__ import annotations
@@ -118,9 +120,15 @@ def mtp_layer_of(cfg: Any, name: str) -> int | None:
 
 def not_moved(cfg: Any) -> tuple[str, ...]:
     """What a checkpoint of this model may hold that refit does not move, said plainly."""
+    if getattr(cfg, "drafter", ""):  # a drafter's own spec: what the target's refit moves instead
+        from refit.drafters import shared_with_target
+
+        return shared_with_target(cfg)
     if not cfg.num_mtp_layers:
         return ()
     lo, hi = cfg.num_layers, cfg.num_layers + cfg.num_mtp_layers - 1
     where = f"model.layers.{lo}.*" if lo == hi else f"model.layers.{lo}..{hi}.*"
+    # (this text is part of plan summaries, whose hashes tests/unit/test_plan_stability.py pins;
+    # the MTP drafter's own spec holds these layers: refit.drafters)
     return (f"{where}: {cfg.num_mtp_layers} multi-token-prediction layer(s) (num_nextn_predict_layers) are not "
             f"moved; vLLM's main model skips them and holds them only in its MTP drafter",)

@@ -86,6 +86,9 @@ class ModelConfig:
     lora_rank: int = 0
     lora_targets: str = ""
     lora_scaling: float = 0.0
+    # a speculative drafter trained beside the policy (refit/drafters.py): "mtp" (the MTP layers of
+    # this config's model) or "eagle" (an EAGLE head of this config); "" for the model itself
+    drafter: str = ""
 
     @property
     def is_mla(self) -> bool:
@@ -286,6 +289,11 @@ def build_spec(name: str, cfg: ModelConfig) -> ModelSpec:
         if cfg.quantization:
             raise InvalidInput(f"adapter of {name}: LoRA adapters are moved unquantized")
         adapter_tensors(cfg, per_layer)
+        return ModelSpec(name, cfg, tuple(out))
+    if cfg.drafter:  # MTP layers or an EAGLE head alone (refit/drafters.py)
+        from refit.drafters import drafter_tensors
+
+        drafter_tensors(cfg, per_layer, lambda n, shape: out.append(TensorSpec(n, shape, dt)))
         return ModelSpec(name, cfg, tuple(out))
     out.append(TensorSpec("model.embed_tokens.weight", (cfg.vocab_size, H), dt))
 

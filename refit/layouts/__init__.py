@@ -100,6 +100,9 @@ def parse_layout(text: str, role: Literal["src", "dst"] = "src") -> Layout:
     return cls(**values)  # type: ignore[call-arg]
 
 
+DRAFTER_FRAMEWORKS = ("hf", "vllm")  # the layouts of MTP / EAGLE drafter specs (refit.drafters)
+
+
 def resolve_layout(text: str | Layout, spec: ModelSpec, role: Literal["src", "dst"] = "src") -> Layout:
     """The layout, resolved against the model (every degree derived, the split checked).  Raises
     `refit.InvalidInput` when the model cannot be split that way, with the numbers."""
@@ -109,4 +112,8 @@ def resolve_layout(text: str | Layout, spec: ModelSpec, role: Literal["src", "ds
         layout = QuantizedLayout(layout, spec.config.quantization, shares_blocks=role == "src")
     if not spec.config.quantization and isinstance(layout, QuantizedLayout):
         layout = layout.inner
+    if spec.config.drafter and layout.framework not in DRAFTER_FRAMEWORKS:  # refit/drafters.py
+        raise InvalidInput(f"{layout.framework}: a {spec.config.drafter} drafter is laid out by refit in "
+                           f"{', '.join(DRAFTER_FRAMEWORKS)} only (a trainer attaches it unsharded: "
+                           f"refit.integrations.hf_draft)")
     return layout.resolve(spec)

@@ -32,6 +32,7 @@ from typing import ClassVar
 from refit.archs import DEEPSEEK_ARCHS
 from refit.errors import InvalidInput
 from refit.layouts.base import LocalTensor, Piece, divides, pad_to, vocab_pieces
+from refit.layouts.vllm_draft import drafter_local_tensors, drafter_varying_tensors
 from refit.layouts.vllm_lora import lora_local_tensors
 from refit.spec import ModelSpec
 
@@ -158,6 +159,8 @@ class VllmLayout:
         return (rank % self.tp,) if self._moe_model else None
 
     def varying_tensors(self, spec: ModelSpec, rank: int) -> list[LocalTensor]:
+        if spec.config.drafter:  # MTP layers / an EAGLE head (refit/layouts/vllm_draft.py)
+            return drafter_varying_tensors(self, spec, rank)
         return [lt for layer in spec.config.moe_layers
                 for lt in self._routed_experts(spec, f"model.layers.{layer}.", layer, rank)]
 
@@ -165,6 +168,8 @@ class VllmLayout:
         c = spec.config
         if c.lora_rank:  # one LoRA adapter: the engine's LoRA slots (refit/layouts/vllm_lora.py)
             return lora_local_tensors(self, spec, rank)
+        if c.drafter:  # a speculative engine's MTP or EAGLE drafter (refit/layouts/vllm_draft.py)
+            return drafter_local_tensors(self, spec, rank)
         T = self.tp
         t = rank % T
         H, dt = c.hidden_size, c.dtype

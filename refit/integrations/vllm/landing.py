@@ -156,7 +156,9 @@ class Landing:
 
     def __init__(self, model: torch.nn.Module, spec: ModelSpec, layout: Layout, rank: int,
                  device: torch.device, staging: str = "bounded", window_layers: int = 0,
-                 model_config: Any = None) -> None:
+                 model_config: Any = None, written_elsewhere: frozenset[int] = frozenset()) -> None:
+        """``written_elsewhere``: ids of parameters ``model`` holds that another landing writes (a drafter's
+        embedding / LM head that are the target's: the target's refit moves them)."""
         check_options(staging, window_layers)
         self.model, self.mode, self.device, self.model_config = model, staging, device, model_config
         self.local = layout.local_tensors(spec, rank)
@@ -229,7 +231,8 @@ class Landing:
             if derives:
                 self.aliases.append((name, module))
         self.aliases.sort(key=lambda a: is_deferred_attention_layer(a[1]))
-        left = left_behind(model, {id(g.module) for g in self.groups} | {id(m) for _, m in self.aliases}, written)
+        left = left_behind(model, {id(g.module) for g in self.groups} | {id(m) for _, m in self.aliases},
+                           written | written_elsewhere)
         if left:  # the engine would report a version it does not fully hold
             raise InvalidInput(f"vllm: {len(left)} parameters of the live model get no refit tensor ({', '.join(left[:3])}"
                              f"{', ...' if len(left) > 3 else ''}): refit's {spec.config.arch} layout does not know them, "
