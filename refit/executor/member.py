@@ -386,7 +386,8 @@ class Member:
         names the members that never came (a barrier over within 50 ms, the usual case of a
         refit, costs no store call).  A barrier given up stays posted in the control group until
         its own timeout (the refit's deadline): it is kept in ``self.abandoned`` so that `close`
-        does not wait for it."""
+        does not wait for it.  Members on one host with GPUs meet in shared memory instead
+        (`refit.executor.shm_barrier`), whose slots say who never came; nothing stays posted."""
         if self.shm_barrier is not None:
             if self.ctl is None:
                 raise RefitFailed(f"{self.name}: {what} barrier after close")
