@@ -208,9 +208,8 @@ class VllmLayout:
             head.append(whole("self_attn.q_norm.weight", "model.layers.*.self_attn.q_norm.weight", hd))
             head.append(whole("self_attn.k_norm.weight", "model.layers.*.self_attn.k_norm.weight", hd))
         head.extend(self._moe(spec, p, layer, t) if layer in c.moe_layers else self._dense_mlp(spec, p, layer, t))
-        norms = ("input_layernorm.weight", "post_attention_layernorm.weight")
-        # a norm the spec lacks at this layer is not held (an EAGLE head's layer 0 has no input_layernorm)
-        tail = tuple(whole(n, f"model.layers.*.{n}", H) for n in norms if layer in spec[f"model.layers.*.{n}"].layers)
+        tail = (whole("input_layernorm.weight", "model.layers.*.input_layernorm.weight", H),
+                whole("post_attention_layernorm.weight", "model.layers.*.post_attention_layernorm.weight", H))
         return tuple(head), tail
 
     def _qkv(self, spec: ModelSpec, p: str, layer: int, t: int) -> list[LocalTensor]:

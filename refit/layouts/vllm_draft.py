@@ -76,12 +76,21 @@ def _renamed(lt: LocalTensor, old: str, new: str) -> LocalTensor:
 
 
 def _eagle(layout: "VllmLayout", spec: ModelSpec, rank: int) -> list[LocalTensor]:
-    """Llama's layers (`VllmLayout._layer_parts`, which leaves out layer 0's absent
-    ``input_layernorm``), then ``fc``."""
-    t = rank % layout.tp
+    c = spec.config
+    T, H, dt = layout.tp, c.hidden_size, c.dtype
+    t = rank % T
     out: list[LocalTensor] = []
-    for layer in range(spec.config.num_layers):
-        head, tail = layout._layer_parts(spec, layer, t)
-        out.extend(head + tail)
+    for layer in range(c.num_layers):
+        p = f"model.layers.{layer}."
+        out.extend(layout._qkv(spec, p, layer, t))
+        o = "model.layers.*.self_attn.o_proj.weight"
+        cols = spec[o].shape[2] // T
+        out.append(LocalTensor(p + "self_attn.o_proj.weight", (H, cols), dt,
+                               (Piece(o, (spec.layer_pos(o, layer), 0, t * cols), (1, H, cols), (0, 0, 0)),)))
+        out.extend(layout._dense_mlp(spec, p, layer, t))
+        if layer:  # layer 0's input_layernorm is nn.Identity in vLLM's EAGLE
+            out.append(_whole(spec, p + "input_layernorm.weight", "model.layers.*.input_layernorm.weight", layer))
+        out.append(_whole(spec, p + "post_attention_layernorm.weight",
+                          "model.layers.*.post_attention_layernorm.weight", layer))
     out.append(_whole(spec, "model.fc.weight", "model.fc.weight", None))
     return out
