@@ -156,6 +156,17 @@ def eagle_canonical(name: str) -> str:
     return name if name.startswith("model.") else f"model.{name}"
 
 
+def moved_by_target(cfg: Any, name: str) -> bool:
+    """Whether tensor ``name`` of drafter ``cfg``'s checkpoint is one vLLM's drafter takes from the
+    target (an MTP layer's ``embed_tokens`` / ``shared_head.head``, an EAGLE head's embedding or LM
+    head copy): the target's refit moves it, the drafter's does not."""
+    if cfg.drafter == MTP:
+        return any(name == f"model.layers.{layer}.{s}" for layer in mtp_layers(cfg) for s in MTP_SHARED)
+    if cfg.drafter == EAGLE:
+        return eagle_canonical(name) in ("model.embed_tokens.weight", "model.lm_head.weight")
+    return False
+
+
 def shared_with_target(cfg: Any) -> tuple[str, ...]:
     """What a drafter's checkpoint may hold that refit does not move with the drafter (the target's
     refit moves it: vLLM's drafter holds the target's), said plainly."""

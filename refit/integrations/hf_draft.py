@@ -25,7 +25,7 @@ from typing import Any, Iterable, Mapping
 import torch
 
 from refit.control.agent import TrainerAgent
-from refit.drafters import EAGLE, METHOD_DRAFTER, MTP, MTP_SHARED, drafter_config, eagle_canonical, mtp_layers
+from refit.drafters import EAGLE, METHOD_DRAFTER, drafter_config, eagle_canonical, moved_by_target
 from refit.errors import InvalidInput
 from refit.integrations._common import DTYPE_NAMES, global_rank, start_trainer
 from refit.integrations.hf import serve_hf_parameters
@@ -89,20 +89,11 @@ def _model_name(config: Any, cfg: dict[str, Any]) -> str:
 def _canonical(named: Iterable[tuple[str, torch.Tensor]], cfg: Any) -> list[tuple[str, torch.Tensor]]:
     """The drafter's tensors under refit's names, without those the policy's refit moves."""
     out, kept = [], []
-    if cfg.drafter == MTP:
-        shared = {f"model.layers.{layer}.{s}" for layer in mtp_layers(cfg) for s in MTP_SHARED}
-        for name, t in named:
-            if name in shared:
-                kept.append(name)
-            else:
-                out.append((name, t))
-    elif cfg.drafter == EAGLE:
-        for name, t in named:
-            canonical = eagle_canonical(name)
-            if canonical in ("model.embed_tokens.weight", "model.lm_head.weight"):
-                kept.append(name)
-            else:
-                out.append((canonical, t))
+    for name, t in named:
+        if moved_by_target(cfg, name):
+            kept.append(name)
+        else:
+            out.append((eagle_canonical(name) if cfg.drafter == EAGLE else name, t))
     if kept:
         log.info("attach_draft: %s not served: vLLM's %s drafter holds the target's, which the policy's refit moves",
                  ", ".join(kept), cfg.drafter)

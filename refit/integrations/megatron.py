@@ -33,8 +33,19 @@ float32 (Megatron's ``Float16Module`` casts it to bf16 and the router casts it b
 forward and checkpoint save, ``TopKRouter._maintain_float32_expert_bias``, which attach calls
 likewise).  MLA's down-projections (``linear_q_down_proj``, ``linear_kv_down_proj``) are whole on
 every tp rank as TE's ``TELinear(parallel_mode="duplicated")`` holds them; the local spec's
-ColumnParallelLinear splits them over tp and is refused at tp > 1, naming them.  Multi-token
-prediction layers (``mtp.*``) are not moved (vLLM's main model does not hold them): attach logs them.
+ColumnParallelLinear splits them over tp and is refused at tp > 1, naming them.
+
+Multi-token prediction layers (``mtp.*``, DeepSeek-V3 / GLM-4.5) are vLLM's MTP *drafter*, a model
+of its own (`refit.drafters`): ``attach`` leaves them out (logged), and ``attach_mtp`` serves them as
+a second trainer group, which a speculative engine's draft group is refitted from::
+
+    agent = refit_megatron.attach(model, address, group="trainer", spec=hf_dir)
+    draft = refit_megatron.attach_mtp(model, address, group="draft-trainer", spec=hf_dir)  # None off the last stage
+
+Megatron builds them on the last pipeline stage only, so the drafter's group is that stage's ranks,
+numbered from 0 in the same order, with the stage's grid as layout (pp 1).  The embedding copy
+Megatron gives the MTP layers on a stage without the embedding is the policy's (vLLM's drafter
+holds the target's embedding and LM head): served by neither.
 
 Values are the live parameters (``detach()``: a view, never a copy).  Under Megatron's DDP with
 the distributed optimizer every parameter's data is a view into DDP's contiguous param buffer, so
@@ -50,32 +61,33 @@ from __future__ import annotations
 
 import logging
 import re
-from typing import Any, Container, Sequence
+from typing import Any, Container, Mapping, Sequence
 
 import torch
 
 from refit.control.agent import TrainerAgent
+from refit.drafters import mtp_config, mtp_layers
 from refit.errors import InvalidInput
 from refit.integrations._common import Served, global_rank, refuse_unmapped, start_trainer
 from refit.layouts import MegatronLayout
 from refit.layouts.megatron import VOCAB_DIVISIBLE_BY
 from refit.layouts.base import pad_to
-from refit.hf_checkpoint import load_spec
-from refit.spec import ModelSpec
+from refit.hf_checkpoint import hf_config, load_spec
+from refit.spec import ModelConfig, ModelSpec, build_spec
 
-__all__ = ["attach", "layout_from_parallel_state"]
+__all__ = ["attach", "attach_mtp", "layout_from_parallel_state"]
 
 log = logging.getLogger(__name__)
 
+# a decoder layer: of the decoder, or an MTP layer's
+_LAYER = r"(?:decoder\.layers\.\d+|mtp\.layers\.\d+\.transformer_layer)\."
 # local-spec name -> TE-spec name (refit's), tried when a name is not a local tensor as is
 _LOCAL_TO_TE = (
-    (re.compile(r"^(decoder\.layers\.\d+\.)input_layernorm\.weight$"),
-     r"\1self_attention.linear_qkv.layer_norm_weight"),
-    (re.compile(r"^(decoder\.layers\.\d+\.)pre_mlp_layernorm\.weight$"), r"\1mlp.linear_fc1.layer_norm_weight"),
-    (re.compile(r"^(decoder\.layers\.\d+\.self_attention\.)q_layernorm\.weight$"), r"\1linear_q_up_proj.layer_norm_weight"),
-    (re.compile(r"^(decoder\.layers\.\d+\.self_attention\.)kv_layernorm\.weight$"), r"\1linear_kv_up_proj.layer_norm_weight"),
-    (re.compile(r"^(decoder\.layers\.\d+\.mlp\.experts\.)local_experts\.(\d+)\.(linear_fc[12])\.weight$"),
-     r"\1\3.weight\2"),
+    (re.compile(rf"^({_LAYER})input_layernorm\.weight$"), r"\1self_attention.linear_qkv.layer_norm_weight"),
+    (re.compile(rf"^({_LAYER})pre_mlp_layernorm\.weight$"), r"\1mlp.linear_fc1.layer_norm_weight"),
+    (re.compile(rf"^({_LAYER}self_attention\.)q_layernorm\.weight$"), r"\1linear_q_up_proj.layer_norm_weight"),
+    (re.compile(rf"^({_LAYER}self_attention\.)kv_layernorm\.weight$"), r"\1linear_kv_up_proj.layer_norm_weight"),
+    (re.compile(rf"^({_LAYER}mlp\.experts\.)local_experts\.(\d+)\.(linear_fc[12])\.weight$"), r"\1\3.weight\2"),
 )
 
 
@@ -101,9 +113,72 @@ def attach(model: torch.nn.Module | Sequence[torch.nn.Module], address: str | No
     rank = global_rank()
     _check_coords(layout, rank)
     _check_layers(layout, spec, chunks, rank)
-    served = _serve(chunks, spec, layout, rank)
+    parts = [(p, p, chunk) for c, chunk in enumerate(chunks) for p in [f"chunk{c}." if layout.vpp > 1 else ""]]
+    served = _serve(parts, spec, layout, rank)
     return start_trainer(address, group=group, rank=rank, spec=spec, layout=layout, served=served, token=token,
                          **agent_options)
+
+
+def attach_mtp(model: torch.nn.Module | Sequence[torch.nn.Module], address: str | None = None, *, group: str,
+               spec: str | Mapping[str, Any], token: str | None = None, **agent_options: Any) -> TrainerAgent | None:
+    """Register the multi-token-prediction layers (``mtp.*``) of this rank's megatron-core
+    ``GPTModel`` (or chunks, as `attach` takes them) as a rank of trainer group ``group``: the
+    drafter a speculative vLLM engine's draft group is refitted from.  Call on every rank, beside
+    `attach`; ranks off the last pipeline stage hold no MTP layer and get ``None``.  ``spec``: the
+    policy's HF directory, catalog name or config.json dict (DeepSeek-V3 / Kimi-K2 / GLM-4.5 with
+    ``num_nextn_predict_layers``: the MTP layers' shapes and which of them are MoE come from it).
+    Raises `refit.InvalidInput`, before registering, for a model whose MTP layers differ from it."""
+    target, drafter = _mtp_specs(spec)
+    chunks = [_unwrap(m) for m in (list(model) if isinstance(model, (list, tuple)) else [model])]
+    _check_config(chunks, target)
+    built = getattr(chunks[0].config, "mtp_num_layers", None) or 0
+    if built != target.config.num_mtp_layers:
+        raise InvalidInput(f"megatron config mtp_num_layers is {built}, {target.name} has "
+                           f"{target.config.num_mtp_layers} MTP layer(s) (num_nextn_predict_layers)")
+    layout = layout_from_parallel_state(target, chunks)
+    rank = global_rank()
+    _check_coords(layout, rank)
+    if layout.coords(rank)["pp"] != layout.pp - 1:
+        log.debug("rank %d: no MTP layers off the last pipeline stage; not in group %s", rank, group)
+        return None
+    stage = MegatronLayout(tp=layout.tp, ep=layout.ep, etp=layout.etp, dp=layout.dp, cp=layout.cp).resolve(drafter)
+    stage_rank = rank - (layout.pp - 1) * stage.world_size  # the stage's ranks, numbered from 0 in the same order
+    last = chunks[-1]
+    _check_mtp_layers(last, drafter)
+    served = _serve([("", f"chunk{len(chunks) - 1}." if layout.vpp > 1 else "", last)], drafter, stage, stage_rank,
+                    mtp=True)
+    return start_trainer(address, group=group, rank=stage_rank, spec=drafter, layout=stage, served=served, token=token,
+                         **agent_options)
+
+
+def _mtp_specs(model: str | Mapping[str, Any]) -> tuple[ModelSpec, ModelSpec]:
+    """(the policy's spec, its MTP layers' drafter spec) from an HF directory, catalog name or config dict."""
+    if isinstance(model, str):
+        target = load_spec(model)
+        hf = dict(hf_config(model, target))
+        if "torch_dtype" not in hf and "dtype" not in hf:  # a directory whose dtype came from its headers
+            hf["torch_dtype"] = target.config.dtype
+        name = target.name
+    else:
+        hf = dict(model)
+        name = str(hf.get("_name_or_path") or hf.get("model_type") or "model").rstrip("/").rsplit("/", 1)[-1]
+        target = build_spec(name, ModelConfig.from_hf(hf))
+    return target, build_spec(f"{name}-mtp", mtp_config(hf))
+
+
+def _check_mtp_layers(chunk: torch.nn.Module, drafter: ModelSpec) -> None:
+    """The last stage built the MTP layers, each MoE exactly where vLLM's drafter has it."""
+    c = drafter.config
+    built = list(getattr(getattr(chunk, "mtp", None), "layers", None) or [])
+    if len(built) != c.num_mtp_layers:
+        raise InvalidInput(f"the last pipeline stage built {len(built)} MTP layer(s), {drafter.name} has "
+                           f"{c.num_mtp_layers} (GPTModel's mtp_block_spec)")
+    for i, (hf_layer, layer) in enumerate(zip(mtp_layers(c), built)):
+        moe = hasattr(layer.transformer_layer.mlp, "router")
+        if moe != (hf_layer in c.moe_layers):
+            raise InvalidInput(f"MTP layer {i} is {'MoE' if moe else 'dense'} in the model, "
+                               f"{'MoE' if hf_layer in c.moe_layers else 'dense'} in {drafter.name} (its HF layer "
+                               f"{hf_layer}, as vLLM's drafter builds it)")
 
 
 def _unwrap(m: torch.nn.Module) -> torch.nn.Module:
@@ -253,33 +328,37 @@ def _check_layers(layout: MegatronLayout, spec: ModelSpec, chunks: Sequence[torc
                                  f"model, {'MoE' if layer_id in moe else 'dense'} in {spec.name}")
 
 
-def _serve(chunks: Sequence[torch.nn.Module], spec: ModelSpec, layout: MegatronLayout, rank: int) -> dict[str, Served]:
+def _serve(parts: Sequence[tuple[str, str, torch.nn.Module]], spec: ModelSpec, layout: MegatronLayout, rank: int,
+           *, mtp: bool = False) -> dict[str, Served]:
+    """The live parameters refit's ``layout`` holds on ``rank``, from ``parts``: (local-name prefix,
+    the prefix naming it to the user, GPTModel).  The policy's (everything but the MTP layers and
+    their embedding copy), or with ``mtp`` the MTP layers' (``mtp.*``)."""
     expected = {lt.name: lt.shape for lt in layout.local_tensors(spec, rank)}
     served: dict[str, Served] = {}
     unmapped: list[str] = []
     misshaped: list[str] = []
     not_moved: list[str] = []
-    for c, chunk in enumerate(chunks):
-        prefix = f"chunk{c}." if layout.vpp > 1 else ""
+    for local_prefix, shown, chunk in parts:
         live = [(name, (lambda p=p: p.detach())) for name, p in chunk.named_parameters()]
         for name, module in chunk.named_modules():
             if getattr(module, "expert_bias", None) is not None:  # TopKRouter's buffer (not a parameter)
                 getattr(module, "_maintain_float32_expert_bias", lambda: None)()
                 live.append((f"{name}.expert_bias", (lambda m=module: m.expert_bias.detach())))
-        # MTP layers, and the embedding copy Megatron gives them on a stage without the embedding
+        # the embedding copy Megatron gives the MTP layers on a stage without the embedding: the policy's
         mtp_emb = "embedding.word_embeddings.weight" if getattr(chunk, "mtp_process", False) and \
             not getattr(chunk, "pre_process", True) else None
         for name, get in live:
-            if name.startswith("mtp.") or name == mtp_emb:
-                not_moved.append(prefix + name)
+            if name == mtp_emb or name.startswith("mtp.") != mtp:
+                if not mtp:
+                    not_moved.append(shown + name)
                 continue
-            local = _local_name(prefix, name, expected)
+            local = _local_name(local_prefix, name, expected)
             if local is None:
-                unmapped.append(prefix + name)
+                unmapped.append(shown + name)
             elif tuple(get().shape) != tuple(expected[local]):
-                misshaped.append(f"{prefix + name} {list(get().shape)} where refit's {local} is {list(expected[local])}")
+                misshaped.append(f"{shown + name} {list(get().shape)} where refit's {local} is {list(expected[local])}")
             else:
-                served[local] = Served(prefix + name, get)
+                served[local] = Served(shown + name, get)
     refuse_unmapped(unmapped, f"{spec.name} on rank {rank} of {layout.describe()}", _hint(unmapped))
     if misshaped:
         down = any("_down_proj" in m for m in misshaped)
@@ -290,8 +369,9 @@ def _serve(chunks: Sequence[torch.nn.Module], spec: ModelSpec, layout: MegatronL
                             "(TELinear, duplicated): the local spec's ColumnParallelLinear splits them over tp, which "
                             "refit does not serve (use the TE spec, or tp 1)" if down else ""))
     if not_moved:
-        log.info("rank %d: %d multi-token-prediction parameter(s) not moved (vLLM's main model does not hold them): "
-                 "%s%s", rank, len(not_moved), ", ".join(not_moved[:3]), "..." if len(not_moved) > 3 else "")
+        log.info("rank %d: %d multi-token-prediction parameter(s) not moved with the policy (refit_megatron.attach_mtp "
+                 "serves the MTP layers as a drafter): %s%s", rank, len(not_moved), ", ".join(not_moved[:3]),
+                 "..." if len(not_moved) > 3 else "")
     return served
 
 

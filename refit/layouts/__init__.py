@@ -100,7 +100,7 @@ def parse_layout(text: str, role: Literal["src", "dst"] = "src") -> Layout:
     return cls(**values)  # type: ignore[call-arg]
 
 
-DRAFTER_FRAMEWORKS = ("hf", "vllm")  # the layouts of MTP / EAGLE drafter specs (refit.drafters)
+DRAFTER_FRAMEWORKS = ("hf", "vllm", "megatron")  # the layouts of MTP / EAGLE drafter specs (refit.drafters)
 
 
 def resolve_layout(text: str | Layout, spec: ModelSpec, role: Literal["src", "dst"] = "src") -> Layout:
@@ -114,6 +114,6 @@ def resolve_layout(text: str | Layout, spec: ModelSpec, role: Literal["src", "ds
         layout = layout.inner
     if spec.config.drafter and layout.framework not in DRAFTER_FRAMEWORKS:  # refit/drafters.py
         raise InvalidInput(f"{layout.framework}: a {spec.config.drafter} drafter is laid out by refit in "
-                           f"{', '.join(DRAFTER_FRAMEWORKS)} only (a trainer attaches it unsharded: "
-                           f"refit.integrations.hf_draft)")
+                           f"{', '.join(DRAFTER_FRAMEWORKS)} only (a trainer attaches one unsharded with "
+                           f"refit.integrations.hf_draft, Megatron's MTP layers with refit_megatron.attach_mtp)")
     return layout.resolve(spec)

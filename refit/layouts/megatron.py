@@ -22,6 +22,13 @@ Conventions (checked against megatron-core 0.16.1 in tests/integration/test_mega
 * Pipeline: model chunk c of pp rank p holds a run of consecutive layers; runs are laid out in
   virtual-stage order (c, p).  Local names restart at ``decoder.layers.0`` in every chunk, and
   chunks are prefixed ``chunk{c}.`` when vpp > 1.
+* Multi-token prediction (a drafter spec of `refit.drafters`, ``mtp``): ``MultiTokenPredictionBlock``
+  is built on the last pipeline stage only, so an MTP layout is that stage's grid (pp 1).  MTP layer
+  i (HF layer N = num_hidden_layers + i) is ``mtp.layers.{i}.``: ``enorm`` / ``hnorm`` /
+  ``final_layernorm`` (HF ``shared_head.norm``) whole on every rank, ``eh_proj`` a
+  ColumnParallelLinear (2H -> H, ``gather_output=False``: rows split over tp; its input is
+  (enorm(embedding), hnorm(hidden)) as HF's), and ``transformer_layer.`` a decoder layer named and
+  split as ``decoder.layers.*``.
 """
 
 from __future__ import annotations
@@ -30,6 +37,7 @@ import math
 from dataclasses import dataclass, replace
 from typing import ClassVar
 
+from refit.drafters import MTP, mtp_layers
 from refit.errors import InvalidInput
 from refit.layouts.base import LocalTensor, Piece, divides, pad_to, vocab_pieces
 from refit.spec import ModelSpec
@@ -134,8 +142,20 @@ class MegatronLayout:
             divides("megatron: moe_intermediate_size", c.moe_intermediate_size, "etp", self.etp_)
         if self.vpp > 1 and self.pp == 1:
             raise InvalidInput("megatron: vpp > 1 needs pp > 1")
+        if c.drafter:
+            self._check_drafter(spec)
         resolved = replace(self, etp=self.etp_ if c.is_moe else self.etp, dp=self.dp_)
         return resolved._resolve_pipeline(c.num_layers)
+
+    def _check_drafter(self, spec: ModelSpec) -> None:
+        c = spec.config
+        if c.drafter != MTP:
+            raise InvalidInput(f"megatron: a {c.drafter} drafter is not a Megatron model; Megatron trains MTP layers "
+                               f"(mtp.*)")
+        if self.pp > 1:
+            raise InvalidInput(f"megatron: MTP layers sit on the last pipeline stage only: their layout is that "
+                               f"stage's grid, pp 1 (got pp {self.pp})")
+        divides("megatron: eh_proj rows (hidden_size)", c.hidden_size, "tp", self.tp)
 
     def _resolve_pipeline(self, L: int) -> "MegatronLayout":
         P, V = self.pp, self.vpp
@@ -204,6 +224,8 @@ class MegatronLayout:
     def local_tensors(self, spec: ModelSpec, rank: int) -> list[LocalTensor]:
         c = spec.config
         co = self.coords(rank)
+        if c.drafter == MTP:
+            return [_in_held_dtype(spec, lt) for lt in self._mtp(spec, co)]
         t, T = co["tp"], self.tp
         H, dt = c.hidden_size, c.dtype
         padded = pad_to(c.vocab_size, self.vocabdiv * T)
@@ -241,6 +263,27 @@ class MegatronLayout:
                     add("output_layer.weight", shape, *pieces)
         return [_in_held_dtype(spec, lt) for lt in out]
 
+    def _mtp(self, spec: ModelSpec, co: dict[str, int]) -> list[LocalTensor]:
+        """The MTP layers of a drafter spec (every rank of the last stage holds all of them)."""
+        c = spec.config
+        t, H, dt = co["tp"], c.hidden_size, c.dtype
+        rows = H // self.tp
+        eh = "model.layers.*.eh_proj.weight"
+        out: list[LocalTensor] = []
+        for i, layer in enumerate(mtp_layers(c)):
+            p = f"mtp.layers.{i}."
+            out += [_whole(spec, p + "enorm.weight", "model.layers.*.enorm.weight", layer),
+                    _whole(spec, p + "hnorm.weight", "model.layers.*.hnorm.weight", layer),
+                    LocalTensor(p + "eh_proj.weight", (rows, 2 * H), dt,
+                                (Piece(eh, (spec.layer_pos(eh, layer), t * rows, 0), (1, rows, 2 * H), (0, 0, 0)),))]
+            out.extend(self._attention(spec, p + "transformer_layer.", layer, t))
+            if layer in c.moe_layers:
+                out.extend(self._moe(spec, p + "transformer_layer.", layer, co))
+            else:
+                out.extend(self._dense_mlp(spec, p + "transformer_layer.", layer, t))
+            out.append(_whole(spec, p + "final_layernorm.weight", "model.layers.*.shared_head.norm.weight", layer))
+        return out
+
     def _attention(self, spec: ModelSpec, p: str, layer: int, t: int) -> list[LocalTensor]:
         c = spec.config
         if c.is_mla:
@@ -273,13 +316,10 @@ class MegatronLayout:
             shape = (rows, H) if kind == "weight" else (rows,)
             out.append(LocalTensor(f"{p}self_attention.linear_qkv.{kind}", shape, dt, tuple(pieces)))
 
-        def whole(local: str, tensor: str, n: int) -> LocalTensor:
-            return LocalTensor(p + local, (n,), dt, (Piece(tensor, (spec.layer_pos(tensor, layer), 0), (1, n), (0, 0)),))
-
-        out.append(whole("self_attention.linear_qkv.layer_norm_weight", "model.layers.*.input_layernorm.weight", H))
+        norms = [("linear_qkv.layer_norm_weight", "input_layernorm.weight")]
         if c.qk_norm:
-            out.append(whole("self_attention.q_layernorm.weight", "model.layers.*.self_attn.q_norm.weight", hd))
-            out.append(whole("self_attention.k_layernorm.weight", "model.layers.*.self_attn.k_norm.weight", hd))
+            norms += [("q_layernorm.weight", "self_attn.q_norm.weight"), ("k_layernorm.weight", "self_attn.k_norm.weight")]
+        out += [_whole(spec, f"{p}self_attention.{local}", f"model.layers.*.{hf}", layer) for local, hf in norms]
         o = "model.layers.*.self_attn.o_proj.weight"
         cols = c.num_heads * hd // T
         out.append(LocalTensor(f"{p}self_attention.linear_proj.weight", (H, cols), dt,
@@ -378,6 +418,14 @@ class MegatronLayout:
                                (Piece(o.name, (spec.layer_pos(o.name, layer), 0, t * cols), (1, c.hidden_size, cols),
                                       (0, 0, 0)),)))
         return out
+
+
+def _whole(spec: ModelSpec, local: str, tensor: str, layer: int) -> LocalTensor:
+    """Layer ``layer`` of per-layer tensor ``tensor``, whole (a norm, a duplicated projection)."""
+    ts = spec[tensor]
+    inner = ts.shape[1:]
+    return LocalTensor(local, inner, ts.dtype, (Piece(tensor, (spec.layer_pos(tensor, layer),) + (0,) * len(inner),
+                                                      (1,) + inner, (0,) * len(ts.shape)),))
 
 
 def _in_held_dtype(spec: ModelSpec, lt: LocalTensor) -> LocalTensor:

@@ -45,6 +45,12 @@ def megatron_trainer(rank: int, world: int, model: str, par: dict, address: str,
                    for b in w.buffers + w.expert_parallel_buffers}
     shapes = fill_by_placement(chunks, 1)
     agent = refit_megatron.attach(wrapped if par.get("vpp") else wrapped[0], address, group=group, spec=spec)
+    draft = None
+    if overrides.get("mtp_num_layers"):  # its MTP layers too, as the drafter's group
+        from tests.harness.tiny import TINY_CONFIGS
+
+        draft = refit_megatron.attach_mtp(wrapped if par.get("vpp") else wrapped[0], address, group=f"{group}-mtp",
+                                          spec=TINY_CONFIGS[model])
 
     def handle(cmd: str, arg):
         if cmd == "shapes":
@@ -66,6 +72,19 @@ def megatron_trainer(rank: int, world: int, model: str, par: dict, address: str,
             return served == params | biases and (not ddp or served == buffers | biases)
         if cmd == "layout":
             return agent.layout.describe()
+        if cmd == "mtp":  # the drafter's rank and layout, and whether it serves the MTP layers' own storage
+            if draft is None:
+                return None
+            mtp = {t.untyped_storage().data_ptr() for c in chunks for n, t in c.module.named_parameters()
+                   if n.startswith("mtp.")}
+            mtp |= {m.expert_bias.untyped_storage().data_ptr() for c in chunks for n, m in c.module.named_modules()
+                    if n.startswith("mtp.") and getattr(m, "expert_bias", None) is not None}
+            served = {t.untyped_storage().data_ptr() for t in draft.tensors.values()}
+            return draft.rank, draft.layout.describe(), served == mtp
+        if cmd == "stop_mtp":
+            if draft is not None:
+                draft.stop()
+            return None
         raise ValueError(cmd)
 
     return agent, handle
@@ -124,6 +143,61 @@ def test_megatron_attach_refit_bit_exact(server, tmp_path, model, par, layout, e
             write_hf(str(tmp_path / f"v{version}"), megatron_to_hf(shapes, spec, version))
             bad = engines.mismatches(expected_engine_tensors(spec, engine_layout, str(tmp_path / f"v{version}")))
             assert not bad, bad[:5]
+    finally:
+        trainers.close()
+        if engines is not None:
+            engines.close()
+
+
+@pytest.mark.parametrize("model,par,ranks,engine_layout", [
+    # the last of two pipeline stages holds the MTP layer: rank 1 is the drafter's rank 0
+    ("tiny-deepseek-v3", dict(pp=2), [None, (0, "megatron:tp1dp1")], "vllm:tp2"),
+    # eh_proj's rows over tp, the MTP layer's experts over ep, under Megatron's DDP
+    ("tiny-deepseek-v3", dict(tp=2, ep=2, etp=1, ddp=True), [(0, "megatron:tp2ep2etp1dp1"),
+                                                             (1, "megatron:tp2ep2etp1dp1")], "vllm:tp1"),
+    # GQA with qkv bias: the local spec's norm names inside mtp.layers.0.transformer_layer; experts over etp2
+    # (Megatron's default etp = tp)
+    ("tiny-glm4-moe", dict(tp=2), [(0, "megatron:tp2etp2dp1"), (1, "megatron:tp2etp2dp1")], "vllm:tp2"),
+], ids=["deepseek-v3-pp2", "deepseek-v3-tp2ep2-ddp", "glm4-moe-tp2"])
+def test_megatron_mtp_layers_refit_bit_exact_into_vllms_drafter(server, tmp_path, model, par, ranks,
+                                                                engine_layout) -> None:
+    """``attach_mtp`` beside ``attach``: the MTP layers (placed by Megatron's own
+    ``sharded_state_dict``) land in vLLM's MTP drafter layout (``model.layers.{N}.mtp_block.*``)
+    bit for bit, before and after the trainer rewrites its parameters in place."""
+    from refit.drafters import mtp_config
+    from refit.spec import build_spec
+    from tests.harness.megatron_models import megatron_to_hf
+    from tests.harness.tiny import TINY_CONFIGS
+
+    srv, client = server
+    group = f"megatron-{model}-" + "".join(f"{k}{v}" for k, v in par.items())
+    trainers = Trainers(2, megatron_trainer, model, dict(par, config=dict(mtp_num_layers=1)), srv.address, group)
+    engines = None
+    try:
+        answers = trainers.ready()
+        assert all(a[0] == "ready" for a in answers), answers
+        spec = answers[0][1]
+        assert [m and m[:2] for m in trainers.ask("mtp")] == [r and tuple(r) for r in ranks]
+        assert all(m[2] for m in trainers.ask("mtp") if m), "the MTP layers' own storage, every parameter"
+        drafter = build_spec(f"{model}-mtp", mtp_config(TINY_CONFIGS[model]))
+        engines = Engines(srv.address, drafter, engine_layout, group=f"{group}-engine")
+        plan = client.create_plan(f"{group}-mtp", f"{group}-engine")["plan_id"]
+        shapes = {}
+        for s in trainers.ask("shapes"):
+            shapes.update(s)
+        mtp_prefix = f"model.layers.{spec.config.num_layers}."
+        for version in (1, 2):
+            if version == 2:
+                trainers.ask("fill", version)
+            assert client.refit(plan, version=version, timeout=180).ok
+            hf = megatron_to_hf(shapes, spec, version)
+            own = {k: v for k, v in hf.items() if k.startswith(mtp_prefix)}
+            assert {k.removeprefix(mtp_prefix) for k in own} >= {"enorm.weight", "hnorm.weight", "eh_proj.weight",
+                                                                 "shared_head.norm.weight"}
+            write_hf(str(tmp_path / f"v{version}"), own)
+            bad = engines.mismatches(expected_engine_tensors(drafter, engine_layout, str(tmp_path / f"v{version}")))
+            assert not bad, bad[:5]
+        trainers.ask("stop_mtp")
     finally:
         trainers.close()
         if engines is not None:
@@ -194,6 +268,15 @@ def refusing_megatron_trainer(rank: int, world: int, address: str):
             messages.append("attached")
         except RefitError as e:
             messages.append(str(e))
+    from tests.harness.tiny import TINY_CONFIGS
+
+    for model, config in (("tiny-deepseek-v3", TINY_CONFIGS["tiny-deepseek-v3"]),  # built without its MTP layer
+                          ("tiny-llama", TINY_CONFIGS["tiny-llama"])):  # a model without MTP layers
+        try:
+            refit_megatron.attach_mtp(build_gpt(tiny_spec(model))[0], address, group="refused", spec=config)
+            messages.append("attached")
+        except RefitError as e:
+            messages.append(str(e))
     ps.destroy_model_parallel()
     return None, lambda cmd, arg: messages
 
@@ -204,7 +287,10 @@ def test_megatron_attach_refusals(server) -> None:
     try:
         answers = trainers.ready()
         assert all(a[0] == "ready" for a in answers), answers
-        bias, expert_bias, other_model, mla_dims, gate, other_mla = trainers.ask("messages")[0]
+        bias, expert_bias, other_model, mla_dims, gate, other_mla, no_mtp, llama_mtp = trainers.ask("messages")[0]
+        assert no_mtp == "megatron config mtp_num_layers is 0, deepseek_v3 has 1 MTP layer(s) " \
+                         "(num_nextn_predict_layers)", no_mtp
+        assert "MTP layers of model_type 'llama'" in llama_mtp, llama_mtp
         assert "parameter 'decoder.layers.0.self_attention.linear_proj.bias'" in bias and "add_bias_linear" in bias
         assert "moe_router_enable_expert_bias is True, tiny-qwen3-moe has False" in expert_bias
         assert "megatron config" in other_model and "tiny-qwen2" in other_model

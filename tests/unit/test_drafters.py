@@ -13,6 +13,8 @@ from typing import Any
 
 import pytest
 import torch
+from hypothesis import HealthCheck, given, settings
+from hypothesis import strategies as st
 
 from refit.control.common import config_json, spec_from_registration
 from refit.control.registry import config_differences
@@ -133,11 +135,57 @@ def test_the_mtp_block_lies_in_vllm_as_a_decoder_layer_of_the_target(tp: int, fa
         "model.layers.2.mtp_block.mlp.experts.routed_experts.w2_weight"]
 
 
-def test_a_drafter_is_laid_out_in_hf_and_vllm_only() -> None:
+def test_a_drafter_is_laid_out_in_hf_vllm_and_megatron_only() -> None:
     spec = build_spec("mtp", mtp_config(deepseek()))
     assert resolve_layout("hf", spec).local_tensors(spec, 0)
-    with pytest.raises(InvalidInput, match=r"megatron: a mtp drafter is laid out by refit in hf, vllm only"):
-        resolve_layout("megatron:tp2", spec)
+    with pytest.raises(InvalidInput, match=r"fsdp: a mtp drafter is laid out by refit in hf, vllm, megatron only"):
+        resolve_layout("fsdp:dp2", spec)
+    with pytest.raises(InvalidInput, match=r"megatron: MTP layers sit on the last pipeline stage only: their layout "
+                                           r"is that stage's grid, pp 1 \(got pp 2\)"):
+        resolve_layout("megatron:tp1pp2", spec)
+    eagle = build_spec("eagle", eagle_config(llama()))
+    with pytest.raises(InvalidInput, match=r"megatron: a eagle drafter is not a Megatron model"):
+        resolve_layout("megatron:tp1", eagle)
+
+
+@pytest.mark.parametrize("tp,ep", [(1, 1), (2, 2), (4, 1)])
+@pytest.mark.parametrize("family", [deepseek, glm])
+def test_megatron_mtp_layers_lie_as_a_decoder_layer_of_the_target(tp: int, ep: int, family: Any) -> None:
+    """``mtp.layers.0.transformer_layer.*`` is split as Megatron's ``decoder.layers.*`` of the same
+    model one layer deeper; the norms are whole and ``eh_proj``'s rows split over tp."""
+    spec = build_spec("mtp", mtp_config(family()))
+    layout = resolve_layout(f"megatron:tp{tp}ep{ep}", spec)
+    target = build_spec("t3", ModelConfig.from_hf(family(num_hidden_layers=3, num_nextn_predict_layers=0)))
+    tlayout = resolve_layout(f"megatron:tp{tp}ep{ep}", target)
+    for rank in range(layout.world_size):
+        local = layout.local_tensors(spec, rank)
+        block = normalized([lt for lt in local if ".transformer_layer." in lt.name], "mtp.layers.0.transformer_layer.")
+        assert block == normalized([lt for lt in tlayout.local_tensors(target, rank)
+                                    if lt.name.startswith("decoder.layers.2.")], "decoder.layers.2.")
+        own = {lt.name: (lt.shape, [(p.start, p.size) for p in lt.pieces]) for lt in local
+               if ".transformer_layer." not in lt.name}
+        t, rows = rank % tp, 128 // tp
+        assert own == {"mtp.layers.0.enorm.weight": ((128,), [((0, 0), (1, 128))]),
+                       "mtp.layers.0.hnorm.weight": ((128,), [((0, 0), (1, 128))]),
+                       "mtp.layers.0.eh_proj.weight": ((rows, 256), [((0, t * rows, 0), (1, rows, 256))]),
+                       "mtp.layers.0.final_layernorm.weight": ((128,), [((0, 0), (1, 128))])}
+    covered_once_per_replica(spec, layout)
+
+
+@settings(max_examples=40, deadline=None, suppress_health_check=[HealthCheck.too_slow])
+@given(family=st.sampled_from([deepseek, glm]), src=st.sampled_from(["tp1", "tp2", "tp2ep2", "tp4ep4", "tp2etp2"]),
+       dst=st.sampled_from([1, 2, 4]), placement=st.sampled_from(["colocated", "disaggregated"]),
+       planner=st.sampled_from(["p2p", "broadcast"]))
+def test_megatron_mtp_plans_move_every_element_once_into_vllms_drafter(family: Any, src: str, dst: int,
+                                                                      placement: str, planner: str) -> None:
+    from refit.planners import make_plan
+    from tests.harness.sim import canonical_ids, check_destination, run_plan
+
+    spec = build_spec("mtp", mtp_config(family()))
+    src_layout, dst_layout = resolve_layout(f"megatron:{src}", spec), resolve_layout(f"vllm:tp{dst}", spec, "dst")
+    result = make_plan(spec, src_layout, dst_layout, placement, planner, 4096)
+    canon = canonical_ids(spec)
+    check_destination(spec, dst_layout, canon, *run_plan(result.plan, spec, src_layout, dst_layout, canon))
 
 
 def test_mtp_of_an_architecture_refit_does_not_describe_is_refused_naming_it() -> None:
