@@ -377,3 +377,30 @@ def test_family_configs_are_checked_not_refused(model) -> None:
     assert f"moe_router_enable_expert_bias is False, {model} has True" in msg
     with pytest.raises(RefitError, match=f"multi_latent_attention is {not c.is_mla}, {model} has {c.is_mla}"):
         _check_config([_megatron_config(model, multi_latent_attention=not c.is_mla)], tiny_spec(model))
+
+
+def test_mtp_layers_built_otherwise_than_vllms_drafter_are_refused() -> None:
+    """An MTP layer built dense where vLLM's drafter builds it MoE (Megatron takes the MTP layer's
+    spec from the last decoder layer; vLLM applies the model's dense-layers rule at its index), or
+    a last stage that built no MTP block, is named before anything registers."""
+    from types import SimpleNamespace
+
+    from refit.drafters import mtp_config
+    from refit.errors import RefitError
+    from refit.integrations.megatron import _check_mtp_layers
+    from refit.spec import build_spec
+    from tests.harness.tiny import TINY_CONFIGS
+
+    drafter = build_spec("tiny-deepseek-v3-mtp", mtp_config(TINY_CONFIGS["tiny-deepseek-v3"]))
+    layer = drafter.config.num_layers
+
+    def stage(*mlps: object) -> SimpleNamespace:
+        return SimpleNamespace(mtp=SimpleNamespace(layers=[SimpleNamespace(transformer_layer=SimpleNamespace(mlp=m))
+                                                           for m in mlps]))
+
+    _check_mtp_layers(stage(SimpleNamespace(router=object())), drafter)
+    with pytest.raises(RefitError, match=rf"MTP layer 0 is dense in the model, MoE in tiny-deepseek-v3-mtp \(its HF "
+                                         rf"layer {layer}, as vLLM's drafter builds it\)"):
+        _check_mtp_layers(stage(SimpleNamespace()), drafter)
+    with pytest.raises(RefitError, match=r"the last pipeline stage built 0 MTP layer\(s\), tiny-deepseek-v3-mtp has 1"):
+        _check_mtp_layers(SimpleNamespace(), drafter)
