@@ -181,9 +181,11 @@ def sharded_tensors(chunks: list[torch.nn.Module]) -> list[Any]:
     return out
 
 
-def fill_by_placement(chunks: list[torch.nn.Module], version: int) -> dict[str, tuple[int, ...]]:
-    """Write every parameter in place with `_values` at the global position Megatron's own
-    ``sharded_state_dict`` gives it; returns checkpoint key -> global shape."""
+def _place(chunks: list[torch.nn.Module], values: Any) -> dict[str, tuple[int, ...]]:
+    """Write every parameter (and the routers' ``expert_bias`` buffers) in place with
+    ``values(key, global_shape, global_offset, box)`` at the global position Megatron's own
+    ``sharded_state_dict`` gives it; assert every parameter was wholly written; returns checkpoint
+    key -> global shape."""
     params = [p for chunk in chunks for p in chunk.parameters()]
     shapes: dict[str, tuple[int, ...]] = {}
     with torch.no_grad():
@@ -193,12 +195,35 @@ def fill_by_placement(chunks: list[torch.nn.Module], version: int) -> dict[str, 
             assert sh.flattened_range is None
             lead = len(sh.global_shape) - len(sh.local_shape)  # prepended axes (layer, expert)
             box = (1,) * lead + tuple(sh.local_shape)
-            sh.data.copy_(_values(sh.key, tuple(sh.global_shape), tuple(sh.global_offset), box,
-                                  version).view(sh.data.shape))
+            sh.data.copy_(values(sh.key, tuple(sh.global_shape), tuple(sh.global_offset), box).reshape(sh.data.shape))
             shapes[sh.key] = tuple(sh.global_shape)
         unfilled = [i for i, p in enumerate(params) if torch.isnan(p.float()).any()]
         assert not unfilled, f"{len(unfilled)} parameters are not (wholly) in sharded_state_dict"
     return shapes
+
+
+def fill_by_placement(chunks: list[torch.nn.Module], version: int) -> dict[str, tuple[int, ...]]:
+    """Write every parameter in place with `_values` at the global position Megatron's own
+    ``sharded_state_dict`` gives it; returns checkpoint key -> global shape."""
+    return _place(chunks, lambda key, shape, offset, box: _values(key, shape, offset, box, version))
+
+
+def load_hf_by_placement(chunks: list[torch.nn.Module], hf: dict[str, torch.Tensor], spec: ModelSpec
+                         ) -> dict[str, tuple[int, ...]]:
+    """Write every parameter (and the routers' ``expert_bias`` buffers) in place from HF tensors
+    ``hf`` (the target's, and its MTP layers' when the chunks have them): the boxes Megatron's own
+    ``sharded_state_dict`` places, cut from `hf_to_global`'s tensors; returns key -> global shape."""
+    embedding = [sh for sh in sharded_tensors(chunks) if sh.key in ("embedding.word_embeddings.weight",
+                                                                      "output_layer.weight")]
+    padded = embedding[0].global_shape[0] if embedding else spec.config.vocab_size
+    g = hf_to_global(hf, spec, padded)
+
+    def values(key: str, shape: tuple[int, ...], offset: tuple[int, ...], box: tuple[int, ...]) -> torch.Tensor:
+        t = g[key]
+        assert tuple(t.shape) == shape, (key, tuple(t.shape), shape)
+        return t[tuple(slice(o, o + n) for o, n in zip(offset, box))]
+
+    return _place(chunks, values)
 
 
 def optimizer_step(chunks: list[torch.nn.Module], optimizer: torch.optim.Optimizer, seed: int) -> None:
@@ -260,7 +285,13 @@ def global_to_hf(g: dict[str, torch.Tensor], spec: ModelSpec) -> dict[str, torch
     axis) and, for MLA, tests/integration/test_megatron_mla.py (one Megatron tensor per HF tensor, no
     row reordering).  The local spec's checkpoint keys: GQA layers map their norms to TE's keys
     (``linear_qkv.layer_norm_weight``, ``linear_fc1.layer_norm_weight``), MLA layers keep the module
-    names (``input_layernorm``, ``q_layernorm``, ``kv_layernorm``, ``pre_mlp_layernorm``)."""
+    names (``input_layernorm``, ``q_layernorm``, ``kv_layernorm``, ``pre_mlp_layernorm``).
+
+    MTP layers (``mtp.layers.{i}.*``, present with ``mtp_num_layers``) become HF layer
+    ``N = num_layers + i`` as DeepSeek-V3 / GLM-4.5 checkpoints hold it: ``enorm``, ``hnorm``,
+    ``eh_proj`` (both concatenate [embedding; hidden]), ``shared_head.norm`` (Megatron's
+    ``final_layernorm``) and the decoder layer of ``transformer_layer`` (MoE where it has a router).
+    The ``embed_tokens`` / ``shared_head.head`` copies of HF's MTP layers: `with_mtp_copies`."""
     c = spec.config
     V = c.vocab_size
     out = {"model.embed_tokens.weight": g["embedding.word_embeddings.weight"][:V],
@@ -268,40 +299,153 @@ def global_to_hf(g: dict[str, torch.Tensor], spec: ModelSpec) -> dict[str, torch
     if not c.tie_embeddings:
         out["lm_head.weight"] = g["output_layer.weight"][:V]
 
-    def get(layer: int, *names: str) -> torch.Tensor:
-        for name in names:  # per-layer or stacked keys, under the first of the names that exists
-            key = f"decoder.layers.{layer}.{name}"
-            if key in g:
-                return g[key]
-            if f"decoder.layers.{name}" in g:
-                return g[f"decoder.layers.{name}"][layer]
-        raise KeyError(f"layer {layer}: none of {names}")
-
-    def mlp(p: str, fc1: torch.Tensor, fc2: torch.Tensor) -> None:  # p: "...mlp." or "...mlp.experts.{e}."
-        n = fc1.shape[0] // 2
-        out[p + "gate_proj.weight"], out[p + "up_proj.weight"], out[p + "down_proj.weight"] = fc1[:n], fc1[n:], fc2
+    def decoder_get(layer: int) -> Any:
+        def get(*names: str) -> torch.Tensor:
+            for name in names:  # per-layer or stacked keys, under the first of the names that exists
+                key = f"decoder.layers.{layer}.{name}"
+                if key in g:
+                    return g[key]
+                if f"decoder.layers.{name}" in g:
+                    return g[f"decoder.layers.{name}"][layer]
+            raise KeyError(f"layer {layer}: none of {names}")
+        return get
 
     for layer in range(c.num_layers):
-        p = f"model.layers.{layer}."
-        if c.is_mla:
-            _mla_to_hf(out, p, lambda name: get(layer, name), c.q_lora_rank)
-        else:
-            _gqa_to_hf(out, p, lambda name: get(layer, name), c)
-        out[p + "post_attention_layernorm.weight"] = get(layer, "mlp.linear_fc1.layer_norm_weight",
-                                                         "pre_mlp_layernorm.weight")
-        if layer in c.moe_layers:
-            out[p + "mlp.gate.weight"] = get(layer, "mlp.router.weight")
-            if c.router_bias:
-                out[p + "mlp.gate.e_score_correction_bias"] = get(layer, "mlp.router.expert_bias").float()
-            fc1, fc2 = get(layer, "mlp.experts.experts.linear_fc1.weight"), get(layer, "mlp.experts.experts.linear_fc2.weight")
-            for e in range(c.num_experts):
-                mlp(p + f"mlp.experts.{e}.", fc1[e], fc2[e])
-            if c.num_shared_experts:
-                mlp(p + "mlp.shared_experts.", get(layer, "mlp.shared_experts.linear_fc1.weight"),
-                    get(layer, "mlp.shared_experts.linear_fc2.weight"))
-        else:
-            mlp(p + "mlp.", get(layer, "mlp.linear_fc1.weight"), get(layer, "mlp.linear_fc2.weight"))
+        _layer_to_hf(out, f"model.layers.{layer}.", decoder_get(layer), c, layer in c.moe_layers)
+    for i in mtp_indices(g):
+        m, p = f"mtp.layers.{i}.", f"model.layers.{c.num_layers + i}."
+        for hf_name, meg in MTP_OWN.items():
+            out[p + hf_name] = g[m + meg]
+        t = m + "transformer_layer."
+
+        def mtp_get(*names: str, t: str = t) -> torch.Tensor:
+            for name in names:
+                if t + name in g:
+                    return g[t + name]
+            raise KeyError(f"{t}: none of {names}")
+
+        _layer_to_hf(out, p, mtp_get, c, t + "mlp.router.weight" in g)
     return {k: v.contiguous() for k, v in out.items()}
+
+
+# HF name in MTP layer N -> Megatron key under mtp.layers.{i}. (besides its transformer_layer)
+MTP_OWN = {"enorm.weight": "enorm.weight", "hnorm.weight": "hnorm.weight", "eh_proj.weight": "eh_proj.weight",
+           "shared_head.norm.weight": "final_layernorm.weight"}
+
+
+def mtp_indices(g: dict[str, torch.Tensor]) -> list[int]:
+    """The MTP layers ``i`` of the global checkpoint tensors ``g`` (keys ``mtp.layers.{i}.*``)."""
+    return sorted({int(k.split(".")[2]) for k in g if k.startswith("mtp.layers.")})
+
+
+def with_mtp_copies(hf: dict[str, torch.Tensor], spec: ModelSpec) -> dict[str, torch.Tensor]:
+    """``hf`` with the copies of the embedding and LM head that HF checkpoints of DeepSeek-V3 / GLM-4.5
+    keep in every MTP layer ``N`` (``embed_tokens``, ``shared_head.head``) and a fresh vLLM engine
+    loads; Megatron's MTP layers use the model's own."""
+    c = spec.config
+    out = dict(hf)
+    for n in range(c.num_layers, c.num_layers + c.num_mtp_layers):
+        if f"model.layers.{n}.eh_proj.weight" in hf:
+            out[f"model.layers.{n}.embed_tokens.weight"] = hf["model.embed_tokens.weight"].clone()
+            head = hf["model.embed_tokens.weight" if c.tie_embeddings else "lm_head.weight"]
+            out[f"model.layers.{n}.shared_head.head.weight"] = head.clone()
+    return out
+
+
+def _layer_to_hf(out: dict[str, torch.Tensor], p: str, get: Any, c: Any, moe: bool) -> None:
+    """One decoder layer's HF tensors (names ``p`` + ...) from its Megatron tensors ``get(*names)``
+    (the first of the names it holds)."""
+    if c.is_mla:
+        _mla_to_hf(out, p, get, c.q_lora_rank)
+    else:
+        _gqa_to_hf(out, p, get, c)
+    out[p + "post_attention_layernorm.weight"] = get("mlp.linear_fc1.layer_norm_weight", "pre_mlp_layernorm.weight")
+
+    def mlp(q: str, fc1: torch.Tensor, fc2: torch.Tensor) -> None:  # q: "...mlp." or "...mlp.experts.{e}."
+        n = fc1.shape[0] // 2
+        out[q + "gate_proj.weight"], out[q + "up_proj.weight"], out[q + "down_proj.weight"] = fc1[:n], fc1[n:], fc2
+
+    if moe:
+        out[p + "mlp.gate.weight"] = get("mlp.router.weight")
+        if c.router_bias:
+            out[p + "mlp.gate.e_score_correction_bias"] = get("mlp.router.expert_bias").float()
+        fc1, fc2 = get("mlp.experts.experts.linear_fc1.weight"), get("mlp.experts.experts.linear_fc2.weight")
+        for e in range(c.num_experts):
+            mlp(p + f"mlp.experts.{e}.", fc1[e], fc2[e])
+        if c.num_shared_experts:
+            mlp(p + "mlp.shared_experts.", get("mlp.shared_experts.linear_fc1.weight"),
+                get("mlp.shared_experts.linear_fc2.weight"))
+    else:
+        mlp(p + "mlp.", get("mlp.linear_fc1.weight"), get("mlp.linear_fc2.weight"))
+
+
+def hf_to_global(hf: dict[str, torch.Tensor], spec: ModelSpec, padded_vocab: int) -> dict[str, torch.Tensor]:
+    """The inverse of `global_to_hf`: Megatron's global checkpoint tensors (the keys
+    `sharded_tensors` gives, per layer) of HF tensors ``hf``, the embedding and output layer padded
+    to ``padded_vocab`` rows (zeros).  HF MTP layers ``N >= num_layers`` (where ``hf`` has their
+    ``eh_proj``) become ``mtp.layers.{N - num_layers}.*``; their ``embed_tokens`` /
+    ``shared_head.head`` copies are not Megatron's and are ignored."""
+    c = spec.config
+    V = c.vocab_size
+
+    def padded(t: torch.Tensor) -> torch.Tensor:
+        return torch.cat([t, t.new_zeros(padded_vocab - V, *t.shape[1:])])
+
+    g = {"embedding.word_embeddings.weight": padded(hf["model.embed_tokens.weight"]),
+         "decoder.final_layernorm.weight": hf["model.norm.weight"]}
+    if not c.tie_embeddings:
+        g["output_layer.weight"] = padded(hf["lm_head.weight"])
+    for layer in range(c.num_layers):
+        _layer_to_global(g, f"decoder.layers.{layer}.", hf, f"model.layers.{layer}.", c, layer in c.moe_layers)
+    for n in range(c.num_layers, c.num_layers + c.num_mtp_layers):
+        p, m = f"model.layers.{n}.", f"mtp.layers.{n - c.num_layers}."
+        if p + "eh_proj.weight" not in hf:
+            continue
+        for hf_name, meg in MTP_OWN.items():
+            g[m + meg] = hf[p + hf_name]
+        _layer_to_global(g, m + "transformer_layer.", hf, p, c, p + "mlp.gate.weight" in hf)
+    return {k: v.contiguous() for k, v in g.items()}
+
+
+def _layer_to_global(g: dict[str, torch.Tensor], m: str, hf: dict[str, torch.Tensor], p: str, c: Any,
+                     moe: bool) -> None:
+    """One decoder layer's Megatron tensors (keys ``m`` + ...) from HF layer ``p``."""
+    if c.is_mla:
+        for hf_name, meg in _mla_pairs(c.q_lora_rank).items():
+            g[m + meg] = hf[p + hf_name]
+        g[m + "pre_mlp_layernorm.weight"] = hf[p + "post_attention_layernorm.weight"]
+    else:
+        G, hd = c.num_kv_heads, c.head_dim
+        qg = c.num_heads // G
+        g[m + "self_attention.linear_qkv.layer_norm_weight"] = hf[p + "input_layernorm.weight"]
+        for kind in ("weight", "bias") if c.qkv_bias else ("weight",):
+            q, k, v = (hf[p + f"self_attn.{proj}_proj.{kind}"] for proj in "qkv")
+            rest = q.shape[1:]
+            g[m + f"self_attention.linear_qkv.{kind}"] = torch.cat(
+                [q.reshape(G, qg * hd, *rest), k.reshape(G, hd, *rest), v.reshape(G, hd, *rest)], 1
+            ).reshape(G * (qg + 2) * hd, *rest)
+        g[m + "self_attention.linear_proj.weight"] = hf[p + "self_attn.o_proj.weight"]
+        if c.qk_norm:
+            g[m + "self_attention.q_layernorm.weight"] = hf[p + "self_attn.q_norm.weight"]
+            g[m + "self_attention.k_layernorm.weight"] = hf[p + "self_attn.k_norm.weight"]
+        g[m + "mlp.linear_fc1.layer_norm_weight"] = hf[p + "post_attention_layernorm.weight"]
+
+    def fc1(q: str) -> torch.Tensor:
+        return torch.cat([hf[q + "gate_proj.weight"], hf[q + "up_proj.weight"]])
+
+    if moe:
+        g[m + "mlp.router.weight"] = hf[p + "mlp.gate.weight"]
+        if c.router_bias:
+            g[m + "mlp.router.expert_bias"] = hf[p + "mlp.gate.e_score_correction_bias"].float()
+        experts = [f"{p}mlp.experts.{e}." for e in range(c.num_experts)]
+        g[m + "mlp.experts.experts.linear_fc1.weight"] = torch.stack([fc1(q) for q in experts])
+        g[m + "mlp.experts.experts.linear_fc2.weight"] = torch.stack([hf[q + "down_proj.weight"] for q in experts])
+        if c.num_shared_experts:
+            g[m + "mlp.shared_experts.linear_fc1.weight"] = fc1(p + "mlp.shared_experts.")
+            g[m + "mlp.shared_experts.linear_fc2.weight"] = hf[p + "mlp.shared_experts.down_proj.weight"]
+    else:
+        g[m + "mlp.linear_fc1.weight"] = fc1(p + "mlp.")
+        g[m + "mlp.linear_fc2.weight"] = hf[p + "mlp.down_proj.weight"]
 
 
 def _gqa_to_hf(out: dict[str, torch.Tensor], p: str, get: Any, c: Any) -> None:
@@ -319,7 +463,8 @@ def _gqa_to_hf(out: dict[str, torch.Tensor], p: str, get: Any, c: Any) -> None:
         out[p + "self_attn.k_norm.weight"] = get("self_attention.k_layernorm.weight")
 
 
-def _mla_to_hf(out: dict[str, torch.Tensor], p: str, get: Any, q_lora_rank: int) -> None:
+def _mla_pairs(q_lora_rank: int) -> dict[str, str]:
+    """MLA's HF names -> Megatron names within a layer (one tensor each, no reordering)."""
     pairs = {"input_layernorm.weight": "input_layernorm.weight",
              "self_attn.kv_a_proj_with_mqa.weight": "self_attention.linear_kv_down_proj.weight",
              "self_attn.kv_a_layernorm.weight": "self_attention.kv_layernorm.weight",
@@ -331,5 +476,9 @@ def _mla_to_hf(out: dict[str, torch.Tensor], p: str, get: Any, q_lora_rank: int)
                       "self_attn.q_b_proj.weight": "self_attention.linear_q_up_proj.weight"})
     else:
         pairs["self_attn.q_proj.weight"] = "self_attention.linear_q_proj.weight"
-    for hf, meg in pairs.items():
+    return pairs
+
+
+def _mla_to_hf(out: dict[str, torch.Tensor], p: str, get: Any, q_lora_rank: int) -> None:
+    for hf, meg in _mla_pairs(q_lora_rank).items():
         out[p + hf] = get(meg)
