@@ -152,13 +152,15 @@ def test_megatron_attach_refit_bit_exact(server, tmp_path, model, par, layout, e
 @pytest.mark.parametrize("model,par,ranks,engine_layout", [
     # the last of two pipeline stages holds the MTP layer: rank 1 is the drafter's rank 0
     ("tiny-deepseek-v3", dict(pp=2), [None, (0, "megatron:tp1dp1")], "vllm:tp2"),
+    # ... of a virtual pipeline: in the last chunk of the last stage (chunk1.mtp.layers.0.*)
+    ("tiny-deepseek-v3", dict(pp=2, vpp=2), [None, (0, "megatron:tp1dp1")], "vllm:tp1"),
     # eh_proj's rows over tp, the MTP layer's experts over ep, under Megatron's DDP
     ("tiny-deepseek-v3", dict(tp=2, ep=2, etp=1, ddp=True), [(0, "megatron:tp2ep2etp1dp1"),
                                                              (1, "megatron:tp2ep2etp1dp1")], "vllm:tp1"),
     # GQA with qkv bias: the local spec's norm names inside mtp.layers.0.transformer_layer; experts over etp2
     # (Megatron's default etp = tp)
     ("tiny-glm4-moe", dict(tp=2), [(0, "megatron:tp2etp2dp1"), (1, "megatron:tp2etp2dp1")], "vllm:tp2"),
-], ids=["deepseek-v3-pp2", "deepseek-v3-tp2ep2-ddp", "glm4-moe-tp2"])
+], ids=["deepseek-v3-pp2", "deepseek-v3-pp2vpp2", "deepseek-v3-tp2ep2-ddp", "glm4-moe-tp2"])
 def test_megatron_mtp_layers_refit_bit_exact_into_vllms_drafter(server, tmp_path, model, par, ranks,
                                                                 engine_layout) -> None:
     """``attach_mtp`` beside ``attach``: the MTP layers (placed by Megatron's own
