@@ -1,0 +1,35 @@
+#!/usr/bin/env bash
+# Is the control time of a one-GPU --via grpc refit thread wake-ups out of deep CPU idle states?
+# Each measurement twice in one run: as the host is, and with /dev/cpu_dma_latency held at 0 us
+# (bench/probes/with_cpu_latency.py).  idle: the bare gRPC round trip after pauses
+# (grpc_idle_latency.py); 8b: refit-bench qwen3-8b tp1 -> tp1 --via grpc, 20 refits.
+# Usage: gpu_run_cpu_latency.sh idle|8b ...   Writes JSON and logs under ${OUT:-bench/out}.
+set -u
+export NCCL_NVLS_ENABLE=0 PYTHONUNBUFFERED=1 REFIT_ALLOW_MISSING_DEPS=1
+ROOT="$(cd "$(dirname "$0")/../.." && pwd)"
+if ls "$ROOT"/.whl/*.whl >/dev/null 2>&1; then  # what the device lacks (grpcio-health-checking)
+  python3 -m pip install -q --no-index --no-deps --target /tmp/site "$ROOT"/.whl/*.whl
+  export PYTHONPATH=/tmp/site
+fi
+export PYTHONPATH="$ROOT${PYTHONPATH:+:$PYTHONPATH}"
+OUT=${OUT:-bench/out}; mkdir -p "$OUT"
+HOLD="python3 $ROOT/bench/probes/with_cpu_latency.py --us 0 --"
+nvidia-smi --query-gpu=name,memory.total,driver_version --format=csv,noheader
+ls -la /dev/cpu_dma_latency; cat /sys/devices/system/cpu/cpuidle/current_governor* 2>/dev/null
+grep -H . /sys/devices/system/cpu/cpu0/cpuidle/state*/name 2>/dev/null | head
+for what in "$@"; do case "$what" in
+  idle) for hold in "" "$HOLD"; do
+          echo "=== grpc_idle_latency ${hold:+(held at 0 us)}"
+          timeout 240 $hold python3 bench/probes/grpc_idle_latency.py --calls 200 2>&1 | tail -5
+        done ;;
+  8b) for hold in "" "$HOLD"; do
+        name="grpc-q8-tp1-tp1${hold:+-held}"
+        echo "=== $name"
+        timeout 300 $hold python3 -m refit.bench --model qwen3-8b --src tp1 --dst tp1 --iters 20 --via grpc --json \
+          >"$OUT/$name.json" 2>"$OUT/$name.log"
+        echo "rc=$?"; tail -c 1500 "$OUT/$name.log" | tail -3
+        python3 -c "import json,sys; from refit.bench.via_grpc import table_grpc; print(table_grpc(json.load(open(sys.argv[1]))))" \
+          "$OUT/$name.json" 2>&1 | tail -12
+      done ;;
+  *) echo "usage: $0 idle|8b"; exit 2 ;;
+esac; done
