@@ -5,16 +5,8 @@
 # (grpc_idle_latency.py); 8b: refit-bench qwen3-8b tp1 -> tp1 --via grpc, 20 refits.
 # Usage: gpu_run_cpu_latency.sh idle|8b ...   Writes JSON and logs under ${OUT:-bench/out}.
 set -u
-export NCCL_NVLS_ENABLE=0 PYTHONUNBUFFERED=1 REFIT_ALLOW_MISSING_DEPS=1
-ROOT="$(cd "$(dirname "$0")/../.." && pwd)"
-if ls "$ROOT"/.whl/*.whl >/dev/null 2>&1; then  # what the device lacks (grpcio-health-checking)
-  python3 -m pip install -q --no-index --no-deps --target /tmp/site "$ROOT"/.whl/*.whl
-  export PYTHONPATH=/tmp/site
-fi
-export PYTHONPATH="$ROOT${PYTHONPATH:+:$PYTHONPATH}"
-OUT=${OUT:-bench/out}; mkdir -p "$OUT"
+source "$(dirname "$0")/gpu_env.sh"
 HOLD="python3 $ROOT/bench/probes/with_cpu_latency.py --us 0 --"
-nvidia-smi --query-gpu=name,memory.total,driver_version --format=csv,noheader
 ls -la /dev/cpu_dma_latency; cat /sys/devices/system/cpu/cpuidle/current_governor* 2>/dev/null
 grep -H . /sys/devices/system/cpu/cpu0/cpuidle/state*/name 2>/dev/null | head
 for what in "$@"; do case "$what" in

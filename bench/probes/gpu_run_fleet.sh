@@ -4,15 +4,7 @@
 # one GPU, CUDA IPC) plain, --atomic and --verify, in one run so the three compare.
 # Usage: gpu_run_fleet.sh checksum|8b ...   Writes JSON and logs under ${OUT:-bench/out}.
 set -u
-export NCCL_NVLS_ENABLE=0 PYTHONUNBUFFERED=1 REFIT_ALLOW_MISSING_DEPS=1
-ROOT="$(cd "$(dirname "$0")/../.." && pwd)"
-if ls "$ROOT"/.whl/*.whl >/dev/null 2>&1; then  # what the device lacks (grpcio-health-checking)
-  python3 -m pip install -q --no-index --no-deps --target /tmp/site "$ROOT"/.whl/*.whl
-  export PYTHONPATH=/tmp/site
-fi
-export PYTHONPATH="$ROOT${PYTHONPATH:+:$PYTHONPATH}"
-OUT=${OUT:-bench/out}; mkdir -p "$OUT"
-nvidia-smi --query-gpu=name,memory.total,driver_version --format=csv,noheader
+source "$(dirname "$0")/gpu_env.sh"
 run() {  # name, time limit, then refit-bench arguments
   local name=$1 limit=$2; shift 2
   echo "=== $name: refit-bench $*"

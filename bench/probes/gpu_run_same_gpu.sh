@@ -6,15 +6,7 @@
 # report carries the device copy (torch copy_ of 4 GiB) and the ratio to it.
 # Usage: gpu_run_same_gpu.sh [suite] [8b|30b|235b] ...   JSON and logs under ${OUT:-bench/out}.
 set -u
-export NCCL_NVLS_ENABLE=0 PYTHONUNBUFFERED=1 REFIT_ALLOW_MISSING_DEPS=1
-ROOT="$(cd "$(dirname "$0")/../.." && pwd)"
-if ls "$ROOT"/.whl/*.whl >/dev/null 2>&1; then  # what the device lacks (grpcio-health-checking)
-  python3 -m pip install -q --no-index --no-deps --target /tmp/site "$ROOT"/.whl/*.whl
-  export PYTHONPATH=/tmp/site
-fi
-export PYTHONPATH="$ROOT${PYTHONPATH:+:$PYTHONPATH}"
-OUT=${OUT:-bench/out}; mkdir -p "$OUT"
-nvidia-smi --query-gpu=name,memory.total,driver_version --format=csv,noheader
+source "$(dirname "$0")/gpu_env.sh"
 run() {  # name, environment (VAR=value ...), then refit-bench arguments
   local name=$1 envs=$2; shift 2
   echo "=== $name: $envs refit-bench $*"
