@@ -118,6 +118,16 @@ def mtp_layer_of(cfg: Any, name: str) -> int | None:
     return None
 
 
+def is_not_moved(cfg: Any, name: str) -> bool:
+    """Whether HF checkpoint tensor ``name`` is one `not_moved` speaks of: an MTP layer's of the
+    model, or, for a drafter's own spec, one the target's refit moves instead."""
+    if getattr(cfg, "drafter", ""):
+        from refit.drafters import moved_by_target
+
+        return moved_by_target(cfg, name)
+    return mtp_layer_of(cfg, name) is not None
+
+
 def not_moved(cfg: Any) -> tuple[str, ...]:
     """What a checkpoint of this model may hold that refit does not move, said plainly."""
     if getattr(cfg, "drafter", ""):  # a drafter's own spec: what the target's refit moves instead

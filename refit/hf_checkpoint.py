@@ -19,8 +19,7 @@ from typing import Any
 from refit.catalog import CATALOG
 from refit.dtypes import FROM_SAFETENSORS
 from refit.errors import InvalidInput, RefitError
-from refit.archs import mtp_layer_of
-from refit.drafters import moved_by_target
+from refit.archs import is_not_moved
 from refit.spec import ModelConfig, ModelSpec, build_spec, check_tensor_table
 
 log = logging.getLogger(__name__)
@@ -192,11 +191,9 @@ def config_from_headers(tensors: CheckpointTensors) -> dict[str, Any]:
 def check_checkpoint(spec: ModelSpec, tensors: CheckpointTensors, where: str) -> None:
     """Refuse a checkpoint whose tensors differ from the spec: name the first difference."""
     expected = {t.name: (t.shape, spec[t.tensor].dtype) for t in spec.hf_tensors()}
-    # MTP layers (DeepSeek-V3, GLM-4.5) are accepted and named as not moved, never dropped silently;
-    # likewise what a drafter's checkpoint holds of the target's (refit.drafters)
-    c = spec.config
-    found = {n: (shape, dtype) for n, (shape, dtype, _) in tensors.items()
-             if not (moved_by_target(c, n) if c.drafter else mtp_layer_of(c, n) is not None)}
+    # MTP layers (DeepSeek-V3, GLM-4.5), and what a drafter's checkpoint holds of the target's, are
+    # accepted and named as not moved, never dropped silently
+    found = {n: (shape, dtype) for n, (shape, dtype, _) in tensors.items() if not is_not_moved(spec.config, n)}
     if len(found) < len(tensors):
         for line in spec.not_moved:
             log.warning("%s: %s (%d tensors)", where, line, len(tensors) - len(found))

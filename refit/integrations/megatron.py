@@ -100,7 +100,7 @@ def attach(model: torch.nn.Module | Sequence[torch.nn.Module], address: str | No
     ``address`` and ``token`` default to ``$REFIT_ADDRESS`` (else 127.0.0.1:50051) and
     ``$REFIT_TOKEN``."""
     spec = spec if isinstance(spec, ModelSpec) else load_spec(spec)
-    wrappers = list(model) if isinstance(model, (list, tuple)) else [model]
+    wrappers = _wrappers(model)
     if any(getattr(getattr(w, "ddp_config", None), "overlap_param_gather", False) for w in wrappers):
         # The distributed optimizer then all-gathers updated parameters during the *next* forward:
         # right after optimizer.step() the buffers hold other ranks' old shards.
@@ -113,8 +113,8 @@ def attach(model: torch.nn.Module | Sequence[torch.nn.Module], address: str | No
     rank = global_rank()
     _check_coords(layout, rank)
     _check_layers(layout, spec, chunks, rank)
-    parts = [(p, p, chunk) for c, chunk in enumerate(chunks) for p in [f"chunk{c}." if layout.vpp > 1 else ""]]
-    served = _serve(parts, spec, layout, rank)
+    served = _serve([(layout.chunk_prefix(c), layout.chunk_prefix(c), chunk) for c, chunk in enumerate(chunks)],
+                    spec, layout, rank)
     return start_trainer(address, group=group, rank=rank, spec=spec, layout=layout, served=served, token=token,
                          **agent_options)
 
@@ -129,7 +129,7 @@ def attach_mtp(model: torch.nn.Module | Sequence[torch.nn.Module], address: str 
     ``num_nextn_predict_layers``: the MTP layers' shapes and which of them are MoE come from it).
     Raises `refit.InvalidInput`, before registering, for a model whose MTP layers differ from it."""
     target, drafter = _mtp_specs(spec)
-    chunks = [_unwrap(m) for m in (list(model) if isinstance(model, (list, tuple)) else [model])]
+    chunks = [_unwrap(m) for m in _wrappers(model)]
     _check_config(chunks, target)
     built = getattr(chunks[0].config, "mtp_num_layers", None) or 0
     if built != target.config.num_mtp_layers:
@@ -145,8 +145,7 @@ def attach_mtp(model: torch.nn.Module | Sequence[torch.nn.Module], address: str 
     stage_rank = rank - (layout.pp - 1) * stage.world_size  # the stage's ranks, numbered from 0 in the same order
     last = chunks[-1]
     _check_mtp_layers(last, drafter)
-    served = _serve([("", f"chunk{len(chunks) - 1}." if layout.vpp > 1 else "", last)], drafter, stage, stage_rank,
-                    mtp=True)
+    served = _serve([("", layout.chunk_prefix(len(chunks) - 1), last)], drafter, stage, stage_rank, mtp=True)
     return start_trainer(address, group=group, rank=stage_rank, spec=drafter, layout=stage, served=served, token=token,
                          **agent_options)
 
@@ -179,6 +178,11 @@ def _check_mtp_layers(chunk: torch.nn.Module, drafter: ModelSpec) -> None:
             raise InvalidInput(f"MTP layer {i} is {'MoE' if moe else 'dense'} in the model, "
                                f"{'MoE' if hf_layer in c.moe_layers else 'dense'} in {drafter.name} (its HF layer "
                                f"{hf_layer}, as vLLM's drafter builds it)")
+
+
+def _wrappers(model: torch.nn.Module | Sequence[torch.nn.Module]) -> list[torch.nn.Module]:
+    """The model chunks as given: a list of virtual-pipeline chunks, or one model."""
+    return list(model) if isinstance(model, (list, tuple)) else [model]
 
 
 def _unwrap(m: torch.nn.Module) -> torch.nn.Module:

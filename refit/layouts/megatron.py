@@ -216,6 +216,10 @@ class MegatronLayout:
             etp=dense_rank % Te, ep=(dense_rank // Te) % E, edp=dense_rank // (Te * E),
         )
 
+    def chunk_prefix(self, chunk: int) -> str:
+        """What the local names of model chunk ``chunk`` start with (``chunk{c}.`` under a virtual pipeline)."""
+        return f"chunk{chunk}." if self.vpp > 1 else ""
+
     def replica_key(self, rank: int) -> tuple[int, ...]:
         co = self.coords(rank)  # cp, dp and edp ranks hold copies
         return (co["tp"], co["pp"], co["ep"], co["etp"])
@@ -235,14 +239,8 @@ class MegatronLayout:
         def add(name: str, shape: tuple[int, ...], *pieces: Piece) -> None:
             out.append(LocalTensor(prefix + name, shape, dt, tuple(pieces)))
 
-        def full(tensor: str, layer: int, local_start: tuple[int, ...] = ()) -> Piece:
-            ts = spec[tensor]
-            pos = spec.layer_pos(tensor, layer)
-            inner = ts.shape[1:]
-            return Piece(tensor, (pos,) + (0,) * len(inner), (1,) + inner, local_start or (0,) * len(ts.shape))
-
         for chunk in range(self.vpp):
-            prefix = f"chunk{chunk}." if self.vpp > 1 else ""
+            prefix = self.chunk_prefix(chunk)
             first_stage = co["pp"] == 0 and chunk == 0
             last_stage = co["pp"] == self.pp - 1 and chunk == self.vpp - 1
             if first_stage:
