@@ -43,12 +43,13 @@ def megatron_mtp_rank(rank: int, world: int, address: str, name: str, target_dir
 
     install_cpu_shims()
     from refit.hf_checkpoint import load_spec
+    from tests.harness.vllm_rl import read_hf
     from refit.integrations import megatron as refit_megatron
 
     init_parallel(**par)
     spec = load_spec(target_dir)
     chunks = build_gpt(spec, mtp_num_layers=1)
-    load_hf_by_placement(chunks, _read_hf(target_dir), spec)
+    load_hf_by_placement(chunks, read_hf(target_dir), spec)
     params = [p for c in chunks for p in c.parameters()]
     policy = refit_megatron.attach(chunks[0], address, group=f"trainer-{name}", spec=target_dir)
     draft = refit_megatron.attach_mtp(chunks[0], address, group=f"draft-trainer-{name}", spec=target_dir)
@@ -63,16 +64,6 @@ def megatron_mtp_rank(rank: int, world: int, address: str, name: str, target_dir
         raise ValueError(cmd)
 
     return _Agents(policy, draft), handle
-
-
-def _read_hf(directory: str) -> dict[str, Any]:
-    from safetensors.torch import load_file
-
-    out: dict[str, Any] = {}
-    for f in sorted(os.listdir(directory)):
-        if f.endswith(".safetensors"):
-            out.update(load_file(os.path.join(directory, f)))
-    return out
 
 
 class MegatronDrafterTrainer:

@@ -50,15 +50,21 @@ def cpu_env(tp: int) -> dict[str, str]:
 
 
 # ------------------------------------------------------------------------------------ trainers
-def canonical_from_checkpoint(spec: Any, directory: str) -> dict[str, torch.Tensor]:
+def read_hf(directory: str) -> dict[str, torch.Tensor]:
+    """Every tensor of the ``*.safetensors`` files of an HF checkpoint directory."""
     from safetensors.torch import load_file
-
-    from refit.regions import slices
 
     hf: dict[str, torch.Tensor] = {}
     for f in sorted(os.listdir(directory)):
         if f.endswith(".safetensors"):
             hf.update(load_file(os.path.join(directory, f)))
+    return hf
+
+
+def canonical_from_checkpoint(spec: Any, directory: str) -> dict[str, torch.Tensor]:
+    from refit.regions import slices
+
+    hf = read_hf(directory)
     canon = {t.name: torch.zeros(t.shape, dtype=getattr(torch, t.dtype)) for t in spec.tensors}
     for h in spec.hf_tensors():
         canon[h.tensor][slices(h.start, h.size)] = hf[h.name].reshape(h.size)
