@@ -333,8 +333,7 @@ class MegatronLayout:
         ln = "model.layers.*.post_attention_layernorm.weight"
         pos = spec.layer_pos(gate, layer)
         # a dense layer fuses the pre-MLP norm into linear_fc1; shared experts sit after pre_mlp_layernorm
-        norm = [] if shared else [LocalTensor(f"{p}mlp.linear_fc1.layer_norm_weight", (H,), dt,
-                                              (Piece(ln, (spec.layer_pos(ln, layer), 0), (1, H), (0, 0)),))]
+        norm = [] if shared else [_whole(spec, f"{p}mlp.linear_fc1.layer_norm_weight", ln, layer)]
         return norm + [
             LocalTensor(f"{p}{mp}.linear_fc1.weight", (2 * n, H), dt,
                         (Piece(gate, (pos, t * n, 0), (1, n, H), (0, 0, 0)),
@@ -352,16 +351,11 @@ class MegatronLayout:
         router = "model.layers.*.mlp.gate.weight"
         gate, up, down = (f"model.layers.*.mlp.experts.*.{x}_proj.weight" for x in ("gate", "up", "down"))
         pos = spec.layer_pos(gate, layer)
-        out = [
-            LocalTensor(f"{p}pre_mlp_layernorm.weight", (H,), dt,
-                        (Piece(ln, (spec.layer_pos(ln, layer), 0), (1, H), (0, 0)),)),
-            LocalTensor(f"{p}mlp.router.weight", (E, H), dt,
-                        (Piece(router, (spec.layer_pos(router, layer), 0, 0), (1, E, H), (0, 0, 0)),)),
-        ]
-        if c.router_bias:  # TopKRouter's expert_bias buffer (moe_router_enable_expert_bias), kept float32
+        out = [_whole(spec, f"{p}pre_mlp_layernorm.weight", ln, layer),
+               _whole(spec, f"{p}mlp.router.weight", router, layer)]
+        if c.router_bias:  # TopKRouter's expert_bias buffer (moe_router_enable_expert_bias), float32 in the spec
             bias = "model.layers.*.mlp.gate.e_score_correction_bias"
-            out.append(LocalTensor(f"{p}mlp.router.expert_bias", (E,), "float32",
-                                   (Piece(bias, (spec.layer_pos(bias, layer), 0), (1, E), (0, 0)),)))
+            out.append(_whole(spec, f"{p}mlp.router.expert_bias", bias, layer))
         if c.num_shared_experts:  # SharedExpertMLP: an MLP split over tp (not etp)
             out.extend(self._dense_mlp(spec, p, layer, co["tp"], shared=True))
         per_rank = E // self.ep
@@ -388,11 +382,8 @@ class MegatronLayout:
         a = f"{p}self_attention."
 
         def whole(local: str, tensor: str) -> LocalTensor:
-            ts = spec[f"model.layers.*.{tensor}"]
-            inner = ts.shape[1:]
-            return LocalTensor(a + local if local != "input_layernorm.weight" else p + local, inner, dt,
-                               (Piece(ts.name, (spec.layer_pos(ts.name, layer),) + (0,) * len(inner), (1,) + inner,
-                                      (0,) * len(ts.shape)),))
+            return _whole(spec, a + local if local != "input_layernorm.weight" else p + local,
+                          f"model.layers.*.{tensor}", layer)
 
         def split(local: str, tensor: str) -> LocalTensor:
             ts = spec[f"model.layers.*.self_attn.{tensor}"]
