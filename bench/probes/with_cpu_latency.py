@@ -24,14 +24,20 @@ import sys
 PATH = "/dev/cpu_dma_latency"
 
 
-def main() -> None:
-    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    ap.add_argument("--us", type=int, default=0, help="the latency bound in microseconds (0: shallowest idle)")
+def parse_wrapper(ap: argparse.ArgumentParser) -> tuple[argparse.Namespace, list[str]]:
+    """The wrapper's own options, and the command given after ``--`` (a probe that runs one)."""
     ap.add_argument("command", nargs=argparse.REMAINDER, help="-- then the command to run")
     args = ap.parse_args()
     command = args.command[1:] if args.command[:1] == ["--"] else args.command
     if not command:
         ap.error("give a command after --")
+    return args, command
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("--us", type=int, default=0, help="the latency bound in microseconds (0: shallowest idle)")
+    args, command = parse_wrapper(ap)
     fd = None
     try:
         fd = os.open(PATH, os.O_WRONLY)

@@ -22,6 +22,8 @@ import os
 import subprocess
 import sys
 
+from with_cpu_latency import parse_wrapper  # this folder is on sys.path when run as a script
+
 
 def spin(cpu: int) -> None:
     os.sched_setaffinity(0, {cpu})
@@ -33,11 +35,7 @@ def spin(cpu: int) -> None:
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--cpus", type=int, default=0, help="spin on the first N usable CPUs (default 0: all)")
-    ap.add_argument("command", nargs=argparse.REMAINDER, help="-- then the command to run")
-    args = ap.parse_args()
-    command = args.command[1:] if args.command[:1] == ["--"] else args.command
-    if not command:
-        ap.error("give a command after --")
+    args, command = parse_wrapper(ap)
     cpus = sorted(os.sched_getaffinity(0))
     cpus = cpus[:args.cpus] if args.cpus > 0 else cpus
     spinners = [mp.Process(target=spin, args=(c,), daemon=True) for c in cpus]
