@@ -78,6 +78,11 @@ CASES = [
          "same section, --vs broadcast", planner="broadcast", transport="nccl",
          why="the broadcast planner's stage 1 is an NCCL broadcast from each root (a ring through every "
              "GPU), not the point-to-point sends the model counts"),
+    Case("q30 tp4ep4→tp4 --via grpc, data", "qwen3-30b-moe", "megatron:tp4ep4", "vllm:tp4", 4, 36.83,
+         "qwen3-30b-moe … 4× H200, --via grpc (data)",
+         why="the agents' 8 processes ran 1.21x the direct bench's one driver per GPU (30.50 ms); not profiled"),
+    Case("q30 tp4ep4→tp4 --via grpc, round trip", "qwen3-30b-moe", "megatron:tp4ep4", "vllm:tp4", 4, 42.10,
+         "same section (round trip)", why=CTRL),
     Case("q30 tp4ep4→tp4 nccl --bucket-mb 1200", "qwen3-30b-moe", "megatron:tp4ep4", "vllm:tp4", 4, 35.86,
          "qwen3-30b-moe megatron:tp4ep4 → vllm:tp4, 4× H200, NCCL (newest)", transport="nccl", bucket_mb=1200),
     Case("q235 --layers 20 tp2ep2→tp2 ipc", "qwen3-235b-moe", "megatron:tp2ep2", "vllm:tp2", 2, 67.08,

@@ -12,9 +12,9 @@ those cannot express a torch cross-device ``copy_``, which torch issues on the s
 current stream (a second stream, on the peer, in this process's context there), fenced by events
 against the destination device's current stream.  Were that the copy stream, every pull would fence the
 copy stream and serialise with the local moves; on streams of their own, pulls (copy engines,
-NVLink) overlap the local moves (SMs, HBM) and the pulls from other peers.  `join` orders the
-copy stream after them (a broadcast stage 1 sends what stage-0 pulls gathered); `finish` waits
-for them too.
+NVLink) overlap the local moves (SMs, HBM) and the pulls from other peers.  `join` orders every
+stream after all of them (a broadcast's stage 1 sends and moves what stage 0 gathered); `finish`
+waits for them too.
 
 Same-GPU moves beside wire steps (`beside`; the nccl transport) run on a *local stream*: on the copy
 stream they sat between the first step's pack and the second's, so every later step waited for
@@ -51,7 +51,8 @@ class Device(Protocol):
         unpack pipeline, or the table kernel of the same batch), joined by `join` and `finish`."""
 
     def join(self) -> None:
-        """Order later copies and sends after every pull (and `beside` batch) issued so far."""
+        """Order everything issued later, on any stream, after everything issued so far (a stage
+        is drained before the next: a broadcast's stage 1 reads what stage 0 gathered)."""
 
     def begin(self) -> None:
         """Order this refit's work after everything already issued (source fills)."""
@@ -196,8 +197,15 @@ class CudaDevice:
         return [self.local_stream, *(here for here, _ in self.pull_streams.values())]
 
     def join(self) -> None:
-        for s in self._side_streams():
+        # Both ways: a broadcast's stage-1 same-GPU moves run on the local stream and read the
+        # gather tensors that stage 0 filled on the copy stream (unpacks) and the pull streams.
+        # Ordering only the copy stream after the side streams left those moves racing stage 0
+        # (seen on 4x H200: zeros and the previous refit's values in the destination).
+        side = self._side_streams()
+        for s in side:
             self.copy_stream.wait_stream(s)
+        for s in side:
+            s.wait_stream(self.copy_stream)
 
     def begin(self) -> None:
         current = torch.cuda.current_stream(self.torch)

@@ -11,8 +11,9 @@ after every refit (two refits, a new source seed each; the broadcast plan beside
 * `refit-bench` at full width on real shapes (qwen3-30b-moe and qwen3-8b, first 2 layers), direct
   and ``--via grpc`` (agents, a loopback coordinator, ``refit.Client``).
 
-With 2+ GPUs: the ipc transport and NCCL between GPUs; with 4+, disaggregated placements.  Those
-skip, with the count they need, on fewer GPUs.  Knob variants run in spawned workers so that each
+With 2+ GPUs: the ipc transport (pull, push, packed shards, phased) and NCCL between GPUs, and
+`refit-bench --via grpc`; with 4+, colocated layouts of equal and unequal world sizes and
+disaggregated placements.  Those skip, with the count they need, on fewer GPUs.  Knob variants run in spawned workers so that each
 sees its own environment (`refit.settings`: member 0's run knobs hold for all).
 """
 
@@ -94,13 +95,41 @@ def test_bench_via_grpc_one_gpu() -> None:
     assert r["device"] == "cuda", r
 
 
+# Between GPUs: NVLink (or PCIe) peers under CUDA IPC and NCCL, each beside the refit's own same-GPU
+# copies (a colocated rank's shard of its own tensors stays on its GPU).
+TWO_GPUS = {
+    "ipc-pull": dict(transport="ipc", env={"REFIT_IPC": "pull"}),
+    "ipc-push": dict(transport="ipc", env={"REFIT_IPC": "push"}),
+    "ipc-arena": dict(transport="ipc", alloc="arena"),
+    "comm": dict(transport="comm"),
+    "phased": dict(transport="ipc", phase_layers=1, planners=("p2p",)),
+}
+
+
 @needs(2)
-@pytest.mark.parametrize("transport", ["ipc", "comm"])
-def test_two_gpus_bit_exact(transport: str, monkeypatch: pytest.MonkeyPatch) -> None:
-    _run(MOE, "tp2ep2", "tp2", "colocated", monkeypatch, transport=transport)
+@pytest.mark.parametrize("case", list(TWO_GPUS), ids=list(TWO_GPUS))
+def test_two_gpus_bit_exact(case: str, monkeypatch: pytest.MonkeyPatch) -> None:
+    kw = dict(TWO_GPUS[case])
+    env = kw.pop("env", None)
+    _run(MOE, "tp2ep2", "tp2", "colocated", monkeypatch, env, **kw)
+
+
+@needs(2)
+def test_bench_via_grpc_two_gpus() -> None:
+    r = _bench("--model", "qwen3-30b-moe", "--layers", "2", "--src", "megatron:tp2ep2", "--dst", "vllm:tp2",
+               "--via", "grpc")
+    assert r["device"] == "cuda", r
 
 
 @needs(4)
 @pytest.mark.parametrize("transport", ["ipc", "comm"])
 def test_four_gpus_disaggregated_bit_exact(transport: str, monkeypatch: pytest.MonkeyPatch) -> None:
     _run(MOE, "fsdp:dp2", "vllm:tp2ep2", "disaggregated", monkeypatch, transport=transport)
+
+
+@needs(4)
+@pytest.mark.parametrize("src,dst", [("tp4ep4", "tp4"), ("tp2ep2", "tp4"), ("tp4ep4", "tp2ep2")])
+@pytest.mark.parametrize("transport", ["ipc", "comm"])
+def test_four_gpus_colocated_bit_exact(src: str, dst: str, transport: str, monkeypatch: pytest.MonkeyPatch) -> None:
+    """Trainer and engine world sizes equal and not (an engine rank with no trainer rank on its GPU)."""
+    _run(MOE, src, dst, "colocated", monkeypatch, transport=transport)
