@@ -92,8 +92,9 @@ def test_memcpy_plan_refuses_element_strides_and_huge_counts() -> None:
 def test_engine_split_sends_many_small_copies_to_the_table_and_keeps_big_ones_apart() -> None:
     """`engine_split` on CPU tensors (pure address arithmetic): many small pitched same-GPU copies
     (a pack of 384-byte rows) all become memcpys for one table kernel; a few small ones, or small
-    ones beside big ones, stay with torch; every pull is a memcpy."""
-    from refit.executor.copies import DMA_MIN_BYTES, engine_split
+    ones beside big ones, stay with torch (unless the big ones run as a table kernel: `join_table`);
+    every pull is a memcpy."""
+    from refit.executor.copies import DMA_MIN_BYTES, engine_split, join_table
 
     src = torch.zeros(200, 64, 768, dtype=torch.bfloat16)
     dst = torch.zeros(200, 64, 192, dtype=torch.bfloat16)
@@ -107,6 +108,8 @@ def test_engine_split_sends_many_small_copies_to_the_table_and_keeps_big_ones_ap
     big = (torch.zeros_like(big_src), big_src)
     calls, rest = engine_split(small + [big], peer=False)
     assert len(calls) == 1 and len(rest) == 200
+    calls, rest = join_table(calls, rest + [(dst[0, :, ::2], src[0, :, ::8])])  # a table kernel: they join it
+    assert len(calls) == 201 and len(rest) == 1  # but the element-strided pair: torch's
     calls, rest = engine_split(small[:10], peer=True)
     assert len(calls) == 10 and rest == []
 
