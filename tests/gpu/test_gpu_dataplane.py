@@ -115,10 +115,12 @@ def test_two_gpus_bit_exact(case: str, monkeypatch: pytest.MonkeyPatch) -> None:
 
 
 @needs(2)
-def test_bench_via_grpc_two_gpus() -> None:
+@pytest.mark.parametrize("planner", ["p2p", "broadcast"])
+def test_bench_via_grpc_two_gpus(planner: str) -> None:
+    """Agents: trainer and engine ranks in processes of their own, two on each GPU."""
     r = _bench("--model", "qwen3-30b-moe", "--layers", "2", "--src", "megatron:tp2ep2", "--dst", "vllm:tp2",
-               "--via", "grpc")
-    assert r["device"] == "cuda", r
+               "--via", "grpc", "--planner", planner)
+    assert r["device"] == "cuda" and r["planner"] == planner, r
 
 
 @needs(4)
