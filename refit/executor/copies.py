@@ -219,8 +219,9 @@ def join_table(memcpys: list[Memcpy], rest: list[Pair]) -> tuple[list[Memcpy], l
     """Once a batch's big copies run as one table kernel, the small pairs `engine_split` left to
     torch join it wherever `memcpy_plan` can express them: torch launches once per strided pair.
     A colocated agent's same-GPU moves (the trainer's tensors mapped one handle each: blocks of
-    different tensors never merge) left 1777 such pairs beside the table, 36 ms of launches where
-    the kernel took 7 ms (qwen3-30b-moe tp4ep4 -> tp4 --via grpc, 4x H200: bench/RESULTS.md)."""
+    different tensors never merge) left at least 1777 such pairs beside the table, 36 ms of
+    launches where the kernel took 7 ms (qwen3-30b-moe tp4ep4 -> tp4 --via grpc, 4x H200:
+    bench/RESULTS.md)."""
     calls, left = _memcpy_pairs(rest)
     return memcpys + calls, left
 
