@@ -13,8 +13,9 @@ after every refit (two refits, a new source seed each; the broadcast plan beside
 
 With 2+ GPUs: the ipc transport (pull, push, packed shards, phased) and NCCL between GPUs, and
 `refit-bench --via grpc`; with 4+, colocated layouts of equal and unequal world sizes and
-disaggregated placements.  Those skip, with the count they need, on fewer GPUs.  Knob variants run in spawned workers so that each
-sees its own environment (`refit.settings`: member 0's run knobs hold for all).
+disaggregated placements.  Those skip, with the count they need, on fewer GPUs.  Knob variants
+run in spawned workers so that each sees its own environment (`refit.settings`: member 0's run
+knobs hold for all).
 """
 
 from __future__ import annotations
@@ -64,11 +65,16 @@ ONE_GPU = {
 }
 
 
+def _run_case(case: dict, src: str, dst: str, monkeypatch: pytest.MonkeyPatch) -> None:
+    """One of the knob cases above (``env``: the knobs; the rest: `job`'s arguments), colocated."""
+    kw = dict(case)
+    env = kw.pop("env", None)
+    _run(MOE, src, dst, "colocated", monkeypatch, env, **kw)
+
+
 @pytest.mark.parametrize("case", list(ONE_GPU), ids=list(ONE_GPU))
 def test_one_gpu_two_processes_bit_exact(case: str, monkeypatch: pytest.MonkeyPatch) -> None:
-    kw = dict(ONE_GPU[case])
-    env = kw.pop("env", None)
-    _run(MOE, "megatron:tp1", "vllm:tp1", "colocated", monkeypatch, env, **kw)
+    _run_case(ONE_GPU[case], "megatron:tp1", "vllm:tp1", monkeypatch)
 
 
 def test_one_gpu_float32_tied_model(monkeypatch: pytest.MonkeyPatch) -> None:
@@ -97,21 +103,13 @@ def test_bench_via_grpc_one_gpu() -> None:
 
 # Between GPUs: NVLink (or PCIe) peers under CUDA IPC and NCCL, each beside the refit's own same-GPU
 # copies (a colocated rank's shard of its own tensors stays on its GPU).
-TWO_GPUS = {
-    "ipc-pull": dict(transport="ipc", env={"REFIT_IPC": "pull"}),
-    "ipc-push": dict(transport="ipc", env={"REFIT_IPC": "push"}),
-    "ipc-arena": dict(transport="ipc", alloc="arena"),
-    "comm": dict(transport="comm"),
-    "phased": dict(transport="ipc", phase_layers=1, planners=("p2p",)),
-}
+TWO_GPUS = ("ipc-pull", "ipc-push", "ipc-arena", "comm", "phased")  # of ONE_GPU's cases
 
 
 @needs(2)
-@pytest.mark.parametrize("case", list(TWO_GPUS), ids=list(TWO_GPUS))
+@pytest.mark.parametrize("case", TWO_GPUS)
 def test_two_gpus_bit_exact(case: str, monkeypatch: pytest.MonkeyPatch) -> None:
-    kw = dict(TWO_GPUS[case])
-    env = kw.pop("env", None)
-    _run(MOE, "tp2ep2", "tp2", "colocated", monkeypatch, env, **kw)
+    _run_case(ONE_GPU[case], "tp2ep2", "tp2", monkeypatch)
 
 
 @needs(2)
