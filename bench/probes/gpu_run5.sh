@@ -11,6 +11,7 @@
 #   ncclarenatable2 (the arena over NCCL, every copy a table kernel: REFIT_TABLE_COPY=on) ncclarenatrace2 (traced)
 #   ncclbcast2 (nccl 1 GiB, and the broadcast plan: two stages over NCCL) arenatrace2 (ipc, packed arenas, traced)
 #   disagg-nccl (tp1 -> tp1 disaggregated over NCCL) grpc2 (--via grpc) grpctrace2 (traced) grpc4 grpctrace4 (the same on 4 GPUs) trace2 trace4 (REFIT_TRACE=1 lines)
+#   grpcnccl2 grpcnccl4 grpcnccltrace4 (--via grpc, the agents over NCCL: 1 GiB / 1200 MiB buckets)
 #   nccltrace2 (nccl, 1 GiB buckets, traced) ncclbB (nccl 1 GiB, moves beside it on B blocks: REFIT_TABLE_BLOCKS=528,132,B) pushflat2 (push, 1-D runs on copy engines: REFIT_BATCH_MEMCPY=flat)
 #   pull4 push4 auto4 arena4 nccl4 (1 GiB buckets) nccl4-1200; auto8 push8 pull8 q235 nccl8 trace8 (8 GPUs, never lent so far);
 #   moon2 (moonlight-16b, DeepSeek-V3's architecture) glm2 (glm-4.5-air, 18 of its 46 layers), tp2ep2 -> tp2;
@@ -73,6 +74,9 @@ for what in "$@"; do case "$what" in
   grpc2) two run grpc2 $T2 --iters 10 --via grpc ;;
   grpctrace2) two traced grpc2-trace $T2 --via grpc ;;
   grpc4) run grpc4 $T4 --iters 20 --via grpc ;;
+  grpcnccl2) two run grpcnccl2 $T2 --iters 20 --via grpc --transport nccl --bucket-mb 1024 ;;
+  grpcnccl4) run grpcnccl4 $T4 --iters 20 --via grpc --transport nccl --bucket-mb 1200 ;;
+  grpcnccltrace4) traced grpcnccl4-trace $T4 --via grpc --transport nccl --bucket-mb 1200 ;;
   grpctrace4) traced grpc4-trace $T4 --via grpc ;;
   nccltrace2) two traced nccl2-1g-trace $T2 --transport nccl --bucket-mb 1024 ;;
   ncclb[0-9]*) REFIT_TABLE_BLOCKS=528,132,${what#ncclb} two run "nccl2-1g-beside${what#ncclb}" $T2 --iters 10 --transport nccl --bucket-mb 1024 ;;

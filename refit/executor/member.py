@@ -155,8 +155,10 @@ class Member:
             self.tensors[ep] = self._import(ep)
 
         self.abandoned: list[dist.Work] = []  # barriers left unfinished: the control group still runs them
-        # one host (ipc): the refit barriers meet in shared memory (`refit.executor.shm_barrier`)
-        self.shm_barrier: ShmBarrier | None = self._offer_shm_barrier() if ipc else None
+        # GPU members on one host (every ipc run; NCCL ones where all map the file) meet at the
+        # refit barriers in shared memory (`refit.executor.shm_barrier`); CPU runs keep gloo,
+        # whose errors name a peer that died at once
+        self.shm_barrier: ShmBarrier | None = self._offer_shm_barrier() if self.cuda else None
         try:
             self.ctl: dist.ProcessGroupGloo | None = gloo_group(
                 dist.PrefixStore("ctl", self.store), member, len(topology.members), remaining(), host)
@@ -165,7 +167,7 @@ class Member:
             raise PeerError(f"building the control group of {len(topology.members)} members: {first_line(e)}") from None
         try:
             self.barrier("setup", remaining)
-            if ipc:
+            if self.cuda:
                 self._agree_shm_barrier()
             self.shared = self._agree_shared(derived, remaining)
         except BaseException:  # nobody will close a member never built: let its group go now
@@ -194,15 +196,13 @@ class Member:
         this member could; `_agree_shm_barrier` decides, after the setup barrier."""
         barrier = None
         try:
-            if not self.cuda:  # CPU runs keep gloo, whose errors name a peer that died at once
-                raise OSError("not a CUDA member")
             if self.member == 0:
                 barrier = ShmBarrier(ShmBarrier.new_path(), 0, len(self.topo.members), create=True)
                 self.store.set("barrier/shm", barrier.path)
             else:
                 path = self.store.get("barrier/shm").decode()
                 barrier = ShmBarrier(path, self.member, len(self.topo.members), create=False) if path else None
-        except OSError as e:  # no /dev/shm shared with the others (another container?): gloo, as before
+        except OSError as e:  # another host (the name is only in member 0's /dev/shm), another container: gloo
             log.info("%s: refit barriers over gloo: the shared barrier cannot be mapped here (%s)", self.name, e)
             if self.member == 0:
                 self.store.set("barrier/shm", "")

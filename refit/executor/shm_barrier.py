@@ -3,8 +3,10 @@
 Why.  Every refit passes two barriers (start: the trainers' weights are final and the engines no
 longer read theirs; end: every byte landed).  Over gloo each costs 0.6–0.8 ms on an H200 host even
 when both members arrive together: gloo's own threads sleep between refits and take that long to
-wake (bench/RESULTS.md, "Where the control time goes").  Members that share a host (every CUDA IPC
-run) can instead meet in shared memory, where an arrival is visible to the others at once.
+wake (bench/RESULTS.md, "Where the control time goes").  GPU members that share a host (every CUDA
+IPC run, and NCCL runs on one host) can instead meet in shared memory, where an arrival is visible
+to the others at once.  Whether they share one is found, not assumed: the file's random name exists
+only in the ``/dev/shm`` of the host (or container) that created it.
 
 How.  Member 0 creates a small file in ``/dev/shm`` and publishes its name in the run's store;
 every member maps it, says whether it could, and only if every member could do they use it (else
