@@ -246,6 +246,17 @@ def test_refusals_when_verl_builds_the_backend() -> None:
                 {"refusal": refit_verl.live.rollout_refusal(rollout_config)}]
         with pytest.raises(InvalidInput, match=words):
             refit_verl.RefitCheckpointEngine.build_topology(1, 1, meta)
+    # an MTP rollout (verl feeds vLLM's drafter the actor's mtp.* weights; this backend does not yet)
+    import dataclasses
+
+    from verl.workers.config import MtpConfig
+
+    rollout_config = dataclasses.replace(_configs()[1], mtp=MtpConfig(enable=True, enable_rollout=True))
+    assert "MTP drafter" in refit_verl.live.rollout_refusal(rollout_config)
+    as_dict = {"name": "vllm", "engine_kwargs": {"vllm": {"weight_transfer_config": {"backend": "refit"}}}}
+    assert "MTP drafter" in refit_verl.live.rollout_refusal({**as_dict, "mtp": {"enable": True, "enable_rollout": True}})
+    # MTP layers loaded (or trained) but not drafting: the rollout has no drafter to keep current
+    assert refit_verl.live.rollout_refusal({**as_dict, "mtp": {"enable": True, "enable_rollout": False}}) is None
 
 
 def test_an_engine_dying_mid_update_is_named_and_a_replacement_replica_recovers(cluster, tmp_path) -> None:

@@ -98,6 +98,14 @@ def rollout_refusal(config: Any, hf_config: Any = None) -> str | None:
     if quantized:
         return (f"vllm: the rollout is quantized ({quant or 'quantization_config in the checkpoint'}); refit moves "
                 f"the trainer's unquantized weights: serve an unquantized rollout")
+    mtp = get("mtp")
+    mtp_get = (lambda k: mtp.get(k)) if isinstance(mtp, Mapping) else (lambda k: getattr(mtp, k, None))
+    if mtp is not None and mtp_get("enable") and mtp_get("enable_rollout"):
+        # verl's own sync feeds vLLM's MTP drafter the actor's mtp.* weights; this backend refits the
+        # target only, so the drafter would keep the checkpoint's MTP layers while the policy moves
+        return ("refit through verl does not refit vLLM's MTP drafter yet (actor_rollout_ref.model.mtp."
+                "enable_rollout=True): turn it off, or drive the engine with refit's RL-loop calls "
+                "(megatron attach_mtp + start_draft_weight_update, docs/rl-loop-and-vllm.md)")
     backend = (vllm.get("weight_transfer_config") or {}).get("backend")
     if backend != "refit":
         return ("the vLLM rollout must load refit's weight-transfer backend: set "
