@@ -77,10 +77,16 @@ def server_of(adapter: Any) -> Any | None:
     return adapter.server_handle
 
 
+def _field(config: Any, key: str, default: Any = None) -> Any:
+    """``key`` of a verl config given as its dataclass or as a plain mapping."""
+    return config.get(key, default) if isinstance(config, Mapping) else getattr(config, key, default)
+
+
 def rollout_refusal(config: Any, hf_config: Any = None) -> str | None:
     """Why refit cannot serve this rollout (verl's ``RolloutConfig``), in one line, or None."""
-    get = (lambda k, d=None: config.get(k, d)) if isinstance(config, Mapping) else \
-        (lambda k, d=None: getattr(config, k, d))
+    def get(key: str, default: Any = None) -> Any:
+        return _field(config, key, default)
+
     name = get("name")
     if name not in (None, "vllm"):
         return f"refit serves vLLM rollouts only (actor_rollout_ref.rollout.name={name})"
@@ -99,8 +105,7 @@ def rollout_refusal(config: Any, hf_config: Any = None) -> str | None:
         return (f"vllm: the rollout is quantized ({quant or 'quantization_config in the checkpoint'}); refit moves "
                 f"the trainer's unquantized weights: serve an unquantized rollout")
     mtp = get("mtp")
-    mtp_get = (lambda k: mtp.get(k)) if isinstance(mtp, Mapping) else (lambda k: getattr(mtp, k, None))
-    if mtp is not None and mtp_get("enable") and mtp_get("enable_rollout"):
+    if mtp is not None and _field(mtp, "enable") and _field(mtp, "enable_rollout"):
         # verl's own sync feeds vLLM's MTP drafter the actor's mtp.* weights; this backend refits the
         # target only, so the drafter would keep the checkpoint's MTP layers while the policy moves
         return ("refit through verl does not refit vLLM's MTP drafter yet (actor_rollout_ref.model.mtp."
