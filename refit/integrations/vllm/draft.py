@@ -36,13 +36,13 @@ from __future__ import annotations
 
 import dataclasses
 import logging
-import sys
 from typing import TYPE_CHECKING, Any
 
 import torch
 
 from refit.drafters import drafter_config
 from refit.errors import InvalidInput
+from refit.integrations.vllm import compat
 
 if TYPE_CHECKING:
     from refit.integrations.vllm.config import WorkerIdentity
@@ -124,18 +124,9 @@ def _hf_dict(model_config: Any) -> dict[str, Any]:
 def find_draft_model(engine: "RefitWeightTransferEngine") -> torch.nn.Module | None:
     """vLLM's draft model, from the worker that called ``init_weight_transfer_engine``.  vLLM hands
     a backend the target model only (the drafter comes with ``set_weight_update_target``, inside a
-    draft session), but the draft's agent must register before the RL loop plans into its group:
-    the worker is the caller up the stack whose ``weight_transfer_engine`` is this engine."""
-    frame = sys._getframe(1)
-    for _ in range(8):
-        if frame is None:
-            break
-        worker = frame.f_locals.get("self")
-        if getattr(worker, "weight_transfer_engine", None) is engine and callable(
-                getattr(worker, "get_draft_model", None)):
-            return worker.get_draft_model()
-        frame = frame.f_back
-    return None
+    draft session), but the draft's agent must register before the RL loop plans into its group."""
+    worker = compat.calling_worker(engine)
+    return compat.draft_model(worker) if worker is not None else None
 
 
 def session_engine(engine: "RefitWeightTransferEngine") -> "RefitWeightTransferEngine":

@@ -51,7 +51,7 @@ from refit.control.agent import EngineAgent
 from refit.control.agent_state import Holding
 from refit.errors import InvalidInput, RefitFailed
 from refit.integrations.vllm.config import WorkerIdentity, identify
-from refit.integrations.vllm import sleep
+from refit.integrations.vllm import compat, sleep
 from refit.integrations.vllm.landing import Landing, check_options
 from refit.integrations.vllm.lora_slot import AdapterLanding, adapter_of
 
@@ -124,6 +124,7 @@ class RefitWeightTransferEngine(WeightTransferEngine[RefitInitInfo, RefitUpdateI
     supports_draft_weight_update = True
 
     def __init__(self, config: Any, vllm_config: Any, device: torch.device, model: torch.nn.Module) -> None:
+        compat.check_version()
         super().__init__(config, vllm_config, device, model)
         self.agent: VllmEngineAgent | None = None
         self.landing: Landing | None = None
@@ -189,6 +190,13 @@ class RefitWeightTransferEngine(WeightTransferEngine[RefitInitInfo, RefitUpdateI
 
     def finish_weight_update(self) -> None:
         pass
+
+    @staticmethod
+    def trainer_send_weights(iterator: Any, trainer_args: Any) -> None:
+        """vLLM's trainer-side send (abstract in vLLM 0.26): refit's trainers send through their
+        agents, shard to shard, never a stream of whole tensors."""
+        raise InvalidInput("refit: trainers send through an agent (refit.integrations.hf / fsdp / megatron attach, or "
+                           "a TrainerAgent) when the RL loop refits, not through trainer_send_weights")
 
     def receive_weights(self, update_info: RefitUpdateInfo) -> None:
         self._require_target()

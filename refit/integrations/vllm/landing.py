@@ -56,7 +56,8 @@ from typing import TYPE_CHECKING, Any, Iterable, Iterator
 import torch
 
 from refit.errors import InvalidInput
-from refit.integrations.vllm.coverage import left_behind, loaded_shape
+from refit.integrations.vllm.compat import forget_processing, is_deferred_attention_layer, loaded_shape
+from refit.integrations.vllm.coverage import left_behind
 from refit.integrations.vllm.window import Window
 from refit.layouts import Layout, LocalTensor
 from refit.spec import ModelSpec
@@ -72,7 +73,6 @@ STAGING_MODES = ("bounded", "atomic")
 
 def transforms_after_loading(module: torch.nn.Module, device: torch.device) -> bool:
     """Whether vLLM post-processes this module's weights after loading them, on ``device``."""
-    from vllm.model_executor.layers.attention import is_deferred_attention_layer
     from vllm.model_executor.layers.linear import UnquantizedLinearMethod
     from vllm.model_executor.layers.quantization.base_config import QuantizeMethodBase
     from vllm.model_executor.layers.vocab_parallel_embedding import UnquantizedEmbeddingMethod
@@ -216,8 +216,6 @@ class Landing:
         # keep their own processed copy, and attention layers derive tensors from a refitted
         # submodule (MLA's W_UK_T / W_UV from kv_b_proj): re-process them too, after the owners
         # and, as vLLM's loader does, attention layers last.
-        from vllm.model_executor.layers.attention import is_deferred_attention_layer
-
         refitted = {id(g.module) for g in self.groups} | {id(m) for m in inplace_modules}
         shared = {id(getattr(g.module, attr)) for g in self.groups for _, attr in g.params}
         self.aliases: list[tuple[str, torch.nn.Module]] = []
@@ -373,8 +371,6 @@ class Landing:
     @staticmethod
     def _process(module: torch.nn.Module, model_config: Any, device: torch.device) -> None:
         """Run the module's own post-load processing, as vLLM's loader does on first load."""
-        from vllm.model_executor.layers.attention import is_deferred_attention_layer
-
         qm = getattr(module, "quant_method", None)
         if qm is not None:
             if device.type == "cpu" and getattr(qm, "moe_kernel", None) is not None:
@@ -383,10 +379,7 @@ class Landing:
                 # storage (`replace_parameter(prefer_copy=...)`), which captured CUDA graphs read;
                 # without it FlashInfer / AITER layouts would land in new tensors the graphs never see
                 qm.moe_kernel = None
-            if hasattr(module, "_already_called_process_weights_after_loading"):
-                # online quantization (``--quantization fp8`` of an unquantized checkpoint) marks
-                # a processed layer and skips it after: it would keep the unquantized weight
-                delattr(module, "_already_called_process_weights_after_loading")
+            forget_processing(module)
             qm.process_weights_after_loading(module)
             if hasattr(module, "update_param_tp_status"):
                 module.update_param_tp_status()

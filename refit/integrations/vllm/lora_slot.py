@@ -51,6 +51,7 @@ from refit.adapters import TARGETS, adapter_spec
 from refit.dtypes import DTYPE_BYTES
 from refit.errors import InvalidInput
 from refit.layouts import Layout
+from refit.integrations.vllm import compat
 from refit.layouts.vllm_lora import vllm_module
 from refit.spec import ModelSpec
 
@@ -145,7 +146,7 @@ class AdapterLanding:
         if self.id in registered and self.id not in mine:
             raise InvalidInput(f"init_info adapter {self.name!r}: LoRA id {self.id} is already loaded in this engine "
                                f"(from a path): give refit's adapter an id of its own")
-        pinned = sorted(i for i in m._active_adapters.pinned_items if i not in mine)  # refit's own are replaced
+        pinned = sorted(i for i in compat.pinned_adapters(m) if i not in mine)  # refit's own are replaced
         if len(pinned) >= m.lora_slots:
             raise InvalidInput(f"init_info adapter {self.name!r}: max_loras {m.lora_slots}, and all {len(pinned)} "
                                f"slots hold pinned adapters (ids {pinned}): start the engine with max_loras >= "
@@ -160,7 +161,9 @@ class AdapterLanding:
             if mine[other] is not same:
                 m.remove_adapter(other)
                 del mine[other]
-        _keep_through_resets(m)
+        if not hasattr(m, "refit_adapters"):
+            m.refit_adapters = {}
+            compat.keep_through_resets(m, lambda: [a.restore() for a in list(m.refit_adapters.values())])
         m.refit_adapters[self.id] = self
         self.restore()
 
@@ -228,18 +231,3 @@ class AdapterLanding:
         self.manager.deactivate_adapter(self.id)  # unpins it from its slot; activated again at once
         self.restore()
         return time.perf_counter() - t0
-
-
-def _keep_through_resets(manager: Any) -> None:
-    """Wrap ``manager.remove_all_adapters`` (once) so that refit's adapters survive it."""
-    if hasattr(manager, "refit_adapters"):
-        return
-    manager.refit_adapters = {}
-    drop_all = manager.remove_all_adapters
-
-    def remove_all_adapters() -> None:
-        drop_all()
-        for landing in list(manager.refit_adapters.values()):
-            landing.restore()
-
-    manager.remove_all_adapters = remove_all_adapters

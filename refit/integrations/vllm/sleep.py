@@ -21,9 +21,11 @@ from __future__ import annotations
 import logging
 from typing import Any, Callable
 
+from refit.integrations.vllm import compat
+
 log = logging.getLogger(__name__)
 
-WEIGHTS = "weights"  # vLLM's CuMemAllocator tag of model weights
+WEIGHTS = compat.WEIGHTS
 
 
 def allocator() -> Any | None:
@@ -44,26 +46,8 @@ def weights_asleep(pool: Any | None) -> bool:
 
 def watch_discards(pool: Any | None, on_discard: Callable[[], None]) -> Callable[[], None]:
     """Call ``on_discard`` whenever ``pool`` unmaps weights without keeping a host copy (a level-2
-    sleep, a ``discard``).  Wraps the instance's ``sleep`` and ``discard`` (vLLM's singleton: one
-    per worker process); returns the function that undoes it."""
+    sleep, a ``discard``): `compat.watch_discards` wraps the instance (vLLM's singleton: one per
+    worker process); returns the function that undoes it."""
     if pool is None:
         return lambda: None
-    sleep, discard = pool.sleep, pool.discard
-
-    def watched_sleep(offload_tags: Any = None) -> None:
-        tags = (offload_tags,) if isinstance(offload_tags, str) else tuple(offload_tags or ("default",))
-        sleep(offload_tags)
-        if WEIGHTS not in tags:
-            on_discard()
-
-    def watched_discard(tags: Any) -> None:
-        discard(tags)
-        if WEIGHTS in ((tags,) if isinstance(tags, str) else tuple(tags)):
-            on_discard()
-
-    pool.sleep, pool.discard = watched_sleep, watched_discard
-
-    def undo() -> None:
-        pool.sleep, pool.discard = sleep, discard
-
-    return undo
+    return compat.watch_discards(pool, on_discard)
