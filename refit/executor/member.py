@@ -94,8 +94,12 @@ def ipc_direction(mode: str, cuda: bool, packed: bool = False) -> str:
 def shares(topo: Topology, member: int, ep: Endpoint, ipc: bool, push: bool = False) -> bool:
     """Whether endpoint ``ep`` of ``member`` is read or written by another process: it sits on a
     device this member does not drive, or (ipc) it is a source every driver reads — and with
-    ``push`` a destination every driver writes (sources stay shared: a gathering plan pulls)."""
-    return topo.device_of[ep] not in topo.driven_devices(member) or (ipc and (ep[0] == "src" or push))
+    ``push`` a destination the drivers of other devices write (sources stay shared: a gathering
+    plan pulls).  A destination its own driver alone writes is not exported: on one GPU nobody
+    else maps it, and memory CUDA IPC cannot export (vLLM's sleep-mode pool) stays usable there."""
+    if topo.device_of[ep] not in topo.driven_devices(member):
+        return True
+    return ipc and (ep[0] == "src" or (push and len(topo.drivers) > 1))
 
 
 class Member:

@@ -86,8 +86,18 @@ def import_share(handle: bytes) -> torch.Tensor | dict[str, torch.Tensor]:
 
 
 def export_tensors(tensors: dict[str, torch.Tensor]) -> bytes:
-    """CUDA tensors that are separate allocations (an agent's parameters), one IPC handle each."""
-    return handles.encode("tensors", {"tensors": {n: handles.cuda_fields(t) for n, t in tensors.items()}})
+    """CUDA tensors that are separate allocations (an agent's parameters), one IPC handle each.
+    Memory that CUDA IPC cannot export (virtual-memory allocations: vLLM's sleep-mode pool) is
+    refused naming the tensor and the way around it: the member holding it copies by itself."""
+    fields = {}
+    for n, t in tensors.items():
+        try:
+            fields[n] = handles.cuda_fields(t)
+        except RuntimeError as e:
+            raise InvalidInput(f"{n}: CUDA IPC cannot export its memory ({first_line(e)}); memory of "
+                               f"vLLM's sleep mode (enable_sleep_mode) is such: with GPUs of their own, set "
+                               f"REFIT_IPC=pull so that the engines' drivers copy into it themselves") from None
+    return handles.encode("tensors", {"tensors": fields})
 
 
 # ---------------------------------------------------------------------------------------------

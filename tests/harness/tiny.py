@@ -88,13 +88,15 @@ def tiny_spec(name: str) -> ModelSpec:
     return build_spec(name, ModelConfig.from_hf(TINY_CONFIGS[name]))
 
 
-def write_hf_checkpoint(directory: str, name: str, seed: int = 0, files: int = 2, scale: float = 1.0) -> ModelSpec:
+def write_hf_checkpoint(directory: str, name: str, seed: int = 0, files: int = 2, scale: float = 1.0,
+                        config: dict | None = None) -> ModelSpec:
     """An HF checkpoint directory with random weights (standard normal times ``scale``), split
-    over ``files`` safetensors files."""
-    spec = tiny_spec(name)
+    over ``files`` safetensors files; ``config``: an HF config of another model than the tiny ones."""
+    config = config if config is not None else TINY_CONFIGS[name]
+    spec = build_spec(name, ModelConfig.from_hf(config))
     os.makedirs(directory, exist_ok=True)
     with open(os.path.join(directory, "config.json"), "w") as f:
-        json.dump(TINY_CONFIGS[name], f)
+        json.dump(config, f)
     gen = torch.Generator().manual_seed(seed)
     hf = list(spec.hf_tensors())
     per_file = -(-len(hf) // files)

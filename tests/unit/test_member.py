@@ -38,6 +38,9 @@ def test_colocated_pair_refits_bit_exact_and_names_the_absent() -> None:
     r = make_plan(DENSE, "tp1", "tp1", "colocated", "p2p", 4096)
     topo = Topology.one_per_rank(r.plan.placement)  # member 0: src 0 (passive), member 1: dst 0 (driver)
     assert shares(topo, 0, ("src", 0), ipc=False) and not shares(topo, 1, ("dst", 0), ipc=False)
+    # pushing on one device: the destination's own driver writes it, nobody maps it (vLLM's
+    # sleep-mode memory cannot be exported through CUDA IPC)
+    assert shares(topo, 0, ("src", 0), ipc=True, push=True) and not shares(topo, 1, ("dst", 0), ipc=True, push=True)
     master = dist.TCPStore("127.0.0.1", 0, is_master=True, wait_for_workers=False)
     session = uuid.uuid4().hex[:8]
     src = allocate(list(r.src.local_tensors(DENSE, 0)), torch.device("cpu"), f"/dev/shm/refit-{session}-src0")
