@@ -3,8 +3,8 @@
     python bench/vllm_gpu.py --model qwen3-8b [--layers N] [--repeats 5] [--json]
 
 A trainer in this process holds a random bf16 model of the catalog's shape (HF layout, on the
-GPU); two engines of the same model start with vLLM's defaults on CUDA (graphs and compile on,
-``load_format="dummy"``): one with the ``refit`` backend, one with vLLM's ``ipc`` backend.  Timed,
+GPU); two engines of the same model start from a checkpoint of it with vLLM's defaults on CUDA
+(graphs and compile on): one with the ``refit`` backend, one with vLLM's ``ipc`` backend.  Timed,
 each the RL loop's calls (``start_weight_update`` .. ``finish_weight_update``), median of
 ``--repeats`` (after one warm-up):
 
@@ -121,7 +121,7 @@ def main(argv: list[str] | None = None) -> int:
     result["copy_floor_ms"] = copy_floor(nbytes, a.repeats) * 1e3
 
     kw: dict[str, Any] = {"skip_tokenizer_init": True, "dtype": "bfloat16", "max_model_len": 512, "max_num_seqs": 4,
-                          "gpu_memory_utilization": 0.2, "kv_cache_memory_bytes": 1 << 30, "load_format": "dummy",
+                          "gpu_memory_utilization": 0.2, "kv_cache_memory_bytes": 1 << 30,
                           "seed": 0}
     server = ThreadedServer(default_timeout=300.0)
     client = Client(server.address)
