@@ -141,10 +141,12 @@ def main(argv: list[str] | None = None) -> int:
         compat.finish_weight_update(llm, version[0])
 
     result["refit_ms"] = [t * 1e3 for t in timed(refit_once, a.repeats)]
+    log.warning("so far: %s", json.dumps(result))
     answers["refit"] = generate(llm)
     result["reload_ms"] = [t * 1e3 for t in timed(
         lambda: llm.collective_rpc("reload_weights", kwargs={"weights_path": model_dir}), a.repeats)]
     answers["reload"] = generate(llm)
+    log.warning("so far: %s", json.dumps(result))
     llm.llm_engine.engine_core.shutdown()
     del llm
     torch.cuda.empty_cache()
@@ -182,7 +184,10 @@ def _ipc_once(llm: Any, tensors: dict[str, Any], packed: bool) -> None:
         llm.update_weights({"update_info": update})
 
     llm.start_weight_update()
-    IPCWeightTransferEngine.trainer_send_weights(iter(tensors.items()), {"send_mode": send, "packed": packed})
+    # packed chunks must hold the largest tensor (Qwen3's 151936-row embedding: 1.24 GB at 4096)
+    biggest = max(t.numel() * t.element_size() for t in tensors.values())
+    IPCWeightTransferEngine.trainer_send_weights(iter(tensors.items()), {
+        "send_mode": send, "packed": packed, "packed_buffer_size_bytes": max(1 << 30, biggest)})
     llm.finish_weight_update()
 
 
