@@ -9,7 +9,8 @@ from the trainer's weights:
 * dense Qwen3 and Qwen3-MoE at TP 1; the addresses of every parameter unchanged across refits
   (captured CUDA graphs read them);
 * sleep mode as verl's colocated loop drives it: ``sleep(level=1)`` + ``wake_up()`` between two
-  refits, then ``sleep(level=2)``, ``wake_up(["weights"])``, a refit, ``wake_up()``;
+  refits, then ``sleep(level=2)``, ``wake_up(["weights"])``, a refit, ``wake_up(["kv_cache"])``
+  (its references are fresh engines in sleep mode too);
 * an online-FP8 engine (``quantization="fp8"``): the refit lands bf16 and vLLM's FP8 processing
   re-runs, as on first load;
 * a DeepSeek-V3-style MLA model on vLLM's GPU MLA backend, its derived ``W_UK_T`` / ``W_UV``
@@ -127,6 +128,7 @@ def _run(f: Fleet, address: str, configs: dict, GpuEngine: Any, GpuTrainer: Any,
         refs[name] = GpuEngine(f"fresh-{name}", f.checkpoints[f"{model}@v{version}"], **kw)
 
     reference("dense@v2", "gpu-qwen3", 2)
+    reference("sleepy@v2", "gpu-qwen3", 2, enable_sleep_mode=True)  # the same settings as the engine
     reference("fp8@v2", "gpu-qwen3", 2, quantization="fp8")
     reference("moe@v2", "gpu-qwen3-moe", 2)
     reference("mla@v2", "gpu-deepseek-v3", 2)
@@ -140,6 +142,7 @@ def _run(f: Fleet, address: str, configs: dict, GpuEngine: Any, GpuTrainer: Any,
     # sleep level 2: the weights are dropped; woken (garbage), refitted, then the KV cache woken
     _step(f, "gpu-qwen3", 3)
     reference("dense@v3", "gpu-qwen3", 3)
+    reference("sleepy@v3", "gpu-qwen3", 3, enable_sleep_mode=True)
 
     def level2() -> None:
         sleepy = f.engines["sleepy"]
@@ -147,7 +150,7 @@ def _run(f: Fleet, address: str, configs: dict, GpuEngine: Any, GpuTrainer: Any,
         sleepy.ask("wake_up", ["weights"])
         f.facts["stale after sleep 2"] = _listed(f, "engine-sleepy")
         _refit(f, "sleepy", 3)
-        sleepy.ask("wake_up", None)
+        sleepy.ask("wake_up", ["kv_cache"])  # the weights are awake already: vLLM refuses to map them twice
         f.answers["sleepy@v3"] = sleepy.ask("generate")
     f.stage("sleepy sleep 2", level2)
     f.stage("dense v3", lambda: (_refit(f, "dense", 3), f.answers.__setitem__("dense@v3", f.engines["dense"].ask("generate"))))
@@ -193,14 +196,14 @@ def test_inplace_parameters_keep_their_addresses(fleet: Fleet) -> None:
 
 
 def test_sleep_level_1_between_refits(fleet: Fleet) -> None:
-    fleet.ok("start sleepy", "sleepy sleep 1", "sleepy v2", "sleepy answers v2", "fresh dense@v2")
-    assert fleet.answers["sleepy@v2"] == fleet.answers["fresh@dense@v2"]
+    fleet.ok("start sleepy", "sleepy sleep 1", "sleepy v2", "sleepy answers v2", "fresh sleepy@v2")
+    assert fleet.answers["sleepy@v2"] == fleet.answers["fresh@sleepy@v2"]
 
 
 def test_sleep_level_2_then_refit(fleet: Fleet) -> None:
-    fleet.ok("sleepy sleep 2", "fresh dense@v3", "dense v3")
+    fleet.ok("sleepy sleep 2", "fresh sleepy@v3", "fresh dense@v3", "dense v3")
     assert fleet.facts["stale after sleep 2"]["stale"], "a level-2 sleep dropped the weights: the engine is stale"
-    assert fleet.answers["sleepy@v3"] == fleet.answers["fresh@dense@v3"]
+    assert fleet.answers["sleepy@v3"] == fleet.answers["fresh@sleepy@v3"]
     assert fleet.answers["dense@v3"] == fleet.answers["fresh@dense@v3"]
 
 
