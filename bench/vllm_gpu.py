@@ -18,8 +18,8 @@ each the RL loop's calls (``start_weight_update`` .. ``finish_weight_update``), 
   of the same weights on local disk (page cache warm after the first);
 * the floor: one device copy of the engine's bytes (``copy_`` of one buffer into another).
 
-Every engine's greedy tokens and logprobs after each way are checked equal (they hold the same
-weights).  vLLM's nccl backend needs a second GPU: not measured here yet.  The GPU machine has no
+Every engine's greedy tokens and logprobs after each way are checked against the refit engine's
+first answers, before any transfer: it started from the checkpoint of the same weights.  vLLM's nccl backend needs a second GPU: not measured here yet.  The GPU machine has no
 Ray: vLLM 0.26's ipc module imports it at its top and uses it only for its "ray" send mode, so
 bench/probes/no_ray stands in for it there (put it on PYTHONPATH).
 """
@@ -132,6 +132,7 @@ def main(argv: list[str] | None = None) -> int:
     llm = LLM(model=model_dir, weight_transfer_config={"backend": "refit"}, **kw)
     llm.init_weight_transfer_engine({"init_info": {"coordinator": server.address, "group": "engine"}})
     plan = client.create_plan("trainer", "engine")["plan_id"]
+    answers["fresh"] = generate(llm)  # started from the checkpoint of these weights: the reference
     version = [0]
 
     def refit_once() -> None:
@@ -159,7 +160,7 @@ def main(argv: list[str] | None = None) -> int:
         answers[f"vllm_ipc{'_packed' if packed else ''}"] = generate(vllm_ipc)
     vllm_ipc.llm_engine.engine_core.shutdown()
 
-    first = answers["refit"]
+    first = answers["fresh"]
     result["answers_equal"] = {k: v == first for k, v in answers.items()}
     fastest_vllm = min(statistics.median(result[k]) for k in ("vllm_ipc_packed_ms", "vllm_ipc_ms", "reload_ms"))
     refit_ms = statistics.median(result["refit_ms"])
