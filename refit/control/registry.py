@@ -326,10 +326,30 @@ def holds_version(workers: dict[str, Worker], entry: PlanEntry, version: int) ->
     return all(w is not None and w.version == version and not w.stale for w in engines)
 
 
+def check_claimed_version(workers: dict[str, Worker], plans: dict[str, PlanEntry], info: pb.WorkerInfo) -> None:
+    """An engine registers with the version it holds, and refits of its plans must go above it
+    (an engine may outlive a coordinator).  So that one registration cannot block a fleet's refits
+    (a replica claiming version 10^6 or 2^53-1), an engine may claim no version above every one its
+    group holds: its other connected engines' and its plans' last committed.  Only the first
+    engine of a group nothing is known of (a coordinator restarted) claims what it holds."""
+    if info.role != pb.ROLE_ENGINE or info.version == 0:
+        return
+    me = worker_id(info.group, info.rank)
+    held = [(w.version, w.worker_id) for w in workers.values()
+            if w.info.group == info.group and w.connected and w.worker_id != me]
+    held += [(e.version, f"plan {e.plan_id}") for e in plans.values() if e.dst_group == info.group]
+    if held and info.version > max(held)[0]:
+        top, who = max(held)
+        raise InvalidInput(f"register: version {info.version} is above {top}, the most engine group {info.group!r} "
+                           f"holds ({who}): an engine joining a group holds no version the group never had; "
+                           f"register it with the version it was refitted to (0 if none)")
+
+
 def check_version(workers: dict[str, Worker], entry: PlanEntry, version: int) -> None:
-    """Refuse a version at or below what the plan or its engines hold, or one that jumps absurdly."""
+    """Refuse a version at or below what the plan or its connected engines hold, or one that jumps
+    absurdly.  An engine gone no longer counts: its version comes back with it, and is checked then."""
     held = [(entry.version, f"plan {entry.plan_id}")]
-    held += [(workers[m].version, m) for m in entry.members[entry.num_src:] if m in workers]
+    held += [(workers[m].version, m) for m in entry.members[entry.num_src:] if m in workers and workers[m].connected]
     top, who = max(held)
     if version <= top:
         raise Precondition(f"version {version} is not above {top}, the version {who} holds; versions must increase")

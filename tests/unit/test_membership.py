@@ -103,6 +103,47 @@ def test_replicas_leave_join_and_come_back_under_one_plan_id() -> None:
     run(main())
 
 
+def test_a_registered_version_cannot_block_the_fleet() -> None:
+    """A replica may not claim a version its group never had (10^6, 2^53-1): refused when it
+    registers, naming it.  One that claimed a version when its group was empty (a coordinator
+    restarted) stops counting once gone: the refits of the others go on."""
+    async def main() -> None:
+        coord, members, plan_id = await elastic(n=3)
+        task = responder(members)
+        assert (await coord.refit(plan_id, 1, 5)).status == pb.REFIT_STATUS_OK
+        for claim in (10**6, 2**53 - 1):
+            rogue = engine(coord, 3, "vllm:tp1dp4", 3000)
+            rogue.info.version = claim
+            with pytest.raises(InvalidInput, match=f"register: version {claim} is above 1, the most engine group 'e'"):
+                await rogue.register()
+        joiner = engine(coord, 3, "vllm:tp1dp4", 3001)
+        joiner.info.version = 1  # what its group holds: accepted
+        await joiner.register()
+        task.cancel()
+        task = responder(members + [joiner])
+        assert (await coord.refit(plan_id, 2, 5)).status == pb.REFIT_STATUS_OK
+        task.cancel()
+        await coord.close()
+
+        # Restarted coordinator: the first engine claims what it holds; gone, it no longer counts.
+        coord = Coordinator(drop_after=0.2)
+        members = [await Member(coord, pb.ROLE_TRAINER, "t", r, "megatron:tp2").register() for r in range(2)]
+        members += [await Member(coord, pb.ROLE_ENGINE, "e", 0, "vllm:tp1dp3", version=10**6).register()]
+        members += [await Member(coord, pb.ROLE_ENGINE, "e", r, "vllm:tp1dp3").register() for r in (1, 2)]
+        entry, _ = await coord.create_plan("t", "e", pb.PlanOptions())
+        with pytest.raises(InvalidInput, match="not above 1000000, the version e/0 holds"):
+            await coord.refit(entry.plan_id, 1, 5)
+        coord.disconnected(members[2].worker, "left")
+        await asyncio.sleep(0.25)  # past drop_after
+        task = responder(members)
+        assert (await coord.refit(entry.plan_id, 1, 5)).status == pb.REFIT_STATUS_OK
+        assert replicas(coord, entry.plan_id) == ("e/1", "e/2")
+        task.cancel()
+        await coord.close()
+
+    run(main())
+
+
 def test_plan_made_once_per_set_of_replicas() -> None:
     async def main() -> None:
         coord, members, plan_id = await elastic()
