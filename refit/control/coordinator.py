@@ -83,15 +83,19 @@ class Coordinator:
         self.epoch = secrets.token_hex(3)  # refit ids differ across coordinator restarts
 
     # ------------------------------------------------------------------ workers
-    async def register(self, info: pb.WorkerInfo, send: Callable, task: asyncio.Task | None) -> Worker:
+    async def register(self, info: pb.WorkerInfo, send: Callable, task: asyncio.Task | None,
+                       process_key: str = "") -> Worker:
         """Check and record a registration.  Raises `RefitError` (bad fields), `Conflict` (a live
-        worker of another process holds the slot) or `Exhausted` (too many workers)."""
+        worker of another process holds the slot: ``process_key``, the registering process's
+        `refit.control.common.process_key`, differs from that worker's) or `Exhausted` (too many
+        workers)."""
         check_info(info)
-        check_joinable(self.workers, info, MAX_WORKERS)
+        check_joinable(self.workers, info, MAX_WORKERS, process_key)
         spec, layout = await asyncio.to_thread(build_registration, info, self._specs)
-        check_joinable(self.workers, info, MAX_WORKERS)  # the world may have changed while the spec was built
+        check_joinable(self.workers, info, MAX_WORKERS, process_key)  # the world may have changed meanwhile
         check_claimed_version(self.workers, self.plans, info)
-        w = Worker(info, uuid.uuid4().hex[:12], spec, layout, send, task, version=info.version, stale=info.stale)
+        w = Worker(info, uuid.uuid4().hex[:12], spec, layout, send, task, version=info.version, stale=info.stale,
+                   process_key=process_key)
         old = self.workers.get(w.worker_id)
         if old is not None and old.connected:
             log.warning("%s re-registered by its own process (session %s replaces %s)", w.worker_id, w.session,

@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import asyncio
 import hashlib
+import hmac
 import json
 import time
 from dataclasses import dataclass, field
@@ -42,6 +43,7 @@ class Worker:
     registered_unix: float = field(default_factory=time.time)
     replaced: bool = False  # a newer registration of the same group/rank took over
     left_at: float = 0.0  # monotonic time its stream ended (an elastic plan drops it `drop_after` later)
+    process_key: str = field(default="", repr=False)  # its process's proof of identity (`common.process_key`)
     worker_id: str = field(init=False)
     layout_str: str = field(init=False)  # resolved, as plans name layouts
     # what the ranks of its group must agree on: the layout, or, for an engine of an elastic group
@@ -188,10 +190,10 @@ def build_registration(info: pb.WorkerInfo, specs: dict[tuple[str, str], ModelSp
     return spec, layout
 
 
-def check_joinable(workers: dict[str, Worker], info: pb.WorkerInfo, max_workers: int) -> None:
+def check_joinable(workers: dict[str, Worker], info: pb.WorkerInfo, max_workers: int, key: str = "") -> None:
     """A registration's group holds its role, and its slot is free (`check_slot`)."""
     check_group_role(workers, info)
-    check_slot(workers, info, max_workers)
+    check_slot(workers, info, max_workers, key)
 
 
 def prune_gone(workers: dict[str, Worker], gone: dict[str, None], limit: int) -> None:
@@ -309,11 +311,12 @@ def control_plan_id(plan_hash: str, src_group: str, dst_group: str) -> str:
     return hashlib.sha256(f"{plan_hash}:{src_group}:{dst_group}".encode()).hexdigest()[:16]
 
 
-def check_slot(workers: dict[str, Worker], info: pb.WorkerInfo, max_workers: int) -> None:
-    """A live worker's slot is only taken over by its own process (same host and pid: an agent
-    reconnecting over a stream we have not yet seen die); anyone else is refused."""
+def check_slot(workers: dict[str, Worker], info: pb.WorkerInfo, max_workers: int, key: str = "") -> None:
+    """A live worker's slot is only taken over by its own process (an agent reconnecting over a
+    stream we have not yet seen die), proven by the process key it registered with (``key``, never
+    shown; host and pid are the worker's word and public); anyone else is refused."""
     old = workers.get(f"{info.group}/{info.rank}")
-    if old is not None and old.connected and (old.info.host, old.info.pid) != (info.host, info.pid):
+    if old is not None and old.connected and not (old.process_key and hmac.compare_digest(old.process_key, key)):
         raise Conflict(f"{old.worker_id} is held by a live worker (pid {old.info.pid} on {short(old.info.host)}); "
                        f"it can register again once that one's stream has ended")
     if old is None and len(workers) >= max_workers:

@@ -35,8 +35,8 @@ from google.protobuf.message import DecodeError
 from refit import settings
 from refit.control.auth import TokenInterceptor
 from refit.control.common import (DEFAULT_PORT, KEEPALIVE_MS, KEEPALIVE_TIMEOUT_MS, SERVICE_NAME, Aborted, Conflict,
-                                  Exhausted,
-                                  NotFound, Precondition, new_event_loop, server_options)
+                                  Exhausted, NotFound, PROCESS_KEY_HEADER, Precondition, new_event_loop,
+                                  server_options)
 from refit.control.coordinator import DROP_AFTER, Coordinator
 from refit.control.v1 import refit_pb2 as pb
 from refit.entrypoint import run_main, setup_logging
@@ -107,7 +107,8 @@ class Servicer:
                 await context.write(msg)
 
         try:
-            worker = await self.coord.register(first.register.info, send, asyncio.current_task())
+            key = dict(context.invocation_metadata() or ()).get(PROCESS_KEY_HEADER, "")
+            worker = await self.coord.register(first.register.info, send, asyncio.current_task(), key)
         except RefitError as e:
             await context.abort(status_code(e), str(e))
         why = "its stream ended"

@@ -19,6 +19,7 @@ import pytest
 
 from refit.control.agent import EngineAgent, TrainerAgent
 from refit.control.client import Client, RefitFailed
+from refit.control.common import PROCESS_KEY_HEADER, process_key
 from refit.control.dataplane import BaseDataPlane, NoopDataPlane
 from refit.control.server import ThreadedServer
 from refit.control.v1 import refit_pb2 as pb
@@ -311,8 +312,12 @@ def test_malformed_requests_get_invalid_argument(cluster: Cluster) -> None:
         assert e.value.code() == bad and len(e.value.details()) < 300 and time.monotonic() - t0 < 2, kw
     huge = reg(model_config_json="x" * (5 * 2**20))  # above the server's message cap: not read in full
     assert connect(huge) == grpc.StatusCode.RESOURCE_EXHAUSTED
-    # A live worker's slot is not taken over by another process: engine/0 keeps its stream.
+    # A live worker's slot is not taken over by another process, even one claiming its host and pid
+    # (ListWorkers shows them): engine/0 keeps its stream.
+    live = c.list_workers(group="engine")[0]
     assert connect(reg(group="engine", rank=0)) == grpc.StatusCode.ALREADY_EXISTS
+    assert connect(reg(group="engine", rank=0, host=live["info"]["host"], pid=live["info"]["pid"])) == \
+        grpc.StatusCode.ALREADY_EXISTS
     assert all(r["connected"] for r in c.list_workers(group="engine"))
     ch.close()
     # Nothing of that broke the coordinator.
@@ -321,6 +326,25 @@ def test_malformed_requests_get_invalid_argument(cluster: Cluster) -> None:
 
 def _fields(info: pb.WorkerInfo) -> dict:
     return {f.name: v for f, v in info.ListFields()}
+
+
+def test_a_replaced_agent_comes_back(cluster: Cluster) -> None:
+    """An agent whose slot was taken over by a registration that is not another agent of its process
+    (here: a bare stream with this process's key) tries to come back, and is registered again once
+    that stream ends, instead of staying out until its process restarts."""
+    agent = noop_agent(EngineAgent, cluster.address, "back", 0, "vllm:tp1").start()
+    stub = pb_grpc.CoordinatorStub(grpc.insecure_channel(cluster.address))
+    md = ((PROCESS_KEY_HEADER, process_key()),)
+    stream = stub.Connect(iter([pb.WorkerMessage(register=pb.Register(info=agent._info()))]), metadata=md)
+    try:
+        assert next(stream).WhichOneof("kind") == "registered"
+        assert _settle(lambda: agent.registrations >= 2 and agent.connected), agent.error
+        assert not agent.wait_closed(0)
+        rows = cluster.client.list_workers(group="back")
+        assert [(r["session"], r["connected"]) for r in rows] == [(agent.session, True)]
+    finally:
+        stream.cancel()
+        agent.stop()
 
 
 def test_reregistration_replaces_old_stream(cluster: Cluster) -> None:

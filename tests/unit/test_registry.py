@@ -78,11 +78,18 @@ def test_world_size_is_bounded() -> None:
 
 
 def test_a_live_slot_is_kept_from_other_processes() -> None:
+    """Only the live worker's own process (its process key) takes its slot over: not a registration
+    that claims its host and pid (public: ListWorkers shows them), nor one with no key."""
     w = worker(info())
+    w.process_key = "k" * 32
     workers = {w.worker_id: w}
-    check_slot(workers, info(), 10)  # the same process (host, pid) may register again
+    check_slot(workers, info(), 10, "k" * 32)  # the same process may register again
+    for key in ("", "x" * 32, "k" * 31):
+        with pytest.raises(Conflict, match="held by a live worker"):
+            check_slot(workers, info(), 10, key)  # same host and pid, not its key
+    w.process_key = ""  # registered without a key: nobody proves to be it
     with pytest.raises(Conflict, match="held by a live worker"):
-        check_slot(workers, info(pid=8), 10)
+        check_slot(workers, info(), 10, "")
     w.connected = False
     check_slot(workers, info(pid=8), 10)  # once it left, anyone may
     with pytest.raises(Exhausted):
