@@ -42,9 +42,9 @@ from refit.control.events import EventHub
 from refit.control.membership import View, engine_view
 from refit.control.refits import Run, busy_results, commands, failed_response, response, verify_checksums
 from refit.control.registry import (MAX_VERSION, PlanEntry, Worker, absent_members, build_registration,
-                                    check_claimed_version, check_info, check_joinable,
-                                    check_plan_members, check_same_model, check_version,
-                                    control_plan_id, group_members, holds_version, plan_json, prune_gone)
+                                    check_claimed_version, check_fits_group, check_info, check_joinable,
+                                    check_plan_members, check_same_model, check_version, control_plan_id,
+                                    group_members, holds_version, plan_json, prune_gone)
 from refit.control.rendezvous import RendezvousStore
 from refit.control.v1 import refit_pb2 as pb
 from refit.errors import InvalidInput
@@ -96,6 +96,7 @@ class Coordinator:
         check_claimed_version(self.workers, self.plans, info)
         w = Worker(info, uuid.uuid4().hex[:12], spec, layout, send, task, version=info.version, stale=info.stale,
                    process_key=process_key)
+        check_fits_group(self.workers, w)
         old = self.workers.get(w.worker_id)
         if old is not None and old.connected:
             log.warning("%s re-registered by its own process (session %s replaces %s)", w.worker_id, w.session,

@@ -226,18 +226,9 @@ def group_members(workers: dict[str, Worker], group: str, side: Side) -> list[Wo
         raise InvalidInput(f"group {short(group)} holds {ref.role.plural}; a plan's "
                            f"{'source' if side is Side.TRAINER else 'destination'} must be {side.with_article} group")
     for w in members[1:]:
-        if w.shape != ref.shape:
-            raise InvalidInput(f"group {group!r}: {w.worker_id} registered layout {w.layout_str}, "
-                             f"{ref.worker_id} {ref.layout_str}")
-        if w.info.model_digest != ref.info.model_digest:
-            raise InvalidInput(f"group {group!r}: {w.worker_id} holds model digest {w.info.model_digest}, "
-                             f"{ref.worker_id} {ref.info.model_digest}")
-        diff = config_differences(ref.info.model_config_json, w.info.model_config_json, ref.worker_id, w.worker_id)
-        if diff:
-            raise InvalidInput(f"group {group!r}: {ref.worker_id} and {w.worker_id} hold different model configs: {diff}")
-        if w.info.phase_layers != ref.info.phase_layers:  # phases are one plan's: every rank cuts alike
-            raise InvalidInput(f"group {group!r}: {w.worker_id} declares phase_layers {w.info.phase_layers}, "
-                             f"{ref.worker_id} {ref.info.phase_layers}")
+        why = group_difference(ref, w)
+        if why:
+            raise InvalidInput(f"group {group!r}: {why}")
     if ref.elastic:  # replicas come and go: `refit.control.membership.engine_view` takes the whole ones
         return members
     ranks = {w.info.rank for w in members}
@@ -281,6 +272,41 @@ def config_differences(a: str, b: str, a_name: str, b_name: str, ignore: tuple[s
     if parts:
         parts[0] = f"{keys[0]} {value(da, keys[0])} ({a_name}) vs {value(db, keys[0])} ({b_name})"
     return "; ".join(parts)
+
+
+def group_difference(ref: Worker, w: Worker) -> str:
+    """What ``w`` holds otherwise than ``ref``, a worker of its group, that one plan cannot cover
+    (empty: nothing): the layout (of one replica, in an elastic engine group), the model (every
+    config field that differs with both values; the digests only when no field does), or
+    ``phase_layers`` (phases are one plan's: every rank cuts alike)."""
+    if w.shape != ref.shape:
+        of = f" (one replica: {w.shape}, {ref.shape})" if w.elastic or ref.elastic else ""
+        return f"{w.worker_id} registered layout {w.layout_str}, {ref.worker_id} {ref.layout_str}{of}"
+    diff = config_differences(ref.info.model_config_json, w.info.model_config_json, ref.worker_id, w.worker_id)
+    if diff:
+        return f"{ref.worker_id} and {w.worker_id} hold different model configs: {diff}"
+    if w.info.model_digest != ref.info.model_digest:
+        return (f"{w.worker_id} holds {short(w.info.model_name)} (digest {w.info.model_digest}), {ref.worker_id} "
+                f"{short(ref.info.model_name)} (digest {ref.info.model_digest})")
+    if w.info.phase_layers != ref.info.phase_layers:
+        return f"{w.worker_id} declares phase_layers {w.info.phase_layers}, {ref.worker_id} {ref.info.phase_layers}"
+    return ""
+
+
+def check_fits_group(workers: dict[str, Worker], w: Worker) -> None:
+    """An engine joining an elastic group (`refit.control.membership`) must be a replica its plans
+    can refit: the layout of one replica, the model and the phases of the group's connected
+    engines.  Refused when it registers, naming the difference: otherwise one of another model
+    would fail every refit of the group while connected, and one of another layout be left out
+    of them silently.  (A rigid group's ranks are compared when a plan is made and at each refit.)"""
+    peers = [p for p in workers.values() if p.info.group == w.info.group and p.connected
+             and p.worker_id != w.worker_id and p.role is w.role]
+    if not peers or not (w.elastic or peers[0].elastic):
+        return
+    why = group_difference(peers[0], w)
+    if why:
+        raise InvalidInput(f"register: {why}: the replicas of engine group {w.info.group!r} must agree on "
+                           f"everything but their count")
 
 
 def plan_json(plan: Plan) -> bytes:

@@ -144,6 +144,29 @@ def test_a_registered_version_cannot_block_the_fleet() -> None:
     run(main())
 
 
+def test_replicas_that_cannot_be_refitted_are_refused_when_they_register() -> None:
+    """A replica of another layout (vllm:tp2dp3 into vllm:tp1dpN: it was left out of refits yet
+    listed connected) or of another model (every refit failed while it stayed) is refused when it
+    registers, naming the difference; a fitting one joins."""
+    async def main() -> None:
+        coord, members, plan_id = await elastic(n=3)
+        wide = engine(coord, 3, "vllm:tp2dp3", 4000)
+        with pytest.raises(InvalidInput, match=r"register: e/3 registered layout vllm:tp2dp3, e/0 vllm:tp1dp3 "
+                                                r"\(one replica: vllm:tp2, vllm:tp1\)"):
+            await wide.register()
+        other = engine(coord, 3, "vllm:tp1dp4", 4001)
+        llama = tiny_spec("tiny-llama")
+        other.info.model_name, other.info.model_digest = llama.name, llama.digest()
+        other.info.model_config_json = config_json(llama.config)
+        with pytest.raises(InvalidInput, match="register: e/0 and e/3 hold different model configs: .*vocab_size"):
+            await other.register()
+        assert {w.worker_id for w in coord.workers.values()} == {"t/0", "t/1", "e/0", "e/1", "e/2"}
+        await engine(coord, 3, "vllm:tp1dp4", 4002).register()
+        await coord.close()
+
+    run(main())
+
+
 def test_plan_made_once_per_set_of_replicas() -> None:
     async def main() -> None:
         coord, members, plan_id = await elastic()

@@ -137,6 +137,19 @@ def test_rows_of_workers_gone_before_the_group_came_back_in_another_layout_are_l
         group_members(ws, "e", Side.ENGINE)
 
 
+def test_a_model_mismatch_within_a_group_names_the_fields() -> None:
+    """Two ranks of one group holding models of two vocab sizes: named by field and values, not
+    by two digests."""
+    base = tiny_spec("tiny-qwen3-moe")
+    cfg = dataclasses.replace(base.config, vocab_size=base.config.vocab_size + 2)
+    e0 = worker(info())
+    e1 = worker(info(rank=1, model_digest=build_spec(base.name, cfg).digest(), model_config_json=config_json(cfg)))
+    with pytest.raises(RefitError) as e:
+        group_members({"e/0": e0, "e/1": e1}, "e", Side.ENGINE)
+    assert f"group 'e': e/0 and e/1 hold different model configs: vocab_size {base.config.vocab_size} (e/0) vs " \
+           f"{cfg.vocab_size} (e/1)" in str(e.value), str(e.value)
+
+
 def test_a_model_mismatch_names_every_field_that_differs_and_both_values() -> None:
     """An fp32 trainer and a bf16 engine of two vocab sizes: the error named two digests
     ("'trainer' holds tiny (digest 83cabb0b...)"), which told the user nothing."""
