@@ -40,7 +40,8 @@ from typing import Any, Callable
 from refit.control.common import PLACEMENT_NAMES, Exhausted, NotFound, Precondition, Side, short
 from refit.control.events import EventHub
 from refit.control.membership import View, engine_view
-from refit.control.refits import Run, busy_results, commands, failed_response, response, verify_checksums
+from refit.control.refits import (Run, busy_results, commands, failed_response, response, stopped_response,
+                                  verify_checksums)
 from refit.control.registry import (MAX_VERSION, PlanEntry, Worker, absent_members, build_registration,
                                     check_claimed_version, check_fits_group, check_info, check_joinable,
                                     check_plan_members, check_same_model, check_version, control_plan_id,
@@ -368,8 +369,8 @@ class Coordinator:
             run.ended.set_result(await self._run(run, deadline))
         except Exception as e:
             run.ended.set_exception(e)
-        except BaseException:  # the loop is shutting down
-            run.ended.cancel()
+        except BaseException:  # the coordinator is closing: its callers are told so (not cancelled)
+            run.ended.set_result(stopped_response(run))
             raise
         finally:  # before any caller resumes (they wake on the next loop iteration)
             run.entry.running = None

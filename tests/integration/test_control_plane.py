@@ -23,6 +23,7 @@ from refit.control.common import PROCESS_KEY_HEADER, process_key
 from refit.control.dataplane import BaseDataPlane, NoopDataPlane
 from refit.control.server import ThreadedServer
 from refit.control.v1 import refit_pb2 as pb
+from refit.errors import InvalidInput
 from refit.control.v1 import refit_pb2_grpc as pb_grpc
 from tests.harness.control_cluster import DST, MODEL, SRC, Worker
 from tests.harness.loopback import close_all
@@ -519,6 +520,42 @@ def test_serve_main_binds_loopback() -> None:
         proc.wait(10)
 
 
+def test_serve_main_stops_cleanly_on_sigterm_failing_the_refit_under_way() -> None:
+    """SIGTERM: `refit serve` exits 0 with no traceback (it exited 1 with a CancelledError every
+    time: supervisors read that as a crash), and the refit under way fails naming the stop."""
+    code = "import sys; from refit.control.server import serve_main; sys.exit(serve_main(['--port', '0']))"
+    proc = subprocess.Popen([sys.executable, "-c", code], cwd=ROOT, stderr=subprocess.PIPE, text=True,
+                            env={**os.environ, "PYTHONPATH": ROOT})
+    release = threading.Event()
+    agents: list = []
+    try:
+        address = proc.stderr.readline().strip().rsplit(" ", 1)[1]
+        spec = tiny_spec(MODEL)
+        plane = GatedDataPlane(release)
+        agents += [TrainerAgent(address, group="t", rank=0, spec=spec, layout="megatron:tp1", data_plane=plane,
+                                reconnect=False).start(),
+                   noop_agent(EngineAgent, address, "e", 0, "vllm:tp1", reconnect=False).start()]
+        with Client(address) as c:
+            plan = c.create_plan("t", "e")["plan_id"]
+            answer: list = []
+            caller = threading.Thread(target=lambda: answer.append(c.refit(plan, version=1, timeout=30, check=False)))
+            caller.start()
+            assert plane.entered.wait(10)
+            proc.send_signal(signal.SIGTERM)
+            caller.join(15)
+        assert proc.wait(15) == 0
+        err = proc.stderr.read()
+        assert "Traceback" not in err, err
+        assert answer and not answer[0].ok and "the coordinator stopped before it ended" in answer[0].error, answer
+    finally:
+        release.set()
+        for ag in agents:
+            ag.stop()
+        if proc.poll() is None:
+            proc.kill()
+            proc.wait(10)
+
+
 def test_serve_main_refuses_a_taken_port_and_reads_the_token_file(tmp_path) -> None:
     srv = ThreadedServer(token="from-file")
     try:
@@ -532,6 +569,24 @@ def test_serve_main_refuses_a_taken_port_and_reads_the_token_file(tmp_path) -> N
         f = tmp_path / "token"
         f.write_text("from-file\n")
         assert read_token(build_parser().parse_args(["--token-file", str(f)])) == "from-file"
+        for bad in ("caf\u00e9", "two\nlines", "a b"):  # no client can send these in its header
+            f.write_text(bad)
+            with pytest.raises(InvalidInput, match="the token holds a character no client can send"):
+                read_token(build_parser().parse_args(["--token-file", str(f)]))
+            with pytest.raises(InvalidInput, match="--token: the token holds a character"):
+                read_token(build_parser().parse_args(["--token", bad]))
+        # An empty token starts an open coordinator: said loudly.
+        open_code = ("import sys; from refit.control.server import serve_main; "
+                     "sys.exit(serve_main(['--port', '0', '--token', '']))")
+        env = {k: v for k, v in os.environ.items() if k != "REFIT_TOKEN"}
+        proc = subprocess.Popen([sys.executable, "-c", open_code], cwd=ROOT, stderr=subprocess.PIPE, text=True,
+                                env={**env, "PYTHONPATH": ROOT})
+        try:
+            head = proc.stderr.readline() + proc.stderr.readline()
+            assert "requires NO token" in head and "listening on" in head, head
+        finally:
+            proc.terminate()
+            proc.wait(10)
         with Client(srv.address, token="from-file") as c:
             assert c.health() == "SERVING"
     finally:
