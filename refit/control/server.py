@@ -416,7 +416,8 @@ def serve_main(argv: list[str] | None = None) -> int:
         token = read_token(args)
         if token is None and (args.token == "" or os.environ.get("REFIT_TOKEN") == ""):
             log.warning("an empty token was given (%s): this coordinator requires NO token; anyone who reaches its "
-                        "port can register workers and drive refits", "--token ''" if args.token == "" else "REFIT_TOKEN=")
+                        "port can register workers and drive refits",
+                        "--token ''" if args.token == "" else "REFIT_TOKEN=")
         loop = new_event_loop()
         try:
             loop.run_until_complete(serve(args.host, args.port, token, args.timeout, args.advertise_host,

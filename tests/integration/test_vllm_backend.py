@@ -252,6 +252,23 @@ def test_refits_only_inside_update_weights(setups, coordinator) -> None:
     assert s.engine.generate() == s.refs[s.holds]  # untouched
 
 
+def test_a_failed_refit_reaches_the_loop_by_type_through_vllm_processes(setups, coordinator) -> None:
+    """vLLM's default multiprocessing (the TP=2 engine: engine core and workers in processes of their
+    own) turned a failed refit into a bare ``Exception("Call to collective_rpc method failed ...")``.
+    Under `refit_errors` the loop gets `refit.RefitFailed` with the worker's message, and the
+    recovery calls of docs/rl-loop-and-vllm.md (no finish_weight_update; the next step's start,
+    update, finish) land the next version exactly."""
+    _, client = coordinator
+    s = setups(*CASES[2][:4])
+    target = 2 if s.holds != 2 else 1  # what the TP=2 setup has fresh answers of
+    s.trainers.load(s.ckpts[s.model, target])
+    status, error = s.engine.refit("no-such-plan", s.version + 1, 20.0)
+    assert status == "error" and error.startswith(f"RefitFailed: refit no-such-plan version {s.version + 1} failed: "
+                                                  f"NOT_FOUND: unknown plan"), error
+    assert "[refit." not in error.splitlines()[0], error  # the worker's message, without the marks
+    lands_exactly(s, client, s.version + 1, target)
+
+
 def test_a_landing_that_fails_after_the_commit_reports_stale(setups, coordinator) -> None:
     """The coordinator commits once every member wrote its share; the engine re-processes what is
     left afterwards.  When that fails, the engine holds a partly landed version: it must be listed

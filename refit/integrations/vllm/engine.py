@@ -51,7 +51,7 @@ from refit.control.agent import EngineAgent
 from refit.control.agent_state import Holding
 from refit.errors import InvalidInput, RefitFailed
 from refit.integrations.vllm.config import WorkerIdentity, identify
-from refit.integrations.vllm import sleep
+from refit.integrations.vllm import failures, sleep
 from refit.integrations.vllm.landing import Landing, check_options
 from refit.integrations.vllm.lora_slot import AdapterLanding, adapter_of
 
@@ -246,10 +246,11 @@ class RefitWeightTransferEngine(WeightTransferEngine[RefitInitInfo, RefitUpdateI
         from refit.integrations.vllm import draft as drafts
 
         engine = drafts.session_engine(self)  # vLLM retargets a draft session at the drafter
-        info = engine.parse_update_info(update_info)
-        engine.receive_weights(info)
-        if engine is self:
-            drafts.after_target(self, int(info.version))
+        with failures.carried():  # the loop tells refit's errors by type across vLLM's processes
+            info = engine.parse_update_info(update_info)
+            engine.receive_weights(info)
+            if engine is self:
+                drafts.after_target(self, int(info.version))
         if self.device.type == "cuda":  # copies and re-processing are queued on the stream
             torch.cuda.synchronize(self.device)
 
