@@ -177,6 +177,10 @@ class Agent(AgentStream):
         finally:
             self._expected.set(None)
 
+    def expect_grace(self, run: pb.RunRefit) -> float:
+        """How long a command this agent does not expect yet may wait for its announcement."""
+        return self.EXPECT_GRACE
+
     def refusal(self, plan_id: str, version: int) -> str:
         """The error a refused command is answered with."""
         return f"{self.worker_id} does not expect a refit of plan {plan_id} version {version}"
@@ -230,9 +234,11 @@ class Agent(AgentStream):
     # ------------------------------------------------------------------ refits
     async def _on_run(self, run: pb.RunRefit) -> None:
         mark(f"{self.role.value}: RunRefit received")
+        if run.rendezvous.members:  # names come once per prefix (`expect_grace` may read them)
+            self._members = {run.rendezvous.prefix: tuple(run.rendezvous.members)}
         if (self.expects_refits or self._expected.value is not None) and not run.check_only:  # a check writes nothing
             # The stream reader waits too: nothing else is due on it before this worker answers.
-            grace = min(self.EXPECT_GRACE, run.timeout_seconds)
+            grace = min(self.expect_grace(run), run.timeout_seconds)
             if not await self._expected.until((run.plan_id, run.version), grace):
                 log.warning("%s: refusing refit %s (plan %s version %d): expecting %s", self.worker_id, run.refit_id,
                             run.plan_id, run.version, self._expected.value)

@@ -232,14 +232,18 @@ def test_an_atomic_refit_refuses_an_engine_that_writes_in_place(setups, coordina
 
 def test_refits_only_inside_update_weights(setups, coordinator) -> None:
     """A refit started by another client (not through update_weights) is refused by the engine's
-    agents before any byte moves: with bounded staging it would write into live weights mid-step."""
+    agents before any byte moves, at once (one replica: nobody else's update_weights can be about
+    to announce it): with bounded staging it would write into live weights mid-step."""
     from refit.control.client import RefitFailed
 
     _, client = coordinator
     s = setups(*CASES[0][:4])
     s.trainers.load(s.ckpts[s.model, 3 if s.holds != 3 else 2])
+    t0 = time.monotonic()
     with pytest.raises(RefitFailed, match="not inside vLLM's update_weights"):
         client.refit(s.plan_id, s.version + 1, timeout=20.0)
+    # at once: no other replica's leader could have started it (it waited out a 10 s grace)
+    assert time.monotonic() - t0 < 5.0
     # Nothing moved: every member is free at once (the trainers used to wait out the timeout in
     # the rendezvous, and the next refit behind them), and the engine is listed as it was, not stale.
     t0 = time.monotonic()

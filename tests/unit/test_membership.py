@@ -16,7 +16,7 @@ import pytest
 
 from refit.control.common import config_json
 from refit.control.coordinator import Coordinator
-from refit.control.membership import engine_view, interchangeable, layout_with
+from refit.control.membership import engine_view, interchangeable, layout_with, within_replica
 from refit.control.v1 import refit_pb2 as pb
 from refit.errors import InvalidInput
 from refit.layouts import resolve_layout
@@ -256,3 +256,13 @@ def test_engine_view_and_interchangeable() -> None:
     assert engine_view(rows, spec, 10.0, only={1}, now=now).members == ("e/2", "e/3")
     with pytest.raises(InvalidInput, match="rank 5 of vllm:tp2dp3 is not registered"):
         engine_view(rows, spec, 10.0, only={2}, now=now)
+
+
+def test_within_replica_tells_whether_another_replica_could_start_a_refit() -> None:
+    spec = tiny_spec("tiny-qwen2")
+    dp2 = resolve_layout("vllm:tp2dp2", spec, "dst")
+    assert within_replica(dp2, 1, "e", ("t/0", "e/0", "e/1"))  # replica 0's own refit
+    assert not within_replica(dp2, 1, "e", ("t/0", "e/0", "e/1", "e/2", "e/3"))  # replica 1's leader may start it
+    assert within_replica(dp2, 3, "e", ("t/0", "e/2", "e/3", "other/0"))
+    tp2 = resolve_layout("vllm:tp2", spec, "dst")
+    assert within_replica(tp2, 1, "e", ("t/0", "e/0", "e/1"))

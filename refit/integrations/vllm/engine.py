@@ -49,6 +49,7 @@ from vllm.distributed.weight_transfer.base import (
 
 from refit.control.agent import EngineAgent
 from refit.control.agent_state import Holding
+from refit.control.membership import within_replica
 from refit.errors import InvalidInput, RefitFailed
 from refit.integrations.vllm.config import WorkerIdentity, identify
 from refit.integrations.vllm import failures, sleep
@@ -110,6 +111,12 @@ class VllmEngineAgent(EngineAgent):
 
     def _switch(self, staged: Any, live: Any) -> None:
         pass
+
+    def expect_grace(self, run: Any) -> float:
+        # only another replica's leader may start a refit before this worker announces it
+        members = self._members.get(run.rendezvous.prefix, ())
+        alone = members and within_replica(self.layout, self.rank, self.group, members)
+        return 0.0 if alone else self.EXPECT_GRACE
 
     def refusal(self, plan_id: str, version: int) -> str:
         return (f"{self.worker_id} is not inside vLLM's update_weights for plan {plan_id} version {version}; "
