@@ -593,6 +593,25 @@ def test_serve_main_refuses_a_taken_port_and_reads_the_token_file(tmp_path) -> N
         srv.stop()
 
 
+def test_store_add_beyond_int64_is_refused_and_stores_nothing() -> None:
+    """A StoreAdd whose sum leaves int64 (the answer's type) is INVALID_ARGUMENT naming the key,
+    and the key keeps its value (it was INTERNAL, with the out-of-range sum stored)."""
+    srv = ThreadedServer()
+    try:
+        srv.call(lambda: srv.server.coord.store.open("p/"))
+        stub = pb_grpc.CoordinatorStub(grpc.insecure_channel(srv.address))
+        add = lambda amount: stub.StoreAdd(pb.StoreAddRequest(prefix="p/", key="n", amount=amount), timeout=5)  # noqa
+        assert add(2**63 - 1).value == 2**63 - 1
+        for amount in (1, 2**63 - 1):
+            with pytest.raises(grpc.RpcError) as e:
+                add(amount)
+            assert e.value.code() == grpc.StatusCode.INVALID_ARGUMENT and "key 'n'" in e.value.details() \
+                and "beyond a signed 64-bit integer" in e.value.details(), e.value.details()
+        assert add(-(2**63 - 1)).value == 0  # unchanged by the refusals
+    finally:
+        srv.stop()
+
+
 def test_stop_ends_rendezvous_waits() -> None:
     """A stopped coordinator ends the rendezvous waits under way (a member blocked on a peer's key
     is told at once, not at its deadline), and its port closes."""
