@@ -45,7 +45,7 @@ from refit.control.dataplane import (DataPlane, PhaseHook, Rendezvous, RunContex
                                      check_tensors)
 from refit.control.store_client import CoordinatorStore
 from refit.control.v1 import refit_pb2 as pb
-from refit.errors import InvalidInput
+from refit.errors import InvalidInput, RefitFailed
 from refit.executor.values import int_view
 from refit.layouts import Layout, resolve_layout
 from refit.plan import Plan
@@ -98,6 +98,8 @@ class Agent(AgentStream):
         if not 0 <= rank < self.layout.world_size:
             raise InvalidInput(f"rank {rank} is outside {self.layout.describe()} (world size {self.layout.world_size})")
         self._source: TensorSource = tensors if tensors is not None else {}
+        self._names = frozenset(lt.name for lt in self.layout.local_tensors(spec, rank)) if tensors is not None \
+            else frozenset()  # what a mapping given as tensors must keep holding
         if tensors is not None:
             self._read_tensors()  # a wrong tensor is refused before registering
         if data_plane is None:
@@ -140,8 +142,16 @@ class Agent(AgentStream):
 
     @property
     def tensors(self) -> Tensors:
-        """This rank's local tensors now (a callable source read, and checked against the layout)."""
-        return self._read_tensors() if callable(self._source) else self._source
+        """This rank's local tensors now (a callable source read, and checked against the layout;
+        a mapping checked to still hold every name, cheaply: its tensors were checked at start)."""
+        if callable(self._source):
+            return self._read_tensors()
+        missing = self._names - self._source.keys()
+        if missing:
+            raise RefitFailed(f"{self.worker_id}: tensor {min(missing)!r} ({len(missing)} in all) was removed from "
+                              f"the tensors this agent was given; rank {self.rank} of {self.layout.describe()} "
+                              f"holds it: give it back (or the agent a callable that reads the model)")
+        return self._source
 
     def _read_tensors(self) -> Tensors:
         tensors = self._source() if callable(self._source) else self._source

@@ -24,7 +24,7 @@ import torch
 from refit.control.agent import TrainerAgent
 from refit.control.dataplane import RunContext
 from refit.control.dataplane_executor import ExecutorDataPlane
-from refit.errors import InvalidInput, RefitFailed
+from refit.errors import InvalidInput, RefitError, RefitFailed
 from refit.layouts import Layout
 from refit.plan import Plan
 from refit.spec import ModelConfig, ModelSpec, build_spec
@@ -199,6 +199,18 @@ class LiveDataPlane(ExecutorDataPlane):
         return super().run(plan, tensors, ctx)
 
 
+def view(name: str, served: Served) -> torch.Tensor:
+    """``served``'s view now, or a refusal naming the parameter: one that no longer has the rows
+    refit serves from it (a fused expert parameter emptied) fails the refit, not with an IndexError."""
+    try:
+        return served.view
+    except RefitError:  # already names it (`ParameterPaths`)
+        raise
+    except (IndexError, RuntimeError) as e:
+        raise RefitFailed(f"parameter {served.param_name!r} no longer holds refit's {name!r} "
+                          f"({type(e).__name__}: {e}): attach again for a model of other shapes") from None
+
+
 def start_trainer(address: str | None, *, group: str, rank: int, spec: ModelSpec, layout: Layout,
                   served: Mapping[str, Served], token: str | None = None, **agent_options: Any) -> TrainerAgent:
     """Check, then register: the layout's tensors of ``rank`` must all be served (names, shapes,
@@ -213,7 +225,7 @@ def start_trainer(address: str | None, *, group: str, rank: int, spec: ModelSpec
     if device.type == "cuda":
         agent_options.setdefault("gpu", device.index or 0)
     agent = TrainerAgent(address, group=group, rank=rank, spec=spec, layout=layout,
-                         tensors=lambda: {name: s.view for name, s in served.items()},
+                         tensors=lambda: {name: view(name, s) for name, s in served.items()},
                          data_plane=LiveDataPlane(served, device), token=token, **agent_options)
     log.info("%s: serving %d tensors of %s (%s) from live parameters", agent.worker_id, len(served),
              spec.name, agent.layout.describe())

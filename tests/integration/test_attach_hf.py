@@ -204,6 +204,25 @@ def test_attach_follows_replaced_parameters(server, tmp_path) -> None:
         engines["vllm:tp2"].close()
 
 
+def test_an_emptied_expert_parameter_fails_the_refit_naming_it(server) -> None:
+    """A fused expert parameter emptied after attach (``.data`` of no rows): the refit fails naming
+    it and the expert's tensor (it was an IndexError), before any byte moves."""
+    srv, client = server
+    model = make("Qwen3MoeForCausalLM", **QWEN3_MOE)
+    agent = refit_hf.attach(model, srv.address, group="emptied")
+    engines = Engines(srv.address, agent.spec, "vllm:tp1", group="emptied-engine")
+    try:
+        plan = client.create_plan("emptied", "emptied-engine")["plan_id"]
+        experts = model.model.layers[0].mlp.experts
+        experts.gate_up_proj.data = experts.gate_up_proj.data[:0]
+        result = client.refit(plan, version=1, timeout=60, check=False)
+        assert not result.ok and "parameter 'model.layers.0.mlp.experts.gate_up_proj' no longer holds refit's " \
+            "'model.layers.0.mlp.experts.0.gate_proj.weight' (IndexError" in result.error, result.error
+    finally:
+        agent.stop()
+        engines.close()
+
+
 def with_float32_router_bias(model: torch.nn.Module) -> torch.nn.Module:
     """Random float32 ``e_score_correction_bias`` buffers, as from_pretrained keeps them
     (_keep_in_fp32_modules_strict; ``make``'s ``.to(bfloat16)`` had narrowed them)."""

@@ -256,21 +256,37 @@ def test_refits_only_inside_update_weights(setups, coordinator) -> None:
     assert s.engine.generate() == s.refs[s.holds]  # untouched
 
 
-def test_a_failed_refit_reaches_the_loop_by_type_through_vllm_processes(setups, coordinator) -> None:
-    """vLLM's default multiprocessing (the TP=2 engine: engine core and workers in processes of their
-    own) turned a failed refit into a bare ``Exception("Call to collective_rpc method failed ...")``.
-    Under `refit_errors` the loop gets `refit.RefitFailed` with the worker's message, and the
-    recovery calls of docs/rl-loop-and-vllm.md (no finish_weight_update; the next step's start,
-    update, finish) land the next version exactly."""
-    _, client = coordinator
-    s = setups(*CASES[2][:4])
-    target = 2 if s.holds != 2 else 1  # what the TP=2 setup has fresh answers of
-    s.trainers.load(s.ckpts[s.model, target])
-    status, error = s.engine.refit("no-such-plan", s.version + 1, 20.0)
-    assert status == "error" and error.startswith(f"RefitFailed: refit no-such-plan version {s.version + 1} failed: "
-                                                  f"NOT_FOUND: unknown plan"), error
-    assert "[refit." not in error.splitlines()[0], error  # the worker's message, without the marks
-    lands_exactly(s, client, s.version + 1, target)
+def test_a_failed_refit_reaches_the_loop_by_type_through_vllm_processes(setups, coordinator, ckpts) -> None:
+    """vLLM's default multiprocessing (``VLLM_ENABLE_V1_MULTIPROCESSING`` unset: the engine core in a
+    process of its own) turned a failed refit into a bare ``Exception("Call to collective_rpc method
+    failed ...")``.  Under `refit_errors` the loop gets `refit.RefitFailed` with the worker's message;
+    the recovery calls of docs/rl-loop-and-vllm.md (no finish_weight_update; the next step's start,
+    update, finish) land the next version, answering as a fresh engine of it."""
+    from tests.harness.vllm_rl import Engine
+
+    address, client = coordinator
+    s = setups(*CASES[0][:4])  # its trainers, and the fresh answers of its checkpoints
+    before = os.environ.get("VLLM_ENABLE_V1_MULTIPROCESSING")
+    os.environ["VLLM_ENABLE_V1_MULTIPROCESSING"] = "1"  # vLLM's default (the harness's TP=1 engines run in one)
+    try:
+        engine = Engine(s.ckpts[s.model, 1], coordinator=address, group="engine-mp")
+    finally:
+        if before is None:
+            del os.environ["VLLM_ENABLE_V1_MULTIPROCESSING"]
+        else:
+            os.environ["VLLM_ENABLE_V1_MULTIPROCESSING"] = before
+    try:
+        status, error = engine.refit("no-such-plan", 1, 20.0)
+        assert status == "error" and error.startswith("RefitFailed: refit no-such-plan version 1 failed: "
+                                                      "NOT_FOUND: unknown plan"), error
+        assert "[refit." not in error.splitlines()[0], error  # the worker's message, without the marks
+        plan = client.create_plan(s.trainers.group, "engine-mp")["plan_id"]
+        s.trainers.load(s.ckpts[s.model, 2])
+        assert engine.refit(plan, 1) == ("ok", None)
+        assert engine.generate() == s.refs[2]
+        assert engine.ask("weight_version") == ("ok", "1")
+    finally:
+        engine.close()
 
 
 def test_a_landing_that_fails_after_the_commit_reports_stale(setups, coordinator) -> None:
