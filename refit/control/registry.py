@@ -248,10 +248,13 @@ def check_same_model(src: Worker, dst: Worker) -> dict[str, str]:
     diff = config_differences(a.model_config_json, b.model_config_json, a.group, b.group)
     other = config_differences(a.model_config_json, b.model_config_json, a.group, b.group,
                                ignore=("dtype", "quantization"))
+    # what a plan would cast (dtype, quantization) is no difference to name; said apart at most
+    cast = " (their dtypes differ too, which a plan casts)" if other and other != diff else ""
     if other and a.model_digest != b.model_digest:
-        raise InvalidInput(f"groups {a.group!r} and {b.group!r} hold different models: {diff}")
+        raise InvalidInput(f"groups {a.group!r} and {b.group!r} hold different models: {other}{cast}")
     if other:
-        raise InvalidInput(f"groups {a.group!r} and {b.group!r} hold models of equal tensors but different configs: {diff}")
+        raise InvalidInput(f"groups {a.group!r} and {b.group!r} hold models of equal tensors but different configs: "
+                           f"{other}{cast}")
     if a.model_digest == b.model_digest:
         return {}
     try:

@@ -162,8 +162,8 @@ def test_a_model_mismatch_names_every_field_that_differs_and_both_values() -> No
     with pytest.raises(RefitError) as e:
         check_same_model(trainer, engine)
     v = base.config.vocab_size
-    assert str(e.value) == (f"groups 'trainer' and 'engine' hold different models: dtype 'float32' (trainer) vs "
-                            f"'bfloat16' (engine); vocab_size {v + 2} vs {v}")
+    assert str(e.value) == (f"groups 'trainer' and 'engine' hold different models: vocab_size {v + 2} (trainer) vs "
+                            f"{v} (engine) (their dtypes differ too, which a plan casts)")
     assert check_same_model(worker(info(role=pb.ROLE_TRAINER, group="trainer", layout="megatron:tp1")), engine) == {}
 
 
