@@ -252,7 +252,7 @@ def test_refits_only_inside_update_weights(setups, coordinator) -> None:
         time.sleep(0.01)
     mine = [r for r in client.list_workers(role="engine") if r["info"]["group"] == s.engine.group]
     assert mine and all(r["version"] == s.version and not r["stale"] for r in mine), mine
-    assert s.engine.ask("weight_version") == ("ok", str(s.version))
+    assert s.engine.ask("weight_version") == ("ok", str(s.version) if s.version else "default")  # alone: none yet
     assert s.engine.generate() == s.refs[s.holds]  # untouched
 
 
