@@ -266,6 +266,11 @@ def reload() -> Settings:
     return current()
 
 
+def token_set_empty() -> bool:
+    """Whether ``REFIT_TOKEN`` is set, to nothing: a coordinator then starts open, which it says."""
+    return os.environ.get("REFIT_TOKEN") == ""
+
+
 def markdown_table() -> str:
     """The knobs as docs/performance.md shows them."""
     rows = ["| variable | scope | values | default | what it does |", "|---|---|---|---|---|"]

@@ -24,7 +24,6 @@ import argparse
 import asyncio
 import functools
 import logging
-import os
 import signal
 import sys
 import threading
@@ -414,7 +413,7 @@ def serve_main(argv: list[str] | None = None) -> int:
 
     def run() -> int:
         token = read_token(args)
-        if token is None and (args.token == "" or os.environ.get("REFIT_TOKEN") == ""):
+        if token is None and (args.token == "" or settings.token_set_empty()):
             log.warning("an empty token was given (%s): this coordinator requires NO token; anyone who reaches its "
                         "port can register workers and drive refits",
                         "--token ''" if args.token == "" else "REFIT_TOKEN=")
