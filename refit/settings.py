@@ -133,7 +133,8 @@ KNOBS: tuple[Knob, ...] = (
     Knob("REFIT_TRACE", "0", "process", convert=_flag, form="1 or 0", see=PERF,
          what="log each GPU's timeline after every refit (CUDA events around each copy batch and NCCL step)"),
     Knob("REFIT_CONTROL_TRACE", "", "process", convert=_trace_prefix,
-         form="a path prefix in a folder this process may write in", see="docs/control-plane.md#where-the-control-time-goes",
+         form="a path prefix in a folder this process may write in",
+         see="docs/control-plane.md#where-the-control-time-goes",
          what="append each refit's control-plane steps (client, coordinator, agents, barriers) with their "
               "monotonic clock to the file PREFIX.PID; `bench/probes/control_breakdown.py` reads them"),
     Knob("REFIT_ADDRESS", "", "process", convert=_address, form="HOST:PORT", see="docs/control-plane.md",

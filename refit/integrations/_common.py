@@ -7,9 +7,10 @@ looked up again by module path at every refit (`ParameterPaths`): a parameter *o
 after attach (``load_state_dict(sd, assign=True)``, ``module.weight = nn.Parameter(...)``, FSDP2 or
 a wrapper re-registering its own parameters) is followed, and so is one whose data was re-pointed
 (``p.data = ...``, ``.to()``, Megatron's DDP buffers).  A tie broken since attach, a parameter gone
-from its path, or one of another kind than at attach (an FSDP2 parameter left unsharded) fails the
-refit naming it, before any byte moves: never the old tensors sent as new.  `LiveDataPlane`
-refuses a parameter left on another device than at attach.
+from its path, or one of another kind than at attach fails the refit naming it, before any byte
+moves: never the old tensors sent as new.  (FSDP2's gathered parameters, registered between
+``unshard()`` and ``reshard()``, are the exception: the sharded ones it keeps meanwhile are served.)
+`LiveDataPlane` refuses a parameter left on another device than at attach.
 """
 
 from __future__ import annotations
@@ -96,9 +97,9 @@ def held_dtype(spec: ModelSpec, layout: Layout, served: Mapping[str, "Served"], 
 
 
 class ParameterPaths:
-    """The parameters of ``module`` followed by module path: `now` gives the one registered at a
-    parameter's path(s) at the time of the call, so that a refit reads the parameter the model holds
-    then, not the object it held at attach (``load_state_dict(assign=True)``, a re-tie, FSDP2's
+    """The parameters of ``module`` followed by module path: `follow` gives a callable answering the
+    one registered at a parameter's path(s) at the time of the call, so that a refit reads the
+    parameter the model holds then, not the object it held at attach (``load_state_dict(assign=True)``, a re-tie, FSDP2's
     unshard all swap parameter objects).  A parameter reached by several paths at attach (tied
     weights) must still be one object at all of them: otherwise the copy refit does not serve
     would be left behind, so the refit is refused naming it."""
@@ -157,7 +158,8 @@ def _is_dtensor_kind(kind: type) -> bool:
 def _same_view(a: torch.Tensor, b: torch.Tensor) -> bool:
     """Whether two parameters show the very same elements (one storage, offset, shape, strides)."""
     a, b = (t.to_local() if hasattr(t, "to_local") else t for t in (a, b))
-    return all(f(a) == f(b) for f in (torch.Tensor.data_ptr, torch.Tensor.stride, lambda t: (t.device, t.dtype, t.shape)))
+    return (a.device, a.dtype, a.shape, a.stride(), a.data_ptr()) == \
+        (b.device, b.dtype, b.shape, b.stride(), b.data_ptr())
 
 
 @dataclass
