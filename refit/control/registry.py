@@ -361,15 +361,13 @@ def holds_version(workers: dict[str, Worker], entry: PlanEntry, version: int) ->
 def check_claimed_version(workers: dict[str, Worker], plans: dict[str, PlanEntry], info: pb.WorkerInfo) -> None:
     """An engine registers with the version it holds, and refits of its plans must go above it
     (an engine may outlive a coordinator).  So that one registration cannot block a fleet's refits
-    (a replica claiming version 10^6 or 2^53-1), an engine may claim no version above every one its
-    group holds: its other connected engines' and its plans' last committed.  Only the first
-    engine of a group nothing is known of (a coordinator restarted) claims what it holds."""
+    (a replica claiming version 10^6 or 2^53-1), an engine may claim no version above every one
+    this coordinator committed into its group (its plans' last).  Without a plan into the group
+    (a coordinator restarted) the claims stand: engines torn by a commit that reached some of
+    them hold two versions, and nothing here says which is right."""
     if info.role != pb.ROLE_ENGINE or info.version == 0:
         return
-    me = worker_id(info.group, info.rank)
-    held = [(w.version, w.worker_id) for w in workers.values()
-            if w.info.group == info.group and w.connected and w.worker_id != me]
-    held += [(e.version, f"plan {e.plan_id}") for e in plans.values() if e.dst_group == info.group]
+    held = [(e.version, f"plan {e.plan_id}") for e in plans.values() if e.dst_group == info.group]
     if held and info.version > max(held)[0]:
         top, who = max(held)
         raise InvalidInput(f"register: version {info.version} is above {top}, the most engine group {info.group!r} "

@@ -105,7 +105,7 @@ def test_replicas_leave_join_and_come_back_under_one_plan_id() -> None:
 
 def test_a_registered_version_cannot_block_the_fleet() -> None:
     """A replica may not claim a version its group never had (10^6, 2^53-1): refused when it
-    registers, naming it.  One that claimed a version when its group was empty (a coordinator
+    registers, naming it.  One that claimed a version before any plan into its group (a coordinator
     restarted) stops counting once gone: the refits of the others go on."""
     async def main() -> None:
         coord, members, plan_id = await elastic(n=3)
@@ -125,7 +125,7 @@ def test_a_registered_version_cannot_block_the_fleet() -> None:
         task.cancel()
         await coord.close()
 
-        # Restarted coordinator: the first engine claims what it holds; gone, it no longer counts.
+        # Restarted coordinator (no plan yet): engines claim what they hold; gone, one no longer counts.
         coord = Coordinator(drop_after=0.2)
         members = [await Member(coord, pb.ROLE_TRAINER, "t", r, "megatron:tp2").register() for r in range(2)]
         members += [await Member(coord, pb.ROLE_ENGINE, "e", 0, "vllm:tp1dp3", version=10**6).register()]
