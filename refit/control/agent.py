@@ -45,7 +45,7 @@ from refit.control.dataplane import (DataPlane, PhaseHook, Rendezvous, RunContex
                                      check_tensors)
 from refit.control.store_client import CoordinatorStore
 from refit.control.v1 import refit_pb2 as pb
-from refit.errors import InvalidInput
+from refit.errors import InvalidInput, RefitFailed
 from refit.executor.values import int_view
 from refit.layouts import Layout, resolve_layout
 from refit.plan import Plan
@@ -98,6 +98,8 @@ class Agent(AgentStream):
         if not 0 <= rank < self.layout.world_size:
             raise InvalidInput(f"rank {rank} is outside {self.layout.describe()} (world size {self.layout.world_size})")
         self._source: TensorSource = tensors if tensors is not None else {}
+        self._names = frozenset(lt.name for lt in self.layout.local_tensors(spec, rank)) if tensors is not None \
+            else frozenset()  # what a mapping given as tensors must keep holding
         if tensors is not None:
             self._read_tensors()  # a wrong tensor is refused before registering
         if data_plane is None:
@@ -140,8 +142,16 @@ class Agent(AgentStream):
 
     @property
     def tensors(self) -> Tensors:
-        """This rank's local tensors now (a callable source read, and checked against the layout)."""
-        return self._read_tensors() if callable(self._source) else self._source
+        """This rank's local tensors now (a callable source read, and checked against the layout;
+        a mapping checked to still hold every name, cheaply: its tensors were checked at start)."""
+        if callable(self._source):
+            return self._read_tensors()
+        missing = self._names - self._source.keys()
+        if missing:
+            raise RefitFailed(f"{self.worker_id}: tensor {min(missing)!r} ({len(missing)} in all) was removed from "
+                              f"the tensors this agent was given; rank {self.rank} of {self.layout.describe()} "
+                              f"holds it: give it back (or the agent a callable that reads the model)")
+        return self._source
 
     def _read_tensors(self) -> Tensors:
         tensors = self._source() if callable(self._source) else self._source
@@ -176,6 +186,10 @@ class Agent(AgentStream):
             yield
         finally:
             self._expected.set(None)
+
+    def expect_grace(self, run: pb.RunRefit) -> float:
+        """How long a command this agent does not expect yet may wait for its announcement."""
+        return self.EXPECT_GRACE
 
     def refusal(self, plan_id: str, version: int) -> str:
         """The error a refused command is answered with."""
@@ -230,9 +244,11 @@ class Agent(AgentStream):
     # ------------------------------------------------------------------ refits
     async def _on_run(self, run: pb.RunRefit) -> None:
         mark(f"{self.role.value}: RunRefit received")
+        if run.rendezvous.members:  # names come once per prefix (`expect_grace` may read them)
+            self._members = {run.rendezvous.prefix: tuple(run.rendezvous.members)}
         if (self.expects_refits or self._expected.value is not None) and not run.check_only:  # a check writes nothing
             # The stream reader waits too: nothing else is due on it before this worker answers.
-            grace = min(self.EXPECT_GRACE, run.timeout_seconds)
+            grace = min(self.expect_grace(run), run.timeout_seconds)
             if not await self._expected.until((run.plan_id, run.version), grace):
                 log.warning("%s: refusing refit %s (plan %s version %d): expecting %s", self.worker_id, run.refit_id,
                             run.plan_id, run.version, self._expected.value)

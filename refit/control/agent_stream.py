@@ -8,8 +8,11 @@ Agents stay connected by themselves: keepalive pings (accepted by the coordinato
 keep an idle stream open for as long as the RL loop takes between refits, and when the stream
 drops (the coordinator restarted, the network broke) the agent connects and registers again,
 with backoff, reporting the version it holds.  It gives up only when refused for good (bad
-registration, wrong token, or replaced by a newer registration of its slot) or stopped.  The
-streams of all agents of a process live on one background thread and asyncio loop
+registration, wrong token, or replaced by another agent of its own process registering its slot)
+or stopped; an agent replaced otherwise tries to come back (its slot is refused to it while the
+other registration's stream lives).  Every Connect carries the process's key
+(`refit.control.common.process_key`): a live worker's slot is taken over only by its own process.
+The streams of all agents of a process live on one background thread and asyncio loop
 (`refit.control.common.agent_loop`), so the host process is never blocked by the control plane.
 """
 
@@ -21,11 +24,13 @@ import logging
 import random
 import threading
 import time
+import weakref
 from typing import Any, TypeVar
 
 import grpc
 
-from refit.control.common import agent_loop, auth_metadata, channel_options, on_agent_loop
+from refit.control.common import (PROCESS_KEY_HEADER, agent_loop, auth_metadata, channel_options, on_agent_loop,
+                                  process_key)
 from refit.control.v1 import refit_pb2 as pb
 from refit.control.v1 import refit_pb2_grpc as pb_grpc
 
@@ -33,7 +38,11 @@ log = logging.getLogger(__name__)
 
 # Refusals that another try would only repeat: the agent stops and reports them.
 PERMANENT = {grpc.StatusCode.INVALID_ARGUMENT, grpc.StatusCode.UNAUTHENTICATED, grpc.StatusCode.PERMISSION_DENIED,
-             grpc.StatusCode.ABORTED, grpc.StatusCode.UNIMPLEMENTED}
+             grpc.StatusCode.UNIMPLEMENTED}
+
+# The agent of this process that registered each (coordinator, worker id) last: an agent whose
+# stream ends ABORTED (replaced) stops for good only when another agent of its process took over.
+_HOLDERS: "weakref.WeakValueDictionary[tuple[str, str], AgentStream]" = weakref.WeakValueDictionary()
 
 S = TypeVar("S", bound="AgentStream")
 
@@ -150,7 +159,7 @@ class AgentStream:
 
     async def _session(self) -> bool:
         """One stream: register, then run what the coordinator sends.  True: stop for good."""
-        md = auth_metadata(self.token)
+        md = auth_metadata(self.token) + ((PROCESS_KEY_HEADER, process_key()),)
         async with grpc.aio.insecure_channel(self.address, options=self._options) as channel:
             self._stub = pb_grpc.CoordinatorStub(channel)
             self._md = md
@@ -158,6 +167,7 @@ class AgentStream:
             self._wlock = asyncio.Lock()
             try:
                 info = self._info()
+                _HOLDERS[(self.address, self.worker_id)] = self  # before the coordinator can replace the last
                 await call.write(pb.WorkerMessage(register=pb.Register(info=info)))
                 msg = await call.read()
                 if msg is grpc.aio.EOF or msg.WhichOneof("kind") != "registered":
@@ -187,6 +197,9 @@ class AgentStream:
                     code, details = e.code(), e.details()
                 self.error = ConnectionError(f"{code.name}: {details}")
                 log.warning("%s: stream ended: %s %s", self.worker_id, code.name, details)
+                if code == grpc.StatusCode.ABORTED:  # replaced: for good only by an agent of this process
+                    holder = _HOLDERS.get((self.address, self.worker_id))
+                    return holder is not None and holder is not self
                 return code in PERMANENT
             except ConnectionError as e:
                 self.error = e

@@ -8,6 +8,8 @@ import asyncio
 import dataclasses
 import enum
 import json
+import os
+import secrets
 import threading
 from typing import TYPE_CHECKING, Any
 
@@ -195,6 +197,21 @@ def coordinator_token(token: str | None) -> str | None:
 
 def auth_metadata(token: str | None) -> tuple[tuple[str, str], ...]:
     return (("authorization", f"Bearer {token}"),) if token else ()
+
+
+# Proof that a registration comes from the process holding a slot: a random key of each process,
+# sent on its agents' Connect calls and never shown by the coordinator (ListWorkers shows host and
+# pid, which anyone can claim).  A live worker's slot is taken over only by its own process.
+PROCESS_KEY_HEADER = "refit-process-key"
+_process_key: tuple[int, str] = (0, "")
+
+
+def process_key() -> str:
+    """This process's key (made anew in a forked child, which is another process)."""
+    global _process_key
+    if _process_key[0] != os.getpid():
+        _process_key = (os.getpid(), secrets.token_hex(16))
+    return _process_key[1]
 
 
 def short(value: object, limit: int = 80) -> str:

@@ -40,10 +40,12 @@ from typing import Any, Callable
 from refit.control.common import PLACEMENT_NAMES, Exhausted, NotFound, Precondition, Side, short
 from refit.control.events import EventHub
 from refit.control.membership import View, engine_view
-from refit.control.refits import Run, busy_results, commands, failed_response, response, verify_checksums
+from refit.control.refits import (Run, busy_results, commands, failed_response, response, stopped_response,
+                                  verify_checksums)
 from refit.control.registry import (MAX_VERSION, PlanEntry, Worker, absent_members, build_registration,
-                                    check_info, check_joinable, check_plan_members, check_same_model, check_version,
-                                    control_plan_id, group_members, holds_version, plan_json, prune_gone)
+                                    check_claimed_version, check_fits_group, check_info, check_joinable,
+                                    check_plan_members, check_same_model, check_version, control_plan_id,
+                                    group_members, holds_version, plan_json, prune_gone)
 from refit.control.rendezvous import RendezvousStore
 from refit.control.v1 import refit_pb2 as pb
 from refit.errors import InvalidInput
@@ -82,14 +84,20 @@ class Coordinator:
         self.epoch = secrets.token_hex(3)  # refit ids differ across coordinator restarts
 
     # ------------------------------------------------------------------ workers
-    async def register(self, info: pb.WorkerInfo, send: Callable, task: asyncio.Task | None) -> Worker:
+    async def register(self, info: pb.WorkerInfo, send: Callable, task: asyncio.Task | None,
+                       process_key: str = "") -> Worker:
         """Check and record a registration.  Raises `RefitError` (bad fields), `Conflict` (a live
-        worker of another process holds the slot) or `Exhausted` (too many workers)."""
+        worker of another process holds the slot: ``process_key``, the registering process's
+        `refit.control.common.process_key`, differs from that worker's) or `Exhausted` (too many
+        workers)."""
         check_info(info)
-        check_joinable(self.workers, info, MAX_WORKERS)
+        check_joinable(self.workers, info, MAX_WORKERS, process_key)
         spec, layout = await asyncio.to_thread(build_registration, info, self._specs)
-        check_joinable(self.workers, info, MAX_WORKERS)  # the world may have changed while the spec was built
-        w = Worker(info, uuid.uuid4().hex[:12], spec, layout, send, task, version=info.version, stale=info.stale)
+        check_joinable(self.workers, info, MAX_WORKERS, process_key)  # the world may have changed meanwhile
+        check_claimed_version(self.workers, self.plans, info)
+        w = Worker(info, uuid.uuid4().hex[:12], spec, layout, send, task, version=info.version, stale=info.stale,
+                   process_key=process_key)
+        check_fits_group(self.workers, w)
         old = self.workers.get(w.worker_id)
         if old is not None and old.connected:
             log.warning("%s re-registered by its own process (session %s replaces %s)", w.worker_id, w.session,
@@ -361,8 +369,8 @@ class Coordinator:
             run.ended.set_result(await self._run(run, deadline))
         except Exception as e:
             run.ended.set_exception(e)
-        except BaseException:  # the loop is shutting down
-            run.ended.cancel()
+        except BaseException:  # the coordinator is closing: its callers are told so (not cancelled)
+            run.ended.set_result(stopped_response(run))
             raise
         finally:  # before any caller resumes (they wake on the next loop iteration)
             run.entry.running = None

@@ -39,6 +39,16 @@ def replica_shape(layout: Layout) -> tuple[int, int] | None:
     return replicas() if callable(replicas) else None
 
 
+def within_replica(layout: Layout, rank: int, group: str, members: Collection[str]) -> bool:
+    """Whether the engines of ``group`` among a refit's ``members`` (worker ids) are all in the
+    replica of ``rank`` of ``layout`` (the whole group for a rigid layout): then no other
+    replica's process can have started that refit."""
+    shape = replica_shape(layout)
+    per = shape[0] if shape is not None else layout.world_size
+    ranks = [int(m.rpartition("/")[2]) for m in members if m.rpartition("/")[0] == group]
+    return all(r // per == rank // per for r in ranks)
+
+
 def one_replica(layout: Layout) -> str:
     """What the engines of an elastic group must agree on: their layout with one replica."""
     return layout.with_replicas(1).describe()

@@ -188,6 +188,18 @@ def verify_checksums(run: Run) -> tuple[int, dict[str, pb.WorkerResult]]:
     return matched, out
 
 
+def stopped_response(run: Run) -> pb.RefitResponse:
+    """FAILED because the coordinator stopped (SIGTERM) while ``run`` was under way: its callers
+    are answered with that reason, not a cancelled call."""
+    entry = run.entry
+    error = (f"refit {run.refit_id} of plan {entry.plan_id} (version {run.version}) failed: the coordinator stopped "
+             f"before it ended (engines may hold it in part, stale): refit again once a coordinator is back")
+    full = {m: run.results.get(m, pb.WorkerResult(outcome=pb.WORKER_OUTCOME_UNSPECIFIED, error="coordinator stopped"))
+            for m in entry.members}
+    log.warning("%s", error)
+    return response(entry, run.refit_id, run.version, run.t0, full, pb.REFIT_STATUS_FAILED, error)
+
+
 def failed_response(entry: PlanEntry, refit_id: str, version: int, t0: float,
                     results: dict[str, pb.WorkerResult]) -> pb.RefitResponse:
     """FAILED, naming the members at fault, worst first (then in plan order); logged."""

@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import asyncio
 import hashlib
+import hmac
 import json
 import time
 from dataclasses import dataclass, field
@@ -42,6 +43,7 @@ class Worker:
     registered_unix: float = field(default_factory=time.time)
     replaced: bool = False  # a newer registration of the same group/rank took over
     left_at: float = 0.0  # monotonic time its stream ended (an elastic plan drops it `drop_after` later)
+    process_key: str = field(default="", repr=False)  # its process's proof of identity (`common.process_key`)
     worker_id: str = field(init=False)
     layout_str: str = field(init=False)  # resolved, as plans name layouts
     # what the ranks of its group must agree on: the layout, or, for an engine of an elastic group
@@ -188,10 +190,10 @@ def build_registration(info: pb.WorkerInfo, specs: dict[tuple[str, str], ModelSp
     return spec, layout
 
 
-def check_joinable(workers: dict[str, Worker], info: pb.WorkerInfo, max_workers: int) -> None:
+def check_joinable(workers: dict[str, Worker], info: pb.WorkerInfo, max_workers: int, key: str = "") -> None:
     """A registration's group holds its role, and its slot is free (`check_slot`)."""
     check_group_role(workers, info)
-    check_slot(workers, info, max_workers)
+    check_slot(workers, info, max_workers, key)
 
 
 def prune_gone(workers: dict[str, Worker], gone: dict[str, None], limit: int) -> None:
@@ -224,18 +226,9 @@ def group_members(workers: dict[str, Worker], group: str, side: Side) -> list[Wo
         raise InvalidInput(f"group {short(group)} holds {ref.role.plural}; a plan's "
                            f"{'source' if side is Side.TRAINER else 'destination'} must be {side.with_article} group")
     for w in members[1:]:
-        if w.shape != ref.shape:
-            raise InvalidInput(f"group {group!r}: {w.worker_id} registered layout {w.layout_str}, "
-                             f"{ref.worker_id} {ref.layout_str}")
-        if w.info.model_digest != ref.info.model_digest:
-            raise InvalidInput(f"group {group!r}: {w.worker_id} holds model digest {w.info.model_digest}, "
-                             f"{ref.worker_id} {ref.info.model_digest}")
-        diff = config_differences(ref.info.model_config_json, w.info.model_config_json, ref.worker_id, w.worker_id)
-        if diff:
-            raise InvalidInput(f"group {group!r}: {ref.worker_id} and {w.worker_id} hold different model configs: {diff}")
-        if w.info.phase_layers != ref.info.phase_layers:  # phases are one plan's: every rank cuts alike
-            raise InvalidInput(f"group {group!r}: {w.worker_id} declares phase_layers {w.info.phase_layers}, "
-                             f"{ref.worker_id} {ref.info.phase_layers}")
+        why = group_difference(ref, w)
+        if why:
+            raise InvalidInput(f"group {group!r}: {why}")
     if ref.elastic:  # replicas come and go: `refit.control.membership.engine_view` takes the whole ones
         return members
     ranks = {w.info.rank for w in members}
@@ -255,10 +248,13 @@ def check_same_model(src: Worker, dst: Worker) -> dict[str, str]:
     diff = config_differences(a.model_config_json, b.model_config_json, a.group, b.group)
     other = config_differences(a.model_config_json, b.model_config_json, a.group, b.group,
                                ignore=("dtype", "quantization"))
+    # what a plan would cast (dtype, quantization) is no difference to name; said apart at most
+    cast = " (their dtypes differ too, which a plan casts)" if other and other != diff else ""
     if other and a.model_digest != b.model_digest:
-        raise InvalidInput(f"groups {a.group!r} and {b.group!r} hold different models: {diff}")
+        raise InvalidInput(f"groups {a.group!r} and {b.group!r} hold different models: {other}{cast}")
     if other:
-        raise InvalidInput(f"groups {a.group!r} and {b.group!r} hold models of equal tensors but different configs: {diff}")
+        raise InvalidInput(f"groups {a.group!r} and {b.group!r} hold models of equal tensors but different configs: "
+                           f"{other}{cast}")
     if a.model_digest == b.model_digest:
         return {}
     try:
@@ -279,6 +275,41 @@ def config_differences(a: str, b: str, a_name: str, b_name: str, ignore: tuple[s
     if parts:
         parts[0] = f"{keys[0]} {value(da, keys[0])} ({a_name}) vs {value(db, keys[0])} ({b_name})"
     return "; ".join(parts)
+
+
+def group_difference(ref: Worker, w: Worker) -> str:
+    """What ``w`` holds otherwise than ``ref``, a worker of its group, that one plan cannot cover
+    (empty: nothing): the layout (of one replica, in an elastic engine group), the model (every
+    config field that differs with both values; the digests only when no field does), or
+    ``phase_layers`` (phases are one plan's: every rank cuts alike)."""
+    if w.shape != ref.shape:
+        of = f" (one replica: {w.shape}, {ref.shape})" if w.elastic or ref.elastic else ""
+        return f"{w.worker_id} registered layout {w.layout_str}, {ref.worker_id} {ref.layout_str}{of}"
+    diff = config_differences(ref.info.model_config_json, w.info.model_config_json, ref.worker_id, w.worker_id)
+    if diff:
+        return f"{ref.worker_id} and {w.worker_id} hold different model configs: {diff}"
+    if w.info.model_digest != ref.info.model_digest:
+        return (f"{w.worker_id} holds {short(w.info.model_name)} (digest {w.info.model_digest}), {ref.worker_id} "
+                f"{short(ref.info.model_name)} (digest {ref.info.model_digest})")
+    if w.info.phase_layers != ref.info.phase_layers:
+        return f"{w.worker_id} declares phase_layers {w.info.phase_layers}, {ref.worker_id} {ref.info.phase_layers}"
+    return ""
+
+
+def check_fits_group(workers: dict[str, Worker], w: Worker) -> None:
+    """An engine joining an elastic group (`refit.control.membership`) must be a replica its plans
+    can refit: the layout of one replica, the model and the phases of the group's connected
+    engines.  Refused when it registers, naming the difference: otherwise one of another model
+    would fail every refit of the group while connected, and one of another layout be left out
+    of them silently.  (A rigid group's ranks are compared when a plan is made and at each refit.)"""
+    peers = [p for p in workers.values() if p.info.group == w.info.group and p.connected
+             and p.worker_id != w.worker_id and p.role is w.role]
+    if not peers or not (w.elastic or peers[0].elastic):
+        return
+    why = group_difference(peers[0], w)
+    if why:
+        raise InvalidInput(f"register: {why}: the replicas of engine group {w.info.group!r} must agree on "
+                           f"everything but their count")
 
 
 def plan_json(plan: Plan) -> bytes:
@@ -309,11 +340,12 @@ def control_plan_id(plan_hash: str, src_group: str, dst_group: str) -> str:
     return hashlib.sha256(f"{plan_hash}:{src_group}:{dst_group}".encode()).hexdigest()[:16]
 
 
-def check_slot(workers: dict[str, Worker], info: pb.WorkerInfo, max_workers: int) -> None:
-    """A live worker's slot is only taken over by its own process (same host and pid: an agent
-    reconnecting over a stream we have not yet seen die); anyone else is refused."""
+def check_slot(workers: dict[str, Worker], info: pb.WorkerInfo, max_workers: int, key: str = "") -> None:
+    """A live worker's slot is only taken over by its own process (an agent reconnecting over a
+    stream we have not yet seen die), proven by the process key it registered with (``key``, never
+    shown; host and pid are the worker's word and public); anyone else is refused."""
     old = workers.get(f"{info.group}/{info.rank}")
-    if old is not None and old.connected and (old.info.host, old.info.pid) != (info.host, info.pid):
+    if old is not None and old.connected and not (old.process_key and hmac.compare_digest(old.process_key, key)):
         raise Conflict(f"{old.worker_id} is held by a live worker (pid {old.info.pid} on {short(old.info.host)}); "
                        f"it can register again once that one's stream has ended")
     if old is None and len(workers) >= max_workers:
@@ -326,10 +358,28 @@ def holds_version(workers: dict[str, Worker], entry: PlanEntry, version: int) ->
     return all(w is not None and w.version == version and not w.stale for w in engines)
 
 
+def check_claimed_version(workers: dict[str, Worker], plans: dict[str, PlanEntry], info: pb.WorkerInfo) -> None:
+    """An engine registers with the version it holds, and refits of its plans must go above it
+    (an engine may outlive a coordinator).  So that one registration cannot block a fleet's refits
+    (a replica claiming version 10^6 or 2^53-1), an engine may claim no version above every one
+    this coordinator committed into its group (its plans' last).  Without a plan into the group
+    (a coordinator restarted) the claims stand: engines torn by a commit that reached some of
+    them hold two versions, and nothing here says which is right."""
+    if info.role != pb.ROLE_ENGINE or info.version == 0:
+        return
+    held = [(e.version, f"plan {e.plan_id}") for e in plans.values() if e.dst_group == info.group]
+    if held and info.version > max(held)[0]:
+        top, who = max(held)
+        raise InvalidInput(f"register: version {info.version} is above {top}, the most engine group {info.group!r} "
+                           f"holds ({who}): an engine joining a group holds no version the group never had; "
+                           f"register it with the version it was refitted to (0 if none)")
+
+
 def check_version(workers: dict[str, Worker], entry: PlanEntry, version: int) -> None:
-    """Refuse a version at or below what the plan or its engines hold, or one that jumps absurdly."""
+    """Refuse a version at or below what the plan or its connected engines hold, or one that jumps
+    absurdly.  An engine gone no longer counts: its version comes back with it, and is checked then."""
     held = [(entry.version, f"plan {entry.plan_id}")]
-    held += [(workers[m].version, m) for m in entry.members[entry.num_src:] if m in workers]
+    held += [(workers[m].version, m) for m in entry.members[entry.num_src:] if m in workers and workers[m].connected]
     top, who = max(held)
     if version <= top:
         raise Precondition(f"version {version} is not above {top}, the version {who} holds; versions must increase")

@@ -116,6 +116,8 @@ class RendezvousStore:
             value = int(space.data.get(key, b"0")) + amount
         except ValueError:
             raise InvalidInput(f"StoreAdd: key {short(key)} does not hold an integer") from None
+        if not -2**63 <= value < 2**63:  # the answer's field is an int64: refused before anything is stored
+            raise InvalidInput(f"StoreAdd: key {short(key)} plus {amount} is {value}, beyond a signed 64-bit integer")
         self.set(prefix, [key], [str(value).encode()])
         return value
 

@@ -35,8 +35,8 @@ from google.protobuf.message import DecodeError
 from refit import settings
 from refit.control.auth import TokenInterceptor
 from refit.control.common import (DEFAULT_PORT, KEEPALIVE_MS, KEEPALIVE_TIMEOUT_MS, SERVICE_NAME, Aborted, Conflict,
-                                  Exhausted,
-                                  NotFound, Precondition, new_event_loop, server_options)
+                                  Exhausted, NotFound, PROCESS_KEY_HEADER, Precondition, new_event_loop,
+                                  server_options)
 from refit.control.coordinator import DROP_AFTER, Coordinator
 from refit.control.v1 import refit_pb2 as pb
 from refit.entrypoint import run_main, setup_logging
@@ -107,7 +107,8 @@ class Servicer:
                 await context.write(msg)
 
         try:
-            worker = await self.coord.register(first.register.info, send, asyncio.current_task())
+            key = dict(context.invocation_metadata() or ()).get(PROCESS_KEY_HEADER, "")
+            worker = await self.coord.register(first.register.info, send, asyncio.current_task(), key)
         except RefitError as e:
             await context.abort(status_code(e), str(e))
         why = "its stream ended"
@@ -272,13 +273,15 @@ class CoordinatorServer:
         return self.port
 
     async def stop(self, grace: float | None = 1.0) -> None:
-        """Stop serving (calls under way get ``grace`` seconds), end the refits, sends and
-        rendezvous waits still under way."""
+        """End the refits (their callers answered FAILED, naming the stop), sends and rendezvous
+        waits still under way, then stop serving (calls under way get ``grace`` seconds: time for
+        those answers to go out)."""
         if self.server is not None:
             await self.health.enter_graceful_shutdown()
-            await self.server.stop(grace)
         if self.coord is not None:
             await self.coord.close()
+        if self.server is not None:
+            await self.server.stop(grace)
 
     @property
     def address(self) -> str:
@@ -331,7 +334,8 @@ class ThreadedServer:
 
 def read_token(args: argparse.Namespace) -> str | None:
     """The token: --token-file, else $REFIT_TOKEN, else --token (visible to every local user in
-    /proc/PID/cmdline: prefer the other two)."""
+    /proc/PID/cmdline: prefer the other two).  Refused unless every client can send it (printable
+    ASCII, no space: it travels in a gRPC header)."""
     if args.token_file:
         try:
             with open(args.token_file) as f:
@@ -340,8 +344,17 @@ def read_token(args: argparse.Namespace) -> str | None:
             raise InvalidInput(f"--token-file {args.token_file}: {e.strerror}") from None
         if not token:
             raise InvalidInput(f"--token-file {args.token_file} is empty")
-        return token
-    return settings.current().token or args.token
+        return _sendable(token, f"--token-file {args.token_file}")
+    if settings.current().token:
+        return _sendable(settings.current().token, "$REFIT_TOKEN")
+    return _sendable(args.token, "--token") if args.token else None
+
+
+def _sendable(token: str, source: str) -> str:
+    if not all("!" <= c <= "~" for c in token):
+        raise InvalidInput(f"{source}: the token holds a character no client can send in its gRPC header (space, "
+                           f"newline, non-ASCII): use printable ASCII without spaces")
+    return token
 
 
 def add_arguments(p: argparse.ArgumentParser) -> None:
@@ -378,8 +391,10 @@ async def serve(host: str, port: int, token: str | None, timeout: float, adverti
     loop, stopping = asyncio.get_running_loop(), asyncio.Event()
     for sig in (signal.SIGINT, signal.SIGTERM):
         loop.add_signal_handler(sig, stopping.set)
+    # shielded: cancelling grpc's wait_for_termination() (timeout None) cancels the server's own
+    # shutdown future, and its stop() then raised CancelledError (exit 1 on every SIGTERM)
     waits = [asyncio.ensure_future(stopping.wait()),
-             asyncio.ensure_future(server.server.wait_for_termination())]  # type: ignore[union-attr]
+             asyncio.shield(server.server.wait_for_termination())]  # type: ignore[union-attr]
     try:
         await asyncio.wait(waits, return_when=asyncio.FIRST_COMPLETED)
     finally:
@@ -398,6 +413,10 @@ def serve_main(argv: list[str] | None = None) -> int:
 
     def run() -> int:
         token = read_token(args)
+        if token is None and (args.token == "" or settings.token_set_empty()):
+            log.warning("an empty token was given (%s): this coordinator requires NO token; anyone who reaches its "
+                        "port can register workers and drive refits",
+                        "--token ''" if args.token == "" else "REFIT_TOKEN=")
         loop = new_event_loop()
         try:
             loop.run_until_complete(serve(args.host, args.port, token, args.timeout, args.advertise_host,

@@ -43,7 +43,7 @@ from refit.executor.bound import Bound, Remaining, bind_all, run_refit
 from refit.executor.device import Device, enable_peer_access, make_device
 from refit.executor.schedule import compile_program
 from refit.executor.shards import Shards, allocate, check_own, remove_file, views
-from refit.executor.shared_blocks import SharedQuantizer, allocate_derived
+from refit.executor.shared_blocks import SharedQuantizer, allocate_derived, share
 from refit.executor.shm_barrier import ShmBarrier
 from refit.executor.topology import Endpoint, Topology
 from refit.executor.transports import (Comm, PeerError, export_arena, export_tensors, first_line, gloo_group,
@@ -269,10 +269,7 @@ class Member:
         before they are written.  Every member calls it, in lockstep, when the plan's trainers cut blocks."""
         if self.shared is None:
             return
-        table = self.shared.partial_amax(self.device.torch)
-        host = table.cpu()
-        self._reduce("shared-scale", host, dist.ReduceOp.MAX, remaining)
-        self.shared.quantize(host.to(self.device.torch))
+        share(self.shared, self.device.torch, lambda t: self._reduce("shared-scale", t, dist.ReduceOp.MAX, remaining))
         if self.cuda:
             self.device.synchronize()
         self.barrier("shared-scale", remaining)

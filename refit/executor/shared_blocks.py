@@ -4,7 +4,7 @@ FSDP2 ``fsdp:dp8`` holds 64 rows of a 512-row ``k_proj``: each 128x128 block lie
 and neither can compute the block's scale alone.  The layout (`refit.layouts.quantized`) keeps
 such a local tensor unquantized and names the tensors derived from it — float8 values of its
 shape, and per piece the scales of the blocks it touches, of which it sends those it owns.  Each
-refit, after the start barrier, `Member` runs this:
+refit, after the start barrier, `Member` runs this (`share`):
 
 1. `SharedQuantizer.partial_amax`: every rank's ``max|x|`` over its part of each block, into a
    table laid out per canonical scale tensor (`refit.layouts.quantized.scale_table`);
@@ -22,7 +22,7 @@ from __future__ import annotations
 
 import itertools
 import math
-from typing import Iterator, Mapping, NamedTuple
+from typing import Callable, Iterator, Mapping, NamedTuple
 
 import torch
 
@@ -44,6 +44,15 @@ def allocate_derived(spec: ModelSpec, layout: QuantizedLayout, rank: int,
     """Zeroed tensors for what ``rank`` derives from its cut local tensors (none where nothing is cut)."""
     return {lt.name: torch.zeros(lt.shape, dtype=TORCH_DTYPES[lt.dtype], device=device)
             for lt in layout.derived_tensors(spec, rank)}
+
+
+def share(shared: "SharedQuantizer", device: torch.device, all_reduce_max: Callable[[torch.Tensor], None]) -> None:
+    """One rank's turn of the three steps above: its partial amaxes, all-reduced with MAX over
+    every rank on the host (``all_reduce_max``, in place: `Member`'s control group), then its own
+    elements quantized with the blocks' scales."""
+    host = shared.partial_amax(device).cpu()
+    all_reduce_max(host)
+    shared.quantize(host.to(device))
 
 
 class _Group(NamedTuple):

@@ -2,11 +2,15 @@
 the "nothing silently dropped" check, and a trainer agent serving live parameters.
 
 Live parameters.  The agent serves *views* of the parameters' storage (``detach()``, ``narrow``,
-``select``: never a copy), so a refit sends what the trainer holds when it runs.  A view stays
-right only while the parameter keeps its storage: a model moved (``.to("cuda")``), wrapped by a
-framework that re-points parameters into its own buffers (Megatron's DDP), or re-materialized
-after attach would leave the agent serving the old memory.  `LiveDataPlane` checks before every
-refit that each served view still lies where its parameter's data does, and refuses otherwise.
+``select``: never a copy), so a refit sends what the trainer holds when it runs.  Parameters are
+looked up again by module path at every refit (`ParameterPaths`): a parameter *object* replaced
+after attach (``load_state_dict(sd, assign=True)``, ``module.weight = nn.Parameter(...)``, FSDP2 or
+a wrapper re-registering its own parameters) is followed, and so is one whose data was re-pointed
+(``p.data = ...``, ``.to()``, Megatron's DDP buffers).  A tie broken since attach, a parameter gone
+from its path, or one of another kind than at attach fails the refit naming it, before any byte
+moves: never the old tensors sent as new.  (FSDP2's gathered parameters, registered between
+``unshard()`` and ``reshard()``, are the exception: the sharded ones it keeps meanwhile are served.)
+`LiveDataPlane` refuses a parameter left on another device than at attach.
 """
 
 from __future__ import annotations
@@ -21,7 +25,7 @@ import torch
 from refit.control.agent import TrainerAgent
 from refit.control.dataplane import RunContext
 from refit.control.dataplane_executor import ExecutorDataPlane
-from refit.errors import InvalidInput, RefitFailed
+from refit.errors import InvalidInput, RefitError, RefitFailed
 from refit.layouts import Layout
 from refit.plan import Plan
 from refit.spec import ModelConfig, ModelSpec, build_spec
@@ -92,6 +96,72 @@ def held_dtype(spec: ModelSpec, layout: Layout, served: Mapping[str, "Served"], 
     return spec, layout.resolve(spec)
 
 
+class ParameterPaths:
+    """The parameters of ``module`` followed by module path: `follow` gives a callable answering the
+    one registered at a parameter's path(s) at the time of the call, so that a refit reads the
+    parameter the model holds then, not the object it held at attach (``load_state_dict(assign=True)``, a re-tie, FSDP2's
+    unshard all swap parameter objects).  A parameter reached by several paths at attach (tied
+    weights) must still be one object at all of them: otherwise the copy refit does not serve
+    would be left behind, so the refit is refused naming it."""
+
+    def __init__(self, module: torch.nn.Module) -> None:
+        self.module = module
+        self.paths: dict[int, list[str]] = {}
+        self.kinds: dict[int, type] = {}
+        for path, p in module.named_parameters(remove_duplicate=False):
+            self.paths.setdefault(id(p), []).append(path)
+            self.kinds[id(p)] = type(p)
+
+    def follow(self, p: torch.Tensor) -> Callable[[], torch.Tensor]:
+        """A callable giving, at each call, the parameter now at ``p``'s path(s) in the module;
+        ``p`` (a parameter of the module at attach) itself when it is none of the module's."""
+        paths = self.paths.get(id(p))
+        if paths is None:
+            return lambda: p
+        kind = self.kinds[id(p)]
+        last = [p]  # the last parameter of the attach kind seen at the path
+        return lambda: self._now(paths, kind, last)
+
+    def _now(self, paths: list[str], kind: type, last: list[torch.Tensor]) -> torch.Tensor:
+        found = []
+        for path in paths:
+            try:
+                found.append(self.module.get_parameter(path))
+            except AttributeError:
+                raise RefitFailed(f"parameter {path!r} is no longer in the model (attached at that path): "
+                                  f"attach again for a model of other parameters") from None
+        now = found[0]
+        for path, other in zip(paths[1:], found[1:]):
+            if other is not now and not _same_view(other, now):  # load_state_dict(assign=True) wraps each anew
+                raise RefitFailed(f"parameter {path!r} is no longer {paths[0]!r} (tied at attach, served once): "
+                                  f"tie it again (model.tie_weights()) or attach again")
+        if isinstance(now, kind):
+            last[0] = now
+            return now
+        if _is_dtensor_kind(kind):
+            # FSDP2 registers the gathered parameter at the path between unshard() and reshard() (the
+            # root module after a forward): the sharded one it keeps meanwhile is what the optimizer
+            # updates, and what this rank serves.
+            return last[0]
+        raise RefitFailed(f"parameter {paths[0]!r} is a {type(now).__name__} now, a {kind.__name__} at attach: "
+                          f"attach again")
+
+
+def _is_dtensor_kind(kind: type) -> bool:
+    try:
+        from torch.distributed.tensor import DTensor
+    except ImportError:
+        return False
+    return issubclass(kind, DTensor)
+
+
+def _same_view(a: torch.Tensor, b: torch.Tensor) -> bool:
+    """Whether two parameters show the very same elements (one storage, offset, shape, strides)."""
+    a, b = (t.to_local() if hasattr(t, "to_local") else t for t in (a, b))
+    return (a.device, a.dtype, a.shape, a.stride(), a.data_ptr()) == \
+        (b.device, b.dtype, b.shape, b.stride(), b.data_ptr())
+
+
 @dataclass
 class Served:
     """One local tensor of refit's layout as served: a view (``cut``) of what a live parameter
@@ -131,6 +201,18 @@ class LiveDataPlane(ExecutorDataPlane):
         return super().run(plan, tensors, ctx)
 
 
+def view(name: str, served: Served) -> torch.Tensor:
+    """``served``'s view now, or a refusal naming the parameter: one that no longer has the rows
+    refit serves from it (a fused expert parameter emptied) fails the refit, not with an IndexError."""
+    try:
+        return served.view
+    except RefitError:  # already names it (`ParameterPaths`)
+        raise
+    except (IndexError, RuntimeError) as e:
+        raise RefitFailed(f"parameter {served.param_name!r} no longer holds refit's {name!r} "
+                          f"({type(e).__name__}: {e}): attach again for a model of other shapes") from None
+
+
 def start_trainer(address: str | None, *, group: str, rank: int, spec: ModelSpec, layout: Layout,
                   served: Mapping[str, Served], token: str | None = None, **agent_options: Any) -> TrainerAgent:
     """Check, then register: the layout's tensors of ``rank`` must all be served (names, shapes,
@@ -145,7 +227,7 @@ def start_trainer(address: str | None, *, group: str, rank: int, spec: ModelSpec
     if device.type == "cuda":
         agent_options.setdefault("gpu", device.index or 0)
     agent = TrainerAgent(address, group=group, rank=rank, spec=spec, layout=layout,
-                         tensors=lambda: {name: s.view for name, s in served.items()},
+                         tensors=lambda: {name: view(name, s) for name, s in served.items()},
                          data_plane=LiveDataPlane(served, device), token=token, **agent_options)
     log.info("%s: serving %d tensors of %s (%s) from live parameters", agent.worker_id, len(served),
              spec.name, agent.layout.describe())

@@ -29,7 +29,7 @@ import torch.distributed as dist
 
 from refit.control.agent import TrainerAgent
 from refit.errors import InvalidInput
-from refit.integrations._common import global_rank, spec_of_hf_config, start_trainer
+from refit.integrations._common import ParameterPaths, global_rank, spec_of_hf_config, start_trainer
 from refit.integrations.hf import FUSED_EXPERTS, serve_hf_parameters
 from refit.layouts import FsdpLayout
 from refit.layouts.fsdp import chunk_rows, tp_dim
@@ -61,7 +61,8 @@ def attach(model: torch.nn.Module, address: str | None = None, *, group: str = "
     # FSDP2 leaves buffers (the float32 router bias) whole on every rank: serve this rank's rows
     served = serve_hf_parameters(named, spec, layout, rank, local=lambda p: p.to_local().detach(),
                                  experts_held=layout.experts_held(spec, rank), buffer=model.get_buffer,
-                                 buffer_local=lambda b: b.detach().narrow(0, *chunk_rows(b.shape[0], dp, shard)))
+                                 buffer_local=lambda b: b.detach().narrow(0, *chunk_rows(b.shape[0], dp, shard)),
+                                 paths=ParameterPaths(model))
     return start_trainer(address, group=group, rank=rank, spec=spec, layout=layout, served=served, token=token,
                          **agent_options)
 
@@ -84,7 +85,8 @@ def _attach_adapter(model: torch.nn.Module, adapter: str, address: str | None, *
                            f"adapter refits take FSDP2 / HSDP shards (Shard(0)) only")
     spec = adapter_spec(spec_of_hf_config(base.config, {n: p.to_local() for n, p in named}), rank_r, targets, scaling)
     layout = FsdpLayout(dp=dp, rep=rep).resolve(spec)
-    served = {n: Served(n, lambda p=p: p.to_local().detach()) for n, p in named}
+    paths = ParameterPaths(base)
+    served = {n: Served(n, lambda now=paths.follow(p): now().to_local().detach()) for n, p in named}
     return start_trainer(address, group=group, rank=global_rank(), spec=spec, layout=layout, served=served,
                          token=token, **agent_options)
 

@@ -30,7 +30,8 @@ import torch
 
 from refit.control.agent import TrainerAgent
 from refit.errors import InvalidInput
-from refit.integrations._common import Served, global_rank, refuse_unmapped, spec_of_hf_config, start_trainer
+from refit.integrations._common import (ParameterPaths, Served, global_rank, refuse_unmapped, spec_of_hf_config,
+                                        start_trainer)
 from refit.layouts import HFLayout, Layout
 from refit.spec import ModelSpec
 
@@ -44,7 +45,8 @@ def attach(model: torch.nn.Module, address: str | None = None, *, group: str = "
     """Register this process's unsharded transformers ``model`` as rank (global rank) of ``group``
     and serve its live parameters; returns the started agent.  Raises `refit.InvalidInput`, before
     registering, for a parameter refit cannot place or a dtype the config does not name; a refit
-    after a parameter moved fails with `refit.RefitFailed` naming it (attach again).  ``address`` and
+    follows parameters replaced since attach (by module path); one whose tie broke, that left its path
+    or now lies on another device fails with `refit.RefitFailed` naming it.  ``address`` and
     ``token`` default to ``$REFIT_ADDRESS`` (else 127.0.0.1:50051) and ``$REFIT_TOKEN``.
     ``lora="merge"``: ``model`` is a PEFT LoRA model, served merged (`refit.integrations.lora`).
     ``adapter="name"``: only that LoRA adapter's A/B matrices are served, into engines holding it in
@@ -73,7 +75,8 @@ def attach(model: torch.nn.Module, address: str | None = None, *, group: str = "
     if rank != 0:
         raise InvalidInput(f"refit_hf.attach serves an unsharded model as the one rank of layout hf, but this process "
                          f"is global rank {rank}: use refit_fsdp.attach for a sharded model, or attach on rank 0 only")
-    served = serve_hf_parameters(named, spec, layout, 0, local=lambda p: p.detach(), buffer=model.get_buffer)
+    served = serve_hf_parameters(named, spec, layout, 0, local=lambda p: p.detach(), buffer=model.get_buffer,
+                                 paths=ParameterPaths(model))
     served.update({name: Served(f"{name} (LoRA merged)", compute) for name, compute in merged.items()})
     return start_trainer(address, group=group, rank=0, spec=spec, layout=layout, served=served, token=token,
                          **agent_options)
@@ -92,7 +95,8 @@ def _attach_adapter(model: torch.nn.Module, adapter: str, address: str | None, *
     if global_rank() != 0:
         raise InvalidInput(f"refit_hf.attach serves an unsharded model as the one rank of layout hf, but this process "
                            f"is global rank {global_rank()}: attach on rank 0 only")
-    served = {name: Served(name, lambda p=p: p.detach()) for name, p in named}
+    paths = ParameterPaths(base)
+    served = {name: Served(name, lambda now=paths.follow(p): now().detach()) for name, p in named}
     return start_trainer(address, group=group, rank=0, spec=spec, layout=layout, served=served, token=token,
                          **agent_options)
 
@@ -100,13 +104,16 @@ def _attach_adapter(model: torch.nn.Module, adapter: str, address: str | None, *
 def serve_hf_parameters(named: Iterable[tuple[str, torch.Tensor]], spec: ModelSpec, layout: Layout, rank: int,
                         local: Callable[[torch.Tensor], torch.Tensor], experts_held: range | None = None,
                         buffer: Callable[[str], torch.Tensor] | None = None,
-                        buffer_local: Callable[[torch.Tensor], torch.Tensor] | None = None) -> dict[str, Served]:
+                        buffer_local: Callable[[torch.Tensor], torch.Tensor] | None = None,
+                        paths: ParameterPaths | None = None) -> dict[str, Served]:
     """Map parameters under HF names to ``layout``'s local tensors of ``rank`` (whose names are HF
     names: layouts ``hf`` and ``fsdp``).  ``local(p)`` is the part of ``p`` this process holds, as
     a view; ``experts_held``: the experts whose rows ``local`` gives of a fused expert parameter
     (default all; FSDP2 holds ``torch.chunk``'s rows of the expert dimension).  ``buffer``
     (``model.get_buffer``) serves the tensors no parameter holds from the model's buffers of the
-    same name (``buffer_local(b)``, default ``local``, the part this process holds)."""
+    same name (``buffer_local(b)``, default ``local``, the part this process holds).  ``paths``: the
+    model's parameters by module path, so that each refit reads the parameter at ``p``'s path then
+    (one replaced since attach is followed); without it, the objects in ``named`` are served."""
     expected = {lt.name: lt for lt in layout.local_tensors(spec, rank)}
     served: dict[str, Served] = {}
     unmapped: list[str] = []
@@ -115,7 +122,8 @@ def serve_hf_parameters(named: Iterable[tuple[str, torch.Tensor]], spec: ModelSp
         if id(p) in first_name and name not in expected:
             continue  # a tied alias (lm_head.weight of tied embeddings): served under its first name
         first_name.setdefault(id(p), name)
-        live = (lambda p=p: local(p))
+        now = paths.follow(p) if paths is not None else (lambda p=p: p)
+        live = (lambda now=now: local(now()))
         m = FUSED_EXPERTS.match(name)
         if m and f"{m['experts']}.0.gate_proj.weight" in expected:
             held = range(spec.config.num_experts) if experts_held is None else experts_held

@@ -47,9 +47,10 @@ numbered from 0 in the same order, with the stage's grid as layout (pp 1).  The 
 Megatron gives the MTP layers on a stage without the embedding is the policy's (vLLM's drafter
 holds the target's embedding and LM head): served by neither.
 
-Values are the live parameters (``detach()``: a view, never a copy).  Under Megatron's DDP with
-the distributed optimizer every parameter's data is a view into DDP's contiguous param buffer, so
-they are served from that buffer (checked on CPU).  On GPU the views share the buffer's one
+Values are the live parameters (``detach()``: a view, never a copy), looked up by module path at
+every refit (a parameter object replaced since attach is followed, `ParameterPaths`).  Under
+Megatron's DDP with the distributed optimizer every parameter's data is a view into DDP's contiguous
+param buffer, so they are served from that buffer (checked on CPU).  On GPU the views share the buffer's one
 allocation, which torch's CUDA IPC exports and opens once per allocation, not per parameter (torch's
 mechanism; not exercised on a GPU by refit's tests).
 
@@ -68,7 +69,7 @@ import torch
 from refit.control.agent import TrainerAgent
 from refit.drafters import mtp_config, mtp_layers
 from refit.errors import InvalidInput
-from refit.integrations._common import Served, global_rank, refuse_unmapped, start_trainer
+from refit.integrations._common import ParameterPaths, Served, global_rank, refuse_unmapped, start_trainer
 from refit.layouts import MegatronLayout
 from refit.layouts.megatron import VOCAB_DIVISIBLE_BY
 from refit.layouts.base import pad_to
@@ -343,7 +344,8 @@ def _serve(parts: Sequence[tuple[str, str, torch.nn.Module]], spec: ModelSpec, l
     misshaped: list[str] = []
     not_moved: list[str] = []
     for local_prefix, shown, chunk in parts:
-        live = [(name, (lambda p=p: p.detach())) for name, p in chunk.named_parameters()]
+        paths = ParameterPaths(chunk)  # a parameter replaced since attach is read at its path
+        live = [(name, (lambda now=paths.follow(p): now().detach())) for name, p in chunk.named_parameters()]
         for name, module in chunk.named_modules():
             if getattr(module, "expert_bias", None) is not None:  # TopKRouter's buffer (not a parameter)
                 getattr(module, "_maintain_float32_expert_bias", lambda: None)()

@@ -295,14 +295,17 @@ def _engine_main(conn: Any, model_dir: str, tp: int, ep: bool, coordinator: str 
                 conn.send(("ok", None))
             elif cmd == "generate":
                 conn.send(("ok", generate(llm)))
-            elif cmd == "refit":  # exactly the RL-loop contract
+            elif cmd == "refit":  # exactly the RL-loop contract (docs/rl-loop-and-vllm.md)
+                from refit.integrations.vllm.failures import refit_errors
+
                 plan_id, version = arg[:2]
                 timeout = arg[2] if len(arg) > 2 else 60.0
                 extra = arg[3] if len(arg) > 3 else {}  # more update_info entries (atomic, verify)
-                llm.start_weight_update()
-                llm.update_weights({"update_info": {"plan_id": plan_id, "version": version, "timeout": timeout,
-                                                    **extra}})
-                llm.finish_weight_update(weight_version=str(version))
+                with refit_errors():  # refit's errors by type, whatever vLLM's processes
+                    llm.start_weight_update()
+                    llm.update_weights({"update_info": {"plan_id": plan_id, "version": version, "timeout": timeout,
+                                                        **extra}})
+                    llm.finish_weight_update(weight_version=str(version))
                 conn.send(("ok", None))
             elif cmd == "probe":
                 conn.send(("ok", probe(llm, arg)))

@@ -87,6 +87,17 @@ def fsdp_trainer(rank: int, world: int, cls_name: str, cfg: dict, address: str, 
         if cmd == "step":
             train_step(model, seed=arg)
             return None
+        if cmd == "reload":  # every parameter a new DTensor of new random values (load_state_dict assign=True)
+            from torch.distributed.tensor import DTensor
+
+            torch.manual_seed(100 + rank)
+            new = {n: DTensor.from_local(torch.randn_like(p.to_local()), p.device_mesh, p.placements, shape=p.shape,
+                                         stride=p.stride()) for n, p in model.named_parameters()}
+            model.load_state_dict(new, assign=True)
+            return None
+        if cmd in ("unshard", "reshard"):  # collective: FSDP2 registers the gathered parameters meanwhile
+            getattr(model, cmd)()
+            return sorted({type(p).__name__ for p in model.parameters()})
         if cmd == "refusals":
             return refusals(world, address)
         if cmd == "tp_refusal":  # o_proj split on its rows by TP: not the plan the layout describes
@@ -155,8 +166,9 @@ def test_fsdp_attach_refit_bit_exact_live(server, tmp_path, dp, cls_name, cfg) -
         engines = Engines(srv.address, spec, "vllm:tp2", group=f"{group}-engine")
         plan = client.create_plan(group, f"{group}-engine")["plan_id"]
         refit_step_refit(client, trainers, engines, spec, plan, tmp_path)
-        if dp == 2:  # the refusals, in the same processes (a spawn costs seconds)
+        if dp == 2:  # the refusals and replaced parameters, in the same processes (a spawn costs seconds)
             check_refusals(client, trainers.ask("refusals")[0])
+            check_replaced(client, trainers, engines, spec, plan, tmp_path)
     finally:
         trainers.close()
         if engines is not None:
@@ -173,6 +185,26 @@ def refit_step_refit(client, trainers, engines, spec, plan_id: str, tmp_path) ->
         trainers.ask("save", str(tmp_path / f"v{version}"))
         bad = engines.mismatches(expected_engine_tensors(spec, "vllm:tp2", str(tmp_path / f"v{version}")))
         assert not bad, bad[:5]
+
+
+def check_replaced(client, trainers, engines, spec, plan_id: str, tmp_path) -> None:
+    """Parameter objects replaced after attach (``load_state_dict(assign=True)``) are followed: the
+    refit sends the new shards.  While FSDP2 holds the parameters gathered (``unshard()``), the
+    sharded ones it keeps are served."""
+    trainers.ask("reload")
+    trainers.ask("save", str(tmp_path / "v3"))
+    expected = expected_engine_tensors(spec, "vllm:tp2", str(tmp_path / "v3"))
+    assert client.refit(plan_id, version=3, timeout=180).ok
+    assert not engines.mismatches(expected)
+    for t in engines.tensors:
+        for x in t.values():
+            x.zero_()
+    assert "Parameter" in trainers.ask("unshard")[0]  # gathered parameters (not DTensors) at their paths
+    try:
+        assert client.refit(plan_id, version=4, timeout=180).ok
+    finally:
+        trainers.ask("reshard")
+    assert not engines.mismatches(expected)
 
 
 def check_refusals(client, messages: list[str]) -> None:

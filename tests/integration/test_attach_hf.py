@@ -170,6 +170,59 @@ def test_attach_follows_parameters_that_moved(server, tmp_path) -> None:
         engines["vllm:tp1"].close()
 
 
+def test_attach_follows_replaced_parameters(server, tmp_path) -> None:
+    """Parameter *objects* replaced after attach are followed by module path, and each refit sends
+    the new values: a reload with ``load_state_dict(sd, assign=True)`` (every parameter a new object,
+    after an offload or a meta init), one module's ``weight = nn.Parameter(...)``, the tied embedding
+    replaced and ``lm_head`` tied to it again.  A tie broken since attach fails the refit, naming
+    ``lm_head.weight``, and the engine keeps what it held."""
+    srv, client = server
+    model = make("Qwen2ForCausalLM", **QWEN2_TIED)
+    agent = refit_hf.attach(model, srv.address, group="replaced")
+    engines = {"vllm:tp2": Engines(srv.address, agent.spec, "vllm:tp2", group="replaced-engine")}
+    try:
+        plan = client.create_plan("replaced", "replaced-engine")["plan_id"]
+        refit_and_check(client, model, agent, engines, [plan], 1, tmp_path)
+        reloaded = make("Qwen2ForCausalLM", seed=1, **QWEN2_TIED).state_dict()
+        model.load_state_dict(reloaded, assign=True)
+        refit_and_check(client, model, agent, engines, [plan], 2, tmp_path)
+        norm = model.model.norm.weight
+        model.model.norm.weight = torch.nn.Parameter(torch.randn_like(norm))
+        embed = torch.nn.Parameter(torch.randn_like(model.model.embed_tokens.weight))
+        model.model.embed_tokens.weight = embed
+        model.lm_head.weight = embed
+        refit_and_check(client, model, agent, engines, [plan], 3, tmp_path)
+        assert client.check(plan).ok
+        model.lm_head.weight = torch.nn.Parameter(torch.randn_like(embed))  # untied: half of it would be left behind
+        result = client.refit(plan, version=4, timeout=60, check=False)
+        assert not result.ok and "'lm_head.weight' is no longer 'model.embed_tokens.weight'" in result.error, result
+        model.lm_head.weight = embed
+        bad = engines["vllm:tp2"].mismatches(expected_engine_tensors(agent.spec, "vllm:tp2", str(tmp_path / "v3")))
+        assert not bad, bad[:5]
+    finally:
+        agent.stop()
+        engines["vllm:tp2"].close()
+
+
+def test_an_emptied_expert_parameter_fails_the_refit_naming_it(server) -> None:
+    """A fused expert parameter emptied after attach (``.data`` of no rows): the refit fails naming
+    it and the expert's tensor (it was an IndexError), before any byte moves."""
+    srv, client = server
+    model = make("Qwen3MoeForCausalLM", **QWEN3_MOE)
+    agent = refit_hf.attach(model, srv.address, group="emptied")
+    engines = Engines(srv.address, agent.spec, "vllm:tp1", group="emptied-engine")
+    try:
+        plan = client.create_plan("emptied", "emptied-engine")["plan_id"]
+        experts = model.model.layers[0].mlp.experts
+        experts.gate_up_proj.data = experts.gate_up_proj.data[:0]
+        result = client.refit(plan, version=1, timeout=60, check=False)
+        assert not result.ok and "parameter 'model.layers.0.mlp.experts.gate_up_proj' no longer holds refit's " \
+            "'model.layers.0.mlp.experts.0.gate_proj.weight' (IndexError" in result.error, result.error
+    finally:
+        agent.stop()
+        engines.close()
+
+
 def with_float32_router_bias(model: torch.nn.Module) -> torch.nn.Module:
     """Random float32 ``e_score_correction_bias`` buffers, as from_pretrained keeps them
     (_keep_in_fp32_modules_strict; ``make``'s ``.to(bfloat16)`` had narrowed them)."""

@@ -123,10 +123,20 @@ def test_agents_reconnect_after_a_coordinator_restart_mid_refit() -> None:
             first = c.refit(plan, 3)
             for p in planes:
                 p.delay = 1.0
-            mid = threading.Thread(target=lambda: pytest.raises(Exception, c.refit, plan, 4), daemon=True)
+            cut: list = []  # what the caller of refit 4 got (a failure in a thread must reach the test)
+
+            def call_4() -> None:
+                try:
+                    cut.append(c.refit(plan, 4))
+                except Exception as e:  # noqa: BLE001 - the test reads it
+                    cut.append(e)
+
+            mid = threading.Thread(target=call_4, daemon=True)
             mid.start()
             assert _settle(lambda: all(p.calls[-1:] == [4] for p in planes))
         srv.stop()  # killed mid-refit: version 4 is never committed
+        mid.join(10)
+        assert len(cut) == 1 and isinstance(cut[0], Exception), cut  # failed, not committed
         for p in planes:
             p.delay = 0.0
         assert _settle(lambda: not any(a.connected for a in team))
@@ -180,14 +190,19 @@ def test_concurrent_callers_of_one_version_share_one_run() -> None:
                 t.join(10)
             assert len(out) == 3 and all(r.ok for r in out) and len({r.refit_id for r in out}) == 1
             assert [p.calls for p in planes] == [[1], [1]]  # one data-plane run per member
-            # v2 and v3 at once: both run, in order, each once.
+            # v2 and v3 at once: both run, in order, each once.  v3 is asked for once v2 runs (its
+            # members hold it in their data planes), not after a sleep that may or may not suffice.
             out.clear()
+            for p in planes:
+                p.delay = 0.3
             callers = [threading.Thread(target=lambda v=v: out.append(c.refit(plan, v))) for v in (2, 3)]
-            for t in callers:
-                t.start()
-                time.sleep(0.1)
+            callers[0].start()
+            assert _settle(lambda: all(p.calls[-1:] == [2] for p in planes))
+            callers[1].start()
             for t in callers:
                 t.join(10)
+            for p in planes:
+                p.delay = 0.0
             assert sorted(r.version for r in out) == [2, 3] and all(r.ok for r in out)
             assert [p.calls for p in planes] == [[1, 2, 3], [1, 2, 3]]
             assert _settle(lambda: (team[1].version, team[1].stale) == (3, False))

@@ -232,14 +232,18 @@ def test_an_atomic_refit_refuses_an_engine_that_writes_in_place(setups, coordina
 
 def test_refits_only_inside_update_weights(setups, coordinator) -> None:
     """A refit started by another client (not through update_weights) is refused by the engine's
-    agents before any byte moves: with bounded staging it would write into live weights mid-step."""
+    agents before any byte moves, at once (one replica: nobody else's update_weights can be about
+    to announce it): with bounded staging it would write into live weights mid-step."""
     from refit.control.client import RefitFailed
 
     _, client = coordinator
     s = setups(*CASES[0][:4])
     s.trainers.load(s.ckpts[s.model, 3 if s.holds != 3 else 2])
+    t0 = time.monotonic()
     with pytest.raises(RefitFailed, match="not inside vLLM's update_weights"):
         client.refit(s.plan_id, s.version + 1, timeout=20.0)
+    # at once: no other replica's leader could have started it (it waited out a 10 s grace)
+    assert time.monotonic() - t0 < 5.0
     # Nothing moved: every member is free at once (the trainers used to wait out the timeout in
     # the rendezvous, and the next refit behind them), and the engine is listed as it was, not stale.
     t0 = time.monotonic()
@@ -248,8 +252,41 @@ def test_refits_only_inside_update_weights(setups, coordinator) -> None:
         time.sleep(0.01)
     mine = [r for r in client.list_workers(role="engine") if r["info"]["group"] == s.engine.group]
     assert mine and all(r["version"] == s.version and not r["stale"] for r in mine), mine
-    assert s.engine.ask("weight_version") == ("ok", str(s.version))
+    assert s.engine.ask("weight_version") == ("ok", str(s.version) if s.version else "default")  # alone: none yet
     assert s.engine.generate() == s.refs[s.holds]  # untouched
+
+
+def test_a_failed_refit_reaches_the_loop_by_type_through_vllm_processes(setups, coordinator, ckpts) -> None:
+    """vLLM's default multiprocessing (``VLLM_ENABLE_V1_MULTIPROCESSING`` unset: the engine core in a
+    process of its own) turned a failed refit into a bare ``Exception("Call to collective_rpc method
+    failed ...")``.  Under `refit_errors` the loop gets `refit.RefitFailed` with the worker's message;
+    the recovery calls of docs/rl-loop-and-vllm.md (no finish_weight_update; the next step's start,
+    update, finish) land the next version, answering as a fresh engine of it."""
+    from tests.harness.vllm_rl import Engine
+
+    address, client = coordinator
+    s = setups(*CASES[0][:4])  # its trainers, and the fresh answers of its checkpoints
+    before = os.environ.get("VLLM_ENABLE_V1_MULTIPROCESSING")
+    os.environ["VLLM_ENABLE_V1_MULTIPROCESSING"] = "1"  # vLLM's default (the harness's TP=1 engines run in one)
+    try:
+        engine = Engine(s.ckpts[s.model, 1], coordinator=address, group="engine-mp")
+    finally:
+        if before is None:
+            del os.environ["VLLM_ENABLE_V1_MULTIPROCESSING"]
+        else:
+            os.environ["VLLM_ENABLE_V1_MULTIPROCESSING"] = before
+    try:
+        status, error = engine.refit("no-such-plan", 1, 20.0)
+        assert status == "error" and error.startswith("RefitFailed: refit no-such-plan version 1 failed: "
+                                                      "NOT_FOUND: unknown plan"), error
+        assert "[refit." not in error.splitlines()[0], error  # the worker's message, without the marks
+        plan = client.create_plan(s.trainers.group, "engine-mp")["plan_id"]
+        s.trainers.load(s.ckpts[s.model, 2])
+        assert engine.refit(plan, 1) == ("ok", None)
+        assert engine.generate() == s.refs[2]
+        assert engine.ask("weight_version") == ("ok", "1")
+    finally:
+        engine.close()
 
 
 def test_a_landing_that_fails_after_the_commit_reports_stale(setups, coordinator) -> None:

@@ -242,3 +242,29 @@ def test_outcome_and_wait_idle_wake_host_threads(server) -> None:
         assert time.monotonic() - t0 < 2.0 and out["result"].ok, out
         assert heard == {"outcome": Outcome(committed=True), "idle": True}
         assert engine.outcome(refit_id) == Outcome(committed=True) and not engine.outcome(refit_id).moved_nothing
+
+
+def test_a_tensor_removed_from_a_mapping_fails_the_refit_naming_it(server) -> None:
+    """An agent given its tensors as a mapping, one of them deleted afterwards: the refit fails
+    naming that tensor (it was a bare KeyError from the data plane)."""
+    import torch
+
+    from refit.layouts import resolve_layout
+
+    srv, client = server
+    spec = tiny_spec("tiny-qwen2")
+    layout = resolve_layout("megatron:tp1", spec, "src")
+    gen = torch.Generator().manual_seed(0)
+    tensors = {lt.name: torch.randn(lt.shape, generator=gen).to(getattr(torch, lt.dtype))
+               for lt in layout.local_tensors(spec, 0)}
+    trainer = TrainerAgent(srv.address, group="mapped-t", rank=0, spec=spec, layout=layout, tensors=tensors)
+    engine = EngineAgent(srv.address, group="mapped-e", rank=0, spec=spec, layout="vllm:tp1", data_plane=NoopDataPlane())
+    try:
+        trainer.start(), engine.start()
+        plan = client.create_plan("mapped-t", "mapped-e")["plan_id"]
+        gone = sorted(tensors)[0]
+        del tensors[gone]
+        result = client.refit(plan, 1, timeout=20.0, check=False)
+        assert not result.ok and f"mapped-t/0: tensor {gone!r} (1 in all) was removed" in result.error, result.error
+    finally:
+        trainer.stop(), engine.stop()

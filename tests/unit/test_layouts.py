@@ -184,11 +184,40 @@ def test_megatron_qkv_rows_interleave_query_groups():
 
 
 # vLLM's kv heads replicated when tp exceeds them, experts placed with a remainder (E mod ep != 0),
-# TP above 2 and experts split over a flattened dp x tp group are not hand-checked here: refit's
-# `vllm:` layout is compared with what vLLM 0.32's own weight loaders put into every rank, element by
-# element (TP=4 in a live engine, TP=8 and DP=2 by its loaders run per rank), and `expert_range` with
-# vLLM's `determine_expert_map` over a grid of expert counts and EP sizes, in
-# tests/integration/test_vllm_conventions.py.
+# TP above 2 and experts split over a flattened dp x tp group: refit's `vllm:` layout is compared
+# with what vLLM 0.32's own weight loaders put into every rank, element by element (TP=4 in a live
+# engine, TP=8 and DP=2 by its loaders run per rank), and `expert_range` with vLLM's
+# `determine_expert_map` over a grid of expert counts and EP sizes, in
+# tests/integration/test_vllm_conventions.py (minutes).  The kv-head replication is held here too,
+# at unit level, against what vLLM's loaders did, captured once:
+
+# Which rows of q_proj / k_proj / v_proj each rank's qkv_proj holds, in order, for the tiny dense
+# Qwen3 of tests/harness/vllm_capture/make_models.py (4 q heads, 2 kv heads, head_dim 64) at TP=4:
+# vLLM 0.32's loaders run per rank (tests/harness/vllm_capture/direct.py, `DirectJob("dense-tp4",
+# ckpt, tp=4)`), each captured row matched to the one checkpoint row equal to it.  Ranks 0 and 1
+# hold kv head 0, ranks 2 and 3 kv head 1.
+VLLM_QKV_ROWS_TP4 = {
+    0: [("q_proj", 0, 64), ("k_proj", 0, 64), ("v_proj", 0, 64)],
+    1: [("q_proj", 64, 64), ("k_proj", 0, 64), ("v_proj", 0, 64)],
+    2: [("q_proj", 128, 64), ("k_proj", 64, 64), ("v_proj", 64, 64)],
+    3: [("q_proj", 192, 64), ("k_proj", 64, 64), ("v_proj", 64, 64)],
+}
+
+
+def test_kv_heads_replicated_as_vllms_loaders_place_them() -> None:
+    from refit.spec import ModelConfig, build_spec
+
+    cfg = dict(model_type="qwen3", architectures=["Qwen3ForCausalLM"], vocab_size=1000, hidden_size=128,
+               intermediate_size=256, num_hidden_layers=2, num_attention_heads=4, num_key_value_heads=2,
+               head_dim=64, tie_word_embeddings=False, dtype="bfloat16")
+    spec = build_spec("tiny-qwen3", ModelConfig.from_hf(cfg))
+    layout = resolve_layout("vllm:tp4", spec, "dst")
+    for rank, want in VLLM_QKV_ROWS_TP4.items():
+        qkv = next(t for t in layout.local_tensors(spec, rank) if t.name == "model.layers.0.self_attn.qkv_proj.weight")
+        pieces = sorted(qkv.pieces, key=lambda p: p.local_start[1])  # in the local tensor's row order
+        got = [(p.tensor.split(".")[-2], p.start[1], p.size[1]) for p in pieces]
+        assert got == want, (rank, got)
+        assert [p.local_start[1] for p in pieces] == [0, 64, 128]  # contiguous, nothing between
 
 
 @pytest.mark.parametrize("n,ranks", [(10, 4), (3, 5), (8, 8), (7, 2), (1, 3)])

@@ -16,7 +16,7 @@ import pytest
 
 from refit.control.common import config_json
 from refit.control.coordinator import Coordinator
-from refit.control.membership import engine_view, interchangeable, layout_with
+from refit.control.membership import engine_view, interchangeable, layout_with, within_replica
 from refit.control.v1 import refit_pb2 as pb
 from refit.errors import InvalidInput
 from refit.layouts import resolve_layout
@@ -98,6 +98,70 @@ def test_replicas_leave_join_and_come_back_under_one_plan_id() -> None:
         assert coord.plans[plan_id].plan is not dp3  # dp2 again: the plan made for it before
         assert coord.plans[plan_id].plan.dst_layout == "vllm:tp1dp2"
         task.cancel()
+        await coord.close()
+
+    run(main())
+
+
+def test_a_registered_version_cannot_block_the_fleet() -> None:
+    """A replica may not claim a version its group never had (10^6, 2^53-1): refused when it
+    registers, naming it.  One that claimed a version before any plan into its group (a coordinator
+    restarted) stops counting once gone: the refits of the others go on."""
+    async def main() -> None:
+        coord, members, plan_id = await elastic(n=3)
+        task = responder(members)
+        assert (await coord.refit(plan_id, 1, 5)).status == pb.REFIT_STATUS_OK
+        for claim in (10**6, 2**53 - 1):
+            rogue = engine(coord, 3, "vllm:tp1dp4", 3000)
+            rogue.info.version = claim
+            with pytest.raises(InvalidInput, match=f"register: version {claim} is above 1, the most engine group 'e'"):
+                await rogue.register()
+        joiner = engine(coord, 3, "vllm:tp1dp4", 3001)
+        joiner.info.version = 1  # what its group holds: accepted
+        await joiner.register()
+        task.cancel()
+        task = responder(members + [joiner])
+        assert (await coord.refit(plan_id, 2, 5)).status == pb.REFIT_STATUS_OK
+        task.cancel()
+        await coord.close()
+
+        # Restarted coordinator (no plan yet): engines claim what they hold; gone, one no longer counts.
+        coord = Coordinator(drop_after=0.2)
+        members = [await Member(coord, pb.ROLE_TRAINER, "t", r, "megatron:tp2").register() for r in range(2)]
+        members += [await Member(coord, pb.ROLE_ENGINE, "e", 0, "vllm:tp1dp3", version=10**6).register()]
+        members += [await Member(coord, pb.ROLE_ENGINE, "e", r, "vllm:tp1dp3").register() for r in (1, 2)]
+        entry, _ = await coord.create_plan("t", "e", pb.PlanOptions())
+        with pytest.raises(InvalidInput, match="not above 1000000, the version e/0 holds"):
+            await coord.refit(entry.plan_id, 1, 5)
+        coord.disconnected(members[2].worker, "left")
+        await asyncio.sleep(0.25)  # past drop_after
+        task = responder(members)
+        assert (await coord.refit(entry.plan_id, 1, 5)).status == pb.REFIT_STATUS_OK
+        assert replicas(coord, entry.plan_id) == ("e/1", "e/2")
+        task.cancel()
+        await coord.close()
+
+    run(main())
+
+
+def test_replicas_that_cannot_be_refitted_are_refused_when_they_register() -> None:
+    """A replica of another layout (vllm:tp2dp3 into vllm:tp1dpN: it was left out of refits yet
+    listed connected) or of another model (every refit failed while it stayed) is refused when it
+    registers, naming the difference; a fitting one joins."""
+    async def main() -> None:
+        coord, members, plan_id = await elastic(n=3)
+        wide = engine(coord, 3, "vllm:tp2dp3", 4000)
+        with pytest.raises(InvalidInput, match=r"register: e/3 registered layout vllm:tp2dp3, e/0 vllm:tp1dp3 "
+                                                r"\(one replica: vllm:tp2, vllm:tp1\)"):
+            await wide.register()
+        other = engine(coord, 3, "vllm:tp1dp4", 4001)
+        llama = tiny_spec("tiny-llama")
+        other.info.model_name, other.info.model_digest = llama.name, llama.digest()
+        other.info.model_config_json = config_json(llama.config)
+        with pytest.raises(InvalidInput, match="register: e/0 and e/3 hold different model configs: .*vocab_size"):
+            await other.register()
+        assert {w.worker_id for w in coord.workers.values()} == {"t/0", "t/1", "e/0", "e/1", "e/2"}
+        await engine(coord, 3, "vllm:tp1dp4", 4002).register()
         await coord.close()
 
     run(main())
@@ -192,3 +256,13 @@ def test_engine_view_and_interchangeable() -> None:
     assert engine_view(rows, spec, 10.0, only={1}, now=now).members == ("e/2", "e/3")
     with pytest.raises(InvalidInput, match="rank 5 of vllm:tp2dp3 is not registered"):
         engine_view(rows, spec, 10.0, only={2}, now=now)
+
+
+def test_within_replica_tells_whether_another_replica_could_start_a_refit() -> None:
+    spec = tiny_spec("tiny-qwen2")
+    dp2 = resolve_layout("vllm:tp2dp2", spec, "dst")
+    assert within_replica(dp2, 1, "e", ("t/0", "e/0", "e/1"))  # replica 0's own refit
+    assert not within_replica(dp2, 1, "e", ("t/0", "e/0", "e/1", "e/2", "e/3"))  # replica 1's leader may start it
+    assert within_replica(dp2, 3, "e", ("t/0", "e/2", "e/3", "other/0"))
+    tp2 = resolve_layout("vllm:tp2", spec, "dst")
+    assert within_replica(tp2, 1, "e", ("t/0", "e/0", "e/1"))

@@ -41,9 +41,16 @@ def test_defaults_are_the_declared_ones_and_every_field_is_a_knob() -> None:
     ("REFIT_TABLE_COPY", "maybe", "must be one of auto, on, off"),
     ("REFIT_TABLE_BLOCKS", "lots", "PEER,LOCAL"),
     ("REFIT_TABLE_BLOCKS", "1,2,3,4", "PEER,LOCAL"),
-    ("REFIT_TABLE_BLOCKS", "0,1", "each at least 1"),
+    ("REFIT_TABLE_BLOCKS", "0,1", "each in [1, 65535]"),
     ("REFIT_BATCH_MEMCPY", "some", "must be one of off, flat, all"),
     ("REFIT_TRACE", "loud", "1 or 0"),
+    ("REFIT_TRACE", "yes", "1 or 0"),
+    ("REFIT_UVLOOP", "true", "1 or 0"),
+    ("REFIT_TABLE_BLOCKS", "99999999999999999999,1", "each in [1, 65535]"),
+    ("REFIT_TEST_KILL", "garbage", "`src2@1` or `dst2@1:stop`"),
+    ("REFIT_ADDRESS", "localhost", "HOST:PORT"),
+    ("REFIT_ADDRESS", "host:99999", "HOST:PORT"),
+    ("REFIT_ADDRESS", "a b:50051", "HOST:PORT"),
     ("REFIT_START_METHOD", "thread", "forkserver"),
 ])
 def test_a_bad_value_is_refused_naming_the_knob(name: str, value: str, message: str) -> None:
@@ -73,6 +80,13 @@ def test_a_retired_knob_is_named_in_a_warning(caplog: pytest.LogCaptureFixture) 
     with caplog.at_level(logging.WARNING, "refit.settings"):
         settings.Settings.from_env({"REFIT_PULL_ORDER": "all"})
     assert "REFIT_PULL_ORDER is no longer read" in caplog.text
+
+
+def test_an_unknown_refit_variable_is_named_in_a_warning(caplog: pytest.LogCaptureFixture) -> None:
+    with caplog.at_level(logging.WARNING, "refit.settings"):
+        s = settings.Settings.from_env({"REFIT_TOKN": "s3cret", "REFIT_VLLM_FULL": "1", "REFIT_ADDRESS": "[::1]:5"})
+    assert "REFIT_TOKN is not a refit setting and is ignored; did you mean REFIT_TOKEN?" in caplog.text
+    assert "REFIT_VLLM_FULL" not in caplog.text and s.address == "[::1]:5"  # a test's own variable; an IPv6 host
 
 
 def test_run_values_replace_ours_and_a_difference_is_logged(caplog: pytest.LogCaptureFixture) -> None:

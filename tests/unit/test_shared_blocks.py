@@ -6,7 +6,8 @@ whole bfloat16 tensor gives, values and scales, every element compared.
 * the layout: what a cutting trainer rank holds and derives, who sends which scale; the engine
   refusal and MXFP8's;
 * property: random models and trainer layouts that cut blocks (FSDP2 torch.chunk rows, HSDP,
-  Megatron with 64-row heads), planned and executed in process (the all-reduce simulated);
+  Megatron with 64-row heads), planned and executed in process, each trainer rank's quantizer on a
+  thread of its own running `share` (the members' code) with a real gloo MAX all-reduce;
 * the real executor: `Member`s in threads over gloo, the all-reduce on the control group, two
   refits with the weights changed between.
 """
@@ -14,7 +15,9 @@ whole bfloat16 tensor gives, values and scales, every element compared.
 from __future__ import annotations
 
 import dataclasses
+import datetime
 import uuid
+from typing import Callable
 
 import pytest
 import torch
@@ -25,7 +28,7 @@ from hypothesis import strategies as st
 from refit.errors import InvalidInput
 from refit.executor.member import Budget, Member
 from refit.executor.seating import connect
-from refit.executor.shared_blocks import SharedQuantizer, allocate_derived
+from refit.executor.shared_blocks import SharedQuantizer, allocate_derived, share
 from refit.executor.topology import Topology
 from refit.executor.values import TORCH_DTYPES
 from refit.hf_checkpoint import load_spec
@@ -107,10 +110,21 @@ def cutting_cases(draw):
         draw(st.sampled_from([1 << 26, 1 << 14]))  # the quantizer's chunks: all at once, or a slice each
 
 
+def all_reduce_max(store: dist.Store, rank: int, size: int) -> Callable[[torch.Tensor], None]:
+    """A MAX all-reduce in place over ``size`` ranks (threads of this process) on a gloo group of
+    its own, as `Member` runs it on its control group.  Made on the rank's own thread (its
+    rendezvous waits for the others)."""
+    group = dist.ProcessGroupGloo(store, rank, size, datetime.timedelta(seconds=30))
+    opts = dist.AllreduceOptions()
+    opts.reduceOp = dist.ReduceOp.MAX
+    return lambda t: group.allreduce([t], opts).wait()
+
+
 @settings(max_examples=15, deadline=None, suppress_health_check=[HealthCheck.too_slow])
 @given(cutting_cases())
 def test_trainer_layouts_that_cut_blocks_refit_exactly_vllms_quantization(case) -> None:
     q, src_text, dst_text, planner, seed, chunk = case
+    store = dist.HashStore()  # this example's own: the ranks' groups meet in it
     r = make_plan(q, src_text, dst_text, "disaggregated", planner, 1 << 16)
     src, dst = r.src, r.dst
     canon = weights(q, seed)
@@ -119,11 +133,9 @@ def test_trainer_layouts_that_cut_blocks_refit_exactly_vllms_quantization(case) 
         sent[s].update(allocate_derived(q, src, s, torch.device("cpu")))
     table = shared_scale_table(q, src)
     quantizers = [SharedQuantizer(q, src, {s: sent[s]}, table, chunk) for s in range(src.world_size)]
-    amax = torch.zeros(quantizers[0].size)
-    for sq in quantizers:  # the all-reduce (MAX) the members run on their control group
-        amax = torch.maximum(amax, sq.partial_amax(torch.device("cpu")))
-    for sq in quantizers:
-        sq.quantize(amax)
+    done = together([lambda s=s: share(quantizers[s], torch.device("cpu"), all_reduce_max(store, s, len(quantizers)))
+                     for s in range(len(quantizers))], timeout=60.0)
+    assert done == [None] * len(quantizers), done
     assert not mismatches(q, dst, land(q, r.plan, src, dst, sent), expected(q, canon))
 
 

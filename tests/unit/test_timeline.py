@@ -5,9 +5,13 @@ median offset from the call."""
 from __future__ import annotations
 
 import importlib.util
+import logging
 import os
 
+import pytest
+
 from refit import settings
+from refit.errors import InvalidInput
 from refit.timeline import mark
 
 ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
@@ -35,6 +39,23 @@ def test_marks_are_written_only_when_asked(tmp_path) -> None:
     stamps = [int(line.split(" ", 1)[0]) for line in lines]
     assert [line.split(" ", 1)[1] for line in lines] == ["coordinator: Refit received", "engine: result sent"]
     assert stamps == sorted(stamps)
+
+
+def test_a_trace_that_cannot_be_written_is_refused_at_start_and_never_fails_a_refit(tmp_path, caplog) -> None:
+    """Refused when the settings are read (`refit settings`, `refit serve` exit 2 naming it); a file
+    that becomes unwritable later turns tracing off in that process, with one warning, and the
+    step it traced goes on (it killed an agent's loop, or failed every coordinator Refit)."""
+    for bad in (str(tmp_path / "no-such-folder" / "steps"), str(tmp_path) + os.sep):
+        with pytest.raises(InvalidInput, match="REFIT_CONTROL_TRACE=.*a path prefix in a folder this process may"):
+            settings.Settings.from_env({"REFIT_CONTROL_TRACE": bad})
+    assert settings.Settings.from_env({"REFIT_CONTROL_TRACE": str(tmp_path / "steps")}).control_trace
+    (tmp_path / "taken").mkdir()
+    (tmp_path / "taken" / f"steps.{os.getpid()}").mkdir()  # the trace file's name is a folder: open fails
+    with settings.using(control_trace=str(tmp_path / "taken" / "steps")), \
+            caplog.at_level(logging.WARNING, "refit.timeline"):
+        mark("coordinator: Refit received")
+        mark("engine: result sent")
+    assert caplog.text.count("control tracing is off in this process") == 1
 
 
 def test_the_probe_merges_processes_into_one_timeline_per_refit(tmp_path) -> None:

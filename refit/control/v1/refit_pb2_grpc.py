@@ -94,9 +94,11 @@ class CoordinatorServicer(object):
         coordinator answers `registered` (or ends the stream with INVALID_ARGUMENT), then sends
         `run` commands and refit outcomes; the worker answers each `run` with one `result`.
         Registering a (group, rank) whose worker is still connected is refused (ALREADY_EXISTS)
-        unless it comes from the same process (same host and pid: an agent reconnecting over a
-        stream the coordinator has not yet seen die), which replaces it; the old stream ends with
-        ABORTED.  Once the old stream has ended, anyone may register the slot (a restarted worker).
+        unless it comes from the same process, which replaces it (an agent reconnecting over a
+        stream the coordinator has not yet seen die; the old stream ends with ABORTED).  The process
+        proves it with the random key its Connect calls carry in metadata `refit-process-key`
+        (never shown; host and pid are public).  Once the old stream has ended, anyone may register
+        the slot (a restarted worker).
         A worker whose stream ends is disconnected: a refit it takes part in fails, naming it; rows
         of disconnected workers are kept for ListWorkers, the oldest pruned beyond 256.  A worker
         answers one `run` at a time: a `run` that arrives while it still ends an abandoned share waits

@@ -49,9 +49,10 @@ from vllm.distributed.weight_transfer.base import (
 
 from refit.control.agent import EngineAgent
 from refit.control.agent_state import Holding
+from refit.control.membership import within_replica
 from refit.errors import InvalidInput, RefitFailed
 from refit.integrations.vllm.config import WorkerIdentity, identify
-from refit.integrations.vllm import compat, sleep
+from refit.integrations.vllm import compat, failures, sleep
 from refit.integrations.vllm.landing import Landing, check_options
 from refit.integrations.vllm.lora_slot import AdapterLanding, adapter_of
 
@@ -110,6 +111,12 @@ class VllmEngineAgent(EngineAgent):
 
     def _switch(self, staged: Any, live: Any) -> None:
         pass
+
+    def expect_grace(self, run: Any) -> float:
+        # only another replica's leader may start a refit before this worker announces it
+        members = self._members.get(run.rendezvous.prefix, ())
+        alone = members and within_replica(self.layout, self.rank, self.group, members)
+        return 0.0 if alone else self.EXPECT_GRACE
 
     def refusal(self, plan_id: str, version: int) -> str:
         return (f"{self.worker_id} is not inside vLLM's update_weights for plan {plan_id} version {version}; "
@@ -254,10 +261,11 @@ class RefitWeightTransferEngine(WeightTransferEngine[RefitInitInfo, RefitUpdateI
         from refit.integrations.vllm import draft as drafts
 
         engine = drafts.session_engine(self)  # vLLM retargets a draft session at the drafter
-        info = engine.parse_update_info(update_info)
-        engine.receive_weights(info)
-        if engine is self:
-            drafts.after_target(self, int(info.version))
+        with failures.carried():  # the loop tells refit's errors by type across vLLM's processes
+            info = engine.parse_update_info(update_info)
+            engine.receive_weights(info)
+            if engine is self:
+                drafts.after_target(self, int(info.version))
         if self.device.type == "cuda":  # copies and re-processing are queued on the stream
             torch.cuda.synchronize(self.device)
 
