@@ -6,12 +6,20 @@ weights of an HF checkpoint in any source layout, and vLLM engines (offline `LLM
 * `Engine`: a spawned process running ``vllm.LLM(..., weight_transfer_config={"backend":
   "refit"})`` (the plugin found through its entry point), driven through a pipe: generate greedy
   tokens and their logprobs for fixed prompt token ids, run the RL-loop refit calls, report state.
-  Without ``coordinator`` it is a plain engine: the fresh-engine reference.
+  Without ``coordinator`` it is a plain engine.
+* `fresh_outputs`: what fresh engines (no refit backend) answer, the tests' reference; computed
+  once per run for each (checkpoint content, vLLM version, engine settings, prompts) and then
+  served from memory (`_REFERENCES`), never stored on disk.
+
+Every engine process writes its output to a log file of its own (tests/harness/procs.py's
+`spawn_logged`); a process that dies fails the waiting test at once, quoting that log's last lines,
+and a test that starts an engine must carry the ``vllm`` marker (tests/harness/marks.py).
 """
 
 from __future__ import annotations
 
 import contextlib
+import copy
 import functools
 import logging
 import multiprocessing as mp
@@ -23,7 +31,9 @@ from typing import Any, Iterator
 
 import torch
 
-from tests.harness.procs import AfterFirstPhase, PipedProcess
+from tests.harness.marks import require_vllm_mark
+from tests.harness.procs import AfterFirstPhase, PipedProcess, recv_answer, spawn_logged
+from tests.harness.run_cache import checkpoint_digest, vllm_environment, vllm_version
 
 CTX = mp.get_context("spawn")
 
@@ -140,8 +150,8 @@ class Trainers:
         self.entered = [CTX.Event() for _ in range(n)]
         for r in range(n):
             self._spawn(r)
-        for c in self.conns:
-            assert c.poll(120) and c.recv()[0] == "ready"
+        for r, c in enumerate(self.conns):
+            assert recv_answer(c, self.procs[r], 120, f"trainer {r} starting")[0] == "ready"
 
     def _spawn(self, rank: int) -> None:
         parent, child = CTX.Pipe()
@@ -153,12 +163,11 @@ class Trainers:
     def respawn(self, rank: int) -> None:
         """A new process for ``rank`` (holding the weights it was created with)."""
         self._spawn(rank)
-        assert self.conns[rank].poll(120) and self.conns[rank].recv()[0] == "ready"
+        assert recv_answer(self.conns[rank], self.procs[rank], 120, f"trainer {rank} starting")[0] == "ready"
 
     def ask(self, rank: int, cmd: str, arg: Any = None, timeout: float = 60.0) -> Any:
         self.conns[rank].send((cmd, arg))
-        assert self.conns[rank].poll(timeout), f"trainer {rank}: no answer to {cmd}"
-        return self.conns[rank].recv()
+        return recv_answer(self.conns[rank], self.procs[rank], timeout, f"trainer {rank}: {cmd}")
 
     def load(self, model_dir: str) -> None:
         for r in range(len(self.conns)):
@@ -403,19 +412,18 @@ class EngineProcess(PipedProcess):
     engine is up, then ``(status, value)`` to each command (`ask`)."""
 
     stop_timeout, join_timeout = 60.0, 30.0  # an engine shuts vLLM down first
+    log: str | None = None  # the process's output (and its vLLM workers')
 
     def _spawn(self, main: Any, *args: Any) -> None:
+        require_vllm_mark()
         self.conn, child = CTX.Pipe()
-        self.proc = CTX.Process(target=main, args=(child, *args))
-        self.proc.start()
-        assert self.conn.poll(600), "engine did not start"
-        status, value = self.conn.recv()
+        self.proc, self.log = spawn_logged(CTX, main, (child, *args), "engine")
+        status, value = recv_answer(self.conn, self.proc, 600, "engine starting", self.log)
         assert status == "ready", value
 
     def ask(self, cmd: str, arg: Any = None, timeout: float = 300.0) -> tuple[str, Any]:
         self.conn.send((cmd, arg))
-        assert self.conn.poll(timeout), f"engine: no answer to {cmd}"
-        return self.conn.recv()
+        return recv_answer(self.conn, self.proc, timeout, f"engine: {cmd}", self.log)
 
 
 class Engine(EngineProcess):
@@ -441,26 +449,52 @@ class Engine(EngineProcess):
 
 
 
+def engine_settings_key(tp: int, ep: bool, llm_kwargs: dict[str, Any] | None) -> tuple[Any, ...]:
+    """Everything besides the checkpoint that a fresh engine's answers depend on: vLLM's version,
+    the engine's settings (`make_llm`'s, over ``llm_kwargs``), the process environment it starts
+    with (`cpu_env` and every ``VLLM_*`` variable) and the prompts."""
+    return (vllm_version(), tp, ep, repr(sorted((llm_kwargs or {}).items())), vllm_environment(cpu_env(tp)),
+            tuple(tuple(p) for p in PROMPTS), MAX_TOKENS)
+
+
+# One run's fresh-engine answers: (checkpoint digest, probe suffixes, engine settings) -> what
+# `_references_main` sent for that checkpoint.  In memory only: never a golden file.
+_REFERENCES: dict[tuple[Any, ...], Any] = {}
+REFERENCE_STATS = {"computed": 0, "reused": 0}
+
+
 def fresh_outputs(model_dirs: list[str], tp: int = 1, ep: bool = False, probe: tuple[str, ...] = (),
                   llm_kwargs: dict[str, Any] | None = None) -> list[Any]:
     """What fresh engines started from each of ``model_dirs`` answer (one after the other, in
     one spawned process); with ``probe``, (answers, the probed tensors) per engine.  ``llm_kwargs``:
-    more `LLM` keyword arguments, as for `Engine`."""
-    conn, child = CTX.Pipe()
-    proc = CTX.Process(target=_references_main, args=(child, model_dirs, tp, ep, tuple(probe), llm_kwargs))
-    proc.start()
-    try:
-        deadline = time.monotonic() + 900
-        while not conn.poll(5):  # a process that died sends nothing: say so at once
-            assert proc.is_alive(), f"the reference engines' process died (exit code {proc.exitcode})"
-            assert time.monotonic() < deadline, "reference engines did not answer"
-        status, value = conn.recv()
-        assert status == "ok", value
-        return [(v[0], unprobe(v[1])) for v in value] if probe else value
-    finally:
-        proc.join(60)
-        if proc.is_alive():
-            proc.kill()
+    more `LLM` keyword arguments, as for `Engine`.
+
+    Each answer is computed once per run: a checkpoint whose content, engine settings and probe
+    match one answered before (in this test or another) is served from `_REFERENCES` (a copy),
+    and only the others start engines."""
+    settings = engine_settings_key(tp, ep, llm_kwargs)
+    keys = [(checkpoint_digest(d), tuple(probe), settings) for d in model_dirs]
+    todo: dict[tuple[Any, ...], str] = {}
+    for k, d in zip(keys, model_dirs):
+        if k not in _REFERENCES and k not in todo:
+            todo[k] = d
+    REFERENCE_STATS["computed"] += len(todo)
+    REFERENCE_STATS["reused"] += len(keys) - len(todo)
+    if todo:
+        require_vllm_mark()
+        conn, child = CTX.Pipe()
+        proc, log = spawn_logged(CTX, _references_main, (child, list(todo.values()), tp, ep, tuple(probe), llm_kwargs),
+                                 "reference")
+        try:
+            status, value = recv_answer(conn, proc, 900, "reference engines", log)
+            assert status == "ok", value
+        finally:
+            proc.join(60)
+            if proc.is_alive():
+                proc.kill()
+        _REFERENCES.update(zip(todo, value))
+    value = [copy.deepcopy(_REFERENCES[k]) for k in keys]
+    return [(v[0], unprobe(v[1])) for v in value] if probe else value
 
 
 def differs(a: list, b: list) -> str:

@@ -262,12 +262,28 @@ def capture_vllm_loaded_params(
     engine log is kept in ``{out_dir}/capture.log``.
     Raises ``RuntimeError`` (with the subprocess log tail) on failure/timeout.
     """
+    from tests.harness.marks import require_vllm_mark
+    from tests.harness.run_cache import checkpoint_digest, vllm_environment, vllm_version
+
     out_dir = os.path.abspath(out_dir)
     os.makedirs(out_dir, exist_ok=True)
     # Remove stale capture files of an earlier run (only our own file names).
     for f in os.listdir(out_dir):
         if f.endswith((".safetensors", ".safetensors.tmp")) and "rank-" in f:
             os.remove(os.path.join(out_dir, f))
+    # One engine per (checkpoint content, tp, ep, vLLM, environment) in a test run: a capture made
+    # before (by this test module or another) is copied into out_dir.
+    key = (checkpoint_digest(model_dir), tensor_parallel_size, enable_expert_parallel, vllm_version(),
+           vllm_environment(_cpu_env(tensor_parallel_size)))
+    earlier = _CAPTURES.get(key)
+    if earlier and all(os.path.exists(f) for f in earlier):
+        import shutil
+
+        CAPTURE_STATS["reused"] += 1
+        shutil.copy(os.path.join(os.path.dirname(earlier[0]), "capture.log"), os.path.join(out_dir, "capture.log"))
+        return [shutil.copy(f, os.path.join(out_dir, os.path.basename(f))) for f in earlier]
+    require_vllm_mark("captures what a vLLM engine loads")
+    CAPTURE_STATS["computed"] += 1
     env = dict(os.environ)
     env.update(_cpu_env(tensor_parallel_size))
     env.pop(ENV_OUT_DIR, None)  # the subprocess sets it itself
@@ -305,7 +321,14 @@ def capture_vllm_loaded_params(
     )
     if len(files) != tensor_parallel_size:
         raise RuntimeError(f"expected {tensor_parallel_size} rank files in {out_dir}, got {files}\n{tail}")
+    _CAPTURES[key] = files
     return files
+
+
+# This run's engine captures (`capture_vllm_loaded_params`): key -> rank files (in a test's tmp_path,
+# which pytest keeps for the run).
+_CAPTURES: dict[tuple, list[str]] = {}
+CAPTURE_STATS = {"computed": 0, "reused": 0}
 
 
 def read_capture_meta(path: str) -> dict:
