@@ -44,8 +44,10 @@ def vllm_version() -> str:
     return "vllm==?"
 
 
-def vllm_environment(extra: dict[str, str]) -> tuple[tuple[str, str], ...]:
-    """The ``VLLM_*`` variables a spawned vLLM process sees: this process's, then ``extra``."""
-    env = {k: v for k, v in os.environ.items() if k.startswith("VLLM_")}
+def vllm_environment(extra: dict[str, str], defaults: dict[str, str] | None = None) -> tuple[tuple[str, str], ...]:
+    """The ``VLLM_*`` variables a spawned vLLM process sees: ``defaults`` (it sets them unless
+    they are set), then this process's, then ``extra`` (it sets them over this process's)."""
+    env = dict(defaults or {})
+    env.update({k: v for k, v in os.environ.items() if k.startswith("VLLM_")})
     env.update(extra)
     return tuple(sorted(env.items()))

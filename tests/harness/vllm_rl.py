@@ -25,6 +25,7 @@ import logging
 import multiprocessing as mp
 import os
 import signal
+import threading
 import time
 import traceback
 from typing import Any, Iterator
@@ -270,13 +271,24 @@ def is_mla_checkpoint(model_dir: str) -> bool:
         return "kv_lora_rank" in json.load(f)
 
 
+def engine_env(tp: int) -> dict[str, str]:
+    """The environment an engine process of this harness runs with (`_setup_process`): `cpu_env`,
+    then, unless the caller's environment sets them:
+
+    * ``VLLM_ENABLE_V1_MULTIPROCESSING=0``: the engine core in the engine's own process (TP=1:
+      the worker too), not a process of its own.  It saves an interpreter start of vLLM per
+      engine (a TP=2 engine came up in 28 s instead of 55 s on the loaded 2-core machine, its
+      answers equal); the workers of TP>1 are processes either way, and they compute.
+    * ``VLLM_ALLOW_INSECURE_SERIALIZATION=1``: `probe` / `unshare` send a function to the workers
+      (apply_model), which vLLM's msgpack encoder refuses across processes without pickle."""
+    env = {"VLLM_ENABLE_V1_MULTIPROCESSING": "0", "VLLM_ALLOW_INSECURE_SERIALIZATION": "1"}
+    env.update({k: os.environ[k] for k in env if k in os.environ})
+    env.update(cpu_env(tp))
+    return env
+
+
 def _setup_process(tp: int) -> None:
-    os.environ.update(cpu_env(tp))
-    # TP=1: engine core and worker in this process (saves two interpreter starts of vLLM)
-    os.environ.setdefault("VLLM_ENABLE_V1_MULTIPROCESSING", "0" if tp == 1 else "1")
-    # `probe` / `unshare` send a function to the workers (apply_model), which the engine core's
-    # msgpack encoder refuses across processes without pickle
-    os.environ.setdefault("VLLM_ALLOW_INSECURE_SERIALIZATION", "1")
+    os.environ.update(engine_env(tp))
     logging.basicConfig(level=logging.INFO)
 
 
@@ -397,14 +409,15 @@ def _references_main(conn: Any, model_dirs: list[str], tp: int, ep: bool, suffix
     _setup_process(tp)
     out: list[Any] = []
     try:
-        for d in model_dirs:
+        for i, d in enumerate(model_dirs):
             llm = make_llm(d, tp, ep, False, llm_kwargs)
             out.append((generate(llm), probe(llm, suffixes)) if suffixes else generate(llm))
+            if i == len(model_dirs) - 1:
+                conn.send(("ok", out))  # the answers before the last shutdown: the test goes on meanwhile
             _shutdown(llm)
     except Exception as e:  # noqa: BLE001 - the test reads it (rather than waiting out its timeout)
-        conn.send(("error", f"{type(e).__name__}: {e}\n{traceback.format_exc()[-2000:]}"))
-        return
-    conn.send(("ok", out))
+        if len(out) < len(model_dirs):
+            conn.send(("error", f"{type(e).__name__}: {e}\n{traceback.format_exc()[-2000:]}"))
 
 
 class EngineProcess(PipedProcess):
@@ -453,7 +466,7 @@ def engine_settings_key(tp: int, ep: bool, llm_kwargs: dict[str, Any] | None) ->
     """Everything besides the checkpoint that a fresh engine's answers depend on: vLLM's version,
     the engine's settings (`make_llm`'s, over ``llm_kwargs``), the process environment it starts
     with (`cpu_env` and every ``VLLM_*`` variable) and the prompts."""
-    return (vllm_version(), tp, ep, repr(sorted((llm_kwargs or {}).items())), vllm_environment(cpu_env(tp)),
+    return (vllm_version(), tp, ep, repr(sorted((llm_kwargs or {}).items())), vllm_environment(engine_env(tp)),
             tuple(tuple(p) for p in PROMPTS), MAX_TOKENS)
 
 
@@ -461,6 +474,13 @@ def engine_settings_key(tp: int, ep: bool, llm_kwargs: dict[str, Any] | None) ->
 # `_references_main` sent for that checkpoint.  In memory only: never a golden file.
 _REFERENCES: dict[tuple[Any, ...], Any] = {}
 REFERENCE_STATS = {"computed": 0, "reused": 0}
+
+
+def _reap(proc: Any, timeout: float = 60.0) -> None:
+    proc.join(timeout)
+    if proc.is_alive():
+        proc.kill()
+        proc.join(10)
 
 
 def fresh_outputs(model_dirs: list[str], tp: int = 1, ep: bool = False, probe: tuple[str, ...] = (),
@@ -489,9 +509,8 @@ def fresh_outputs(model_dirs: list[str], tp: int = 1, ep: bool = False, probe: t
             status, value = recv_answer(conn, proc, 900, "reference engines", log)
             assert status == "ok", value
         finally:
-            proc.join(60)
-            if proc.is_alive():
-                proc.kill()
+            # it shuts its last engine down after answering: reaped in the background
+            threading.Thread(target=_reap, args=(proc,), daemon=True).start()
         _REFERENCES.update(zip(todo, value))
     value = [copy.deepcopy(_REFERENCES[k]) for k in keys]
     return [(v[0], unprobe(v[1])) for v in value] if probe else value

@@ -192,7 +192,9 @@ def _engine_main(model_dir: str, out_dir: str, tp: int, ep: bool) -> list[str]:
     os.environ[ENV_OUT_DIR] = os.path.abspath(out_dir)
     for k, v in _cpu_env(tp).items():
         os.environ.setdefault(k, v)
-    os.environ.setdefault("VLLM_ENABLE_V1_MULTIPROCESSING", "1")
+    # the engine core in this process (tp>1: the workers are processes either way, and the capture
+    # patch runs in them): one interpreter start of vLLM less per capture
+    os.environ.setdefault("VLLM_ENABLE_V1_MULTIPROCESSING", "0")
     os.makedirs(out_dir, exist_ok=True)
 
     import gc
@@ -274,7 +276,7 @@ def capture_vllm_loaded_params(
     # One engine per (checkpoint content, tp, ep, vLLM, environment) in a test run: a capture made
     # before (by this test module or another) is copied into out_dir.
     key = (checkpoint_digest(model_dir), tensor_parallel_size, enable_expert_parallel, vllm_version(),
-           vllm_environment(_cpu_env(tensor_parallel_size)))
+           vllm_environment(_cpu_env(tensor_parallel_size), {"VLLM_ENABLE_V1_MULTIPROCESSING": "0"}))
     earlier = _CAPTURES.get(key)
     if earlier and all(os.path.exists(f) for f in earlier):
         import shutil
