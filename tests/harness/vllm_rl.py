@@ -18,6 +18,7 @@ and a test that starts an engine must carry the ``vllm`` marker (tests/harness/m
 
 from __future__ import annotations
 
+import atexit
 import contextlib
 import copy
 import functools
@@ -483,6 +484,80 @@ def _reap(proc: Any, timeout: float = 60.0) -> None:
         proc.join(10)
 
 
+class _Computing:
+    """One reference process under way: its answers, once received, go into `_REFERENCES`."""
+
+    def __init__(self, todo: dict[tuple[Any, ...], str], tp: int, ep: bool, probe: tuple[str, ...],
+                 llm_kwargs: dict[str, Any] | None) -> None:
+        self.keys = list(todo)
+        self.conn, child = CTX.Pipe()
+        self.proc, self.log = spawn_logged(CTX, _references_main,
+                                           (child, list(todo.values()), tp, ep, probe, llm_kwargs), "reference")
+        self.done = False
+
+    def wait(self) -> None:
+        if self.done:
+            return
+        try:
+            status, value = recv_answer(self.conn, self.proc, 900, "reference engines", self.log)
+            assert status == "ok", value
+            _REFERENCES.update(zip(self.keys, value))
+        finally:
+            self.done = True
+            for k in self.keys:
+                _COMPUTING.pop(k, None)
+            # it shuts its last engine down after answering: reaped in the background
+            threading.Thread(target=_reap, args=(self.proc,), daemon=True).start()
+
+
+_COMPUTING: dict[tuple[Any, ...], _Computing] = {}
+
+
+@atexit.register
+def _abandon() -> None:
+    """Reference processes nobody waited for (their test failed first): killed, not joined (one
+    blocked writing its answer into the pipe would hold up the interpreter's exit)."""
+    for c in set(_COMPUTING.values()):
+        if c.proc.is_alive():
+            c.proc.kill()
+
+
+class References:
+    """Fresh-engine answers requested now (`fresh_outputs_async`): the engines start at once in
+    their own process; ``result()`` waits for them.  A test starts these before its own engine
+    so that both start-ups overlap (each is about one core's work at TP=1)."""
+
+    def __init__(self, keys: list[tuple[Any, ...]], probe: bool) -> None:
+        self.keys, self.probe = keys, probe
+
+    def result(self) -> list[Any]:
+        for k in self.keys:
+            if k in _COMPUTING:
+                _COMPUTING[k].wait()
+        missing = sum(k not in _REFERENCES for k in self.keys)
+        assert not missing, f"{missing} reference answer(s) failed earlier in this run (see that test's error)"
+        value = [copy.deepcopy(_REFERENCES[k]) for k in self.keys]
+        return [(v[0], unprobe(v[1])) for v in value] if self.probe else value
+
+
+def fresh_outputs_async(model_dirs: list[str], tp: int = 1, ep: bool = False, probe: tuple[str, ...] = (),
+                        llm_kwargs: dict[str, Any] | None = None) -> References:
+    """`fresh_outputs`, started now and read later (``.result()``)."""
+    settings = engine_settings_key(tp, ep, llm_kwargs)
+    keys = [(checkpoint_digest(d), tuple(probe), settings) for d in model_dirs]
+    todo: dict[tuple[Any, ...], str] = {}
+    for k, d in zip(keys, model_dirs):
+        if k not in _REFERENCES and k not in _COMPUTING and k not in todo:
+            todo[k] = d
+    REFERENCE_STATS["computed"] += len(todo)
+    REFERENCE_STATS["reused"] += len(keys) - len(todo)
+    if todo:
+        require_vllm_mark()
+        computing = _Computing(todo, tp, ep, tuple(probe), llm_kwargs)
+        _COMPUTING.update((k, computing) for k in todo)
+    return References(keys, bool(probe))
+
+
 def fresh_outputs(model_dirs: list[str], tp: int = 1, ep: bool = False, probe: tuple[str, ...] = (),
                   llm_kwargs: dict[str, Any] | None = None) -> list[Any]:
     """What fresh engines started from each of ``model_dirs`` answer (one after the other, in
@@ -492,28 +567,7 @@ def fresh_outputs(model_dirs: list[str], tp: int = 1, ep: bool = False, probe: t
     Each answer is computed once per run: a checkpoint whose content, engine settings and probe
     match one answered before (in this test or another) is served from `_REFERENCES` (a copy),
     and only the others start engines."""
-    settings = engine_settings_key(tp, ep, llm_kwargs)
-    keys = [(checkpoint_digest(d), tuple(probe), settings) for d in model_dirs]
-    todo: dict[tuple[Any, ...], str] = {}
-    for k, d in zip(keys, model_dirs):
-        if k not in _REFERENCES and k not in todo:
-            todo[k] = d
-    REFERENCE_STATS["computed"] += len(todo)
-    REFERENCE_STATS["reused"] += len(keys) - len(todo)
-    if todo:
-        require_vllm_mark()
-        conn, child = CTX.Pipe()
-        proc, log = spawn_logged(CTX, _references_main, (child, list(todo.values()), tp, ep, tuple(probe), llm_kwargs),
-                                 "reference")
-        try:
-            status, value = recv_answer(conn, proc, 900, "reference engines", log)
-            assert status == "ok", value
-        finally:
-            # it shuts its last engine down after answering: reaped in the background
-            threading.Thread(target=_reap, args=(proc,), daemon=True).start()
-        _REFERENCES.update(zip(todo, value))
-    value = [copy.deepcopy(_REFERENCES[k]) for k in keys]
-    return [(v[0], unprobe(v[1])) for v in value] if probe else value
+    return fresh_outputs_async(model_dirs, tp, ep, probe, llm_kwargs).result()
 
 
 def differs(a: list, b: list) -> str:
