@@ -9,7 +9,7 @@ FULL     = $(VENV)/.full-$(KEY)
 BENCH_ARGS ?= --model qwen3-30b-moe --src tp4ep8 --dst tp8
 EXAMPLE_ARGS ?=
 
-.PHONY: bench test test-gpu env plan-speed example
+.PHONY: bench test test-fast test-gpu env plan-speed example
 
 $(BASE):
 	$(PY) -m venv $(VENV)
@@ -39,6 +39,12 @@ plan-speed: $(BASE)
 
 test: $(FULL)
 	$(BIN)/python -m pytest -q $(PYTEST_ARGS)
+
+# The quick local loop: everything but the tests that start vLLM engines or run vLLM's loaders
+# (marker `vllm`; a test doing so without the marker fails, tests/harness/marks.py).  `make test`
+# before a submission.
+test-fast: $(FULL)
+	$(BIN)/python -m pytest -q -m "not vllm" $(PYTEST_ARGS)
 
 # On a GPU machine, with its own CUDA build of torch (not the CPU venv): the executor on CUDA
 # (tests/gpu). Needs refit's runtime dependencies importable (pip install -e . there).

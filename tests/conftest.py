@@ -83,6 +83,19 @@ def pytest_sessionstart(session: pytest.Session) -> None:
         )
 
 
+@pytest.hookimpl(hookwrapper=True)
+def pytest_runtest_protocol(item: pytest.Item, nextitem: pytest.Item | None) -> Iterator[None]:
+    """Record the running test for the harness (tests/harness/marks.py): a test that starts a vLLM
+    engine without the ``vllm`` marker fails at that start."""
+    from tests.harness import marks
+
+    marks.set_item(item)
+    try:
+        yield
+    finally:
+        marks.set_item(None)
+
+
 # ------------------------------------------------------------------------------------------------
 # Shared fixtures: a coordinator on loopback (tests/harness/loopback.py).  Imported inside the
 # fixtures, so that the dependency check above runs before anything of refit.control is imported.

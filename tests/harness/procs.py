@@ -1,13 +1,17 @@
 """Small helpers the tests share for running things side by side: threads that hand back their
-exceptions, the stop-then-kill teardown of a spawned helper process driven over a pipe, and a
-fault that strikes a member once the first phase of a refit landed (`AfterFirstPhase`)."""
+exceptions, the stop-then-kill teardown of a spawned helper process driven over a pipe, waiting
+for such a process's answer that fails at once when it dies (`await_answer`), its output kept in
+a log file whose last lines a failure quotes (`spawn_logged`), and a fault that strikes a member
+once the first phase of a refit landed (`AfterFirstPhase`)."""
 
 from __future__ import annotations
 
 import os
 import signal
+import tempfile
 import threading
 import time
+from multiprocessing.connection import wait as _wait_any
 from typing import Any, Callable
 
 
@@ -27,6 +31,105 @@ def together(fns: list[Callable[[], Any]], timeout: float = 60.0) -> list[Any]:
     for t in threads:
         t.join(timeout)
     return out
+
+
+class ProcessDied(AssertionError):
+    """A helper process ended (killed, crashed) before it answered.  An AssertionError, as a timeout
+    is: the tests and `PipedProcess.close` treat both alike."""
+
+
+LOG_LINES = 40  # of a dead or silent process's log, quoted in the failure
+
+
+def log_tail(path: str | None, lines: int = LOG_LINES) -> str:
+    """The last ``lines`` lines of the log file ``path`` ("" when there is none)."""
+    if not path:
+        return ""
+    try:
+        with open(path, "rb") as f:
+            f.seek(0, os.SEEK_END)
+            f.seek(max(0, f.tell() - 64 * 1024))
+            tail = f.read().decode("utf-8", "replace").splitlines()[-lines:]
+    except OSError:
+        return ""
+    return f"\n--- last {len(tail)} lines of {path} ---\n" + "\n".join(tail)
+
+
+def _exit_text(code: int | None) -> str:
+    if code is not None and code < 0:
+        try:
+            return f"killed by {signal.Signals(-code).name}"
+        except ValueError:
+            pass
+    return f"exit code {code}"
+
+
+def await_answer(conn: Any, proc: Any, timeout: float, what: str, log: str | None = None) -> None:
+    """Wait until ``conn`` (a pipe to the spawned ``proc``) has something to read; fail at once,
+    naming how it ended and quoting its log's last lines, when ``proc`` dies first (it watches
+    the process's sentinel with the pipe: no waiting out ``timeout`` for a dead engine), and fail
+    after ``timeout`` seconds of silence.  A message sent just before the process exited counts."""
+    deadline = time.monotonic() + timeout
+    while True:
+        left = deadline - time.monotonic()
+        ready = _wait_any([conn, proc.sentinel], max(0.0, left))
+        if conn in ready or conn.poll(0):
+            return
+        if proc.sentinel in ready:
+            proc.join(5)
+            raise ProcessDied(f"{what}: the process died ({_exit_text(proc.exitcode)}) before it answered"
+                              + log_tail(log))
+        if left <= 0:
+            raise AssertionError(f"{what}: no answer within {timeout:.0f} s" + log_tail(log))
+
+
+def recv_answer(conn: Any, proc: Any, timeout: float, what: str, log: str | None = None) -> Any:
+    """`await_answer`, then the message; a pipe closed by the dying process (EOF) fails as its
+    death does."""
+    await_answer(conn, proc, timeout, what, log)
+    try:
+        return conn.recv()
+    except EOFError:
+        proc.join(5)
+        raise ProcessDied(f"{what}: the process died ({_exit_text(proc.exitcode)}) before it answered"
+                          + log_tail(log)) from None
+
+
+def _logged_main(log: str, main: Callable[..., Any], *args: Any) -> None:
+    """A spawned process's target: its stdout and stderr (and its own children's: vLLM's workers)
+    into the file ``log``, then ``main(*args)``."""
+    import sys
+
+    fd = os.open(log, os.O_WRONLY | os.O_CREAT | os.O_APPEND, 0o644)
+    sys.stdout.flush()
+    sys.stderr.flush()
+    os.dup2(fd, 1)
+    os.dup2(fd, 2)
+    os.close(fd)
+    main(*args)
+
+
+_LOG_DIR: str | None = None
+
+
+def new_log(prefix: str) -> str:
+    """A fresh log file's path, in one temporary directory per test run."""
+    global _LOG_DIR
+    if _LOG_DIR is None:
+        _LOG_DIR = tempfile.mkdtemp(prefix="refit-test-logs-")
+    fd, path = tempfile.mkstemp(prefix=f"{prefix}-", suffix=".log", dir=_LOG_DIR)
+    os.close(fd)
+    return path
+
+
+def spawn_logged(ctx: Any, main: Callable[..., Any], args: tuple[Any, ...], prefix: str,
+                 daemon: bool | None = None) -> tuple[Any, str]:
+    """Start ``ctx.Process(target=main, args=args)`` with its output in a log file of its own
+    (`new_log`); returns (the started process, the log's path) for `await_answer`."""
+    log = new_log(prefix)
+    p = ctx.Process(target=_logged_main, args=(log, main, *args), daemon=daemon)
+    p.start()
+    return p, log
 
 
 class PipedProcess:

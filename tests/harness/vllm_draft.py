@@ -25,7 +25,8 @@ from typing import Any
 
 import torch
 
-from tests.harness.procs import PipedProcess
+from tests.harness.procs import PipedProcess, recv_answer, spawn_logged
+from tests.harness.marks import require_vllm_mark
 from tests.harness.vllm_rl import CTX, EngineProcess, PROMPTS, _setup_process, _shutdown, make_llm, unprobe
 
 SPEC_TOKENS = 3
@@ -198,14 +199,12 @@ class TrainerProcess(PipedProcess):
         self.conn, child = CTX.Pipe()
         self.proc = CTX.Process(target=main, args=(child, *args), daemon=True)
         self.proc.start()
-        assert self.conn.poll(180), "trainer did not start"
-        status, value = self.conn.recv()
+        status, value = recv_answer(self.conn, self.proc, 180, "trainer starting")
         assert status == "ready", value
 
     def ask(self, cmd: str, arg: Any = None, timeout: float = 120.0) -> Any:
         self.conn.send((cmd, arg))
-        assert self.conn.poll(timeout), f"trainer: no answer to {cmd}"
-        status, value = self.conn.recv()
+        status, value = recv_answer(self.conn, self.proc, timeout, f"trainer: {cmd}")
         assert status == "ok", value
         return value
 
@@ -367,12 +366,12 @@ def fresh(target_dir: str, draft_dir: str, tp: int = 1, speculative: dict[str, A
     """What a fresh speculative engine of these checkpoints answers: (greedy answers, the
     spec-decode counters of that generate, worker 0's draft model tensors).  ``speculative``,
     ``keep_weights``: as `SpecEngine`'s."""
+    require_vllm_mark()
     conn, child = CTX.Pipe()
-    proc = CTX.Process(target=_fresh_main, args=(child, target_dir, draft_dir, tp, speculative, keep_weights))
-    proc.start()
+    proc, log = spawn_logged(CTX, _fresh_main, (child, target_dir, draft_dir, tp, speculative, keep_weights),
+                             "draft-reference")
     try:
-        assert conn.poll(600), "fresh engine did not answer"
-        status, value = conn.recv()
+        status, value = recv_answer(conn, proc, 600, "fresh speculative engine", log)
         assert status == "ok", value
         return value[0], value[1], unprobe(value[2])
     finally:

@@ -220,6 +220,9 @@ def load_fp8_rank(checkpoint: dict[str, torch.Tensor], config: dict, tp_size: in
     ``w2_weight`` / ``w2_weight_scale_inv`` (MoE).  Raises what vLLM raises for a layout it refuses.
     """
     _check_config(config, tp_size, tp_rank)
+    from tests.harness.marks import require_vllm_mark
+
+    require_vllm_mark("runs vLLM's model loaders")
     from vllm.config import set_current_vllm_config
     from vllm.model_executor.model_loader.utils import initialize_model
     from vllm.utils.torch_utils import set_default_torch_dtype

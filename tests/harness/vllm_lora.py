@@ -15,6 +15,8 @@ import time
 import traceback
 from typing import Any
 
+from tests.harness.marks import require_vllm_mark
+from tests.harness.procs import recv_answer, spawn_logged
 from tests.harness.vllm_rl import CTX, EngineProcess, PROMPTS, MAX_TOKENS, _setup_process, _shutdown, make_llm
 
 Answers = list[tuple[list[int], list[float]]]
@@ -101,15 +103,11 @@ def fresh_lora_outputs(model_dir: str, adapters: list[tuple[str, int, str]], tp:
                        **llm_kwargs: Any) -> list[Answers]:
     """A fresh engine of ``model_dir`` (no refit backend) answering through each adapter in turn,
     loaded from its path by vLLM (``LoRARequest(name, id, path)``; None: the base model)."""
+    require_vllm_mark()
     conn, child = CTX.Pipe()
-    proc = CTX.Process(target=_references_main, args=(child, model_dir, tp, llm_kwargs, adapters))
-    proc.start()
+    proc, log = spawn_logged(CTX, _references_main, (child, model_dir, tp, llm_kwargs, adapters), "lora-reference")
     try:
-        deadline = time.monotonic() + 600
-        while not conn.poll(5):
-            assert proc.is_alive(), f"the reference engine's process died (exit code {proc.exitcode})"
-            assert time.monotonic() < deadline, "reference engine did not answer"
-        status, value = conn.recv()
+        status, value = recv_answer(conn, proc, 600, "reference LoRA engine", log)
         assert status == "ok", value
         return value
     finally:

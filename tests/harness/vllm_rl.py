@@ -6,24 +6,36 @@ weights of an HF checkpoint in any source layout, and vLLM engines (offline `LLM
 * `Engine`: a spawned process running ``vllm.LLM(..., weight_transfer_config={"backend":
   "refit"})`` (the plugin found through its entry point), driven through a pipe: generate greedy
   tokens and their logprobs for fixed prompt token ids, run the RL-loop refit calls, report state.
-  Without ``coordinator`` it is a plain engine: the fresh-engine reference.
+  Without ``coordinator`` it is a plain engine.
+* `fresh_outputs`: what fresh engines (no refit backend) answer, the tests' reference; computed
+  once per run for each (checkpoint content, vLLM version, engine settings, prompts) and then
+  served from memory (`_REFERENCES`), never stored on disk.
+
+Every engine process writes its output to a log file of its own (tests/harness/procs.py's
+`spawn_logged`); a process that dies fails the waiting test at once, quoting that log's last lines,
+and a test that starts an engine must carry the ``vllm`` marker (tests/harness/marks.py).
 """
 
 from __future__ import annotations
 
+import atexit
 import contextlib
+import copy
 import functools
 import logging
 import multiprocessing as mp
 import os
 import signal
+import threading
 import time
 import traceback
 from typing import Any, Iterator
 
 import torch
 
-from tests.harness.procs import AfterFirstPhase, PipedProcess
+from tests.harness.marks import require_vllm_mark
+from tests.harness.procs import AfterFirstPhase, PipedProcess, recv_answer, spawn_logged
+from tests.harness.run_cache import checkpoint_digest, vllm_environment, vllm_version
 
 CTX = mp.get_context("spawn")
 
@@ -140,8 +152,8 @@ class Trainers:
         self.entered = [CTX.Event() for _ in range(n)]
         for r in range(n):
             self._spawn(r)
-        for c in self.conns:
-            assert c.poll(120) and c.recv()[0] == "ready"
+        for r, c in enumerate(self.conns):
+            assert recv_answer(c, self.procs[r], 120, f"trainer {r} starting")[0] == "ready"
 
     def _spawn(self, rank: int) -> None:
         parent, child = CTX.Pipe()
@@ -153,12 +165,11 @@ class Trainers:
     def respawn(self, rank: int) -> None:
         """A new process for ``rank`` (holding the weights it was created with)."""
         self._spawn(rank)
-        assert self.conns[rank].poll(120) and self.conns[rank].recv()[0] == "ready"
+        assert recv_answer(self.conns[rank], self.procs[rank], 120, f"trainer {rank} starting")[0] == "ready"
 
     def ask(self, rank: int, cmd: str, arg: Any = None, timeout: float = 60.0) -> Any:
         self.conns[rank].send((cmd, arg))
-        assert self.conns[rank].poll(timeout), f"trainer {rank}: no answer to {cmd}"
-        return self.conns[rank].recv()
+        return recv_answer(self.conns[rank], self.procs[rank], timeout, f"trainer {rank}: {cmd}")
 
     def load(self, model_dir: str) -> None:
         for r in range(len(self.conns)):
@@ -261,13 +272,24 @@ def is_mla_checkpoint(model_dir: str) -> bool:
         return "kv_lora_rank" in json.load(f)
 
 
+def engine_env(tp: int) -> dict[str, str]:
+    """The environment an engine process of this harness runs with (`_setup_process`): `cpu_env`,
+    then, unless the caller's environment sets them:
+
+    * ``VLLM_ENABLE_V1_MULTIPROCESSING=0``: the engine core in the engine's own process (TP=1:
+      the worker too), not a process of its own.  It saves an interpreter start of vLLM per
+      engine (a TP=2 engine came up in 28 s instead of 55 s on the loaded 2-core machine, its
+      answers equal); the workers of TP>1 are processes either way, and they compute.
+    * ``VLLM_ALLOW_INSECURE_SERIALIZATION=1``: `probe` / `unshare` send a function to the workers
+      (apply_model), which vLLM's msgpack encoder refuses across processes without pickle."""
+    env = {"VLLM_ENABLE_V1_MULTIPROCESSING": "0", "VLLM_ALLOW_INSECURE_SERIALIZATION": "1"}
+    env.update({k: os.environ[k] for k in env if k in os.environ})
+    env.update(cpu_env(tp))
+    return env
+
+
 def _setup_process(tp: int) -> None:
-    os.environ.update(cpu_env(tp))
-    # TP=1: engine core and worker in this process (saves two interpreter starts of vLLM)
-    os.environ.setdefault("VLLM_ENABLE_V1_MULTIPROCESSING", "0" if tp == 1 else "1")
-    # `probe` / `unshare` send a function to the workers (apply_model), which the engine core's
-    # msgpack encoder refuses across processes without pickle
-    os.environ.setdefault("VLLM_ALLOW_INSECURE_SERIALIZATION", "1")
+    os.environ.update(engine_env(tp))
     logging.basicConfig(level=logging.INFO)
 
 
@@ -391,14 +413,15 @@ def _references_main(conn: Any, model_dirs: list[str], tp: int, ep: bool, suffix
     _setup_process(tp)
     out: list[Any] = []
     try:
-        for d in model_dirs:
+        for i, d in enumerate(model_dirs):
             llm = make_llm(d, tp, ep, False, llm_kwargs)
             out.append((generate(llm), probe(llm, suffixes)) if suffixes else generate(llm))
+            if i == len(model_dirs) - 1:
+                conn.send(("ok", out))  # the answers before the last shutdown: the test goes on meanwhile
             _shutdown(llm)
     except Exception as e:  # noqa: BLE001 - the test reads it (rather than waiting out its timeout)
-        conn.send(("error", f"{type(e).__name__}: {e}\n{traceback.format_exc()[-2000:]}"))
-        return
-    conn.send(("ok", out))
+        if len(out) < len(model_dirs):
+            conn.send(("error", f"{type(e).__name__}: {e}\n{traceback.format_exc()[-2000:]}"))
 
 
 class EngineProcess(PipedProcess):
@@ -406,19 +429,18 @@ class EngineProcess(PipedProcess):
     engine is up, then ``(status, value)`` to each command (`ask`)."""
 
     stop_timeout, join_timeout = 60.0, 30.0  # an engine shuts vLLM down first
+    log: str | None = None  # the process's output (and its vLLM workers')
 
     def _spawn(self, main: Any, *args: Any) -> None:
+        require_vllm_mark()
         self.conn, child = CTX.Pipe()
-        self.proc = CTX.Process(target=main, args=(child, *args))
-        self.proc.start()
-        assert self.conn.poll(600), "engine did not start"
-        status, value = self.conn.recv()
+        self.proc, self.log = spawn_logged(CTX, main, (child, *args), "engine")
+        status, value = recv_answer(self.conn, self.proc, 600, "engine starting", self.log)
         assert status == "ready", value
 
     def ask(self, cmd: str, arg: Any = None, timeout: float = 300.0) -> tuple[str, Any]:
         self.conn.send((cmd, arg))
-        assert self.conn.poll(timeout), f"engine: no answer to {cmd}"
-        return self.conn.recv()
+        return recv_answer(self.conn, self.proc, timeout, f"engine: {cmd}", self.log)
 
 
 class Engine(EngineProcess):
@@ -444,26 +466,111 @@ class Engine(EngineProcess):
 
 
 
+def engine_settings_key(tp: int, ep: bool, llm_kwargs: dict[str, Any] | None) -> tuple[Any, ...]:
+    """Everything besides the checkpoint that a fresh engine's answers depend on: vLLM's version,
+    the engine's settings (`make_llm`'s, over ``llm_kwargs``), the process environment it starts
+    with (`cpu_env` and every ``VLLM_*`` variable) and the prompts."""
+    return (vllm_version(), tp, ep, repr(sorted((llm_kwargs or {}).items())), vllm_environment(engine_env(tp)),
+            tuple(tuple(p) for p in PROMPTS), MAX_TOKENS)
+
+
+# One run's fresh-engine answers: (checkpoint digest, probe suffixes, engine settings) -> what
+# `_references_main` sent for that checkpoint.  In memory only: never a golden file.
+_REFERENCES: dict[tuple[Any, ...], Any] = {}
+REFERENCE_STATS = {"computed": 0, "reused": 0}
+
+
+def _reap(proc: Any, timeout: float = 60.0) -> None:
+    proc.join(timeout)
+    if proc.is_alive():
+        proc.kill()
+        proc.join(10)
+
+
+class _Computing:
+    """One reference process under way: its answers, once received, go into `_REFERENCES`."""
+
+    def __init__(self, todo: dict[tuple[Any, ...], str], tp: int, ep: bool, probe: tuple[str, ...],
+                 llm_kwargs: dict[str, Any] | None) -> None:
+        self.keys = list(todo)
+        self.conn, child = CTX.Pipe()
+        self.proc, self.log = spawn_logged(CTX, _references_main,
+                                           (child, list(todo.values()), tp, ep, probe, llm_kwargs), "reference")
+        self.done = False
+
+    def wait(self) -> None:
+        if self.done:
+            return
+        try:
+            status, value = recv_answer(self.conn, self.proc, 900, "reference engines", self.log)
+            assert status == "ok", value
+            _REFERENCES.update(zip(self.keys, value))
+        finally:
+            self.done = True
+            for k in self.keys:
+                _COMPUTING.pop(k, None)
+            # it shuts its last engine down after answering: reaped in the background
+            threading.Thread(target=_reap, args=(self.proc,), daemon=True).start()
+
+
+_COMPUTING: dict[tuple[Any, ...], _Computing] = {}
+
+
+@atexit.register
+def _abandon() -> None:
+    """Reference processes nobody waited for (their test failed first): killed, not joined (one
+    blocked writing its answer into the pipe would hold up the interpreter's exit)."""
+    for c in set(_COMPUTING.values()):
+        if c.proc.is_alive():
+            c.proc.kill()
+
+
+class References:
+    """Fresh-engine answers requested now (`fresh_outputs_async`): the engines start at once in
+    their own process; ``result()`` waits for them.  A test starts these before its own engine
+    so that both start-ups overlap (each is about one core's work at TP=1)."""
+
+    def __init__(self, keys: list[tuple[Any, ...]], probe: bool) -> None:
+        self.keys, self.probe = keys, probe
+
+    def result(self) -> list[Any]:
+        for k in self.keys:
+            if k in _COMPUTING:
+                _COMPUTING[k].wait()
+        missing = sum(k not in _REFERENCES for k in self.keys)
+        assert not missing, f"{missing} reference answer(s) failed earlier in this run (see that test's error)"
+        value = [copy.deepcopy(_REFERENCES[k]) for k in self.keys]
+        return [(v[0], unprobe(v[1])) for v in value] if self.probe else value
+
+
+def fresh_outputs_async(model_dirs: list[str], tp: int = 1, ep: bool = False, probe: tuple[str, ...] = (),
+                        llm_kwargs: dict[str, Any] | None = None) -> References:
+    """`fresh_outputs`, started now and read later (``.result()``)."""
+    settings = engine_settings_key(tp, ep, llm_kwargs)
+    keys = [(checkpoint_digest(d), tuple(probe), settings) for d in model_dirs]
+    todo: dict[tuple[Any, ...], str] = {}
+    for k, d in zip(keys, model_dirs):
+        if k not in _REFERENCES and k not in _COMPUTING and k not in todo:
+            todo[k] = d
+    REFERENCE_STATS["computed"] += len(todo)
+    REFERENCE_STATS["reused"] += len(keys) - len(todo)
+    if todo:
+        require_vllm_mark()
+        computing = _Computing(todo, tp, ep, tuple(probe), llm_kwargs)
+        _COMPUTING.update((k, computing) for k in todo)
+    return References(keys, bool(probe))
+
+
 def fresh_outputs(model_dirs: list[str], tp: int = 1, ep: bool = False, probe: tuple[str, ...] = (),
                   llm_kwargs: dict[str, Any] | None = None) -> list[Any]:
     """What fresh engines started from each of ``model_dirs`` answer (one after the other, in
     one spawned process); with ``probe``, (answers, the probed tensors) per engine.  ``llm_kwargs``:
-    more `LLM` keyword arguments, as for `Engine`."""
-    conn, child = CTX.Pipe()
-    proc = CTX.Process(target=_references_main, args=(child, model_dirs, tp, ep, tuple(probe), llm_kwargs))
-    proc.start()
-    try:
-        deadline = time.monotonic() + 900
-        while not conn.poll(5):  # a process that died sends nothing: say so at once
-            assert proc.is_alive(), f"the reference engines' process died (exit code {proc.exitcode})"
-            assert time.monotonic() < deadline, "reference engines did not answer"
-        status, value = conn.recv()
-        assert status == "ok", value
-        return [(v[0], unprobe(v[1])) for v in value] if probe else value
-    finally:
-        proc.join(60)
-        if proc.is_alive():
-            proc.kill()
+    more `LLM` keyword arguments, as for `Engine`.
+
+    Each answer is computed once per run: a checkpoint whose content, engine settings and probe
+    match one answered before (in this test or another) is served from `_REFERENCES` (a copy),
+    and only the others start engines."""
+    return fresh_outputs_async(model_dirs, tp, ep, probe, llm_kwargs).result()
 
 
 def differs(a: list, b: list) -> str:

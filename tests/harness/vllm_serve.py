@@ -38,6 +38,9 @@ def vllm_serve(model_dir: str, log_path: str, threads: int = 1, extra: tuple[str
                start_timeout: float = 600.0) -> Iterator[str]:
     """A server on a free loopback port with ``--weight-transfer-config '{"backend": "refit"}'``
     (plus ``extra`` arguments); yields its base URL, stops its whole process group after."""
+    from tests.harness.marks import require_vllm_mark
+
+    require_vllm_mark("starts `vllm serve`")
     port = free_port()
     env = {**os.environ, **cpu_env(threads), "VLLM_SERVER_DEV_MODE": "1",
            "PYTHONPATH": ROOT + os.pathsep + os.environ.get("PYTHONPATH", "")}

@@ -39,6 +39,9 @@ from tests.harness.tiny import TINY_CONFIGS
 
 transformers = pytest.importorskip("transformers")
 vllm_deep_gemm = pytest.importorskip("vllm.utils.deep_gemm")
+# vLLM's own FP8 loaders run here (tests/harness/vllm_fp8_loading.py) and vLLM is imported: left out
+# of `make test-fast` with the engine tests
+pytestmark = pytest.mark.vllm
 warnings.filterwarnings("ignore", module="transformers")
 
 # Every linear weight splits into whole 128-blocks at tp2: q, k, v 256 rows (128 per rank), experts

@@ -60,18 +60,19 @@ def ckpts(tmp_path_factory):
 
 @pytest.fixture(scope="module")
 def fresh_w2(ckpts):
-    """Each case's fresh W2 engine: (answers, MLA derived tensors); the engines of one tp run in
-    one process, started on first use."""
-    from tests.harness.vllm_rl import fresh_outputs
+    """Each case's fresh W2 engine: ``get(model, tp)`` starts the engines of that tp (all its
+    cases', one after the other in one process) on first use and returns a function that waits
+    for ``model``'s (answers, MLA derived tensors): they start beside the test's own engine."""
+    from tests.harness.vllm_rl import fresh_outputs_async
 
-    done: dict = {}
+    started: dict = {}
 
     def get(model: str, tp: int):
-        if (model, tp) not in done:
+        if tp not in started:
             models = [m for m, t in CASES if t == tp]
-            done.update({(m, tp): out for m, out in
-                         zip(models, fresh_outputs([ckpts[m, 2] for m in models], tp, probe=MLA_DERIVED))})
-        return done[model, tp]
+            started[tp] = (models, fresh_outputs_async([ckpts[m, 2] for m in models], tp, probe=MLA_DERIVED))
+        models, pending = started[tp]
+        return lambda: pending.result()[models.index(model)]
 
     return get
 
@@ -93,11 +94,12 @@ def test_refit_answers_as_a_fresh_engine(coordinator, ckpts, fresh_w2, model, tp
     from tests.harness.vllm_rl import Engine, Trainers
 
     address, client = coordinator
-    want2, derived2 = fresh_w2(model, tp)
+    pending_w2 = fresh_w2(model, tp)  # the fresh W2 engines start beside this test's engine
     name = f"{model}-tp{tp}"
     trainers = Trainers(address, "hf", ckpts[model, 2], group=f"trainer-{name}")
     engine = Engine(ckpts[model, 1], tp, coordinator=address, group=f"engine-{name}")
     try:
+        want2, derived2 = pending_w2()
         want1 = engine.generate()  # the engine was started fresh from W1
         derived1 = engine.probe(MLA_DERIVED)
         assert differs(want1, want2), "W1 and W2 answer alike: the test would prove nothing"

@@ -63,15 +63,17 @@ class Setup:
     """An engine refitted by one trainer group, and the fresh-engine answers to compare with."""
 
     def __init__(self, address: str, client, ckpts, model: str, layout: str, tp: int, ep: bool, name: str) -> None:
-        from tests.harness.vllm_rl import Engine, Trainers, fresh_outputs
+        from tests.harness.vllm_rl import Engine, Trainers, fresh_outputs_async
 
         self.ckpts, self.model, self.client = ckpts, model, client
         # TP>1 engines are slow to start here: W2 and back to W1 only
         self.sequence = (2, 3, 1) if tp == 1 else (2, 1)
         ws = [w for w in self.sequence if w != 1]
-        self.refs = dict(zip(ws, fresh_outputs([ckpts[model, w] for w in ws], tp, ep)))
+        # the fresh engines start in their own process now, beside the trainers and the engine below
+        refs = fresh_outputs_async([ckpts[model, w] for w in ws], tp, ep)
         self.trainers = Trainers(address, layout, ckpts[model, 2], group=f"trainer-{name}")
         self.engine = Engine(ckpts[model, 1], tp, ep, coordinator=address, group=f"engine-{name}")
+        self.refs = dict(zip(ws, refs.result()))
         self.refs[1] = self.engine.generate()  # the engine was started fresh from W1
         self.plan_id = client.create_plan(f"trainer-{name}", f"engine-{name}")["plan_id"]
         self.version = 0

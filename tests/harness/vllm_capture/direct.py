@@ -203,6 +203,9 @@ def capture_direct(jobs: list[DirectJob], out_dir: str, timeout: float = 900.0) 
     """Run every job in one fresh subprocess (nothing of vLLM is imported in the caller); returns
     each job's rank files, sorted by global rank.  Raises ``RuntimeError`` with the log's tail when
     the subprocess fails or times out (log: ``{out_dir}/direct.log``)."""
+    from tests.harness.marks import require_vllm_mark
+
+    require_vllm_mark("runs vLLM's model loaders")
     out_dir = os.path.abspath(out_dir)
     os.makedirs(out_dir, exist_ok=True)
     names = [j.name for j in jobs]
