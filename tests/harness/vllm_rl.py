@@ -260,6 +260,11 @@ def make_llm(model_dir: str, tp: int, ep: bool, refit: bool, llm_kwargs: dict[st
         # tests check those derived parameters after refits: the same backend on every host.
         kw["attention_backend"] = "CPU_MLA"
     kw.update(llm_kwargs or {})
+    spec = kw.get("speculative_config")
+    if "attention_backend" in kw and isinstance(spec, dict) and "mtp" in str(spec.get("method", "")):
+        # MTP layers are MLA too: vLLM picks a drafter's backend on its own (AMX_MLA on an AMX
+        # host), and the target's CPU_MLA shares no KV block size with it
+        kw["speculative_config"] = {"attention_backend": kw["attention_backend"], **spec}
     return LLM(model=model_dir, skip_tokenizer_init=True, dtype="bfloat16", enforce_eager=True, tensor_parallel_size=tp,
                enable_expert_parallel=ep, max_model_len=128, max_num_seqs=4, **kw)
 
