@@ -33,7 +33,7 @@ import torch
 
 GPUS = torch.cuda.device_count() if torch.cuda.is_available() else 0
 _missing = [m for m in ("vllm", "transformers") if importlib.util.find_spec(m) is None]
-pytestmark = [pytest.mark.gpu,
+pytestmark = [pytest.mark.gpu, pytest.mark.vllm,
               pytest.mark.skipif(GPUS == 0, reason="no CUDA device (make test-gpu runs these on a GPU machine)"),
               pytest.mark.skipif(bool(_missing), reason=f"not installed here: {', '.join(_missing)}")]
 

@@ -18,13 +18,12 @@ import logging
 import multiprocessing as mp
 import os
 import shutil
-import time
 import traceback
 from typing import Any
 
 import torch
 
-from tests.harness.procs import PipedProcess
+from tests.harness.procs import PipedProcess, await_answer
 from tests.harness.tiny import _VLLM_COMMON
 
 CTX = mp.get_context("spawn")
@@ -227,18 +226,8 @@ class GpuEngine(PipedProcess):
 
 
 def _wait(p: Any, timeout: float, what: str) -> None:
-    """Wait for ``p``'s answer; fail at once, naming it, if its process died."""
-    from multiprocessing.connection import wait
-
-    deadline = time.monotonic() + timeout
-    while not p.conn.poll():
-        if not p.proc.is_alive():
-            raise AssertionError(f"{getattr(p, 'name', type(p).__name__)} died (exit {p.proc.exitcode}) before "
-                                 f"answering {what}")
-        left = deadline - time.monotonic()
-        if left <= 0:
-            raise AssertionError(f"{getattr(p, 'name', type(p).__name__)}: no answer to {what} within {timeout} s")
-        wait([p.conn, p.proc.sentinel], min(left, 5.0))
+    """Wait for ``p``'s answer; fail at once, naming it, if its process died (`await_answer`)."""
+    await_answer(p.conn, p.proc, timeout, f"{getattr(p, 'name', type(p).__name__)}: {what}")
 
 
 def _expect_ready(p: Any, timeout: float) -> None:
