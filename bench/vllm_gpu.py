@@ -1,6 +1,6 @@
 """refit against vLLM's own weight transfer, into live vLLM engines on one GPU, same run.
 
-    python bench/vllm_gpu.py --model qwen3-8b [--layers N] [--repeats 5] [--json]
+    python bench/vllm_gpu.py --model qwen3-8b [--layers N] [--repeats 5] [--trace] [--json]
 
 A trainer in this process holds a random bf16 model of the catalog's shape (HF layout, on the
 GPU); two engines of the same model start from a checkpoint of it with vLLM's defaults on CUDA
@@ -49,6 +49,9 @@ def parse(argv: list[str] | None = None) -> argparse.Namespace:
     p.add_argument("--layers", type=int, default=0, help="keep the first N layers (0: all)")
     p.add_argument("--repeats", type=int, default=5)
     p.add_argument("--json", action="store_true", help="one JSON object on stdout")
+    p.add_argument("--trace", action="store_true",
+                   help="trace refit's steps in every process (REFIT_CONTROL_TRACE) and report each step's median "
+                        "offset from the loop's start_weight_update call: where the time beyond the copy goes")
     return p.parse_args(argv)
 
 
@@ -82,6 +85,9 @@ def main(argv: list[str] | None = None) -> int:
     a = parse(argv)
     logging.basicConfig(level=logging.WARNING, format="%(asctime)s %(name)s %(message)s")
     os.environ.setdefault("VLLM_ALLOW_INSECURE_SERIALIZATION", "1")
+    trace = tempfile.mkdtemp(prefix="refit-vllm-gpu-trace-") if a.trace else ""
+    if trace:  # before refit reads its settings, and inherited by vLLM's engine processes
+        os.environ["REFIT_CONTROL_TRACE"] = os.path.join(trace, "steps")
     import torch
     from safetensors.torch import save_file
     from vllm import LLM
@@ -93,6 +99,7 @@ def main(argv: list[str] | None = None) -> int:
     from refit.integrations.vllm import compat
     from refit.layouts import HFLayout
     from refit.spec import ModelConfig, build_spec
+    from refit.timeline import mark
     from tests.harness.vllm_rl import generate
 
     cfg = dict(CATALOG[a.model], architectures=[_arch(CATALOG[a.model])], max_position_embeddings=4096)
@@ -137,11 +144,19 @@ def main(argv: list[str] | None = None) -> int:
 
     def refit_once() -> None:
         version[0] += 1
+        mark(TRACE_START)
         llm.start_weight_update()
+        mark("loop: start_weight_update returned")
         llm.update_weights({"update_info": {"plan_id": plan, "version": version[0], "timeout": 300.0}})
+        mark("loop: update_weights returned")
         compat.finish_weight_update(llm, version[0])
+        mark("loop: finish_weight_update returned")
 
     result["refit_ms"] = [t * 1e3 for t in timed(refit_once, a.repeats)]
+    if trace:
+        result["refit_steps_us"] = _steps(os.environ["REFIT_CONTROL_TRACE"], a.repeats)
+        log.warning("refit's steps (median microseconds after start_weight_update was called):\n%s",
+                    "\n".join(f"{us:10.0f}  {step}" for step, us in result["refit_steps_us"].items()))
     log.warning("so far: %s", json.dumps(result))
     answers["refit"] = generate(llm)
     result["reload_ms"] = [t * 1e3 for t in timed(
@@ -172,6 +187,20 @@ def main(argv: list[str] | None = None) -> int:
     server.stop()
     print(json.dumps(result, indent=None if a.json else 2))
     return 0 if all(result["answers_equal"].values()) else 1
+
+
+TRACE_START = "loop: start_weight_update called"
+
+
+def _steps(prefix: str, last: int) -> dict[str, float]:
+    """Each traced step's median offset (microseconds) from the loop's call, over the last refits."""
+    import importlib.util
+
+    spec = importlib.util.spec_from_file_location("control_breakdown",
+                                                  os.path.join(ROOT, "bench", "probes", "control_breakdown.py"))
+    probe = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(probe)  # type: ignore[union-attr]
+    return dict(probe.timeline(probe.read_steps(prefix), last, start=TRACE_START))
 
 
 def _ipc_once(llm: Any, tensors: dict[str, Any], packed: bool) -> None:

@@ -35,12 +35,12 @@ def read_steps(prefix: str) -> list[tuple[int, str]]:
     return sorted(steps)
 
 
-def timeline(steps: list[tuple[int, str]], last: int) -> list[tuple[str, float]]:
-    """(step, median microseconds after the call) over the last ``last`` refits; a step reached
-    several times in one refit (phases) is numbered."""
+def timeline(steps: list[tuple[int, str]], last: int, start: str = START) -> list[tuple[str, float]]:
+    """(step, median microseconds after the call) over the last ``last`` refits, each cut at
+    ``start``; a step reached several times in one refit (phases) is numbered."""
     refits: list[list[tuple[int, str]]] = []
     for ns, step in steps:
-        if step == START:
+        if step == start:
             refits.append([])
         if refits:
             refits[-1].append((ns, step))

@@ -13,6 +13,10 @@ from the trainer's weights:
   (its references are fresh engines in sleep mode too);
 * an online-FP8 engine (``quantization="fp8"``): the refit lands bf16 and vLLM's FP8 processing
   re-runs, as on first load;
+* engines serving an FP8 block checkpoint that ``refit reshard --dst-dtype fp8`` wrote (dense and
+  MoE): the trainer quantizes on the wire, float8 weights and 128x128 scales land, vLLM's FP8
+  processing re-runs; the references are fresh engines loading the FP8 checkpoint of the trainer's
+  weights;
 * a DeepSeek-V3-style MLA model on vLLM's GPU MLA backend, its derived ``W_UK_T`` / ``W_UV``
   re-derived (equal to the fresh engine's);
 * a refit whose trainer dies after its bytes moved, before the commit: the engine keeps serving,
@@ -71,9 +75,14 @@ REFITTED = {
     "dense": ("gpu-qwen3", {}),
     "sleepy": ("gpu-qwen3", {"enable_sleep_mode": True}),
     "fp8": ("gpu-qwen3", {"quantization": "fp8"}),
+    "fp8ckpt": ("gpu-qwen3", {}),  # started from an FP8 checkpoint (FP8_CHECKPOINT)
+    "fp8ckpt-moe": ("gpu-qwen3-moe", {}),
     "moe": ("gpu-qwen3-moe", {}),
     "mla": ("gpu-deepseek-v3", {}),
 }
+
+
+FP8_CHECKPOINT = ("fp8ckpt", "fp8ckpt-moe")  # engines that load refit's FP8 block checkpoint of the weights
 
 
 def _refit(f: Fleet, engine: str, version: int) -> None:
@@ -107,9 +116,12 @@ def _run(f: Fleet, address: str, configs: dict, GpuEngine: Any, GpuTrainer: Any,
          refs: dict[str, Any]) -> None:
     import os
 
+    from tests.gpu.vllm_gpu import fp8_checkpoint
+
     v0 = {m: write_checkpoint(os.path.join(f.tmp, f"{m}-v0"), m, seed=i) for i, m in enumerate(configs)}
+    fp8_v0 = {m: fp8_checkpoint(v0[m], v0[m] + "-fp8") for m in {REFITTED[e][0] for e in FP8_CHECKPOINT}}
     for e, (m, kw) in REFITTED.items():  # every engine starts at once, while the trainers start
-        f.engines[e] = GpuEngine(e, v0[m], address, group=f"engine-{e}", **kw)
+        f.engines[e] = GpuEngine(e, fp8_v0[m] if e in FP8_CHECKPOINT else v0[m], address, group=f"engine-{e}", **kw)
     for m in configs:
         f.trainers[m] = GpuTrainer(address, m, v0[m], f.tmp)
     for m in configs:
@@ -124,12 +136,15 @@ def _run(f: Fleet, address: str, configs: dict, GpuEngine: Any, GpuTrainer: Any,
     for m in configs:
         _step(f, m, 2)
 
-    def reference(name: str, model: str, version: int, **kw: Any) -> None:
-        refs[name] = GpuEngine(f"fresh-{name}", f.checkpoints[f"{model}@v{version}"], **kw)
+    def reference(name: str, model: str, version: int, fp8: bool = False, **kw: Any) -> None:
+        path = f.checkpoints[f"{model}@v{version}"]
+        refs[name] = GpuEngine(f"fresh-{name}", fp8_checkpoint(path, path + "-fp8") if fp8 else path, **kw)
 
     reference("dense@v2", "gpu-qwen3", 2)
     reference("sleepy@v2", "gpu-qwen3", 2, enable_sleep_mode=True)  # the same settings as the engine
     reference("fp8@v2", "gpu-qwen3", 2, quantization="fp8")
+    reference("fp8ckpt@v2", "gpu-qwen3", 2, fp8=True)
+    reference("fp8ckpt-moe@v2", "gpu-qwen3-moe", 2, fp8=True)
     reference("moe@v2", "gpu-qwen3-moe", 2)
     reference("mla@v2", "gpu-deepseek-v3", 2)
     # sleep level 1 between the two refits (weights offloaded to the host and back)
@@ -210,6 +225,12 @@ def test_sleep_level_2_then_refit(fleet: Fleet) -> None:
 def test_online_fp8_engine(fleet: Fleet) -> None:
     fleet.ok("start fp8", "fp8 v1", "fp8 v2", "fp8 answers v2", "fresh fp8@v2")
     assert fleet.answers["fp8@v2"] == fleet.answers["fresh@fp8@v2"]
+
+
+@pytest.mark.parametrize("engine", FP8_CHECKPOINT)
+def test_fp8_checkpoint_engine_quantized_on_the_wire(fleet: Fleet, engine: str) -> None:
+    fleet.ok(f"start {engine}", f"{engine} v1", f"{engine} v2", f"{engine} answers v2", f"fresh {engine}@v2")
+    assert fleet.answers[f"{engine}@v2"] == fleet.answers[f"fresh@{engine}@v2"]
 
 
 def test_mla_exact_and_derived_tensors_rederived(fleet: Fleet) -> None:

@@ -62,6 +62,26 @@ def write_checkpoint(directory: str, name: str, seed: int = 0) -> str:
     return directory
 
 
+def fp8_checkpoint(src: str, out: str) -> str:
+    """The FP8 block checkpoint (float8 weights, 128x128 ``weight_scale_inv``) that ``refit reshard
+    --dst-dtype fp8`` writes of the HF checkpoint ``src``, cast to bfloat16 first: the engine's
+    dtype, which a refit from float32 masters casts to before quantizing on the wire."""
+    from safetensors.torch import load_file, save_file
+
+    from refit.cli import main as refit_main
+
+    bf16 = out + "-bf16"
+    os.makedirs(bf16, exist_ok=True)
+    shutil.copy(os.path.join(src, "config.json"), bf16)
+    state = load_file(os.path.join(src, "model.safetensors"))
+    save_file({n: t.to(torch.bfloat16) if t.is_floating_point() else t for n, t in state.items()},
+              os.path.join(bf16, "model.safetensors"), metadata={"format": "pt"})
+    code = refit_main(["reshard", "--model", bf16, "--src", "hf", "--dst", "hf", "--dst-dtype", "fp8", "--in", bf16,
+                       "--out", out])
+    assert code == 0, f"refit reshard --dst-dtype fp8 of {bf16} exited {code}"
+    return out
+
+
 # ------------------------------------------------------------------------------------ trainer
 def _trainer_main(conn: Any, entered: Any, address: str, group: str, model_dir: str, out_dir: str) -> None:
     logging.basicConfig(level=logging.INFO)

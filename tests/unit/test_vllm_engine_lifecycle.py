@@ -98,18 +98,44 @@ def test_parallel_settings_refit_cannot_follow_are_refused(setting, message) -> 
         identify(SimpleNamespace(model_config=SimpleNamespace(), parallel_config=SimpleNamespace(**pc)))
 
 
-def test_a_quantized_checkpoint_is_refused() -> None:
-    """A checkpoint served quantized (its config has a ``quantization_config``: FP8 DeepSeek-V3,
-    Qwen3-*-FP8) holds quantized weights and scales in vLLM's layers; the trainer's unquantized
-    tensors cannot be re-processed into them.  Refused when the engine registers."""
+def test_a_checkpoint_quantized_otherwise_than_refit_writes_is_refused() -> None:
+    """A checkpoint served quantized in a format refit does not write (per-tensor FP8, AWQ...)
+    holds weights and scales refit cannot produce: refused when the engine registers, naming it."""
     from refit.errors import RefitError
     from refit.integrations.vllm.config import identify
 
     pc = SimpleNamespace(pipeline_parallel_size=1, decode_context_parallel_size=1, prefill_context_parallel_size=1,
                          enable_elastic_ep=False, enable_eplb=False)
-    hf_config = SimpleNamespace(quantization_config={"quant_method": "fp8", "weight_block_size": [128, 128]})
-    with pytest.raises(RefitError, match=r"the checkpoint is quantized \(fp8\)"):
-        identify(SimpleNamespace(model_config=SimpleNamespace(hf_config=hf_config), parallel_config=pc))
+    for qc, method in (({"quant_method": "fp8", "activation_scheme": "dynamic"}, "fp8"),
+                       ({"quant_method": "awq", "bits": 4}, "awq")):
+        hf_config = SimpleNamespace(quantization_config=qc)
+        with pytest.raises(RefitError, match=rf"the checkpoint is quantized \({method}\) in a format refit does not "
+                                             rf"write: .*refit reshard --dst-dtype fp8"):
+            identify(SimpleNamespace(model_config=SimpleNamespace(hf_config=hf_config), parallel_config=pc))
+
+
+def test_an_fp8_block_checkpoint_is_served_in_refits_fp8_layout(monkeypatch: pytest.MonkeyPatch) -> None:
+    """An FP8 checkpoint of the format `refit reshard --dst-dtype fp8` writes (DeepSeek-V3 /
+    Qwen3-FP8: float8 weights, 128x128 ``weight_scale_inv``): the engine's spec is refit's FP8 spec,
+    so plans quantize on the wire into its layers (live on a GPU: tests/gpu/test_gpu_vllm.py)."""
+    from vllm.distributed import parallel_state
+
+    from refit.integrations.vllm.config import identify
+    from refit.quantization import hf_quantization_config
+    from tests.harness.tiny import TINY_CONFIGS
+
+    monkeypatch.setattr(parallel_state, "get_tensor_model_parallel_rank", lambda: 0)
+    cfg = {**TINY_CONFIGS["tiny-qwen3-moe-fp8"], "quantization_config": hf_quantization_config("fp8", (0,))}
+    mc = SimpleNamespace(hf_config=SimpleNamespace(to_dict=lambda: dict(cfg), quantization_config=cfg["quantization_config"]),
+                         dtype="torch.bfloat16", model="/models/tiny-qwen3-moe-fp8")
+    pc = SimpleNamespace(pipeline_parallel_size=1, decode_context_parallel_size=1, prefill_context_parallel_size=1,
+                         enable_elastic_ep=False, enable_eplb=False, tensor_parallel_size=1, data_parallel_size=1,
+                         data_parallel_rank=0, enable_expert_parallel=False)
+    who = identify(SimpleNamespace(model_config=mc, parallel_config=pc))
+    assert who.spec.config.quantization == "fp8"
+    held = {lt.name: lt.dtype for lt in who.layout.local_tensors(who.spec, 0)}
+    assert held["model.layers.0.self_attn.qkv_proj.weight"] == "float8_e4m3fn"
+    assert held["model.layers.0.self_attn.qkv_proj.weight_scale_inv"] == "float32"
 
 
 def _deepseek_identity(monkeypatch: pytest.MonkeyPatch, **parallel: Any) -> Any:

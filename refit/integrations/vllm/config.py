@@ -23,6 +23,7 @@ from refit.archs import DEEPSEEK_ARCHS
 from refit.errors import InvalidInput
 from refit.layouts import Layout, resolve_layout
 from refit.layouts.vllm import replicated_shared_experts
+from refit.quantization import from_hf_config
 from refit.spec import ModelConfig, ModelSpec, build_spec
 
 
@@ -85,11 +86,14 @@ def identify(vllm_config: Any, replica: int | None = None, model_config: Any = N
         raise InvalidInput("vllm: expert-parallel load balancing (enable_eplb) is not supported by refit yet: it "
                          "moves experts between ranks while serving")
     quantized = getattr(mc.hf_config, "quantization_config", None)
-    if quantized:  # its layers hold quantized weights and scales, which refit's tensors do not carry
-        method = quantized.get("quant_method", "?") if isinstance(quantized, dict) else type(quantized).__name__
-        raise InvalidInput(f"vllm: the checkpoint is quantized ({method}); refit moves the trainer's unquantized "
-                         f"weights, which vLLM's layers for a quantized checkpoint cannot take: serve an "
-                         f"unquantized checkpoint")
+    if quantized:  # its layers hold quantized weights and scales: refit must write those, in its format
+        try:
+            from_hf_config(quantized)
+        except InvalidInput as e:
+            method = quantized.get("quant_method", "?") if isinstance(quantized, dict) else type(quantized).__name__
+            raise InvalidInput(f"vllm: the checkpoint is quantized ({method}) in a format refit does not write: {e}. "
+                               f"Serve an unquantized checkpoint (online quantization such as quantization='fp8' "
+                               f"is refitted), or one written by refit reshard --dst-dtype fp8") from None
     tp = pc.tensor_parallel_size
     dp_rank, dp = dp_rank_and_size(pc)
     dtype = str(mc.dtype).removeprefix("torch.")

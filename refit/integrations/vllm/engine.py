@@ -51,6 +51,7 @@ from refit.control.agent import EngineAgent
 from refit.control.agent_state import Holding
 from refit.control.membership import within_replica
 from refit.errors import InvalidInput, RefitFailed
+from refit.timeline import mark
 from refit.integrations.vllm.config import WorkerIdentity, identify
 from refit.integrations.vllm import compat, failures, sleep
 from refit.integrations.vllm.landing import Landing, check_options
@@ -216,6 +217,7 @@ class RefitWeightTransferEngine(WeightTransferEngine[RefitInitInfo, RefitUpdateI
             raise InvalidInput("refit: this engine's weights are asleep (llm.sleep): wake them first "
                                "(llm.wake_up(tags=['weights'])), then update_weights, then wake the KV cache")
         t0 = time.perf_counter()
+        mark("engine worker: update_weights entered")
         version = int(update_info.version)
         outcome: tuple[bool, str, str] = (False, "", "")
         before = agent.last_refit
@@ -226,6 +228,7 @@ class RefitWeightTransferEngine(WeightTransferEngine[RefitInitInfo, RefitUpdateI
                 if self._leader():
                     outcome = self._run_refit(info, update_info)
                 ok, refit_id, error = self._broadcast(outcome)
+                mark("engine worker: outcome known")
                 if not ok:
                     # the share is cancelled with the failure; no write may land after we return
                     if not agent.wait_idle(update_info.timeout + 5.0):
@@ -241,6 +244,7 @@ class RefitWeightTransferEngine(WeightTransferEngine[RefitInitInfo, RefitUpdateI
                 log.info("refit: %s already holds version %d (refit %s)", agent.worker_id, version, refit_id)
                 return
             seconds = landing.apply(self.model_config)
+            mark("engine worker: landed")
         except BaseException:
             # our share ran (unless the refit failed before any byte moved): the live weights may be partly new
             ran = agent.last_refit != before
@@ -268,6 +272,7 @@ class RefitWeightTransferEngine(WeightTransferEngine[RefitInitInfo, RefitUpdateI
                 drafts.after_target(self, int(info.version))
         if self.device.type == "cuda":  # copies and re-processing are queued on the stream
             torch.cuda.synchronize(self.device)
+        mark("engine worker: update_weights returns")
 
     def staging_report(self) -> dict[str, Any]:
         """What this worker stages for a refit (tests and benchmarks read it through

@@ -90,9 +90,11 @@ def landing_dtype(name: str, module: torch.nn.Module, attr: str, live: torch.Ten
                   device: torch.device) -> torch.dtype:
     """The dtype the staged tensor ``name`` lands in: the one vLLM's loader filled the live
     parameter in.  That is the live tensor's dtype, except for a linear layer's weight / bias whose
-    post-load processing may have changed it (CPU GEMM widens small biases): there the module's
-    ``params_dtype``.  Only exact (widening) casts are allowed."""
+    post-load processing may have changed it (CPU GEMM widens small biases; online quantization
+    makes it float8): there the module's ``params_dtype``.  Only exact (widening) casts are allowed."""
     want = live.dtype
+    if want == staged:  # as loaded (a quantized checkpoint's float8 weight stays float8 through processing)
+        return want
     if attr in ("weight", "bias") and transforms_after_loading(module, device):
         want = getattr(module, "params_dtype", want)
     exact = want == staged or (want.is_floating_point and staged.is_floating_point and _widens(staged, want))
