@@ -18,8 +18,9 @@ each the RL loop's calls (``start_weight_update`` .. ``finish_weight_update``), 
   of the same weights on local disk (page cache warm after the first);
 * the floor: one device copy of the engine's bytes (``copy_`` of one buffer into another).
 
-Every engine's greedy tokens and logprobs after each way are checked against the refit engine's
-first answers, before any transfer: it started from the checkpoint of the same weights.  vLLM's nccl backend needs a second GPU: not measured here yet.  The GPU machine has no
+Every engine's greedy tokens and logprobs after each way (the prefix cache reset, as RL loops do)
+are checked against the refit engine's first answers, before any transfer: it started from the
+checkpoint of the same weights.  vLLM's nccl backend needs a second GPU: not measured here yet.  The GPU machine has no
 Ray: vLLM 0.26's ipc module imports it at its top and uses it only for its "ray" send mode, so
 bench/probes/no_ray stands in for it there (put it on PYTHONPATH).
 """
@@ -49,6 +50,7 @@ def parse(argv: list[str] | None = None) -> argparse.Namespace:
     p.add_argument("--layers", type=int, default=0, help="keep the first N layers (0: all)")
     p.add_argument("--repeats", type=int, default=5)
     p.add_argument("--json", action="store_true", help="one JSON object on stdout")
+    p.add_argument("--out", default="", help="also write the JSON to this file (vLLM logs to stdout too)")
     p.add_argument("--trace", action="store_true",
                    help="trace refit's steps in every process (REFIT_CONTROL_TRACE) and report each step's median "
                         "offset from the loop's start_weight_update call: where the time beyond the copy goes")
@@ -158,10 +160,10 @@ def main(argv: list[str] | None = None) -> int:
         log.warning("refit's steps (median microseconds after start_weight_update was called):\n%s",
                     "\n".join(f"{us:10.0f}  {step}" for step, us in result["refit_steps_us"].items()))
     log.warning("so far: %s", json.dumps(result))
-    answers["refit"] = generate(llm)
+    answers["refit"] = _answers(llm)
     result["reload_ms"] = [t * 1e3 for t in timed(
         lambda: llm.collective_rpc("reload_weights", kwargs={"weights_path": model_dir}), a.repeats)]
-    answers["reload"] = generate(llm)
+    answers["reload"] = _answers(llm)
     log.warning("so far: %s", json.dumps(result))
     llm.llm_engine.engine_core.shutdown()
     del llm
@@ -172,7 +174,7 @@ def main(argv: list[str] | None = None) -> int:
     for packed in (True, False):
         result[f"vllm_ipc{'_packed' if packed else ''}_ms"] = [t * 1e3 for t in timed(
             lambda: _ipc_once(vllm_ipc, tensors, packed), a.repeats)]
-        answers[f"vllm_ipc{'_packed' if packed else ''}"] = generate(vllm_ipc)
+        answers[f"vllm_ipc{'_packed' if packed else ''}"] = _answers(vllm_ipc)
     vllm_ipc.llm_engine.engine_core.shutdown()
 
     first = answers["fresh"]
@@ -182,14 +184,30 @@ def main(argv: list[str] | None = None) -> int:
     result["summary"] = {"refit_ms": refit_ms, "x_copy_floor": refit_ms / result["copy_floor_ms"],
                          "fastest_vllm_ms": fastest_vllm, "speedup_vs_fastest_vllm": fastest_vllm / refit_ms,
                          **{k: statistics.median(result[k]) for k in ("vllm_ipc_packed_ms", "vllm_ipc_ms", "reload_ms")}}
+    steps = result.get("refit_steps_us")
+    if steps:  # the bytes' own time: the engine member between its start and end barriers
+        data_ms = (steps["engine/0: at the end barrier"] - steps["engine/0: past the start barrier"]) / 1e3
+        result["summary"].update(data_ms=data_ms, data_x_copy_floor=data_ms / result["copy_floor_ms"])
     agent.stop()
     client.close()
     server.stop()
     print(json.dumps(result, indent=None if a.json else 2))
+    if a.out:
+        with open(a.out, "w") as f:
+            json.dump(result, f, indent=1)
     return 0 if all(result["answers_equal"].values()) else 1
 
 
 TRACE_START = "loop: start_weight_update called"
+
+
+def _answers(llm: Any) -> Any:
+    """Greedy answers after a transfer, as an RL loop takes them: the prefix cache reset first (vLLM
+    keeps KV blocks computed before the transfer, and reusing them changes the arithmetic)."""
+    from tests.harness.vllm_rl import generate
+
+    llm.reset_prefix_cache()
+    return generate(llm)
 
 
 def _steps(prefix: str, last: int) -> dict[str, float]:
