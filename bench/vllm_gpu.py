@@ -185,8 +185,8 @@ def main(argv: list[str] | None = None) -> int:
                          "fastest_vllm_ms": fastest_vllm, "speedup_vs_fastest_vllm": fastest_vllm / refit_ms,
                          **{k: statistics.median(result[k]) for k in ("vllm_ipc_packed_ms", "vllm_ipc_ms", "reload_ms")}}
     steps = result.get("refit_steps_us")
-    if steps:  # the bytes' own time: the engine member between its start and end barriers
-        data_ms = (steps["engine/0: at the end barrier"] - steps["engine/0: past the start barrier"]) / 1e3
+    if steps:
+        data_ms = _data_ms(steps)
         result["summary"].update(data_ms=data_ms, data_x_copy_floor=data_ms / result["copy_floor_ms"])
     agent.stop()
     client.close()
@@ -219,6 +219,18 @@ def _steps(prefix: str, last: int) -> dict[str, float]:
     probe = importlib.util.module_from_spec(spec)
     spec.loader.exec_module(probe)  # type: ignore[union-attr]
     return dict(probe.timeline(probe.read_steps(prefix), last, start=TRACE_START))
+
+
+def _data_ms(steps: dict[str, float]) -> float:
+    """The bytes' own time: the engine member between its start and end barriers, summed over the
+    phases of a phased refit (steps ``... #2``, ``#3``...); what lies between phases is the landing."""
+    total, k = 0.0, 1
+    while True:
+        tag = "" if k == 1 else f" #{k}"
+        start, end = steps.get(f"engine/0: past the start barrier{tag}"), steps.get(f"engine/0: at the end barrier{tag}")
+        if start is None or end is None:
+            return total / 1e3
+        total, k = total + end - start, k + 1
 
 
 def _ipc_once(llm: Any, tensors: dict[str, Any], packed: bool) -> None:
