@@ -7,7 +7,8 @@ its row (the newest figure of that section unless the row says otherwise); the p
 the same arguments as the run (buckets of 256 MiB as refit-bench uses on GPUs unless the command
 names --bucket-mb; colocated unless it says disaggregated; `--layers N` through
 `refit.bench.cli.first_layers`), then predicted with the preset of the GPU it ran on.  No case is
-tuned: one preset per GPU kind (refit/predict.py).  Cases outside 15% carry a one-line reason.
+tuned: one preset per GPU kind (refit/predict.py); the two live-vLLM cases are the runs the engine
+cost (`refit.predict.ENGINES`) was fitted on, so they check the arithmetic, not the model.  Cases outside 15% carry a one-line reason.
 ``--big``: predict the runs no machine here can measure (docs/performance.md, "Predicted big runs").
 """
 
@@ -21,7 +22,7 @@ from dataclasses import dataclass
 from refit.bench.cli import first_layers
 from refit.hf_checkpoint import load_spec
 from refit.planners import make_plan
-from refit.predict import hardware, predict
+from refit.predict import engine_cost, hardware, predict
 from refit.units import MiB
 
 BAND = 0.15
@@ -42,6 +43,8 @@ class Case:
     planner: str = "p2p"
     bucket_mb: float = 256
     hw: str = "h200-nvl8"
+    engine: str = ""  # a live engine's loop around the bytes (`refit.predict.ENGINES`)
+    phase_layers: int = 0
     why: str = ""  # one line, for a case outside the band (what the model leaves out)
 
 
@@ -120,6 +123,10 @@ CASES = [
          "Ray, 2× H200 (2026-11-22)",
          why="measured 2026-11-22, before the executor's fixes of 11-22/23 (the direct bench ran 49.0 ms "
              "that day, 40.35 now)"),
+    Case("q8 into live vLLM 0.26, loop calls", "qwen3-8b", "hf", "vllm:tp1", 1, 15.26,
+         "refit against vLLM's own weight transfer, vLLM 0.26, one H200 (newest)", engine="vllm"),
+    Case("q30 --layers 16 into live vLLM 0.26, loop calls (phases of 1 layer)", "qwen3-30b-moe", "hf", "vllm:tp1",
+         1, 33.98, "same section (newest)", layers=16, engine="vllm", phase_layers=1),
     Case("q8 tp1→tp1 two Ray nodes, nccl", "qwen3-8b", "megatron:tp1", "vllm:tp1", 2, 52.9,
          "Ray, 2× H200 (2026-11-22)", transport="nccl", placement="disaggregated"),
 ]
@@ -138,10 +145,10 @@ def run_case(c: Case) -> dict:
     spec = load_spec(c.model)
     if c.layers:
         spec = first_layers(spec, c.layers)
-    result = make_plan(spec, c.src, c.dst, c.placement, c.planner, int(c.bucket_mb * MiB))
+    result = make_plan(spec, c.src, c.dst, c.placement, c.planner, int(c.bucket_mb * MiB), c.phase_layers)
     if result.plan.placement.num_gpus != c.gpus:
         raise SystemExit(f"{c.name}: the plan has {result.plan.placement.num_gpus} GPUs, the run {c.gpus}")
-    p = predict(result.plan, hardware(c.hw), c.transport)
+    p = predict(result.plan, hardware(c.hw), c.transport, engine_cost(c.engine) if c.engine else None)
     ratio = p.seconds * 1e3 / c.measured_ms
     inside = abs(ratio - 1) <= BAND
     return {"case": c.name, "gpus": c.gpus, "hardware": c.hw, "transport": c.transport,

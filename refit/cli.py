@@ -24,7 +24,7 @@ from refit.hf_checkpoint import hf_config, load_spec
 from refit.layouts import LAYOUT_HELP, resolve_layout
 from refit.plan import DEFAULT_BUCKET_BYTES
 from refit.planners import make_plan
-from refit.predict import HARDWARE, TERMS, TRANSPORTS, hardware, predict
+from refit.predict import ENGINES, HARDWARE, TERMS, TRANSPORTS, engine_cost, hardware, predict
 from refit.reshard import check_output, reshard
 from refit.quantization import FORMATS, hf_quantization_config
 from refit.spec import ModelSpec, build_spec, quantize_spec
@@ -145,10 +145,12 @@ def cmd_plan(args: argparse.Namespace) -> int:
     s = result.summary
     prediction = None
     if args.predict:
-        prediction = predict(result.plan, hardware(args.hardware or "h200-nvl8", args.link_gbps, args.nic_gbps), args.transport)
+        prediction = predict(result.plan, hardware(args.hardware or "h200-nvl8", args.link_gbps, args.nic_gbps),
+                             args.transport, engine_cost(args.engine) if args.engine else None)
         s = {**s, **prediction.to_dict()}
-    elif (args.hardware, args.link_gbps, args.nic_gbps, args.transport) != (None, None, None, None):
-        raise InvalidInput("--hardware, --link-gbps, --nic-gbps and --transport shape a prediction: add --predict")
+    elif (args.hardware, args.link_gbps, args.nic_gbps, args.transport, args.engine) != (None,) * 5:
+        raise InvalidInput("--hardware, --link-gbps, --nic-gbps, --transport and --engine shape a prediction: "
+                           "add --predict")
     if args.out:
         write_file_atomically(args.out, json.dumps(result.plan.to_dict(), separators=(",", ":")))
     if args.json:
@@ -203,6 +205,10 @@ def _print_prediction(p: Any) -> None:
                 print(f"    {term:<11} largest on gpu {t.gpu:<4} {t.nbytes / 1e9:>9.2f} GB at {t.rate_gbs:>6.0f} GB/s "
                       f"= {t.seconds * 1e3:8.2f} ms")
     print(f"  + fixed overhead {hw.overhead_s * 1e3:.1f} ms")
+    if p.engine is not None:
+        phases = f" + {p.engine.phase_s * 1e3:.2f} ms per phase" if p.engine_seconds > p.engine.loop_s else ""
+        print(f"  + engine {p.engine.name} {p.engine_seconds * 1e3:.1f} ms ({p.engine.loop_s * 1e3:.2f} ms the loop's "
+              f"calls and control{phases})")
 
 
 # ---------------------------------------------------------------------------------------------
@@ -401,6 +407,12 @@ def build_parser() -> argparse.ArgumentParser:
     pr.add_argument("--transport", choices=list(TRANSPORTS), default=None,
                     help="which transport's link rate: ipc (CUDA IPC, the default when the plan's GPUs fit one "
                          "host) or nccl (the default across hosts)")
+    pr.add_argument("--engine", choices=sorted(ENGINES), default=None,
+                    help="add what a live engine costs around the bytes: " + "; ".join(
+                        f"{e.name}: {e.loop_s * 1e3:.2f} ms a refit (the loop's calls and refit's control), "
+                        f"{e.phase_s * 1e3:.2f} ms a phase (the landing between phases: a MoE engine on CUDA "
+                        f"stages its experts a layer at a time, so plan it with --phase-layers 1)"
+                        for e in ENGINES.values()))
     pl.set_defaults(func=cmd_plan)
 
     rs = sub.add_parser("reshard", help="convert a checkpoint between layouts, offline and bit-exact",

@@ -23,6 +23,14 @@ and at NCCL's own send/recv rate over NCCL, with the same-GPU copies hidden besi
 a refit is its same-GPU copy (bench/RESULTS.md).  A max over independent resources, plus a constant,
 fitted those runs within ~10% (`bench/predict_vs_measured.py` prints the comparison).
 
+The engine around the bytes (``--engine vllm``).  A live refit through an engine's own calls adds
+a fixed time per refit — the RL loop's calls through the engine (vLLM's engine-core RPCs for
+``start_weight_update``, ``update_weights``, ``finish_weight_update``) and refit's control plane
+(the coordinator's dispatch, the members' barriers, the outcome) — and, for a plan cut into phases
+(an engine that stages one window of layers: MoE experts on CUDA, every GEMM on CPU), a time per
+phase, in which the engine re-runs vLLM's processing of what landed before the next phase starts
+(`EngineCost`).  Both are measured on one H200 with vLLM 0.26 (bench/vllm_gpu.py ``--trace``).
+
 What it leaves out: contention between NVLink and the NICs (PCIe, the GPU's memory) beyond the max;
 the host's CPU time but for the fixed term (control plane, Python, launching thousands of small
 copies: a model with tens of thousands of small tensors copies slower than ``same_gpu_gbs``);
@@ -98,6 +106,38 @@ H100_NVL8 = Hardware(
     nic_gbs=50.0 * NIC_EFFICIENCY, same_gpu_gbs=round(1950.0 * 3.35 / 4.8, 1), overhead_s=0.3e-3,
     notes="8x H100 SXM per host, NVLink 4 (NV18) between them, 8x 400 Gb/s NICs per host")
 HARDWARE: dict[str, Hardware] = {h.name: h for h in (H200_NVL8, H100_NVL8)}
+
+
+@dataclass(frozen=True)
+class EngineCost:
+    """What an inference engine adds around the bytes of a live refit (module docstring)."""
+
+    name: str
+    loop_s: float  # fixed per refit: the loop's calls through the engine plus refit's control plane
+    phase_s: float  # per phase of a phased plan: the landing between phases
+    notes: str = ""
+
+    def seconds(self, plan: Plan) -> float:
+        return self.loop_s + (self.phase_s * len(plan.phase_ranges()) if plan.phase_layers else 0.0)
+
+
+# vLLM 0.26 on one H200, 2026-11-29 (bench/RESULTS.md, "refit against vLLM's own weight transfer"):
+# qwen3-8b's refit took 15.26 ms of which the bytes 8.61 ms (engine member between its barriers),
+# so 6.65 ms is the loop's three calls (~3 ms of vLLM RPC) and refit's control (~3.5 ms).  qwen3-30b-moe
+# (16 layers), phased a layer at a time: 33.98 ms over 19 phases; less the loop, the fixed overhead and
+# the modelled bytes (10.86 ms), 0.85 ms a phase (the trace: ~0.6 ms re-running vLLM's expert
+# processing between phases, the rest the phase's barriers and launches).  Fitted on those two runs.
+ENGINES: dict[str, EngineCost] = {e.name: e for e in (
+    EngineCost("vllm", loop_s=6.65e-3, phase_s=0.85e-3,
+               notes="vLLM 0.26 on one H200: the loop's three calls and refit's control plane; per phase the "
+                     "engine re-processes what landed"),
+)}
+
+
+def engine_cost(name: str) -> EngineCost:
+    if name not in ENGINES:
+        raise InvalidInput(f"unknown engine {name!r}: {', '.join(ENGINES)}")
+    return ENGINES[name]
 
 
 def hardware(name: str, link_gbs: float | None = None, nic_gbs: float | None = None) -> Hardware:
@@ -190,6 +230,8 @@ class Prediction:
     hardware: Hardware
     transport: str
     num_hosts: int
+    engine: EngineCost | None = None
+    engine_seconds: float = 0.0  # what the engine adds (included in ``seconds``)
 
     def to_dict(self) -> dict[str, Any]:
         """``predicted_seconds``, ``bottleneck``, and the per-term breakdown (each term's largest per
@@ -201,6 +243,8 @@ class Prediction:
             "transport": self.transport,
             "num_hosts": self.num_hosts,
             "overhead_seconds": self.hardware.overhead_s,
+            "engine": None if self.engine is None else {**dataclasses.asdict(self.engine),
+                                                        "seconds": self.engine_seconds},
             "phases": [{"phase": p.name, "seconds": p.seconds,
                         "bottleneck": p.bottleneck.describe() if p.bottleneck else None,
                         "terms": {t: term.to_dict() for t, term in p.largest.items()}} for p in self.phases],
@@ -218,9 +262,11 @@ def _phase(name: str, per_gpu: list[GpuBytes], rates: dict[str, float]) -> Phase
     return Phase(name, worst.seconds if worst else 0.0, worst, largest)
 
 
-def predict(plan: Plan, hw: Hardware = H200_NVL8, transport: str | None = None) -> Prediction:
+def predict(plan: Plan, hw: Hardware = H200_NVL8, transport: str | None = None,
+            engine: EngineCost | None = None) -> Prediction:
     """The refit's predicted seconds and what sets them (module docstring).  ``transport``: ipc or
-    nccl; None: ipc when the plan's GPUs fit one host, else nccl (CUDA IPC does not cross hosts)."""
+    nccl; None: ipc when the plan's GPUs fit one host, else nccl (CUDA IPC does not cross hosts).
+    ``engine``: what a live engine adds around the bytes (`ENGINES`); None: the bytes alone."""
     n = plan.placement.num_gpus
     hosts = -(-n // hw.gpus_per_host)
     if transport is None:
@@ -236,9 +282,10 @@ def predict(plan: Plan, hw: Hardware = H200_NVL8, transport: str | None = None) 
     if any(b.stage == 0 for b in plan.buckets):
         phases.append(_phase("gather (stage 0)", gpu_bytes(plan, hw.gpus_per_host, 0), rates))
     phases.append(_phase("refit (stage 1)", gpu_bytes(plan, hw.gpus_per_host, 1), rates))
-    seconds = sum(p.seconds for p in phases) + hw.overhead_s
+    around = engine.seconds(plan) if engine is not None else 0.0
+    seconds = sum(p.seconds for p in phases) + hw.overhead_s + around
     worst = max(phases, key=lambda p: p.seconds)
     label = worst.bottleneck.describe() if worst.bottleneck else "nothing moves"
     if worst.bottleneck and len(phases) > 1:
         label += f" ({worst.name})"
-    return Prediction(seconds, label, tuple(phases), hw, transport, hosts)
+    return Prediction(seconds, label, tuple(phases), hw, transport, hosts, engine, around)

@@ -193,7 +193,27 @@ def test_cli_predict_text_and_plain_plan_unchanged(capsys):
     assert "\npredicted " in out and "bottleneck  gpu" in out and "NVLink in" in out
 
 
+def test_cli_predict_engine_adds_the_loop_and_each_phases_landing(capsys):
+    """--engine vllm: the loop's calls and control once, and the landing once per phase."""
+    from refit.predict import ENGINES
+
+    vllm = ENGINES["vllm"]
+    argv = ["plan", "--model", "qwen3-30b-moe", "--src", "hf", "--dst", "vllm:tp1", "--predict", "--json"]
+    bare = json.loads(run(capsys, *argv)[1])["summary"]
+    plain = json.loads(run(capsys, *argv, "--engine", "vllm")[1])["summary"]
+    phased = json.loads(run(capsys, *argv, "--engine", "vllm", "--phase-layers", "1")[1])["summary"]
+    assert bare["engine"] is None
+    assert plain["predicted_seconds"] == pytest.approx(bare["predicted_seconds"] + vllm.loop_s)
+    assert plain["engine"]["seconds"] == pytest.approx(vllm.loop_s)
+    # 48 layers a phase each, plus the embedding, the final norm and the LM head
+    assert phased["num_phases"] == 51
+    assert phased["engine"]["seconds"] == pytest.approx(vllm.loop_s + 51 * vllm.phase_s)
+    rc, out, _ = run(capsys, *argv[:-1], "--engine", "vllm", "--phase-layers", "1")
+    assert rc == 0 and "+ engine vllm" in out and "per phase" in out
+
+
 @pytest.mark.parametrize("extra, words", [
+    (["--engine", "vllm"], "add --predict"),
     (["--predict", "--link-gbps", "0"], "--link-gbps must be a positive"),
     (["--predict", "--nic-gbps", "-1"], "--nic-gbps must be a positive"),
     (["--link-gbps", "300"], "add --predict"),
