@@ -83,6 +83,13 @@ def pytest_sessionstart(session: pytest.Session) -> None:
         )
 
 
+def pytest_sessionfinish(session: pytest.Session, exitstatus: int) -> None:
+    """Wait for the engine processes that were left to finish exiting (`procs.reap_later`)."""
+    from tests.harness.procs import reap_all
+
+    reap_all()
+
+
 @pytest.hookimpl(hookwrapper=True)
 def pytest_runtest_protocol(item: pytest.Item, nextitem: pytest.Item | None) -> Iterator[None]:
     """Record the running test for the harness (tests/harness/marks.py): a test that starts a vLLM

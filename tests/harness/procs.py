@@ -154,6 +154,26 @@ class PipedProcess:
                 self.proc.join(10)
 
 
+_exiting: list[Any] = []  # processes told to stop, whose exit nobody waits for (`reap_later`)
+
+
+def reap_later(proc: Any) -> None:
+    """Let ``proc``, which answered "stop", finish exiting while the run goes on (a vLLM engine
+    takes 1-3 s to tear itself down after it left the coordinator); `reap_all` waits at the end."""
+    _exiting.append(proc)
+
+
+def reap_all(timeout: float = 30.0) -> None:
+    """Wait for every process handed to `reap_later`; kill those still there after ``timeout``."""
+    deadline = time.monotonic() + timeout
+    while _exiting:
+        proc = _exiting.pop()
+        proc.join(max(0.0, deadline - time.monotonic()))
+        if proc.is_alive():
+            proc.kill()
+            proc.join(10)
+
+
 def strike_self(sig: int) -> None:
     """Send ``sig`` (SIGKILL, SIGSTOP) to this process *through the calling thread*: it takes effect
     before the call returns.  ``os.kill(os.getpid(), SIGSTOP)`` from a thread other than the main

@@ -27,7 +27,7 @@ import torch
 
 from tests.harness.procs import PipedProcess, recv_answer, spawn_logged
 from tests.harness.marks import require_vllm_mark
-from tests.harness.vllm_rl import CTX, EngineProcess, PROMPTS, _setup_process, _shutdown, make_llm, unprobe
+from tests.harness.vllm_rl import CTX, EngineProcess, PROMPTS, _setup_process, _shutdown, make_llm, stop_engine, unprobe
 
 SPEC_TOKENS = 3
 MAX_TOKENS = 32  # per prompt: enough drafts for an acceptance rate
@@ -320,8 +320,7 @@ def _engine_main(conn: Any, target_dir: str, llm_kwargs: dict[str, Any], coordin
             elif cmd == "warnings":  # refit's warnings logged in this process so far
                 conn.send(("ok", list(warnings.messages)))
             elif cmd == "stop":
-                _shutdown(llm)
-                conn.send(("ok", None))
+                stop_engine(conn, llm)
                 return
         except Exception as e:  # noqa: BLE001 - the test reads it
             conn.send(("error", f"{type(e).__name__}: {e}\n{traceback.format_exc()[-3000:]}"))

@@ -17,7 +17,7 @@ from typing import Any
 
 from tests.harness.marks import require_vllm_mark
 from tests.harness.procs import recv_answer, spawn_logged
-from tests.harness.vllm_rl import CTX, EngineProcess, PROMPTS, MAX_TOKENS, _setup_process, _shutdown, make_llm
+from tests.harness.vllm_rl import CTX, EngineProcess, PROMPTS, MAX_TOKENS, _setup_process, _shutdown, make_llm, stop_engine
 
 Answers = list[tuple[list[int], list[float]]]
 
@@ -69,8 +69,7 @@ def _engine_main(conn: Any, model_dir: str, tp: int, llm_kwargs: dict[str, Any])
             elif cmd == "remove":  # llm.llm_engine.remove_lora(id)
                 conn.send(("ok", llm.llm_engine.remove_lora(arg)))
             elif cmd == "stop":
-                _shutdown(llm)
-                conn.send(("ok", None))
+                stop_engine(conn, llm)
                 return
         except Exception as e:  # noqa: BLE001 - the test reads it
             conn.send(("error", f"{type(e).__name__}: {e}\n{traceback.format_exc()[-1500:]}"))

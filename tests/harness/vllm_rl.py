@@ -34,10 +34,11 @@ from typing import Any, Iterator
 import torch
 
 from tests.harness.marks import require_vllm_mark
-from tests.harness.procs import AfterFirstPhase, PipedProcess, recv_answer, spawn_logged
+from tests.harness.procs import AfterFirstPhase, PipedProcess, reap_later, recv_answer, spawn_logged
 from tests.harness.run_cache import checkpoint_digest, vllm_environment, vllm_version
 
 CTX = mp.get_context("spawn")
+log = logging.getLogger(__name__)
 
 
 def vllm_marks() -> list[Any]:
@@ -352,8 +353,7 @@ def _engine_main(conn: Any, model_dir: str, tp: int, ep: bool, coordinator: str 
             elif cmd == "weight_version":
                 conn.send(("ok", llm.get_weight_version()))
             elif cmd == "stop":
-                _shutdown(llm)
-                conn.send(("ok", None))
+                stop_engine(conn, llm)
                 return
         except Exception as e:  # noqa: BLE001 - the test reads it
             conn.send(("error", f"{type(e).__name__}: {e}\n{traceback.format_exc()[-2000:]}"))
@@ -402,6 +402,23 @@ def _kill_after_first_phase(pid: int, worker: Any) -> None:
     landing.landed = landed
 
 
+def stop_engine(conn: Any, llm: Any) -> None:
+    """An engine process's "stop": refit's agents leave the coordinator, the test hears "ok" and
+    goes on (`EngineProcess.close`), and vLLM shuts down meanwhile."""
+    try:
+        llm.collective_rpc(_leave_coordinator)
+    except Exception as e:  # noqa: BLE001 - vLLM's own shutdown stops the agents too
+        log.warning("engine: stopping refit's agents failed (%s); vLLM's shutdown stops them", e)
+    conn.send(("ok", None))
+    _shutdown(llm)
+
+
+def _leave_coordinator(worker: Any) -> None:
+    engine = getattr(worker, "weight_transfer_engine", None)
+    if engine is not None:
+        engine.shutdown()
+
+
 def _shutdown(llm: Any) -> None:
     import gc
 
@@ -446,6 +463,17 @@ class EngineProcess(PipedProcess):
     def ask(self, cmd: str, arg: Any = None, timeout: float = 300.0) -> tuple[str, Any]:
         self.conn.send((cmd, arg))
         return recv_answer(self.conn, self.proc, timeout, f"engine: {cmd}", self.log)
+
+    def close(self) -> None:
+        """Ask it to stop: once it answers, refit's agents have left the coordinator; vLLM's own
+        shutdown and the process's exit go on beside the next test (`reap_later`)."""
+        if not self.proc.is_alive():
+            return
+        try:
+            self.ask("stop", timeout=self.stop_timeout)
+        except (AssertionError, OSError, EOFError):
+            self.proc.kill()
+        reap_later(self.proc)
 
 
 class Engine(EngineProcess):
