@@ -181,15 +181,15 @@ class Trainers:
         self.procs[rank].join(10)
 
     def close(self) -> None:
+        """Stop every rank: once each answered, its agent has left the coordinator; the processes
+        finish exiting beside the next test (`reap_later`)."""
         for r, p in enumerate(self.procs):
             if p.is_alive():
                 try:
                     self.ask(r, "stop", timeout=10)
                 except (AssertionError, OSError, EOFError):
-                    pass
-                p.join(5)
-                if p.is_alive():
                     p.kill()
+                reap_later(p)
 
 
 # ------------------------------------------------------------------------------------ engines
