@@ -64,6 +64,12 @@ def _exit_text(code: int | None) -> str:
     return f"exit code {code}"
 
 
+def _died(proc: Any, what: str, log: str | None) -> ProcessDied:
+    """The failure for ``proc`` having ended before it answered ``what``, with its log's last lines."""
+    proc.join(5)
+    return ProcessDied(f"{what}: the process died ({_exit_text(proc.exitcode)}) before it answered" + log_tail(log))
+
+
 def await_answer(conn: Any, proc: Any, timeout: float, what: str, log: str | None = None) -> None:
     """Wait until ``conn`` (a pipe to the spawned ``proc``) has something to read; fail at once,
     naming how it ended and quoting its log's last lines, when ``proc`` dies first (it watches
@@ -76,9 +82,7 @@ def await_answer(conn: Any, proc: Any, timeout: float, what: str, log: str | Non
         if conn in ready or conn.poll(0):
             return
         if proc.sentinel in ready:
-            proc.join(5)
-            raise ProcessDied(f"{what}: the process died ({_exit_text(proc.exitcode)}) before it answered"
-                              + log_tail(log))
+            raise _died(proc, what, log)
         if left <= 0:
             raise AssertionError(f"{what}: no answer within {timeout:.0f} s" + log_tail(log))
 
@@ -90,9 +94,7 @@ def recv_answer(conn: Any, proc: Any, timeout: float, what: str, log: str | None
     try:
         return conn.recv()
     except EOFError:
-        proc.join(5)
-        raise ProcessDied(f"{what}: the process died ({_exit_text(proc.exitcode)}) before it answered"
-                          + log_tail(log)) from None
+        raise _died(proc, what, log) from None
 
 
 def _logged_main(log: str, main: Callable[..., Any], *args: Any) -> None:
@@ -154,24 +156,49 @@ class PipedProcess:
                 self.proc.join(10)
 
 
-_exiting: list[Any] = []  # processes told to stop, whose exit nobody waits for (`reap_later`)
+# processes whose exit nobody waits for, each with the thread that reaps it (`reap_later`)
+_exiting: list[tuple[Any, threading.Thread]] = []
 
 
-def reap_later(proc: Any) -> None:
-    """Let ``proc``, which answered "stop", finish exiting while the run goes on (a vLLM engine
-    takes 1-3 s to tear itself down after it left the coordinator); `reap_all` waits at the end."""
-    _exiting.append(proc)
+def reap_later(proc: Any, timeout: float = 60.0) -> None:
+    """Let ``proc``, which sent its last answer, finish exiting while the run goes on (a vLLM engine
+    takes 1-4 s to tear itself down after it left the coordinator): a thread of its own joins it,
+    and kills it if it is still there after ``timeout`` seconds; `reap_all` waits at the end."""
+    _exiting[:] = [(p, t) for p, t in _exiting if t.is_alive()]
+    t = threading.Thread(target=_reap, args=(proc, timeout), daemon=True)
+    t.start()
+    _exiting.append((proc, t))
+
+
+def _reap(proc: Any, timeout: float) -> None:
+    proc.join(timeout)
+    if proc.is_alive():
+        proc.kill()
+        proc.join(10)
 
 
 def reap_all(timeout: float = 30.0) -> None:
     """Wait for every process handed to `reap_later`; kill those still there after ``timeout``."""
     deadline = time.monotonic() + timeout
     while _exiting:
-        proc = _exiting.pop()
-        proc.join(max(0.0, deadline - time.monotonic()))
-        if proc.is_alive():
+        proc, t = _exiting.pop()
+        t.join(max(0.0, deadline - time.monotonic()))
+        if t.is_alive():  # its thread is still joining it: the kill ends that join
             proc.kill()
-            proc.join(10)
+            t.join(15)
+
+
+def stop_then_reap(proc: Any, stop: Callable[[], Any]) -> None:
+    """The teardown of a process that answers "stop" once it no longer holds anything the next test
+    may meet (its agents left the coordinator): ``stop()`` asks and waits for that answer; a process
+    that does not give it is killed; either way its exit goes on beside the run (`reap_later`)."""
+    if not proc.is_alive():
+        return
+    try:
+        stop()
+    except (AssertionError, OSError, EOFError):
+        proc.kill()
+    reap_later(proc)
 
 
 def strike_self(sig: int) -> None:

@@ -26,7 +26,6 @@ import logging
 import multiprocessing as mp
 import os
 import signal
-import threading
 import time
 import traceback
 from typing import Any, Iterator
@@ -34,7 +33,7 @@ from typing import Any, Iterator
 import torch
 
 from tests.harness.marks import require_vllm_mark
-from tests.harness.procs import AfterFirstPhase, PipedProcess, reap_later, recv_answer, spawn_logged
+from tests.harness.procs import AfterFirstPhase, PipedProcess, reap_later, recv_answer, spawn_logged, stop_then_reap
 from tests.harness.run_cache import checkpoint_digest, vllm_environment, vllm_version
 
 CTX = mp.get_context("spawn")
@@ -184,12 +183,7 @@ class Trainers:
         """Stop every rank: once each answered, its agent has left the coordinator; the processes
         finish exiting beside the next test (`reap_later`)."""
         for r, p in enumerate(self.procs):
-            if p.is_alive():
-                try:
-                    self.ask(r, "stop", timeout=10)
-                except (AssertionError, OSError, EOFError):
-                    p.kill()
-                reap_later(p)
+            stop_then_reap(p, lambda r=r: self.ask(r, "stop", timeout=10))
 
 
 # ------------------------------------------------------------------------------------ engines
@@ -467,13 +461,7 @@ class EngineProcess(PipedProcess):
     def close(self) -> None:
         """Ask it to stop: once it answers, refit's agents have left the coordinator; vLLM's own
         shutdown and the process's exit go on beside the next test (`reap_later`)."""
-        if not self.proc.is_alive():
-            return
-        try:
-            self.ask("stop", timeout=self.stop_timeout)
-        except (AssertionError, OSError, EOFError):
-            self.proc.kill()
-        reap_later(self.proc)
+        stop_then_reap(self.proc, lambda: self.ask("stop", timeout=self.stop_timeout))
 
 
 class Engine(EngineProcess):
@@ -513,13 +501,6 @@ _REFERENCES: dict[tuple[Any, ...], Any] = {}
 REFERENCE_STATS = {"computed": 0, "reused": 0}
 
 
-def _reap(proc: Any, timeout: float = 60.0) -> None:
-    proc.join(timeout)
-    if proc.is_alive():
-        proc.kill()
-        proc.join(10)
-
-
 class _Computing:
     """One reference process under way: its answers, once received, go into `_REFERENCES`."""
 
@@ -542,8 +523,7 @@ class _Computing:
             self.done = True
             for k in self.keys:
                 _COMPUTING.pop(k, None)
-            # it shuts its last engine down after answering: reaped in the background
-            threading.Thread(target=_reap, args=(self.proc,), daemon=True).start()
+            reap_later(self.proc)  # it shuts its last engine down after answering
 
 
 _COMPUTING: dict[tuple[Any, ...], _Computing] = {}
