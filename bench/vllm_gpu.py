@@ -220,13 +220,9 @@ def _answers(llm: Any) -> Any:
 
 def _steps(prefix: str, last: int) -> dict[str, float]:
     """Each traced step's median offset (microseconds) from the loop's call, over the last refits."""
-    import importlib.util
+    from refit.timeline import read_steps, timeline
 
-    spec = importlib.util.spec_from_file_location("control_breakdown",
-                                                  os.path.join(ROOT, "bench", "probes", "control_breakdown.py"))
-    probe = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(probe)  # type: ignore[union-attr]
-    return dict(probe.timeline(probe.read_steps(prefix), last, start=TRACE_START))
+    return dict(timeline(read_steps(prefix), last, start=TRACE_START))
 
 
 def _data_ms(steps: dict[str, float]) -> float:

@@ -12,46 +12,13 @@ from that call over the last ``--last`` refits, with the gap from the step befor
 from __future__ import annotations
 
 import argparse
-import collections
-import glob
 import json
 import os
-import statistics
 import subprocess
 import sys
 import tempfile
 
-START = "client: Refit sent"
-
-
-def read_steps(prefix: str) -> list[tuple[int, str]]:
-    """Every process's (ns, step), in clock order."""
-    steps = []
-    for path in glob.glob(prefix + ".*"):
-        with open(path) as f:
-            for line in f:
-                ns, step = line.rstrip("\n").split(" ", 1)
-                steps.append((int(ns), step))
-    return sorted(steps)
-
-
-def timeline(steps: list[tuple[int, str]], last: int, start: str = START) -> list[tuple[str, float]]:
-    """(step, median microseconds after the call) over the last ``last`` refits, each cut at
-    ``start``; a step reached several times in one refit (phases) is numbered."""
-    refits: list[list[tuple[int, str]]] = []
-    for ns, step in steps:
-        if step == start:
-            refits.append([])
-        if refits:
-            refits[-1].append((ns, step))
-    offsets: dict[str, list[float]] = collections.defaultdict(list)
-    for refit in refits[-last:]:
-        t0, seen = refit[0][0], collections.Counter()
-        for ns, step in refit:
-            seen[step] += 1
-            name = step if seen[step] == 1 else f"{step} #{seen[step]}"
-            offsets[name].append((ns - t0) / 1e3)
-    return sorted(((s, statistics.median(v)) for s, v in offsets.items()), key=lambda sv: sv[1])
+from refit.timeline import read_steps, timeline
 
 
 def main() -> None:

@@ -32,7 +32,7 @@ from typing import Any, Callable
 
 from refit.errors import RefitError
 from refit.spec import ModelSpec
-from refit.timeline import mark
+from refit.timeline import CLIENT_CALL, mark
 from refit.units import fmt_bytes
 
 log = logging.getLogger(__name__)
@@ -194,7 +194,7 @@ def run_grpc(args: argparse.Namespace, spec: ModelSpec, plan: Any, cuda: bool, t
             version = k + 1
             ranks.ask(ranks.of("trainer"), "fill", version)
             t0 = time.perf_counter()
-            mark("client: Refit sent")
+            mark(CLIENT_CALL)
             result = client.refit(created["plan_id"], version=version, timeout=args.timeout, atomic=args.atomic,
                                   verify=args.verify)
             trip = time.perf_counter() - t0
