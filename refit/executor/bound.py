@@ -18,6 +18,7 @@ import torch
 from refit.boxes import volume
 from refit.errors import InvalidInput
 from refit.executor.copies import CopyBatch, Pair
+from refit.executor.delta import DeltaRun, run_delta_step, word_size
 from refit.executor.device import Device
 from refit.executor.schedule import Program, Wire
 from refit.executor.topology import Endpoint
@@ -39,6 +40,16 @@ class BoundStep:
     unpack: CopyBatch
     sends: list[tuple[int, int, torch.Tensor]]
     recvs: list[tuple[int, int, torch.Tensor]]
+    words: list[int] = field(default_factory=list)  # per send: the word a delta compares (`refit.executor.delta`)
+    refill: list[Pair] = field(default_factory=list)  # (receive buffer, local block): what a delta starts from
+    _refill: CopyBatch | None = None
+
+    def refill_batch(self, dma: bool) -> CopyBatch:
+        """The copies that fill the staged receive buffers with what their blocks hold now (built
+        at the first delta refit: a full refit never needs them)."""
+        if self._refill is None:
+            self._refill = CopyBatch(self.refill, dma=dma)
+        return self._refill
 
 
 @dataclass
@@ -200,6 +211,7 @@ def _bind_stages(program: Program, views: _Views, direct: dict[tuple[int, bool],
             sbufs, rbufs = sets[j % 2], rsets[j % 2]
             pack: list[Pair] = []
             unpack: list[Pair] = []
+            refill: list[Pair] = []
             sends, recvs = [], []
             for w, buf in zip(step.sends, sbufs):
                 region = direct.get((w.bucket, True))
@@ -210,8 +222,12 @@ def _bind_stages(program: Program, views: _Views, direct: dict[tuple[int, bool],
                 region = direct.get((w.bucket, False))
                 if region is None:
                     unpack += _buffer_pairs(w, buf, views, into_buffer=False)
+                    refill += [(b, a) for a, b in unpack[len(refill):]]
                 recvs.append((w.peer, w.bucket, region if region is not None else buf[:w.nbytes]))
-            steps.append(BoundStep(step.key, CopyBatch(pack, dma=dma), CopyBatch(unpack, dma=dma), sends, recvs))
+            words = [word_size([DTYPE_BYTES[t.dtype] for t in w.transfers], [t.offset for t in w.transfers], w.nbytes)
+                     for w in step.sends]
+            steps.append(BoundStep(step.key, CopyBatch(pack, dma=dma), CopyBatch(unpack, dma=dma), sends, recvs,
+                                   words, refill))
             j += 1
         by_device: dict[torch.device, list[Pair]] = defaultdict(list)  # by the peer device (pull or push)
         for m in st.pulls:
@@ -228,12 +244,15 @@ def _bind_stages(program: Program, views: _Views, direct: dict[tuple[int, bool],
 
 
 def run_refit(bound: Bound, comm: Comm | None, device: Device, remaining: Remaining,
-              hook: Callable[[], None] | None = None) -> None:
+              hook: Callable[[], None] | None = None, delta: DeltaRun | None = None) -> None:
     """One refit of this member's share, in program order.  Two steps in flight at most (the two
     buffer sets); a stage is drained before the next starts (stage 1 sends what stage 0 gathered).
     A stage's same-device moves and its peer copies (ipc) run on streams of their own, beside its
     steps and each other (`Device.beside`, `Device.pull`), and are joined at its end.
-    ``remaining`` is asked before every step and bounds every wait on the communicator."""
+    ``remaining`` is asked before every step and bounds every wait on the communicator.
+    ``delta``: a delta refit — its wire steps run one at a time through `run_delta_step`; the
+    same-device moves and peer copies stay full (a compare would read the source as often as the
+    copy does, and write nearly as much)."""
     deadline = time.monotonic() + remaining()
     device.begin()
     if hook and not any(st.steps for st in bound.stages):
@@ -252,6 +271,17 @@ def run_refit(bound: Bound, comm: Comm | None, device: Device, remaining: Remain
             device.pull(batch)
         if not stage.steps:
             device.beside(stage.moves, part="rest" if launched else "all")
+        if delta is not None and stage.steps:
+            assert comm is not None, "a program with steps needs a communicator"
+            for j, step in enumerate(stage.steps):
+                run_delta_step(step, comm, device, deadline, remaining, delta)
+                if j == 0:
+                    if hook:
+                        hook()
+                        hook = None
+                    device.beside(stage.moves)
+            device.join()
+            continue
         inflight: deque[tuple[BoundStep, Any]] = deque()
         for j, step in enumerate(stage.steps):
             if len(inflight) == 2:

@@ -40,6 +40,7 @@ import torch.distributed as dist
 from refit import settings
 from refit.errors import InvalidInput, RefitFailed
 from refit.executor.bound import Bound, Remaining, bind_all, run_refit
+from refit.executor.delta import DeltaCache, DeltaRun, DeltaStats, full_stats
 from refit.executor.device import Device, enable_peer_access, make_device
 from refit.executor.schedule import compile_program
 from refit.executor.shards import Shards, allocate, check_own, remove_file, views
@@ -122,6 +123,9 @@ class Member:
         driven = set(topology.driven_devices(member))
         self.driver = bool(driven)
         self.rounds = 0  # barriers passed, in lockstep on every member
+        self.delta_cache = DeltaCache()  # what this member last sent over a wire (delta refits)
+        self.delta_ready = False  # the last refit was a delta refit that completed: the cache is what landed
+        self.last_delta = DeltaStats()
 
         # Member 0's run knobs hold for all (`refit.settings`), and with ipc its choice of direction.
         if member == 0:
@@ -307,6 +311,8 @@ class Member:
         but the barriers): one program per phase (`Plan.phase_ranges`; an unphased plan is one),
         bound over one shared set of staging buffers."""
         self.gathers, self.phases = [], []  # until this plan is bound: a failed prepare leaves none to run
+        self.delta_cache.clear()  # another plan's buckets: the next delta refit starts full
+        self.delta_ready = False
         ranges = plan.phase_ranges()
         if not self.driver:
             self.phases = [(key, None) for key, _, _ in ranges]
@@ -340,18 +346,26 @@ class Member:
     # ------------------------------------------------------------------ per refit
     def refit(self, remaining: Remaining, hook: Callable[[], None] | None = None,
               started: Callable[[], None] | None = None, on_phase: Callable[[int], None] | None = None,
-              rebuild: bool = False) -> float:
+              rebuild: bool = False, delta: bool = False) -> float:
         """One refit: per phase, start barrier, this member's share, end barrier, then
         ``on_phase(key)`` (an engine applies what landed; every member has finished writing the
         phase and none has started the next).  Returns the summed seconds of the shares alone.
         ``hook`` (tests) runs once the first transfer is posted; ``started`` after the first barrier.
         ``rebuild``: this member's tensors moved; then every member raises `Rebuild` after the first
-        barrier (which carries the flag), having moved nothing."""
+        barrier (which carries the flag), having moved nothing.
+        ``delta``: send each wire bucket as the words that changed since the last refit
+        (`refit.executor.delta`); against the cache only where the last refit of this member was a
+        delta refit that completed (else FULL, refreshing the cache).  ``last_delta`` says what was
+        sent either way."""
         if not self.phases:  # else the barriers would pass and report a refit that moved nothing
             raise RefitFailed(f"{self.name}: no plan prepared (prepare failed or was never called)")
         phases = self.phases
         phased = any(key != WHOLE for key, _ in phases)
         seconds = 0.0
+        against, self.delta_ready = self.delta_ready and delta, False  # a failure below leaves it False
+        if not delta:
+            self.delta_cache.clear()
+        self.last_delta = DeltaStats()
         for i, (key, bound) in enumerate(phases):
             if self.cuda:  # a trainer's step, or an engine's last use (its previous on_phase), is finished
                 self.device.synchronize()
@@ -368,7 +382,9 @@ class Member:
             if i == 0:  # the trainers' weights are final now: blocks cut across them get their scales
                 self.share_scales(remaining)
             if bound is not None:
-                run_refit(bound, self.comm, self.device, remaining, first_hook)
+                run = DeltaRun(self.delta_cache, i, against) if delta else None
+                run_refit(bound, self.comm, self.device, remaining, first_hook, run)
+                self.last_delta += run.stats if run else full_stats(bound)
             elif first_hook:
                 first_hook()
             seconds += time.perf_counter() - t0
@@ -378,6 +394,7 @@ class Member:
             if on_phase:
                 remaining()  # an abandoned refit applies nothing more
                 on_phase(key)
+        self.delta_ready = delta
         return seconds
 
     def barrier(self, what: str, remaining: Remaining, flag: float = 0.0) -> float:
