@@ -118,6 +118,7 @@ class Agent(AgentStream):
         self.holding = holding if holding is not None else Holding(version)
         self.stages = stages and self.role is Side.ENGINE
         self._stage_buffers: dict[str, torch.Tensor] = {}  # an atomic refit's staging, kept for the next
+        self._staging_current = False  # the staging holds what live holds (set by a switch)
         self._staged: tuple[str, int, Tensors, Tensors] | None = None  # (refit id, version, staged, live)
         self._switch_task: asyncio.Future | None = None
         self._stale_before: tuple[str, bool] = ("", False)  # (refit id, staleness before it started here)
@@ -228,7 +229,7 @@ class Agent(AgentStream):
                              layout=self.layout.describe(), model_name=self.spec.name, model_digest=self.spec.digest(),
                              model_config_json=config_json(self.spec.config), version=self.holding.version,
                              stale=self.holding.stale, pid=os.getpid(), phase_layers=self.phase_layers,
-                             stages=self.stages)
+                             stages=self.stages, takes_delta=self.role is Side.ENGINE and self.serves_its_tensors)
 
     def _stream_ended(self) -> None:
         """A share still running is abandoned (a later run waits for it to end); a run queued behind
@@ -293,7 +294,7 @@ class Agent(AgentStream):
         ctx = RunContext(run.plan_id, run.refit_id, run.version,
                          Rendezvous(r.host, r.port, r.prefix, r.world_size, r.rank, members), deadline,
                          phase_hook=self.phase_hook, store=self._open_store(r.prefix), atomic=run.atomic,
-                         verify=run.verify, check_only=run.check_only)
+                         verify=run.verify, check_only=run.check_only, delta=run.delta, delta_base=run.delta_base)
         self._cancel = {run.refit_id: ctx.cancelled}
         if self._abandoned == run.refit_id:  # the coordinator gave it up before it could start
             ctx.cancelled.set()
@@ -334,7 +335,8 @@ class Agent(AgentStream):
             if ctx.atomic and self.role is Side.ENGINE:
                 if not self.stages:
                     raise InvalidInput(f"{self.worker_id} writes in place and cannot take an atomic refit")
-                tensors = self._staging(live)
+                tensors = self._staging(live, refresh=ctx.delta and not self._staging_current)
+            self._staging_current = False  # until this refit switches: staging and live may differ
             in_plane = True
             mark(f"{self.role.value}: data plane entered")
             nbytes, seconds = self.data_plane.run(plan, tensors, ctx)
@@ -348,8 +350,12 @@ class Agent(AgentStream):
             before = not in_plane or (getattr(self.data_plane, "reports_start", False) and not ctx.reached_start.is_set())
             return pb.WorkerMessage(result=pb.RunResult(refit_id=ctx.refit_id, ok=False, error=f"{type(e).__name__}: {e}",
                                                         before_start=before))
+        stats = getattr(self.data_plane, "last_delta", None) if ctx.delta and self.role is Side.TRAINER else None
+        delta = pb.DeltaStats(buckets=stats.buckets, delta_buckets=stats.delta_buckets, words=stats.elements,
+                              changed=stats.changed, wire_bytes=stats.wire_bytes, full_bytes=stats.full_bytes) \
+            if stats is not None else None
         return pb.WorkerMessage(result=pb.RunResult(refit_id=ctx.refit_id, ok=True, bytes=nbytes, seconds=seconds,
-                                                    checksums=checksums))
+                                                    checksums=checksums, delta=delta))
 
     def _checksums_now(self, plan: Plan, ctx: RunContext) -> pb.WorkerMessage:
         """A Check: the checksums of this worker's tensors as they are, nothing moved."""
@@ -363,16 +369,21 @@ class Agent(AgentStream):
                                                     seconds=time.perf_counter() - t0))
 
     # ------------------------------------------------------------------ atomic refits
-    def _staging(self, live: Tensors) -> Tensors:
+    def _staging(self, live: Tensors, refresh: bool = False) -> Tensors:
         """Where an atomic refit writes instead of ``live``: a copy of each tensor, made once and
         kept for later atomic refits (one more shard of memory, for the agent's life).  Copies,
-        not empty buffers: elements no refit writes (padding) must switch in unchanged."""
+        not empty buffers: elements no refit writes (padding) must switch in unchanged.
+        ``refresh``: copy ``live`` into it again (a delta refit starts from what the engine holds,
+        and a refit since the last switch may have written live only)."""
         bufs = self._stage_buffers
         for name, t in live.items():
             b = bufs.get(name)
             if b is None or b.shape != t.shape or b.dtype != t.dtype or b.device != t.device:
                 with torch.no_grad():
                     bufs[name] = t.detach().clone()
+            elif refresh:
+                with torch.no_grad():
+                    int_view(b).copy_(int_view(t))
         for name in set(bufs) - set(live):
             del bufs[name]
         return dict(bufs)
@@ -388,6 +399,7 @@ class Agent(AgentStream):
         devices = {t.device for t in live.values() if t.device.type == "cuda"}
         for d in devices:
             torch.cuda.synchronize(d)
+        self._staging_current = True
 
     async def _switch_and_answer(self, refit_id: str, version: int, staged: Tensors, live: Tensors) -> None:
         """The commit of an atomic refit reached this engine: switch, on the share thread (never

@@ -129,6 +129,10 @@ class RefitResult:
     workers: dict[str, WorkerResult] = field(repr=False)
     atomic: bool = False  # all or none across the engines, as asked
     verified_transfers: int = 0  # transfers whose two ends' checksums matched (verify=True)
+    # delta=True: what the trainers sent over wires (changed_fraction, wire_bytes, full_bytes,
+    # delta_buckets, buckets) and, when it went in full, why (`delta_fallback`); None otherwise
+    delta: dict[str, Any] | None = None
+    delta_fallback: str = ""
 
     @classmethod
     def from_pb(cls, r: pb.RefitResponse) -> "RefitResult":
@@ -136,8 +140,11 @@ class RefitResult:
             w.worker_id, Side.of_role(w.role).value,
             pb.WorkerOutcome.Name(w.outcome).removeprefix("WORKER_OUTCOME_").lower(), w.bytes, w.seconds, w.error)
             for w in r.workers}
+        d = r.delta if r.HasField("delta") else None
+        delta = {"changed_fraction": d.changed / d.words if d.words else 0.0, "wire_bytes": d.wire_bytes,
+                 "full_bytes": d.full_bytes, "delta_buckets": d.delta_buckets, "buckets": d.buckets} if d else None
         return cls(r.refit_id, r.plan_id, r.version, r.status == pb.REFIT_STATUS_OK, r.error, r.seconds,
-                   r.total_bytes, workers, r.atomic, r.verified_transfers)
+                   r.total_bytes, workers, r.atomic, r.verified_transfers, delta, r.delta_fallback)
 
 
 class RefitFailed(errors.RefitFailed):
@@ -190,7 +197,7 @@ class Client:
         return [to_dict(w) for w in resp.workers]
 
     def refit(self, plan_id: str, version: int, timeout: float = 60.0, check: bool = True, *, atomic: bool = False,
-              verify: bool = False) -> RefitResult:
+              verify: bool = False, delta: bool = False) -> RefitResult:
         """Run the plan for ``version``; returns within ``timeout`` seconds (0: the coordinator's
         default, ``refit serve --timeout``).  ``check``: raise `RefitFailed` when it failed (the
         default: an RL loop should not go on silently).  Idempotent: asking again for the version
@@ -205,8 +212,15 @@ class Client:
         serves its previous version, whole and not stale (every engine must stage: an
         `EngineAgent` does, a vLLM engine with ``staging`` "atomic"; else `InvalidRequest`).
         ``verify``: both ends checksum every transfer, and a mismatch fails the refit naming the
-        tensor, the box and both ranks (``verified_transfers`` counts the matches)."""
-        req = pb.RefitRequest(plan_id=plan_id, version=version, timeout_seconds=timeout, atomic=atomic, verify=verify)
+        tensor, the box and both ranks (``verified_transfers`` counts the matches).
+        ``delta``: the trainers send each bucket that crosses a wire as only the words changed since
+        what they last sent (`refit.executor.delta`; same-GPU copies stay full); the engines end
+        with the bytes a full refit gives.  In full, and ``delta_fallback`` says why, whenever an
+        engine may not hold exactly what was last sent (the first delta refit, a failed or
+        non-delta refit since, a worker registered again, a replica catching up, an engine that
+        re-processes what it receives).  ``delta`` in the result: words changed, bytes sent."""
+        req = pb.RefitRequest(plan_id=plan_id, version=version, timeout_seconds=timeout, atomic=atomic, verify=verify,
+                              delta=delta)
         resp = _call("Refit", self._stub.Refit, req,
                      metadata=self._md, timeout=timeout + 10.0 if timeout else None)  # the server answers in time
         result = RefitResult.from_pb(resp)

@@ -40,8 +40,8 @@ from typing import Any, Callable
 from refit.control.common import PLACEMENT_NAMES, Exhausted, NotFound, Precondition, Side, short
 from refit.control.events import EventHub
 from refit.control.membership import View, engine_view
-from refit.control.refits import (Run, busy_results, commands, failed_response, response, stopped_response,
-                                  verify_checksums)
+from refit.control.refits import (FAILED, Run, add_delta, busy_results, commands, delta_fallback, failed_response, response,
+                                  stopped_response, verify_checksums)
 from refit.control.registry import (MAX_VERSION, PlanEntry, Worker, absent_members, build_registration,
                                     check_claimed_version, check_fits_group, check_info, check_joinable,
                                     check_plan_members, check_same_model, check_version, control_plan_id,
@@ -145,6 +145,8 @@ class Coordinator:
         run.before_start |= res.before_start and not res.ok
         if run.verify and res.ok:
             run.checksums[w.worker_id] = dict(res.checksums)
+        if run.delta and res.ok and res.HasField("delta"):
+            add_delta(run.delta_stats, res.delta)
         outcome = pb.WORKER_OUTCOME_OK if res.ok else pb.WORKER_OUTCOME_ERROR
         self._resolve(run, w, pb.WorkerResult(outcome=outcome, bytes=res.bytes, seconds=res.seconds,
                                               error=res.error[:4096]))
@@ -236,9 +238,11 @@ class Coordinator:
 
     # ------------------------------------------------------------------ refits
     async def refit(self, plan_id: str, version: int, timeout: float, atomic: bool = False,
-                    verify: bool = False) -> pb.RefitResponse:
+                    verify: bool = False, delta: bool = False) -> pb.RefitResponse:
         """Run plan ``plan_id`` for ``version`` (see the module docstring).  ``atomic``: all or none
-        across the engines (`_switch`); ``verify``: compare both ends' checksum of every transfer."""
+        across the engines (`_switch`); ``verify``: compare both ends' checksum of every transfer;
+        ``delta``: trainers send only what changed since what they last sent, where every engine
+        holds exactly that (`refits.delta_fallback` says when not)."""
         mark("coordinator: Refit received")
         if not 0 < version <= MAX_VERSION:
             raise InvalidInput(f"version must be in [1, {MAX_VERSION}], got {version}")
@@ -271,7 +275,7 @@ class Coordinator:
                                        busy_results(entry, run.refit_id))
         run = entry.running = Run(f"{plan_id[:8]}-{self.epoch}-{next(self._ids)}", entry, version, t0,
                                   asyncio.get_running_loop().create_future(), atomic=atomic, verify=verify,
-                                  catch_up=behind or None)
+                                  catch_up=behind or None, delta=delta)
         if behind:
             log.info("refit %s of plan %s: catching replicas %s up to version %d", run.refit_id, plan_id,
                      sorted(behind), version)
@@ -454,7 +458,11 @@ class Coordinator:
     async def _dispatch(self, run: Run, deadline: float) -> None:
         entry = run.entry
         sessions = tuple(w.session for w in run.members)
-        if entry.broken or sessions != entry.sessions or not entry.prefix:
+        rebuilt = entry.broken or sessions != entry.sessions or not entry.prefix
+        if run.delta:
+            run.delta_fallback = delta_fallback(run, rebuilt, self.workers)
+            run.delta_base = not run.delta_fallback
+        if rebuilt:
             entry.generation += 1
             entry.sessions, entry.broken = sessions, False
             if entry.prefix:
@@ -516,6 +524,7 @@ class Coordinator:
             self.store.abort(entry.prefix, resp.error[:1024])
             entry.broken = True
             run.settle(committed=False, registered=self.workers)
+            entry.delta_version = FAILED  # the trainers' record of what landed may be ahead of the engines
             outcome = pb.Outcome(refit_id=run.refit_id, committed=False, version=run.version, error=resp.error[:4096],
                                  untouched=run.untouched)
             targets = run.members
@@ -524,6 +533,11 @@ class Coordinator:
             run.settle(committed=True, registered=self.workers)
             resp = response(entry, run.refit_id, run.version, run.t0, results, pb.REFIT_STATUS_OK, "")
             resp.verified_transfers = verified
+            if run.delta and not run.catch_up:  # a catch-up's members are built again for the next refit
+                entry.delta_version, entry.delta_generation = run.version, entry.generation
+            if run.delta:
+                resp.delta.CopyFrom(run.delta_stats)
+                resp.delta_fallback = run.delta_fallback
             if not run.catch_up:  # a catch-up brings replicas to the version committed already
                 entry.committed = resp
             outcome = pb.Outcome(refit_id=run.refit_id, committed=True, version=run.version)

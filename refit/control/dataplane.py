@@ -127,6 +127,8 @@ class RunContext:
     atomic: bool = False  # all or none: an engine's tensors here are its staging (`Agent._staging`)
     verify: bool = False  # the data plane is asked for its transfers' checksums after the run
     check_only: bool = False  # a Check: nothing moves, the agent reads checksums of its tensors
+    delta: bool = False  # a delta refit (`refit.executor.delta`): trainers send what changed, keep what they send
+    delta_base: bool = False  # every engine holds what the trainers last sent: they may start from it
 
     def open_store(self, timeout_s: float) -> "dist.Store":
         """The rendezvous store (keys under the rendezvous prefix)."""

@@ -43,6 +43,7 @@ from refit.control.common import Side
 from refit.control.dataplane import BaseDataPlane, RunContext, Tensors
 from refit.errors import InvalidInput
 from refit.executor.checksum import share_checksums
+from refit.executor.delta import DeltaStats
 from refit.executor.member import Member, Rebuild
 from refit.executor.seating import locate
 from refit.executor.topology import Endpoint
@@ -104,6 +105,7 @@ class ExecutorDataPlane(BaseDataPlane):
         self._quantize: dict[str, tuple[tuple[str, str], dict[str, tuple[str, tuple[int, ...]]]]] = {}
         # plan hash -> the tensors its last `run` moved (a trainer's as the wire carries them), for `checksums`
         self._moved: dict[str, Tensors] = {}
+        self.last_delta: DeltaStats | None = None  # what the last refit sent over wires (`Member.last_delta`)
         # plan hash -> checksums an engine took phase by phase in its last verified `run` (its
         # phase hook re-uses one staging for every phase: summed before each phase is applied)
         self._phase_sums: dict[str, dict[int, int]] = {}
@@ -163,16 +165,19 @@ class ExecutorDataPlane(BaseDataPlane):
         on_phase = self._on_phase(plan, tensors, ctx)
         ctx.starting()
         try:
-            seconds = held.member.refit(ctx.remaining, self.refit_hook, on_phase=on_phase, rebuild=moved)
+            seconds = held.member.refit(ctx.remaining, self.refit_hook, on_phase=on_phase, rebuild=moved,
+                                        delta=ctx.delta, base=ctx.delta_base)
         except Rebuild:  # some member's tensors moved: every member builds again, in this refit
             log.info("%s: rebuilding for plan %s: a member's tensors moved", rendezvous_name(ctx), ctx.plan_id)
             held.close()
             del self._members[ctx.plan_id]
             held = self._build(plan, tensors, ctx, held.rebuilds + 1)
-            seconds = held.member.refit(ctx.remaining, self.refit_hook, on_phase=on_phase)
+            seconds = held.member.refit(ctx.remaining, self.refit_hook, on_phase=on_phase, delta=ctx.delta,
+                                        base=False)  # built again: nothing kept to start from
         # what was sent includes what the executor derived (a trainer's FP8 blocks cut across ranks)
         derived = held.member.tensors.get((self.seat.side.end, self._rank(plan)), {})
         self._moved[plan.plan_hash] = {**derived, **tensors}
+        self.last_delta = held.member.last_delta
         return held.nbytes, seconds
 
     def _on_phase(self, plan: Plan, tensors: Tensors, ctx: RunContext) -> Callable[[int], None] | None:

@@ -54,6 +54,10 @@ class Run:
     checksums: dict[str, dict[int, int]] = field(default_factory=dict)  # verify: by member, by transfer
     switched: dict[str, pb.Switched] = field(default_factory=dict)  # atomic: engines' answers to the commit
     catch_up: frozenset[int] | None = None  # a catch-up of an elastic plan: the replicas it brings to its version
+    delta: bool = False  # asked for a delta refit
+    delta_base: bool = False  # trainers may start from what they last sent (`delta_fallback` says why not)
+    delta_fallback: str = ""
+    delta_stats: pb.DeltaStats = field(default_factory=pb.DeltaStats)  # summed over the trainers' results
 
     def resolve(self, w: Worker, res: pb.WorkerResult) -> bool:
         """Record a member's result (the first one counts); True when it was new."""
@@ -150,9 +154,44 @@ def commands(run: Run, member_timeout: float) -> list[tuple[Worker, pb.Coordinat
         out.append((w, pb.CoordinatorMessage(run=pb.RunRefit(
             refit_id=run.refit_id, plan_id=entry.plan_id, version=run.version, timeout_seconds=member_timeout,
             rendezvous=rdv, plan_json=b"" if w.sent_plans.get(entry.plan_id) == entry.plan.plan_hash else entry.plan_json,
-            atomic=run.atomic, verify=run.verify, check_only=run.check))))
+            atomic=run.atomic, verify=run.verify, check_only=run.check, delta=run.delta,
+            delta_base=run.delta_base))))
         w.sent_plans[entry.plan_id] = entry.plan.plan_hash
     return out
+
+
+FAILED = -1  # `PlanEntry.delta_version` after a failed refit
+
+
+def delta_fallback(run: Run, rebuilt: bool, workers: Mapping[str, Worker]) -> str:
+    """Why a delta refit must send in full (empty: trainers may start from what they last sent,
+    which every engine holds exactly).  Anything that may have changed an engine's bytes since the
+    last delta refit of the plan committed, or emptied a trainer's record of them, is a reason."""
+    entry = run.entry
+    if not entry.delta_version:
+        return "no delta refit of this plan has committed yet (this one sends in full and keeps what it sends)"
+    if entry.delta_version == FAILED:
+        return "the last refit of this plan failed (the trainers may have kept what no engine holds)"
+    if entry.delta_version != entry.version:
+        return f"the last refit of this plan (version {entry.version}) was not a delta refit"
+    if rebuilt or entry.delta_generation != entry.generation:
+        return "the plan's members were built again (a worker registered again, or a refit failed)"
+    if run.catch_up:
+        return "replicas are catching up to the plan's version"
+    for m in entry.members[entry.num_src:]:
+        w = workers.get(m)
+        if w is None or not w.info.takes_delta:
+            return f"{m} re-processes what it receives (WorkerInfo.takes_delta is false)"
+        stale, version = run.stale_before.get(m, w.stale), run.version_before.get(m, w.version)  # before this refit
+        if stale or version != entry.delta_version:
+            return f"{m} holds version {version}{' (stale)' if stale else ''}, " \
+                   f"not {entry.delta_version}, which the trainers last sent"
+    return ""
+
+
+def add_delta(total: pb.DeltaStats, one: pb.DeltaStats) -> None:
+    for f in ("buckets", "delta_buckets", "words", "changed", "wire_bytes", "full_bytes"):
+        setattr(total, f, getattr(total, f) + getattr(one, f))
 
 
 def busy_results(entry: PlanEntry, refit_id: str) -> dict[str, pb.WorkerResult]:

@@ -92,6 +92,10 @@ class PlanEntry:
     # `members` are then those of the replicas its last refit ran for.
     dst_shape: str = ""
     replan: tuple[tuple, tuple] | None = None
+    # Delta refits: the version whose bytes the trainers last sent in a delta refit that committed
+    # (0: none; -1: a refit failed since), and the generation of the members that keep them (`refit.executor.delta`).
+    delta_version: int = 0
+    delta_generation: int = -1
 
     @property
     def trainer_digest(self) -> str:

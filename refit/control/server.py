@@ -154,7 +154,8 @@ class Servicer:
     @_rpc
     async def Refit(self, req: pb.RefitRequest, context: grpc.aio.ServicerContext) -> pb.RefitResponse:
         timeout = self._run_timeout(req, context)
-        return await self.coord.refit(req.plan_id, req.version, timeout, atomic=req.atomic, verify=req.verify)
+        return await self.coord.refit(req.plan_id, req.version, timeout, atomic=req.atomic, verify=req.verify,
+                                      delta=req.delta)
 
     @_rpc
     async def Check(self, req: pb.CheckRequest, context: grpc.aio.ServicerContext) -> pb.RefitResponse:

@@ -346,7 +346,7 @@ class Member:
     # ------------------------------------------------------------------ per refit
     def refit(self, remaining: Remaining, hook: Callable[[], None] | None = None,
               started: Callable[[], None] | None = None, on_phase: Callable[[int], None] | None = None,
-              rebuild: bool = False, delta: bool = False) -> float:
+              rebuild: bool = False, delta: bool = False, base: bool = True) -> float:
         """One refit: per phase, start barrier, this member's share, end barrier, then
         ``on_phase(key)`` (an engine applies what landed; every member has finished writing the
         phase and none has started the next).  Returns the summed seconds of the shares alone.
@@ -355,14 +355,15 @@ class Member:
         barrier (which carries the flag), having moved nothing.
         ``delta``: send each wire bucket as the words that changed since the last refit
         (`refit.executor.delta`); against the cache only where the last refit of this member was a
-        delta refit that completed (else FULL, refreshing the cache).  ``last_delta`` says what was
-        sent either way."""
+        delta refit that completed and the caller says the engines hold what landed then (``base``;
+        the control plane: `refit.control.refits.delta_fallback`) — else FULL, refreshing the cache.
+        ``last_delta`` says what was sent either way."""
         if not self.phases:  # else the barriers would pass and report a refit that moved nothing
             raise RefitFailed(f"{self.name}: no plan prepared (prepare failed or was never called)")
         phases = self.phases
         phased = any(key != WHOLE for key, _ in phases)
         seconds = 0.0
-        against, self.delta_ready = self.delta_ready and delta, False  # a failure below leaves it False
+        against, self.delta_ready = self.delta_ready and delta and base, False  # a failure below leaves it False
         if not delta:
             self.delta_cache.clear()
         self.last_delta = DeltaStats()

@@ -13,7 +13,7 @@ import multiprocessing as mp
 import os
 import signal
 import time
-from typing import Any
+from typing import Any, Union
 
 import torch
 
@@ -30,7 +30,20 @@ CTX = mp.get_context("spawn")
 MODEL, SRC, DST = "tiny-qwen3-moe", "megatron:tp2ep2", "vllm:tp2"
 
 
-def canonical(spec: ModelSpec, version: int) -> dict[str, torch.Tensor]:
+Version = Union[int, tuple[int, int, float]]  # or (version, base, fraction): see `canonical`
+
+
+def canonical(spec: ModelSpec, version: Version) -> dict[str, torch.Tensor]:
+    """Every tensor's values at ``version``.  ``(version, base, fraction)``: ``base``'s values with
+    about ``fraction`` of the elements at ``version``'s instead (a small step: delta refits)."""
+    if isinstance(version, tuple):
+        v, old, fraction = version
+        new, before = canonical(spec, v), canonical(spec, old)
+        out = {}
+        for i, name in enumerate(new):
+            pick = torch.rand(new[name].shape, generator=torch.Generator().manual_seed(v * 1000003 + i)) < fraction
+            out[name] = torch.where(pick, new[name], before[name])
+        return out
     out, base = {}, 0
     for t in spec.tensors:
         ids = torch.arange(base, base + t.numel, dtype=torch.int64)
@@ -41,7 +54,7 @@ def canonical(spec: ModelSpec, version: int) -> dict[str, torch.Tensor]:
     return out
 
 
-def fill(spec: ModelSpec, layout: Layout, rank: int, version: int, tensors: dict[str, torch.Tensor] | None = None
+def fill(spec: ModelSpec, layout: Layout, rank: int, version: Version, tensors: dict[str, torch.Tensor] | None = None
          ) -> dict[str, torch.Tensor]:
     """A rank's local tensors holding ``version`` (in place when ``tensors`` is given)."""
     canon = canonical(spec, version)

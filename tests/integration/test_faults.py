@@ -417,6 +417,33 @@ def test_verify_names_a_corrupted_transfer(fleet: ProcCluster) -> None:
     assert result.verified_transfers == stage1 > 0, result
 
 
+@bounded(90)
+def test_delta_refits_send_what_changed_and_fall_back_in_full(fleet: ProcCluster) -> None:
+    """`Client.refit(delta=True)` over gloo: the first delta refit goes in full (nothing kept yet,
+    or a failed refit before it) and says so; after a small step the next sends only the changed words, verified, every engine
+    exact; a plain refit in between, or a replica replaced, sends the next one in full again."""
+    base = fleet.version + 1
+    first = fleet.refit_ok(base, delta=True)
+    assert first.delta_fallback.startswith(("no delta refit of this plan", "the last refit of this plan failed")), first
+    assert first.delta["wire_bytes"] >= first.delta["full_bytes"] > 0, first.delta
+    v = base + 1
+    step = (v, base, 0.02)  # 2% of the bfloat16 values change
+    fleet.fill(step)
+    r = fleet.client.refit(fleet.plan, v, timeout=20.0, delta=True, verify=True)
+    assert r.ok and r.delta_fallback == "" and r.verified_transfers > 0, r
+    assert r.delta["delta_buckets"] == r.delta["buckets"] > 0, r.delta
+    assert 0.005 < r.delta["changed_fraction"] < 0.05 and r.delta["wire_bytes"] < r.delta["full_bytes"] / 5, r.delta
+    for e in fleet.engines:
+        assert e.ask("check", step) == [], e.worker_id
+    fleet.version = v
+    fleet.refit_ok(v + 1)  # a plain refit: the trainers keep nothing
+    r = fleet.refit_ok(v + 2, delta=True)
+    assert "was not a delta refit" in r.delta_fallback, r.delta_fallback
+    fleet.replace("engine/1")
+    r = fleet.refit_ok(v + 3, delta=True)
+    assert "built again" in r.delta_fallback, r.delta_fallback
+
+
 @bounded(60)
 def test_check_compares_what_the_engines_hold_without_moving_weights(fleet: ProcCluster) -> None:
     """`Client.check` (`refit verify --plan`): every transfer's two ends equal after a refit; one

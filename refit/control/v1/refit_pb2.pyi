@@ -51,7 +51,7 @@ WORKER_OUTCOME_NOT_CONNECTED: WorkerOutcome
 WORKER_OUTCOME_BUSY: WorkerOutcome
 
 class WorkerInfo(_message.Message):
-    __slots__ = ("role", "group", "rank", "host", "gpu", "layout", "model_name", "model_digest", "model_config_json", "version", "stale", "pid", "phase_layers", "stages")
+    __slots__ = ("role", "group", "rank", "host", "gpu", "layout", "model_name", "model_digest", "model_config_json", "version", "stale", "pid", "phase_layers", "stages", "takes_delta")
     ROLE_FIELD_NUMBER: _ClassVar[int]
     GROUP_FIELD_NUMBER: _ClassVar[int]
     RANK_FIELD_NUMBER: _ClassVar[int]
@@ -66,6 +66,7 @@ class WorkerInfo(_message.Message):
     PID_FIELD_NUMBER: _ClassVar[int]
     PHASE_LAYERS_FIELD_NUMBER: _ClassVar[int]
     STAGES_FIELD_NUMBER: _ClassVar[int]
+    TAKES_DELTA_FIELD_NUMBER: _ClassVar[int]
     role: Role
     group: str
     rank: int
@@ -80,7 +81,8 @@ class WorkerInfo(_message.Message):
     pid: int
     phase_layers: int
     stages: bool
-    def __init__(self, role: _Optional[_Union[Role, str]] = ..., group: _Optional[str] = ..., rank: _Optional[int] = ..., host: _Optional[str] = ..., gpu: _Optional[int] = ..., layout: _Optional[str] = ..., model_name: _Optional[str] = ..., model_digest: _Optional[str] = ..., model_config_json: _Optional[str] = ..., version: _Optional[int] = ..., stale: bool = ..., pid: _Optional[int] = ..., phase_layers: _Optional[int] = ..., stages: bool = ...) -> None: ...
+    takes_delta: bool
+    def __init__(self, role: _Optional[_Union[Role, str]] = ..., group: _Optional[str] = ..., rank: _Optional[int] = ..., host: _Optional[str] = ..., gpu: _Optional[int] = ..., layout: _Optional[str] = ..., model_name: _Optional[str] = ..., model_digest: _Optional[str] = ..., model_config_json: _Optional[str] = ..., version: _Optional[int] = ..., stale: bool = ..., pid: _Optional[int] = ..., phase_layers: _Optional[int] = ..., stages: bool = ..., takes_delta: bool = ...) -> None: ...
 
 class Register(_message.Message):
     __slots__ = ("info",)
@@ -89,7 +91,7 @@ class Register(_message.Message):
     def __init__(self, info: _Optional[_Union[WorkerInfo, _Mapping]] = ...) -> None: ...
 
 class RunResult(_message.Message):
-    __slots__ = ("refit_id", "ok", "error", "bytes", "seconds", "before_start", "checksums")
+    __slots__ = ("refit_id", "ok", "error", "bytes", "seconds", "before_start", "checksums", "delta")
     class ChecksumsEntry(_message.Message):
         __slots__ = ("key", "value")
         KEY_FIELD_NUMBER: _ClassVar[int]
@@ -104,6 +106,7 @@ class RunResult(_message.Message):
     SECONDS_FIELD_NUMBER: _ClassVar[int]
     BEFORE_START_FIELD_NUMBER: _ClassVar[int]
     CHECKSUMS_FIELD_NUMBER: _ClassVar[int]
+    DELTA_FIELD_NUMBER: _ClassVar[int]
     refit_id: str
     ok: bool
     error: str
@@ -111,7 +114,24 @@ class RunResult(_message.Message):
     seconds: float
     before_start: bool
     checksums: _containers.ScalarMap[int, int]
-    def __init__(self, refit_id: _Optional[str] = ..., ok: bool = ..., error: _Optional[str] = ..., bytes: _Optional[int] = ..., seconds: _Optional[float] = ..., before_start: bool = ..., checksums: _Optional[_Mapping[int, int]] = ...) -> None: ...
+    delta: DeltaStats
+    def __init__(self, refit_id: _Optional[str] = ..., ok: bool = ..., error: _Optional[str] = ..., bytes: _Optional[int] = ..., seconds: _Optional[float] = ..., before_start: bool = ..., checksums: _Optional[_Mapping[int, int]] = ..., delta: _Optional[_Union[DeltaStats, _Mapping]] = ...) -> None: ...
+
+class DeltaStats(_message.Message):
+    __slots__ = ("buckets", "delta_buckets", "words", "changed", "wire_bytes", "full_bytes")
+    BUCKETS_FIELD_NUMBER: _ClassVar[int]
+    DELTA_BUCKETS_FIELD_NUMBER: _ClassVar[int]
+    WORDS_FIELD_NUMBER: _ClassVar[int]
+    CHANGED_FIELD_NUMBER: _ClassVar[int]
+    WIRE_BYTES_FIELD_NUMBER: _ClassVar[int]
+    FULL_BYTES_FIELD_NUMBER: _ClassVar[int]
+    buckets: int
+    delta_buckets: int
+    words: int
+    changed: int
+    wire_bytes: int
+    full_bytes: int
+    def __init__(self, buckets: _Optional[int] = ..., delta_buckets: _Optional[int] = ..., words: _Optional[int] = ..., changed: _Optional[int] = ..., wire_bytes: _Optional[int] = ..., full_bytes: _Optional[int] = ...) -> None: ...
 
 class Switched(_message.Message):
     __slots__ = ("refit_id", "ok", "error")
@@ -158,7 +178,7 @@ class Rendezvous(_message.Message):
     def __init__(self, host: _Optional[str] = ..., port: _Optional[int] = ..., prefix: _Optional[str] = ..., world_size: _Optional[int] = ..., rank: _Optional[int] = ..., members: _Optional[_Iterable[str]] = ...) -> None: ...
 
 class RunRefit(_message.Message):
-    __slots__ = ("refit_id", "plan_id", "plan_json", "version", "timeout_seconds", "rendezvous", "atomic", "verify", "check_only")
+    __slots__ = ("refit_id", "plan_id", "plan_json", "version", "timeout_seconds", "rendezvous", "atomic", "verify", "check_only", "delta", "delta_base")
     REFIT_ID_FIELD_NUMBER: _ClassVar[int]
     PLAN_ID_FIELD_NUMBER: _ClassVar[int]
     PLAN_JSON_FIELD_NUMBER: _ClassVar[int]
@@ -168,6 +188,8 @@ class RunRefit(_message.Message):
     ATOMIC_FIELD_NUMBER: _ClassVar[int]
     VERIFY_FIELD_NUMBER: _ClassVar[int]
     CHECK_ONLY_FIELD_NUMBER: _ClassVar[int]
+    DELTA_FIELD_NUMBER: _ClassVar[int]
+    DELTA_BASE_FIELD_NUMBER: _ClassVar[int]
     refit_id: str
     plan_id: str
     plan_json: bytes
@@ -177,7 +199,9 @@ class RunRefit(_message.Message):
     atomic: bool
     verify: bool
     check_only: bool
-    def __init__(self, refit_id: _Optional[str] = ..., plan_id: _Optional[str] = ..., plan_json: _Optional[bytes] = ..., version: _Optional[int] = ..., timeout_seconds: _Optional[float] = ..., rendezvous: _Optional[_Union[Rendezvous, _Mapping]] = ..., atomic: bool = ..., verify: bool = ..., check_only: bool = ...) -> None: ...
+    delta: bool
+    delta_base: bool
+    def __init__(self, refit_id: _Optional[str] = ..., plan_id: _Optional[str] = ..., plan_json: _Optional[bytes] = ..., version: _Optional[int] = ..., timeout_seconds: _Optional[float] = ..., rendezvous: _Optional[_Union[Rendezvous, _Mapping]] = ..., atomic: bool = ..., verify: bool = ..., check_only: bool = ..., delta: bool = ..., delta_base: bool = ...) -> None: ...
 
 class Outcome(_message.Message):
     __slots__ = ("refit_id", "committed", "version", "error", "untouched")
@@ -378,18 +402,20 @@ class GetPlanResponse(_message.Message):
     def __init__(self, summary: _Optional[_Union[PlanSummary, _Mapping]] = ..., plan_json: _Optional[bytes] = ...) -> None: ...
 
 class RefitRequest(_message.Message):
-    __slots__ = ("plan_id", "version", "timeout_seconds", "atomic", "verify")
+    __slots__ = ("plan_id", "version", "timeout_seconds", "atomic", "verify", "delta")
     PLAN_ID_FIELD_NUMBER: _ClassVar[int]
     VERSION_FIELD_NUMBER: _ClassVar[int]
     TIMEOUT_SECONDS_FIELD_NUMBER: _ClassVar[int]
     ATOMIC_FIELD_NUMBER: _ClassVar[int]
     VERIFY_FIELD_NUMBER: _ClassVar[int]
+    DELTA_FIELD_NUMBER: _ClassVar[int]
     plan_id: str
     version: int
     timeout_seconds: float
     atomic: bool
     verify: bool
-    def __init__(self, plan_id: _Optional[str] = ..., version: _Optional[int] = ..., timeout_seconds: _Optional[float] = ..., atomic: bool = ..., verify: bool = ...) -> None: ...
+    delta: bool
+    def __init__(self, plan_id: _Optional[str] = ..., version: _Optional[int] = ..., timeout_seconds: _Optional[float] = ..., atomic: bool = ..., verify: bool = ..., delta: bool = ...) -> None: ...
 
 class WorkerResult(_message.Message):
     __slots__ = ("worker_id", "role", "rank", "outcome", "bytes", "seconds", "error")
@@ -410,7 +436,7 @@ class WorkerResult(_message.Message):
     def __init__(self, worker_id: _Optional[str] = ..., role: _Optional[_Union[Role, str]] = ..., rank: _Optional[int] = ..., outcome: _Optional[_Union[WorkerOutcome, str]] = ..., bytes: _Optional[int] = ..., seconds: _Optional[float] = ..., error: _Optional[str] = ...) -> None: ...
 
 class RefitResponse(_message.Message):
-    __slots__ = ("refit_id", "plan_id", "version", "status", "error", "seconds", "total_bytes", "workers", "atomic", "verified_transfers")
+    __slots__ = ("refit_id", "plan_id", "version", "status", "error", "seconds", "total_bytes", "workers", "atomic", "verified_transfers", "delta", "delta_fallback")
     REFIT_ID_FIELD_NUMBER: _ClassVar[int]
     PLAN_ID_FIELD_NUMBER: _ClassVar[int]
     VERSION_FIELD_NUMBER: _ClassVar[int]
@@ -421,6 +447,8 @@ class RefitResponse(_message.Message):
     WORKERS_FIELD_NUMBER: _ClassVar[int]
     ATOMIC_FIELD_NUMBER: _ClassVar[int]
     VERIFIED_TRANSFERS_FIELD_NUMBER: _ClassVar[int]
+    DELTA_FIELD_NUMBER: _ClassVar[int]
+    DELTA_FALLBACK_FIELD_NUMBER: _ClassVar[int]
     refit_id: str
     plan_id: str
     version: int
@@ -431,7 +459,9 @@ class RefitResponse(_message.Message):
     workers: _containers.RepeatedCompositeFieldContainer[WorkerResult]
     atomic: bool
     verified_transfers: int
-    def __init__(self, refit_id: _Optional[str] = ..., plan_id: _Optional[str] = ..., version: _Optional[int] = ..., status: _Optional[_Union[RefitStatus, str]] = ..., error: _Optional[str] = ..., seconds: _Optional[float] = ..., total_bytes: _Optional[int] = ..., workers: _Optional[_Iterable[_Union[WorkerResult, _Mapping]]] = ..., atomic: bool = ..., verified_transfers: _Optional[int] = ...) -> None: ...
+    delta: DeltaStats
+    delta_fallback: str
+    def __init__(self, refit_id: _Optional[str] = ..., plan_id: _Optional[str] = ..., version: _Optional[int] = ..., status: _Optional[_Union[RefitStatus, str]] = ..., error: _Optional[str] = ..., seconds: _Optional[float] = ..., total_bytes: _Optional[int] = ..., workers: _Optional[_Iterable[_Union[WorkerResult, _Mapping]]] = ..., atomic: bool = ..., verified_transfers: _Optional[int] = ..., delta: _Optional[_Union[DeltaStats, _Mapping]] = ..., delta_fallback: _Optional[str] = ...) -> None: ...
 
 class CheckRequest(_message.Message):
     __slots__ = ("plan_id", "timeout_seconds")
