@@ -31,6 +31,7 @@ from typing import TYPE_CHECKING, Callable
 import torch
 
 from refit.errors import RefitFailed
+from refit.executor.triton_support import triton_importable
 
 if TYPE_CHECKING:  # types only: `refit.executor.bound` runs the steps and imports this module
     from refit.executor.bound import Bound, BoundStep
@@ -120,6 +121,8 @@ def encode(new: torch.Tensor, last: torch.Tensor | None, word: int, out: torch.T
     words = new.numel() // word
     if last is None:
         return FULL, new.numel(), words
+    if _kernels(new):
+        return encode_with_kernels(new, last, word, out)
     a, b = new.view(_WORD[word]), last.view(_WORD[word])
     diff = a != b
     where = diff.nonzero().squeeze(1)
@@ -131,6 +134,7 @@ def encode(new: torch.Tensor, last: torch.Tensor | None, word: int, out: torch.T
         pos = out[:changed * 4].view(torch.int32)
         pos.copy_(where)
         start = _positions(changed)
+        out[changed * 4:start].zero_()  # no stray bytes on the wire
     else:
         nmask = mask_bytes(words)
         padded = torch.zeros(nmask * 8, dtype=torch.uint8, device=new.device)
@@ -142,11 +146,38 @@ def encode(new: torch.Tensor, last: torch.Tensor | None, word: int, out: torch.T
     return mode, start + changed * word, changed
 
 
+def encode_with_kernels(new: torch.Tensor, last: torch.Tensor, word: int, out: torch.Tensor) -> tuple[int, int, int]:
+    """`encode` through the Triton kernels (`refit.executor.delta_kernels`): the same payload."""
+    from refit.executor import delta_kernels as dk
+
+    a, b = new.view(_WORD[word]), last.view(_WORD[word])
+    words = a.numel()
+    scratch = torch.empty(-(-words // dk.BLOCK) * (dk.BLOCK // 8), dtype=torch.uint8, device=new.device)
+    mask, starts, changed = dk.count_changed(a, b, scratch)
+    mode = choose(words, changed, word)
+    if mode == FULL:
+        return FULL, new.numel(), changed
+    if mode == INDEX:
+        start = _positions(changed)
+        pos = out[:changed * 4].view(torch.int32)
+        out[changed * 4:start].zero_()
+    else:
+        start = mask_bytes(words)
+        out[:start].copy_(mask[:start])
+        pos = None
+    if changed:
+        dk.gather(a, mask, starts, out[start:start + changed * word].view(_WORD[word]), pos)
+    return mode, start + changed * word, changed
+
+
 def decode(payload: torch.Tensor, mode: int, changed: int, word: int, current: torch.Tensor) -> None:
     """Apply an INDEX or MASK ``payload`` (uint8) to ``current`` (uint8 bucket bytes holding the
     previous version), in place."""
     cur = current.view(_WORD[word])
     words = cur.numel()
+    if mode == MASK and _kernels(current):
+        decode_mask_with_kernels(payload, changed, word, cur)
+        return
     if mode == INDEX:
         where = payload[:changed * 4].view(torch.int32).long()
         start = _positions(changed)
@@ -161,6 +192,21 @@ def decode(payload: torch.Tensor, mode: int, changed: int, word: int, current: t
         raise ValueError(f"delta: no payload to apply for mode {MODES.get(mode, mode)}")
     vals = payload[start:start + changed * word].view(_WORD[word])
     cur.index_copy_(0, where, vals)
+
+
+def decode_mask_with_kernels(payload: torch.Tensor, changed: int, word: int, cur: torch.Tensor) -> None:
+    """A MASK payload applied through the Triton kernels (`refit.executor.delta_kernels`)."""
+    from refit.executor import delta_kernels as dk
+
+    nmask = mask_bytes(cur.numel())
+    wrote = dk.scatter_masked(cur, payload[:nmask], payload[nmask:nmask + changed * word].view(_WORD[word]))
+    if wrote != changed:
+        raise ValueError(f"delta: mask holds {wrote} changed words, header says {changed}")
+
+
+def _kernels(t: torch.Tensor) -> bool:
+    """The Triton path: CUDA buffers of fewer than 2**31 words (int32 positions), Triton present."""
+    return t.is_cuda and t.numel() < 2 ** 31 and triton_importable("delta refits on CUDA use the torch path")
 
 
 class DeltaCache:

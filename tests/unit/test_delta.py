@@ -119,3 +119,41 @@ def test_delta_refits_over_gloo_land_what_a_full_refit_lands() -> None:
     assert landed != first
     for m in members:
         m.close()
+
+
+KERNEL_CASE = """
+import torch
+from refit.executor.delta import FULL, MASK, INDEX, decode, decode_mask_with_kernels, encode, encode_with_kernels
+g = torch.Generator().manual_seed(0)
+for words, word, fraction in [(5000, 2, 0.01), (5000, 2, 0.3), (4097, 1, 0.05), (333, 4, 0.2), (2048, 8, 0.02), (100, 2, 0.0)]:
+    last = torch.randint(0, 256, (words * word,), dtype=torch.uint8, generator=g)
+    new = last.clone()
+    pick = torch.rand(words, generator=g) < fraction
+    new.view(words, word)[pick] = torch.randint(0, 256, (int(pick.sum()), word), dtype=torch.uint8, generator=g)
+    a, b = torch.empty_like(new), torch.empty_like(new)
+    want = encode(new, last, word, a)
+    got = encode_with_kernels(new, last, word, b)
+    assert want == got, (words, word, fraction, want, got)
+    assert torch.equal(a[:want[1]], b[:got[1]]) or want[0] == FULL, (words, word, fraction)
+    if got[0] == MASK:
+        cur = last.clone()
+        decode_mask_with_kernels(b[:got[1]], got[2], word, cur.view({1: torch.uint8, 2: torch.int16, 4: torch.int32, 8: torch.int64}[word]))
+        assert torch.equal(cur, new)
+print("kernels agree")
+"""
+
+
+def test_triton_kernels_write_the_torch_path_s_payloads() -> None:
+    """The CUDA kernels (`refit.executor.delta_kernels`), run by Triton's interpreter on CPU in a
+    child process (the interpreter is chosen when triton is imported), give byte for byte the
+    payloads of the torch path, and decode them."""
+    import os
+    import subprocess
+    import sys
+
+    import pytest
+
+    pytest.importorskip("triton")
+    env = dict(os.environ, TRITON_INTERPRET="1")
+    r = subprocess.run([sys.executable, "-c", KERNEL_CASE], env=env, capture_output=True, text=True, timeout=300)
+    assert r.returncode == 0 and "kernels agree" in r.stdout, r.stderr[-3000:]
