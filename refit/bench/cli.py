@@ -59,6 +59,7 @@ examples:
   refit-bench --model qwen3-30b-moe --src tp4ep8 --dst tp8
   refit-bench --model qwen3-30b-moe --src megatron:tp2ep2 --dst vllm:tp2 --vs broadcast --json
   refit-bench --model qwen3-235b-moe --layers 20 --src megatron:tp2ep2 --dst vllm:tp2
+  refit-bench --model qwen3-30b-moe --src megatron:tp2ep2 --dst vllm:tp2 --delta --step-lr 1e-6
   refit-bench --model qwen3-30b-moe --src megatron:tp2ep2 --dst vllm:tp2 --via grpc
   refit-bench --model qwen3-30b-moe --src megatron:tp2ep2 --dst vllm:tp2 --ray auto
 """
@@ -143,6 +144,19 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
                         "trainers quantize their shards each refit (timed inside the refit) and the wire "
                         "carries the float8 bytes; every element and scale is verified against quantizing "
                         "the canonical values.  Compare with the same command without it")
+    p.add_argument("--delta", action="store_true",
+                   help="delta refits: each bucket sent over a wire carries only the words changed since the "
+                        "last refit (positions or a bit mask, and the new values; the whole bucket when that is "
+                        "no smaller); same-device copies and CUDA-IPC pulls stay full.  The first refit of each "
+                        "planner is full.  Every timed refit is verified; the report adds per run the fraction "
+                        "of words changed and the wire bytes against a full refit's.  Without --step-lr the "
+                        "weights do not change between refits: a delta refit sends headers only")
+    p.add_argument("--step-lr", type=float, default=None, metavar="LR",
+                   help="before each refit (untimed) the trainers' weights take one synthetic Adam-like step "
+                        "of size LR on float32 masters (each master moves by LR times a hashed update of "
+                        "magnitude about 1, as Adam's normalised update), cast to the engine dtype: at RL "
+                        "learning rates (typically 1e-5 to 1e-7) few bfloat16 values change.  Every timed "
+                        "refit is verified against the masters.  Compare with and without --delta")
     p.add_argument("--json", action="store_true", help="print one JSON object instead of the table")
     p.add_argument("--alloc", default="framework", choices=["framework", "arena"],
                    help="how shards are allocated: framework (default: as Megatron/vLLM leave parameters, so "
@@ -199,7 +213,24 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
                 "refit.integrations.ray in your own actors for the agents' path)")
     if a.ray_strategy and a.ray is None:
         p.error("--ray-strategy needs --ray")
+    _check_delta(p, a)
     return a
+
+
+def _check_delta(p: argparse.ArgumentParser, a: argparse.Namespace) -> None:
+    """Refuse what ``--delta`` and ``--step-lr`` do not run with yet (before any process starts)."""
+    if a.step_lr is not None and not a.step_lr > 0:
+        p.error(f"--step-lr must be more than 0, got {a.step_lr:g}")
+    given = " and ".join(o for o, on in (("--delta", a.delta), ("--step-lr", a.step_lr is not None)) if on)
+    if not given:
+        return
+    if a.via == "grpc":
+        p.error(f"{given}: not supported with --via grpc yet (run the direct bench)")
+    if a.ray is not None:
+        p.error(f"{given}: not supported with --ray yet (run the direct bench)")
+    if a.step_lr is not None and a.dst_dtype:
+        p.error("--step-lr with --dst-dtype is not supported yet: the synthetic step runs on unquantized "
+                "weights (run --dst-dtype without it)")
 
 
 def _gpu_count(cpu: bool) -> int:

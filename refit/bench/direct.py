@@ -9,10 +9,11 @@ import logging
 import math
 import statistics
 import sys
-from typing import Any
+from typing import Any, Callable
 
 from refit.bench.launch import run_job
 from refit.bench.worker import Job, PlanRun, Refit
+from refit.executor.delta import DeltaStats
 from refit.executor.topology import Topology
 from refit.spec import ModelSpec
 from refit.units import MiB, fmt_bytes
@@ -23,17 +24,19 @@ def run_direct(args: argparse.Namespace, spec: ModelSpec, plans: list[Any], devi
                reduced: dict[str, list[int]] | None, transport: str, kill: tuple[str, int, int] | None = None,
                hang: bool = False) -> dict[str, Any]:
     first = plans[0]
+    delta, step_lr = args.delta, args.step_lr
+    every = delta or step_lr is not None  # a delta refit builds on the last: every one is verified
     runs = []
     for i, r in enumerate(plans):
         refits = [Refit(seed=i + 1, timed=False) for _ in range(args.warmup)]
-        refits += [Refit(seed=i + 1, timed=True, verify=(k == args.iters - 1)) for k in range(args.iters)]
+        refits += [Refit(seed=i + 1, timed=True, verify=every or k == args.iters - 1) for k in range(args.iters)]
         runs.append(PlanRun(r.plan, tuple(refits)))
     topo = Topology.one_per_rank(first.plan.placement)
     link_mb = args.link_mb if args.link_mb is not None else (1024 if device == "cuda" else 16)
     job = Job("", spec, first.src, first.dst, topo, tuple(runs), device=device, timeout_s=args.timeout,
               link_bytes=int(link_mb * MiB), kill=kill, hang=hang,
               log_level=logging.INFO if args.verbose else logging.WARNING,
-              transport="ipc" if transport == "ipc" else "comm", alloc=args.alloc)
+              transport="ipc" if transport == "ipc" else "comm", alloc=args.alloc, delta=delta, step_lr=step_lr)
     # The primitives move the run's bucket size per pair, at least 256 MiB, unless --link-mb says
     # otherwise: the nccl transport's messages are its buckets and NCCL's rate grows with the
     # message size (354 GB/s per GPU at 1 GiB, 277 at 256 MiB on 2x H200); smaller buckets must
@@ -57,7 +60,7 @@ def run_direct(args: argparse.Namespace, spec: ModelSpec, plans: list[Any], devi
             results = run_job(job, on_progress=progress)
     timed = [[rf.timed for rf in ph.refits] for ph in runs]
     return report(spec, plans, timed, results, device, reduced, len(topo.members), int(link_mb * MiB), transport,
-                  a2a, args.alloc, copy)
+                  a2a, args.alloc, copy, delta=delta, step_lr=step_lr)
 
 
 def _measure_a2a(gpus: int, pair_mb: float, ce_pair_mb: float | None) -> dict[str, Any]:
@@ -116,12 +119,13 @@ def same_gpu_bytes(plan: Any) -> int:
 def report(spec: ModelSpec, plans: list[Any], timed: list[list[bool]], results: list[Any], device: str,
            reduced: dict[str, list[int]] | None, processes: int, link_bytes: int,
            transport: str | None = None, a2a: dict[str, Any] | None = None, alloc: str = "arena",
-           copy: dict[str, Any] | None = None) -> dict[str, Any]:
+           copy: dict[str, Any] | None = None, delta: bool = False, step_lr: float | None = None) -> dict[str, Any]:
     """Everything the table prints, as one JSON-able dict.  The floor is the largest per-device
     remote volume over the best all-to-all primitive measured among the run's GPUs (``a2a``: copy
     engines in rounds, NCCL), else over the link between the first two devices (CPU).  ``copy``
     (`measure_copy`): the device copy a GPU's same-GPU bytes are held against; on one GPU, where
-    nothing crosses a link, that is the floor."""
+    nothing crosses a link, that is the floor.  ``delta``/``step_lr``: the job's (`Job`); with
+    either, each run says what its wires carried (`delta_report`)."""
     link_s = next((w.link_seconds for w in results if w.link_seconds), None)
     link_gbps = link_bytes / link_s / 1e9 if link_s else None
     best = max(a2a["gbps"].values()) if a2a else None
@@ -140,7 +144,8 @@ def report(spec: ModelSpec, plans: list[Any], timed: list[list[bool]], results: 
                  "what": ("NCCL" if device == "cuda" else "gloo") + " send/recv between the first two devices"},
         "a2a": a2a or None, "floor_gbps": floor_gbps, "copy": copy or None,
         "floor_what": "best all-to-all primitive among the run's GPUs" if best else "link between the first two devices",
-        "alloc": alloc, "quantization": spec.config.quantization or None, "runs": [],
+        "alloc": alloc, "quantization": spec.config.quantization or None,
+        "delta_mode": delta, "step_lr": step_lr, "runs": [],
     }
     for i, r in enumerate(plans):
         s = r.summary
@@ -151,6 +156,9 @@ def report(spec: ModelSpec, plans: list[Any], timed: list[list[bool]], results: 
         per_refit = [q + max(p.seconds[k] for p in per_worker) for q, k in zip(quantize, counted)]
         verdicts = [v for p in per_worker for vs in p.verdicts.values() for v in vs]
         dst_eps = {name for p in per_worker for name in p.verdicts}
+        # refits verified (the last; every timed one with delta or step-lr): as many on every endpoint
+        checks = {len(vs) for p in per_worker for vs in p.verdicts.values()}
+        rounds = checks.pop() if len(checks) == 1 else 0
         moved = s["remote_bytes"] + s["local_bytes"]
         median = statistics.median(per_refit)
         floor_bytes = max(s["max_send_bytes"], s["max_recv_bytes"])
@@ -179,19 +187,39 @@ def report(spec: ModelSpec, plans: list[Any], timed: list[list[bool]], results: 
             "direct_wire_bytes": sum(p.direct_bytes for p in per_worker), "gather_bytes": max(p.gather_bytes for p in per_worker),
             "copies": sum(p.copies for p in per_worker), "blocks": sum(p.blocks for p in per_worker),
             "memcpys": sum(p.memcpys for p in per_worker),
-            # every destination rank checked, every element of every piece, nothing wrong
+            # every destination rank checked, every element of every piece, each refit verified, nothing wrong
             "verified": (all(v.ok for v in verdicts) and len(dst_eps) == len(first.plan.placement.dst_gpus)
-                         and sum(v.checked for v in verdicts) == dst_elements),
+                         and rounds > 0 and sum(v.checked for v in verdicts) == rounds * dst_elements),
+            "verified_refits": rounds,
             "checked_elements": sum(v.checked for v in verdicts),
             "mismatches": sum(v.mismatches for v in verdicts), "stray": sum(v.stray for v in verdicts),
             "first_mismatch": next((v.first for v in verdicts if v.first), None),
         })
         if spec.config.quantization:  # the trainers' quantizing, inside each refit's seconds
             out["runs"][-1]["quantize_seconds"] = {"median": statistics.median(quantize), "all": quantize}
+        if delta or step_lr is not None:
+            out["runs"][-1]["delta"] = delta_report([[p.deltas[k] for p in per_worker] for k in counted])
     runs = out["runs"]
     out["speedup"] = runs[1]["seconds"]["median"] / runs[0]["seconds"]["median"] if len(runs) > 1 else None
     out["verified"] = all(r["verified"] for r in runs)
     return out
+
+
+def delta_report(per_refit: list[list[DeltaStats]]) -> dict[str, Any]:
+    """What the wires carried, from every timed refit's `Member.last_delta` of every worker
+    (``per_refit[k]``: refit k's, one per worker).  Each member counts the buckets it sends, so a
+    refit's is the sum over workers; the figures are medians over the timed refits of those sums
+    (each field on its own), ``per_refit`` the sums themselves.  A full refit (no --delta) counts
+    every word sent as changed."""
+    sums = [sum(workers, DeltaStats()) for workers in per_refit]
+
+    def median(value: Callable[[DeltaStats], float]) -> Any:
+        return statistics.median(value(d) for d in sums)
+
+    return {"changed_fraction": round(median(lambda d: d.changed_fraction), 6),
+            "wire_bytes": median(lambda d: d.wire_bytes), "full_bytes": median(lambda d: d.full_bytes),
+            "delta_buckets": median(lambda d: d.delta_buckets), "buckets": median(lambda d: d.buckets),
+            "per_refit": [d.as_json() for d in sums]}
 
 
 _PRIMITIVE = {"ipc": "ce_rounds", "nccl": "nccl"}  # the a2a primitive each GPU transport is built on
@@ -206,6 +234,21 @@ def transport_floor(a2a: dict[str, Any] | None, transport: str, floor_bytes: int
 
 def _size(n: float | None) -> str:
     return "-" if n is None else fmt_bytes(n)
+
+
+def delta_line(d: dict[str, Any], delta: bool, step_lr: float | None) -> str:
+    """One line on what a run's wires carried per refit (medians): ``delta: 3.1% of words changed,
+    wire 1.2 MiB of 40.0 MiB full (0.031x)``."""
+    step = f"; a synthetic step of lr {step_lr:g} before each refit" if step_lr is not None else \
+        "; weights unchanged between refits (no --step-lr)"
+    if not d["buckets"]:
+        return f"no bucket crosses a wire (same-device copies and IPC pulls move whole tensors){step}"
+    if not delta:
+        return f"full refits: wire {_size(d['full_bytes'])} per refit{step} (--delta sends only the changed words)"
+    ratio = d["wire_bytes"] / d["full_bytes"] if d["full_bytes"] else 0.0
+    return (f"delta: {d['changed_fraction']:.1%} of words changed, wire {_size(d['wire_bytes'])} of "
+            f"{_size(d['full_bytes'])} full ({ratio:.3g}x), {d['delta_buckets']:g} of {d['buckets']:g} buckets "
+            f"sent as deltas{step}")
 
 
 def table(r: dict[str, Any]) -> str:
@@ -258,6 +301,9 @@ def table(r: dict[str, Any]) -> str:
             lines.append(f"{run['planner']}: {run['x_transport_floor']:.2f}x the floor of its own transport's "
                          f"primitive ({r['transport']}: {run['transport_floor_seconds'] * 1e3:.1f} ms), "
                          f"{run['x_floor']:.2f}x the best primitive's")
+    for run in r["runs"]:
+        if "delta" in run:
+            lines.append(f"{run['planner']}: {delta_line(run['delta'], r.get('delta_mode', False), r.get('step_lr'))}")
     if r["speedup"]:
         a, b = r["runs"][0], r["runs"][1]
         lines.append(f"speedup of {a['planner']} over {b['planner']}: {r['speedup']:.1f}x (median seconds)")

@@ -16,7 +16,7 @@ import logging
 import os
 import signal
 import time
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from typing import Any, Callable
 
 import torch
@@ -29,6 +29,8 @@ from refit.executor.shards import Shards, Verdict, allocate, fill_sentinel, fill
 from refit.executor.topology import Endpoint, Topology, endpoint_name
 from refit.executor.transports import PeerError
 from refit.bench.quantized import SourceQuantizer, fill_finite, verify_quantized
+from refit.bench.steps import Masters
+from refit.executor.delta import DeltaStats
 from refit.layouts import Layout, LocalTensor, QuantizedLayout
 from refit.plan import Plan
 from refit.spec import ModelSpec, base_spec
@@ -38,8 +40,9 @@ log = logging.getLogger("refit.bench")
 
 @dataclass(frozen=True)
 class Refit:
-    """One refit of a plan run: source values of ``seed`` (re-filled when it changes), whether it
-    counts in the timings, whether destinations are verified after it."""
+    """One refit of a plan run: source values of ``seed`` (re-filled when it changes; with
+    `Job.step_lr` the sources take a synthetic step before every refit instead), whether it counts
+    in the timings, whether destinations are verified after it."""
 
     seed: int
     timed: bool = True
@@ -76,6 +79,10 @@ class Job:
     # blocks of neighbouring tensors do not merge); "arena": packed in layout order (they do).
     alloc: str = "framework"
     transport: str = "comm"  # "comm": NCCL (GPU) / gloo (CPU) between devices; "ipc": direct reads
+    delta: bool = False  # delta refits (`Member.refit(delta=True)`): wire buckets carry the changed words
+    # >0: before every refit each endpoint's float32 masters take a synthetic Adam-like step of this
+    # size (`refit.bench.steps`), cast into the sources; destinations are verified against them
+    step_lr: float | None = None
 
 
 @dataclass
@@ -91,6 +98,7 @@ class PlanRunResult:
     blocks: int = 0
     memcpys: int = 0  # of the copies, calls on the copy engines (CUDA)
     steps: int = 0
+    deltas: list[DeltaStats] = field(default_factory=list)  # every refit's `Member.last_delta`, in order
 
 
 @dataclass
@@ -146,6 +154,9 @@ class Session:
                 self.unquantized[ep] = allocate(job.src.inner.local_tensors(base_spec(job.spec), ep[1]),
                                                 torch.device(device), None, job.alloc == "framework")
                 self.quantizers[ep] = SourceQuantizer(self.unquantized[ep], self.shards[ep], job.src, job.spec, ep[1])
+        # every endpoint's masters, stepped in lockstep: a destination's say what its engine must hold
+        self.masters: dict[Endpoint, Masters] = ({ep: Masters(s, job.spec) for ep, s in self.shards.items()}
+                                                 if job.step_lr else {})
         names = [topo.describe_member(m) for m in range(len(topo.members))]
         store = connect(job.store_host, job.store_port, job.session, job.timeout_s)
         self.m = Member(store, topo, self.member, device, self.shards, job.spec, job.src, job.dst, names,
@@ -189,17 +200,23 @@ class Session:
                 fill_sentinel(s)
         seed = None
         cuda = job.device == "cuda"
-        # own: the weights each side holds anyway; a quantizing trainer's wire shards are extra
+        # own: the weights each side holds anyway (and the bench's masters); a quantizing trainer's
+        # wire shards are extra
         own = sum(s.nbytes for ep, s in self.shards.items() if ep not in self.unquantized) + \
-            sum(s.nbytes for s in self.unquantized.values())
+            sum(s.nbytes for s in self.unquantized.values()) + sum(m.nbytes for m in self.masters.values())
         for refit in run.refits:
             if refit.seed != seed:
                 seed = refit.seed
                 for ep, s in self.shards.items():
                     if ep in self.unquantized:
                         fill_finite(self.unquantized[ep], base_spec(job.spec), seed)
+                    elif ep[0] == "src" and self.masters:  # padding zero; `_step` writes the pieces
+                        for m in s.memory():
+                            m.zero_()
                     elif ep[0] == "src":
                         fill_source(s, job.spec, seed)
+            if self.masters:
+                self._step()
             dev.synchronize()
             if cuda:
                 for d in [dev.torch.index, *sorted(self.m.peer_devices)]:
@@ -208,7 +225,8 @@ class Session:
             # A quantizing trainer's work comes before the refit's start barrier: every member
             # waits for it there, so a refit takes its quantizing plus the shares (`direct.report`).
             res.quantize_seconds.append(self._quantize() if self.unquantized else 0.0)
-            res.seconds.append(self.m.refit(Budget(job.timeout_s), self._kill_hook(), started))
+            res.seconds.append(self.m.refit(Budget(job.timeout_s), self._kill_hook(), started, delta=job.delta))
+            res.deltas.append(replace(self.m.last_delta))  # a copy: the member's is its own
             if cuda:  # plus anything this process allocated on peers (cross-device copy temporaries)
                 peak = torch.cuda.max_memory_allocated(dev.torch) - own
                 peak += sum(torch.cuda.max_memory_allocated(d) for d in self.m.peer_devices)
@@ -217,10 +235,20 @@ class Session:
                 check = verify_quantized if job.spec.config.quantization else verify
                 for ep, s in self.shards.items():
                     if ep[0] == "dst":
-                        res.verdicts.setdefault(endpoint_name(ep), []).append(check(s, job.spec, seed))
+                        verdict = self.masters[ep].verify(s) if self.masters else check(s, job.spec, seed)
+                        res.verdicts.setdefault(endpoint_name(ep), []).append(verdict)
             self.refits_done += 1
             self.report(f"refit {self.refits_done - 1} done")
         return res
+
+    def _step(self) -> None:
+        """One synthetic optimizer step on every endpoint's masters (`refit.bench.steps`), cast into
+        the sources' shards: the trainers' new weights, before the refit (untimed)."""
+        with torch.no_grad():
+            for ep, masters in self.masters.items():
+                masters.step(self.job.step_lr or 0.0)
+                if ep[0] == "src":
+                    masters.cast_into(self.shards[ep])
 
     def _quantize(self) -> float:
         """Seconds this worker's trainer ranks took to quantize their shards for the wire."""
