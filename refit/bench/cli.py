@@ -157,6 +157,11 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
                         "magnitude about 1, as Adam's normalised update), cast to the engine dtype: at RL "
                         "learning rates (typically 1e-5 to 1e-7) few bfloat16 values change.  Every timed "
                         "refit is verified against the masters.  Compare with and without --delta")
+    p.add_argument("--wire-gbps", type=float, default=None, metavar="G",
+                   help="emulate a slower wire between devices: every step over the communicator takes at least "
+                        "its bytes / G GB/s (trainers and engines on different hosts: 25-50 GB/s per GPU), "
+                        "where delta refits pay; the report says the wire was emulated. Not with --transport ipc "
+                        "(no wire)")
     p.add_argument("--json", action="store_true", help="print one JSON object instead of the table")
     p.add_argument("--alloc", default="framework", choices=["framework", "arena"],
                    help="how shards are allocated: framework (default: as Megatron/vLLM leave parameters, so "
@@ -221,6 +226,11 @@ def _check_delta(p: argparse.ArgumentParser, a: argparse.Namespace) -> None:
     """Refuse what ``--delta`` and ``--step-lr`` do not run with yet (before any process starts)."""
     if a.step_lr is not None and not a.step_lr > 0:
         p.error(f"--step-lr must be more than 0, got {a.step_lr:g}")
+    if a.wire_gbps is not None and not a.wire_gbps > 0:
+        p.error(f"--wire-gbps must be more than 0, got {a.wire_gbps:g}")
+    if a.wire_gbps is not None and (a.via == "grpc" or a.ray is not None or a.transport == "ipc"):
+        p.error("--wire-gbps emulates the communicator of the direct bench: not with --via grpc, --ray or "
+                "--transport ipc")
     given = " and ".join(o for o, on in (("--delta", a.delta), ("--step-lr", a.step_lr is not None)) if on)
     if not given:
         return

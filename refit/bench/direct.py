@@ -36,7 +36,8 @@ def run_direct(args: argparse.Namespace, spec: ModelSpec, plans: list[Any], devi
     job = Job("", spec, first.src, first.dst, topo, tuple(runs), device=device, timeout_s=args.timeout,
               link_bytes=int(link_mb * MiB), kill=kill, hang=hang,
               log_level=logging.INFO if args.verbose else logging.WARNING,
-              transport="ipc" if transport == "ipc" else "comm", alloc=args.alloc, delta=delta, step_lr=step_lr)
+              transport="ipc" if transport == "ipc" else "comm", alloc=args.alloc, delta=delta, step_lr=step_lr,
+              wire_gbps=args.wire_gbps)
     # The primitives move the run's bucket size per pair, at least 256 MiB, unless --link-mb says
     # otherwise: the nccl transport's messages are its buckets and NCCL's rate grows with the
     # message size (354 GB/s per GPU at 1 GiB, 277 at 256 MiB on 2x H200); smaller buckets must
@@ -60,7 +61,7 @@ def run_direct(args: argparse.Namespace, spec: ModelSpec, plans: list[Any], devi
             results = run_job(job, on_progress=progress)
     timed = [[rf.timed for rf in ph.refits] for ph in runs]
     return report(spec, plans, timed, results, device, reduced, len(topo.members), int(link_mb * MiB), transport,
-                  a2a, args.alloc, copy, delta=delta, step_lr=step_lr)
+                  a2a, args.alloc, copy, delta=delta, step_lr=step_lr, wire_gbps=args.wire_gbps)
 
 
 def _measure_a2a(gpus: int, pair_mb: float, ce_pair_mb: float | None) -> dict[str, Any]:
@@ -119,7 +120,8 @@ def same_gpu_bytes(plan: Any) -> int:
 def report(spec: ModelSpec, plans: list[Any], timed: list[list[bool]], results: list[Any], device: str,
            reduced: dict[str, list[int]] | None, processes: int, link_bytes: int,
            transport: str | None = None, a2a: dict[str, Any] | None = None, alloc: str = "arena",
-           copy: dict[str, Any] | None = None, delta: bool = False, step_lr: float | None = None) -> dict[str, Any]:
+           copy: dict[str, Any] | None = None, delta: bool = False, step_lr: float | None = None,
+           wire_gbps: float | None = None) -> dict[str, Any]:
     """Everything the table prints, as one JSON-able dict.  The floor is the largest per-device
     remote volume over the best all-to-all primitive measured among the run's GPUs (``a2a``: copy
     engines in rounds, NCCL), else over the link between the first two devices (CPU).  ``copy``
@@ -146,6 +148,7 @@ def report(spec: ModelSpec, plans: list[Any], timed: list[list[bool]], results: 
         "floor_what": "best all-to-all primitive among the run's GPUs" if best else "link between the first two devices",
         "alloc": alloc, "quantization": spec.config.quantization or None,
         "delta_mode": delta, "step_lr": step_lr, "runs": [],
+        "wire_gbps_emulated": wire_gbps,
     }
     for i, r in enumerate(plans):
         s = r.summary

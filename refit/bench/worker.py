@@ -30,6 +30,7 @@ from refit.executor.topology import Endpoint, Topology, endpoint_name
 from refit.executor.transports import PeerError
 from refit.bench.quantized import SourceQuantizer, fill_finite, verify_quantized
 from refit.bench.steps import Masters
+from refit.bench.throttle import Throttled
 from refit.executor.delta import DeltaStats
 from refit.layouts import Layout, LocalTensor, QuantizedLayout
 from refit.plan import Plan
@@ -83,6 +84,7 @@ class Job:
     # >0: before every refit each endpoint's float32 masters take a synthetic Adam-like step of this
     # size (`refit.bench.steps`), cast into the sources; destinations are verified against them
     step_lr: float | None = None
+    wire_gbps: float | None = None  # emulate a wire of this rate (`refit.bench.throttle`)
 
 
 @dataclass
@@ -162,6 +164,8 @@ class Session:
         self.m = Member(store, topo, self.member, device, self.shards, job.spec, job.src, job.dst, names,
                         Budget(job.timeout_s, "set-up"), ipc=ipc, host=self.host, scattered=job.alloc == "framework")
         self.device = self.m.device
+        if job.wire_gbps and self.m.comm is not None:
+            self.m.comm = Throttled(self.m.comm, job.wire_gbps)
         self.report("setup")
 
     # ------------------------------------------------------------------ link bandwidth

@@ -395,6 +395,9 @@ class Member:
             if on_phase:
                 remaining()  # an abandoned refit applies nothing more
                 on_phase(key)
+        if delta and not against and self.delta_cache.nbytes:  # filled again: say what it costs
+            log.info("%s: delta refits: keeping what it sends over wires, %d bytes on %s", self.name,
+                     self.delta_cache.nbytes, self.device.torch)
         self.delta_ready = delta
         return seconds
 
