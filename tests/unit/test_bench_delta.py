@@ -159,6 +159,8 @@ BASE = ["--model", "qwen3-8b", "--src", "tp1", "--dst", "tp2"]
     (["--delta", "--via", "grpc"], "--delta: not supported with --via grpc yet"),
     (["--step-lr", "1e-6", "--via", "grpc"], "--step-lr: not supported with --via grpc yet"),
     (["--delta", "--step-lr", "1e-6", "--ray", "auto"], "--delta and --step-lr: not supported with --ray yet"),
+    (["--wire-gbps", "0"], "--wire-gbps must be more than 0, got 0"),
+    (["--wire-gbps", "1", "--transport", "ipc"], "--wire-gbps emulates the communicator of the direct bench"),
 ])
 def test_refusals(capsys: pytest.CaptureFixture[str], argv: list[str], msg: str) -> None:
     with pytest.raises(SystemExit) as e:
@@ -203,3 +205,14 @@ def test_delta_refits_on_cpu_verify_every_run(capsys: pytest.CaptureFixture[str]
     assert len(d["per_refit"]) == 2 and d["delta_buckets"] > 0 and d["buckets"] >= d["delta_buckets"]
     assert 0 < d["changed_fraction"] < 0.1 and 0 < d["wire_bytes"] < d["full_bytes"] / 2
     assert "of words changed, wire" in table(out)
+
+
+def test_an_emulated_wire_holds_each_step_to_its_rate(capsys: pytest.CaptureFixture[str]) -> None:
+    """``--wire-gbps``: a full refit takes at least its wire bytes over the rate (each step is held
+    to it, `refit.bench.throttle`), and the report says the wire was emulated."""
+    code = cli.main(BASE + ["--cpu", "--iters", "1", "--warmup", "0", "--step-lr", "1e-6", "--wire-gbps", "0.1",
+                            "--json"])
+    out = json.loads(capsys.readouterr().out)
+    assert code == 0 and out["verified"] is True and out["wire_gbps_emulated"] == 0.1
+    (run,) = out["runs"]
+    assert run["seconds"]["min"] >= run["delta"]["full_bytes"] / 2 / 0.1e9  # two senders at most share the bytes
