@@ -119,16 +119,20 @@ def compare(got: list[dict[str, torch.Tensor]], quantized: list[dict[str, torch.
 
 
 def refit_twice_as_vllm_loads(client, plan_id: str, engines: Engines, spec, change, checkpoint, tmp_path,
-                              verify: bool = False) -> None:
+                              verify: bool = False, delta: bool = False) -> None:
     """Refit, ``change(2)`` the trainer's weights, refit: each time every engine tensor against
     vLLM's loading of its own FP8 quantization of the checkpoint ``checkpoint(directory, version)``
     writes (and returns, as HF tensors), the unquantized ones against refit's offline reshard of it.
-    ``verify``: the second refit with both ends' checksums compared."""
+    ``verify``: the second refit with both ends' checksums compared.  ``delta``: delta refits (the
+    first goes in full; the second sends the FP8 bytes and scales that changed)."""
     for version in (1, 2):
         if version == 2:
             change(version)
-        result = client.refit(plan_id, version=version, timeout=180, verify=verify and version == 2)
+        result = client.refit(plan_id, version=version, timeout=180, verify=verify and version == 2, delta=delta)
         assert result.ok and (result.verified_transfers > 0) == (verify and version == 2), result
+        if delta and version == 2:
+            assert result.delta_fallback == "" and result.delta["delta_buckets"] > 0, result
+            assert result.delta["wire_bytes"] < result.delta["full_bytes"], result.delta
         ckpt = str(tmp_path / f"v{version}")
         state = checkpoint(ckpt, version)
         bad = compare(engines.tensors, oracle_ranks(state, 2), expected_engine_tensors(spec, "vllm:tp2", ckpt))
@@ -141,8 +145,10 @@ def fp8_engines(server, spec, group: str) -> Engines:
                    "vllm:tp2", group=group)
 
 
-@pytest.mark.parametrize("held", [torch.bfloat16, torch.float32], ids=["bf16", "fp32-masters"])
+@pytest.mark.parametrize("held", [torch.bfloat16, torch.float32], ids=["bf16", "fp32-masters-delta"])
 def test_trainer_quantizes_on_the_way_into_fp8_engines(server, tmp_path, held) -> None:
+    """Both trainer dtypes refit exactly; the float32 masters are cast, quantized and sent as delta
+    refits (FP8 bytes and scales that changed), exact all the same."""
     srv, client = server
     model = with_outliers(make_hf_model("Qwen3MoeForCausalLM", **QWEN3_MOE)).to(held)
     group = f"fp8-{held}".replace("torch.", "")
@@ -156,7 +162,7 @@ def test_trainer_quantizes_on_the_way_into_fp8_engines(server, tmp_path, held) -
         wire = sum(b.nbytes for b in plan.buckets)
         assert wire < 0.55 * base.nbytes  # float8 weights: about half the bytes of the bfloat16 refit
         refit_twice_as_vllm_loads(client, created["plan_id"], engines, base, lambda v: train_step(model, seed=v + 1),
-                                  lambda ckpt, _: hf_state(model, ckpt), tmp_path)
+                                  lambda ckpt, _: hf_state(model, ckpt), tmp_path, delta=held == torch.float32)
     finally:
         agent.stop()
         engines.close()
