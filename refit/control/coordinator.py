@@ -537,7 +537,7 @@ class Coordinator:
                 entry.delta_version, entry.delta_generation = run.version, entry.generation
             if run.delta:
                 resp.delta.CopyFrom(run.delta_stats)
-                resp.delta_fallback = run.delta_fallback
+                resp.delta_fallback = run.delta_fallback or run.delta_stats.fallback
             if not run.catch_up:  # a catch-up brings replicas to the version committed already
                 entry.committed = resp
             outcome = pb.Outcome(refit_id=run.refit_id, committed=True, version=run.version)

@@ -106,6 +106,7 @@ class ExecutorDataPlane(BaseDataPlane):
         # plan hash -> the tensors its last `run` moved (a trainer's as the wire carries them), for `checksums`
         self._moved: dict[str, Tensors] = {}
         self.last_delta: DeltaStats | None = None  # what the last refit sent over wires (`Member.last_delta`)
+        self.delta_fallback = ""  # why the last delta refit went in full here, if it did
         # plan hash -> checksums an engine took phase by phase in its last verified `run` (its
         # phase hook re-uses one staging for every phase: summed before each phase is applied)
         self._phase_sums: dict[str, dict[int, int]] = {}
@@ -162,12 +163,16 @@ class ExecutorDataPlane(BaseDataPlane):
             self._members.pop(ctx.plan_id, None)
             held = self._build(plan, tensors, ctx, 0)
         moved = tensors is not held.tensors and where(tensors) != held.where
+        self.delta_fallback = ""
         on_phase = self._on_phase(plan, tensors, ctx)
         ctx.starting()
         try:
             seconds = held.member.refit(ctx.remaining, self.refit_hook, on_phase=on_phase, rebuild=moved,
                                         delta=ctx.delta, base=ctx.delta_base)
         except Rebuild:  # some member's tensors moved: every member builds again, in this refit
+            if ctx.delta:
+                self.delta_fallback = ("a member's tensors moved since the plan's members were built (an atomic "
+                                       "refit's first staging, an offload): built again within the refit")
             log.info("%s: rebuilding for plan %s: a member's tensors moved", rendezvous_name(ctx), ctx.plan_id)
             held.close()
             del self._members[ctx.plan_id]

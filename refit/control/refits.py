@@ -192,6 +192,7 @@ def delta_fallback(run: Run, rebuilt: bool, workers: Mapping[str, Worker]) -> st
 def add_delta(total: pb.DeltaStats, one: pb.DeltaStats) -> None:
     for f in ("buckets", "delta_buckets", "words", "changed", "wire_bytes", "full_bytes"):
         setattr(total, f, getattr(total, f) + getattr(one, f))
+    total.fallback = total.fallback or one.fallback
 
 
 def busy_results(entry: PlanEntry, refit_id: str) -> dict[str, pb.WorkerResult]:

@@ -343,6 +343,31 @@ def test_member_killed_or_stopped_is_named_in_time(procs: ProcCluster, sig: str,
     procs.refit_ok(v + 1)
 
 
+@bounded(90)
+def test_delta_refits_of_a_phased_plan_plain_and_atomic(procs: ProcCluster) -> None:
+    """Delta refits of a phased MoE plan (each phase's buckets kept and encoded on their own),
+    plain then atomic (the staging refreshed from the live weights first): every engine exact after
+    each.  Going from plain to atomic refits and back moves the engines' tensors (live or staging),
+    which builds the members again within the refit: that one goes in full and says why."""
+    base = procs.version + 1
+    procs.refit_ok(base, delta=True)
+    for v, atomic, rebuilt in ((base + 1, False, False), (base + 2, True, True), (base + 3, True, False),
+                               (base + 4, False, True), (base + 5, False, False)):
+        step = (v, base, 0.03)
+        procs.fill(step)
+        r = procs.client.refit(procs.plan, v, timeout=20.0, delta=True, atomic=atomic)
+        assert r.ok, r
+        if rebuilt:
+            assert "built again within the refit" in r.delta_fallback and r.delta["delta_buckets"] == 0, r
+        else:
+            assert r.delta_fallback == "" and r.delta["delta_buckets"] > 0, r
+            assert r.delta["wire_bytes"] < r.delta["full_bytes"] / 2, r.delta
+        for e in procs.engines:
+            assert _settle(lambda e=e: e.ask("state") == (v, False, True)), e.worker_id
+            assert e.ask("check", step) == [], (e.worker_id, atomic)
+        procs.version = v
+
+
 # ------------------------------------------------------------------------------------------------
 # All or none across three engines, and verified refits (`Client.refit(atomic=..., verify=...)`)
 

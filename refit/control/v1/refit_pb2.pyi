@@ -118,20 +118,22 @@ class RunResult(_message.Message):
     def __init__(self, refit_id: _Optional[str] = ..., ok: bool = ..., error: _Optional[str] = ..., bytes: _Optional[int] = ..., seconds: _Optional[float] = ..., before_start: bool = ..., checksums: _Optional[_Mapping[int, int]] = ..., delta: _Optional[_Union[DeltaStats, _Mapping]] = ...) -> None: ...
 
 class DeltaStats(_message.Message):
-    __slots__ = ("buckets", "delta_buckets", "words", "changed", "wire_bytes", "full_bytes")
+    __slots__ = ("buckets", "delta_buckets", "words", "changed", "wire_bytes", "full_bytes", "fallback")
     BUCKETS_FIELD_NUMBER: _ClassVar[int]
     DELTA_BUCKETS_FIELD_NUMBER: _ClassVar[int]
     WORDS_FIELD_NUMBER: _ClassVar[int]
     CHANGED_FIELD_NUMBER: _ClassVar[int]
     WIRE_BYTES_FIELD_NUMBER: _ClassVar[int]
     FULL_BYTES_FIELD_NUMBER: _ClassVar[int]
+    FALLBACK_FIELD_NUMBER: _ClassVar[int]
     buckets: int
     delta_buckets: int
     words: int
     changed: int
     wire_bytes: int
     full_bytes: int
-    def __init__(self, buckets: _Optional[int] = ..., delta_buckets: _Optional[int] = ..., words: _Optional[int] = ..., changed: _Optional[int] = ..., wire_bytes: _Optional[int] = ..., full_bytes: _Optional[int] = ...) -> None: ...
+    fallback: str
+    def __init__(self, buckets: _Optional[int] = ..., delta_buckets: _Optional[int] = ..., words: _Optional[int] = ..., changed: _Optional[int] = ..., wire_bytes: _Optional[int] = ..., full_bytes: _Optional[int] = ..., fallback: _Optional[str] = ...) -> None: ...
 
 class Switched(_message.Message):
     __slots__ = ("refit_id", "ok", "error")
