@@ -53,7 +53,8 @@ def test_merged_lora_is_bit_exact_to_peft_merge(server, tmp_path) -> None:
                 train_step(model, seed=2)  # the adapters train; the base stays frozen
                 lora = [n for n in before if ".lora_" in n]
                 assert lora and all(not torch.equal(before[n], p) for n, p in model.named_parameters() if n in lora)
-            assert client.refit(plan, version=version, timeout=120).ok
+            result = client.refit(plan, version=version, timeout=120, delta=True)  # the merge's bytes, as deltas
+            assert result.ok and (result.delta["delta_buckets"] > 0) == (version == 2), result
             merged_checkpoint(model, str(tmp_path / f"v{version}"))
             bad = engines.mismatches(expected_engine_tensors(agent.spec, "vllm:tp2", str(tmp_path / f"v{version}")))
             assert not bad, bad[:5]
