@@ -23,6 +23,7 @@ from typing import Any, Callable, Mapping
 import torch
 
 from refit.control.agent import TrainerAgent
+from refit.control.embedded import coordinator_for
 from refit.control.dataplane import RunContext
 from refit.control.dataplane_executor import ExecutorDataPlane
 from refit.errors import InvalidInput, RefitError, RefitFailed
@@ -226,6 +227,7 @@ def start_trainer(address: str | None, *, group: str, rank: int, spec: ModelSpec
     device = devices.pop()
     if device.type == "cuda":
         agent_options.setdefault("gpu", device.index or 0)
+    address = coordinator_for(address, token)  # none configured: the job's own, served here if nobody does
     agent = TrainerAgent(address, group=group, rank=rank, spec=spec, layout=layout,
                          tensors=lambda: {name: view(name, s) for name, s in served.items()},
                          data_plane=LiveDataPlane(served, device), token=token, **agent_options)

@@ -293,13 +293,16 @@ def _setup_process(tp: int) -> None:
     logging.basicConfig(level=logging.INFO)
 
 
+EMBEDDED = "embedded"  # an Engine's coordinator: none given in init_info (`refit.control.embedded`)
+
+
 def _engine_main(conn: Any, model_dir: str, tp: int, ep: bool, coordinator: str | None, group: str,
                  staging: str | None, llm_kwargs: dict[str, Any] | None = None) -> None:
     _setup_process(tp)
     llm = make_llm(model_dir, tp, ep, bool(coordinator), llm_kwargs)
 
     def init(staging: str | dict[str, Any] | None) -> None:
-        info: dict[str, Any] = {"coordinator": coordinator, "group": group}
+        info: dict[str, Any] = {"coordinator": "" if coordinator == EMBEDDED else coordinator, "group": group}
         if isinstance(staging, dict):  # init_info entries, e.g. {"window_layers": 0}
             info.update(staging)
         elif staging is not None:  # else the backend's default

@@ -67,24 +67,41 @@ def _attached_fp32_trainer(rank: int, world: int, address: str) -> tuple[Any, An
     return agent, handle
 
 
+def _default_port_free() -> bool:
+    import os
+    import socket
+
+    if os.environ.get("REFIT_ADDRESS"):
+        return False
+    with socket.socket() as s:
+        try:
+            s.bind(("127.0.0.1", 50051))
+        except OSError:
+            return False
+    return True
+
+
 def test_attached_trainer_refits_live_engine(tmp_path) -> None:
+    """No coordinator is given to anyone (where the default port is free): the trainer process's
+    attach serves the job's own (`refit.control.embedded`), the engine and the client find it."""
     import refit
     from refit.control.server import ThreadedServer
     from tests.harness.attach_cluster import Trainers, make_hf_model
-    from tests.harness.vllm_rl import Engine, fresh_outputs
+    from tests.harness.vllm_rl import EMBEDDED, Engine, fresh_outputs
 
     w0, v1, v2, v3 = (str(tmp_path / n) for n in ("w0", "v1", "v2", "v3"))
     make_hf_model("Qwen3MoeForCausalLM", seed=7, **QWEN3_MOE).save_pretrained(w0)  # what the engine starts from
-    server = ThreadedServer(default_timeout=60.0)
-    client = refit.Client(server.address)
-    trainers = Trainers(1, _attached_trainer, server.address)
-    fp32 = Trainers(1, _attached_fp32_trainer, server.address)
+    server = None if _default_port_free() else ThreadedServer(default_timeout=60.0)
+    address = server.address if server else None
+    trainers = Trainers(1, _attached_trainer, address)
+    fp32 = Trainers(1, _attached_fp32_trainer, address)
+    client = refit.Client(address)
     engine = None
     try:
         (ready,) = trainers.ready()
         assert ready[0] == "ready", ready[1:]
         trainers.ask("save", v1)
-        engine = Engine(w0, tp=1, coordinator=server.address, group="engine")
+        engine = Engine(w0, tp=1, coordinator=address or EMBEDDED, group="engine")
         before = engine.generate()  # the engine answers from W0
         plan_id = client.create_plan("trainer", "engine")["plan_id"]
         got = {}
@@ -119,4 +136,5 @@ def test_attached_trainer_refits_live_engine(tmp_path) -> None:
         fp32.close()
         trainers.close()
         client.close()
-        server.stop()
+        if server is not None:
+            server.stop()

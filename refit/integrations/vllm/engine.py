@@ -49,6 +49,7 @@ from vllm.distributed.weight_transfer.base import (
 
 from refit.control.agent import EngineAgent
 from refit.control.agent_state import Holding
+from refit.control.embedded import coordinator_for
 from refit.control.membership import within_replica
 from refit.errors import InvalidInput, RefitFailed
 from refit.timeline import mark
@@ -62,7 +63,7 @@ log = logging.getLogger(__name__)
 
 @dataclass
 class RefitInitInfo(WeightTransferInitInfo):
-    coordinator: str = ""  # default: $REFIT_ADDRESS, else 127.0.0.1:50051
+    coordinator: str = ""  # default: $REFIT_ADDRESS, else 127.0.0.1:50051 (served in-process if nobody does)
     group: str = "engine"
     token: str | None = None  # default: $REFIT_TOKEN
     host: str = "127.0.0.1"
@@ -169,7 +170,9 @@ class RefitWeightTransferEngine(WeightTransferEngine[RefitInitInfo, RefitUpdateI
         else:
             self.landing = self._landing(who, init_info)
         phased = self.landing.phase_layers > 0
-        self.agent = VllmEngineAgent(init_info.coordinator, group=init_info.group, rank=who.rank, spec=spec,
+        # none configured: the job's own coordinator, served by the first piece of the job that needs it
+        address = coordinator_for(init_info.coordinator or None, init_info.token)
+        self.agent = VllmEngineAgent(address, group=init_info.group, rank=who.rank, spec=spec,
                                      layout=layout, tensors=self.landing.tensors, host=init_info.host,
                                      token=init_info.token, holding=self.holding,
                                      phase_layers=self.landing.phase_layers,
