@@ -32,8 +32,9 @@ named alike in both.  The router's ``expert_bias`` is a buffer, not a parameter:
 float32 (Megatron's ``Float16Module`` casts it to bf16 and the router casts it back before each
 forward and checkpoint save, ``TopKRouter._maintain_float32_expert_bias``, which attach calls
 likewise).  MLA's down-projections (``linear_q_down_proj``, ``linear_kv_down_proj``) are whole on
-every tp rank as TE's ``TELinear(parallel_mode="duplicated")`` holds them; the local spec's
-ColumnParallelLinear splits them over tp and is refused at tp > 1, naming them.
+every tp rank as TE's ``TELinear(parallel_mode="duplicated")`` holds them, and split by rows over tp
+as the local spec's ColumnParallelLinear holds them: attach reads which from the live modules
+(`split_down_projections`; ``local1`` in the layout it registers).
 
 Multi-token prediction layers (``mtp.*``, DeepSeek-V3 / GLM-4.5) are vLLM's MTP *drafter*, a model
 of its own (`refit.drafters`): ``attach`` leaves them out (logged), and ``attach_mtp`` serves them as
@@ -142,7 +143,8 @@ def attach_mtp(model: torch.nn.Module | Sequence[torch.nn.Module], address: str 
     if layout.coords(rank)["pp"] != layout.pp - 1:
         log.debug("rank %d: no MTP layers off the last pipeline stage; not in group %s", rank, group)
         return None
-    stage = MegatronLayout(tp=layout.tp, ep=layout.ep, etp=layout.etp, dp=layout.dp, cp=layout.cp).resolve(drafter)
+    stage = MegatronLayout(tp=layout.tp, ep=layout.ep, etp=layout.etp, dp=layout.dp, cp=layout.cp,
+                           local=layout.local).resolve(drafter)
     stage_rank = rank - (layout.pp - 1) * stage.world_size  # the stage's ranks, numbered from 0 in the same order
     last = chunks[-1]
     _check_mtp_layers(last, drafter)
@@ -226,8 +228,22 @@ def layout_from_parallel_state(spec: ModelSpec, chunks: Sequence[torch.nn.Module
         tp=tp, pp=pp, vpp=vpp,
         ep=ps.get_expert_model_parallel_world_size(), etp=ps.get_expert_tensor_parallel_world_size() if moe else None,
         dp=ps.get_data_parallel_world_size(), cp=ps.get_context_parallel_world_size(), first=first, last=last,
-        vocabdiv=vocab_divisor(spec.config.vocab_size, getattr(chunks[0], "vocab_size", None), tp))
+        vocabdiv=vocab_divisor(spec.config.vocab_size, getattr(chunks[0], "vocab_size", None), tp),
+        local=int(spec.config.is_mla and tp > 1 and split_down_projections(chunks)))
     return layout.resolve(spec)
+
+
+def split_down_projections(chunks: Sequence[torch.nn.Module]) -> bool:
+    """Whether the model's MLA down-projections are split over tp: the local spec builds them as
+    ColumnParallelLinear (``local1`` in refit's layout), the Transformer Engine spec as TELinear
+    ``duplicated``, whole on every rank.  Read from the live modules' types."""
+    from megatron.core.tensor_parallel import ColumnParallelLinear
+
+    for chunk in chunks:
+        for name, module in chunk.named_modules():
+            if name.endswith(("linear_q_down_proj", "linear_kv_down_proj")):
+                return isinstance(module, ColumnParallelLinear)
+    return False
 
 
 def vocab_divisor(vocab: int, padded: int | None, tp: int) -> int:
@@ -371,9 +387,10 @@ def _serve(parts: Sequence[tuple[str, str, torch.nn.Module]], spec: ModelSpec, l
         raise InvalidInput(f"{spec.name} on rank {rank} of {layout.describe()}: {len(misshaped)} parameter(s) are "
                          f"shaped otherwise than refit holds them: {'; '.join(misshaped[:4])}"
                          f"{'...' if len(misshaped) > 4 else ''}"
-                         + ("; MLA's down-projections are whole on every tp rank under the Transformer Engine spec "
-                            "(TELinear, duplicated): the local spec's ColumnParallelLinear splits them over tp, which "
-                            "refit does not serve (use the TE spec, or tp 1)" if down else ""))
+                         + ("; MLA's down-projections: whole on every tp rank under the Transformer Engine spec "
+                            "(TELinear, duplicated), split by rows over tp under the local spec (ColumnParallelLinear, "
+                            f"layout local1); this layout expects {'split' if layout.local else 'whole'} ones"
+                            if down else ""))
     if not_moved:
         log.info("rank %d: %d multi-token-prediction parameter(s) not moved with the policy (refit_megatron.attach_mtp "
                  "serves the MTP layers as a drafter): %s%s", rank, len(not_moved), ", ".join(not_moved[:3]),

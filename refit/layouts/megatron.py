@@ -15,9 +15,11 @@ Conventions (checked against megatron-core 0.16.1 in tests/integration/test_mega
 * Experts (TE grouped-GEMM naming): ``mlp.experts.linear_fc1.weight{i}`` = [gate; up] rows of this
   etp shard, ``linear_fc2.weight{i}`` = down split on dim 1; local expert i on ep rank k is
   global expert k*E/EP + i.
-* MLA (TE spec, qk_layernorm): ``linear_q_down_proj`` / ``linear_kv_down_proj`` whole on every tp
-  rank, q_a/kv_a norms fused as the up-projections' ``layer_norm_weight``, up-projections split by
-  heads; no rope reordering against HF (tests/integration/test_megatron_mla.py).  Shared experts
+* MLA (qk_layernorm): ``linear_q_down_proj`` / ``linear_kv_down_proj`` whole on every tp rank under
+  the TE spec, split by rows over tp under the local spec (``local1``: ColumnParallelLinear); q_a/kv_a
+  norms whole, fused as the up-projections' ``layer_norm_weight`` (TE) or ``q_layernorm`` /
+  ``kv_layernorm`` (local); up-projections split by heads; no rope reordering against HF
+  (tests/integration/test_megatron_mla.py).  Shared experts
   ``mlp.shared_experts.linear_fc{1,2}`` split over tp; ``mlp.router.expert_bias`` float32.
 * Pipeline: model chunk c of pp rank p holds a run of consecutive layers; runs are laid out in
   virtual-stage order (c, p).  Local names restart at ``decoder.layers.0`` in every chunk, and
@@ -48,7 +50,8 @@ VOCAB_DIVISIBLE_BY = 128  # Megatron's --make-vocab-size-divisible-by default
 @dataclass(frozen=True)
 class MegatronLayout:
     framework: ClassVar[str] = "megatron"
-    degrees: ClassVar[tuple[str, ...]] = ("tp", "pp", "vpp", "ep", "etp", "dp", "cp", "first", "last", "vocabdiv")
+    degrees: ClassVar[tuple[str, ...]] = ("tp", "pp", "vpp", "ep", "etp", "dp", "cp", "first", "last", "vocabdiv",
+                                          "local")
     examples: ClassVar[tuple[str, ...]] = ("megatron:tp4ep8", "megatron:tp2pp2vpp2")
     tp: int = 1
     pp: int = 1
@@ -60,6 +63,10 @@ class MegatronLayout:
     first: int | None = None  # layers on the first pipeline stage (decoder_first_pipeline_num_layers)
     last: int | None = None  # layers on the last pipeline stage (decoder_last_pipeline_num_layers)
     vocabdiv: int = VOCAB_DIVISIBLE_BY  # the vocab is padded to a multiple of vocabdiv * tp
+    # 1: built with Megatron-Core's local spec (no Transformer Engine), whose MLA down-projections are
+    # ColumnParallelLinear, split over tp; 0: the TE spec's duplicated TELinear, whole on every rank.
+    # Nothing else in refit's names and shapes differs (attach maps the local spec's names).
+    local: int = 0
 
     # ------------------------------------------------------------------ degrees
     @property
@@ -93,6 +100,8 @@ class MegatronLayout:
             d["last"] = self.last
         if self.vocabdiv != VOCAB_DIVISIBLE_BY:
             d["vocabdiv"] = self.vocabdiv
+        if self.local:
+            d["local"] = self.local
         return d
 
     def describe(self) -> str:
@@ -109,6 +118,8 @@ class MegatronLayout:
             s += f"last{self.last}"
         if self.vocabdiv != VOCAB_DIVISIBLE_BY:
             s += f"vocabdiv{self.vocabdiv}"
+        if self.local:
+            s += f"local{self.local}"
         return s
 
     # ------------------------------------------------------------------ resolve + validate
@@ -123,6 +134,14 @@ class MegatronLayout:
                 f"divisible by etp*ep ({self.etp_}*{self.ep}={self.etp_ * self.ep})"
             )
         divides("megatron: attention heads", c.num_heads, "tp", self.tp)
+        if self.local not in (0, 1):
+            raise InvalidInput(f"megatron: local is 1 (Megatron-Core's local spec) or 0 (Transformer Engine's), "
+                               f"got {self.local}")
+        if self.local and c.is_mla:  # the local spec's ColumnParallelLinear down-projections
+            if c.q_lora_rank:
+                divides("megatron: q_lora_rank (linear_q_down_proj rows, local spec)", c.q_lora_rank, "tp", self.tp)
+            divides("megatron: kv_lora_rank + qk_rope_head_dim (linear_kv_down_proj rows, local spec)",
+                    c.kv_lora_rank + c.qk_rope_head_dim, "tp", self.tp)
         if not c.is_mla:
             qkv_rows = (c.num_heads + 2 * c.num_kv_heads) * c.head_dim
             divides("megatron: linear_qkv rows ((heads + 2*kv heads) * head_dim)", qkv_rows, "tp", self.tp)
@@ -373,9 +392,12 @@ class MegatronLayout:
         return out
 
     def _mla(self, spec: ModelSpec, p: str, layer: int, t: int) -> list[LocalTensor]:
-        """MLASelfAttention under the Transformer Engine spec with qk_layernorm (as DeepSeek-V3
-        recipes run it): the down-projections are TELinear ``duplicated`` (whole on every tp rank);
-        q_a/kv_a layernorms are fused into the up-projections as ``layer_norm_weight``; the
+        """MLASelfAttention with qk_layernorm (as DeepSeek-V3 recipes run it).  Under the
+        Transformer Engine spec the down-projections are TELinear ``duplicated`` (whole on every tp
+        rank); under the local spec (``local``) ColumnParallelLinear, their rows split contiguously
+        over tp (the attention gathers their outputs before the q_a/kv_a norms).  The norms are
+        whole either way (TE fuses them into the up-projections as ``layer_norm_weight``; attach
+        maps the local spec's ``q_layernorm`` / ``kv_layernorm`` to those names); the
         up-projections are split by heads (contiguous rows), linear_proj on dim 1."""
         c = spec.config
         T, dt = self.tp, c.dtype
@@ -391,14 +413,17 @@ class MegatronLayout:
             return LocalTensor(a + local, (k, cols), dt,
                                (Piece(ts.name, (spec.layer_pos(ts.name, layer), t * k, 0), (1, k, cols), (0, 0, 0)),))
 
+        def down(local: str, tensor: str) -> LocalTensor:
+            return split(local, tensor) if self.local else whole(local, f"self_attn.{tensor}")
+
         out = [whole("input_layernorm.weight", "input_layernorm.weight")]
         if c.q_lora_rank:
-            out += [whole("linear_q_down_proj.weight", "self_attn.q_a_proj.weight"),
+            out += [down("linear_q_down_proj.weight", "q_a_proj.weight"),
                     whole("linear_q_up_proj.layer_norm_weight", "self_attn.q_a_layernorm.weight"),
                     split("linear_q_up_proj.weight", "q_b_proj.weight")]
         else:
             out.append(split("linear_q_proj.weight", "q_proj.weight"))
-        out += [whole("linear_kv_down_proj.weight", "self_attn.kv_a_proj_with_mqa.weight"),
+        out += [down("linear_kv_down_proj.weight", "kv_a_proj_with_mqa.weight"),
                 whole("linear_kv_up_proj.layer_norm_weight", "self_attn.kv_a_layernorm.weight"),
                 split("linear_kv_up_proj.weight", "kv_b_proj.weight")]
         o = spec["model.layers.*.self_attn.o_proj.weight"]

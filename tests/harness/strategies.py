@@ -92,8 +92,11 @@ def megatron_layouts(draw, spec: ModelSpec) -> MegatronLayout:
     base = MegatronLayout(tp=tp, pp=pp, vpp=vpp, ep=ep, etp=etp, cp=cp, first=first, last=last)
     dp = base.dp_ * draw(st.sampled_from([1, 1, 2]))
     vocabdiv = draw(st.sampled_from([128, 128, 1, 4]))  # Megatron's padding, or a bridge's (unpadded)
+    # MLA built with the local spec: down-projections split over tp (where their rows divide)
+    splits = c.is_mla and (c.q_lora_rank or 0) % tp == 0 and (c.kv_lora_rank + c.qk_rope_head_dim) % tp == 0
+    local = draw(st.sampled_from([0, 1])) if splits else 0
     return MegatronLayout(tp=tp, pp=pp, vpp=vpp, ep=ep, etp=etp, cp=cp, dp=dp, first=first, last=last,
-                          vocabdiv=vocabdiv)
+                          vocabdiv=vocabdiv, local=local)
 
 
 @st.composite

@@ -120,15 +120,42 @@ def coordinator_timeout() -> float:
         "llama3-pp2-embedding-in-split", "deepseek-v3-tp2ep2-ddp", "deepseek-v3-pp2-mtp", "moonlight-tp2etp2",
         "glm4-moe-tp2ep2-ddp"])
 def test_megatron_attach_refit_bit_exact(server, tmp_path, model, par, layout, engine_layout) -> None:
+    refit_bit_exact(server, tmp_path, model, par, layout, engine_layout)
+
+
+LOCAL = dict(duplicated_down_proj=False)  # the local spec's ColumnParallelLinear down-projections
+
+
+@pytest.mark.parametrize("model,par,world,layout,engine_layout", [
+    # DeepSeek-V3-like (q LoRA, dense layer 0, shared experts, float32 expert_bias) under DDP
+    ("tiny-deepseek-v3", dict(tp=2, ep=2, etp=1, ddp=True, config=LOCAL), 2, "megatron:tp2ep2etp1dp1local1", "vllm:tp2"),
+    # the plain call: Megatron's etp = tp, Float16Module only
+    ("tiny-deepseek-v3", dict(tp=2, config=LOCAL), 2, "megatron:tp2etp2dp1local1", "vllm:tp1"),
+    # Moonlight-like: no q LoRA (linear_q_proj split by heads), experts over etp2
+    ("tiny-moonlight", dict(tp=2, etp=2, config=LOCAL), 2, "megatron:tp2etp2dp1local1", "vllm:tp2"),
+    # two pipeline stages of tp2 ep2: four ranks
+    ("tiny-deepseek-v3", dict(tp=2, pp=2, ep=2, etp=1, config=LOCAL), 4, "megatron:tp2pp2ep2etp1dp1local1",
+     "vllm:tp2"),
+], ids=["deepseek-v3-tp2ep2-ddp", "deepseek-v3-tp2", "moonlight-tp2etp2", "deepseek-v3-tp2pp2ep2"])
+def test_megatron_local_spec_mla_refit_bit_exact(server, tmp_path, model, par, world, layout, engine_layout) -> None:
+    """MLA built with Megatron-Core's local spec (no Transformer Engine): the down-projections are
+    ColumnParallelLinear, their rows split over tp; attach reads that from the live modules
+    (``local1``) and the refits land every element as vLLM's loader would, before and after an
+    in-place update."""
+    refit_bit_exact(server, tmp_path, model, par, layout, engine_layout, world=world)
+
+
+def refit_bit_exact(server, tmp_path, model: str, par: dict, layout: str, engine_layout: str, world: int = 2) -> None:
     srv, client = server
-    group = f"megatron-{model}"
-    trainers = Trainers(2, megatron_trainer, model, par, srv.address, group)
+    group = f"megatron-{model}-" + "".join(f"{k}{v}" for k, v in par.items() if k != "config") + \
+        ("-local" if par.get("config", {}).get("duplicated_down_proj") is False else "")
+    trainers = Trainers(world, megatron_trainer, model, par, srv.address, group)
     engines = None
     try:
         answers = trainers.ready()
         assert all(a[0] == "ready" for a in answers), answers
         spec = answers[0][1]
-        assert trainers.ask("layout") == [layout] * 2 and trainers.ask("views") == [True] * 2
+        assert trainers.ask("layout") == [layout] * world and trainers.ask("views") == [True] * world
         shapes = {}
         for s in trainers.ask("shapes"):
             shapes.update(s)
@@ -305,39 +332,6 @@ def test_megatron_attach_refusals(server) -> None:
         assert all(f in other_mla for f in ("num_layers is 4, tiny-moonlight has 3", "q_lora_rank is 16, tiny-moonlight "
                                              "has 0", "num_moe_experts is 8, tiny-moonlight has 4")), other_mla
         assert client.list_workers(group="refused") == []
-    finally:
-        trainers.close()
-
-
-def local_spec_mla_trainer(rank: int, world: int, address: str):
-    """MLA built by megatron-core's local spec as is at tp2: ColumnParallelLinear down-projections."""
-    from tests.harness.megatron_models import build_gpt, init_parallel, install_cpu_shims
-
-    install_cpu_shims()
-    from refit.errors import RefitError
-    from refit.integrations import megatron as refit_megatron
-
-    init_parallel(tp=2)
-    chunks = build_gpt(tiny_spec("tiny-deepseek-v3"), duplicated_down_proj=False)
-    try:
-        refit_megatron.attach(chunks[0], address, group="refused-mla", spec=tiny_spec("tiny-deepseek-v3"))
-        message = "attached"
-    except RefitError as e:
-        message = str(e)
-    return None, lambda cmd, arg: message
-
-
-def test_local_spec_mla_down_projections_split_over_tp_are_refused(server) -> None:
-    srv, client = server
-    trainers = Trainers(2, local_spec_mla_trainer, srv.address)
-    try:
-        answers = trainers.ready()
-        assert all(a[0] == "ready" for a in answers), answers
-        for message in trainers.ask("message"):
-            assert "decoder.layers.0.self_attention.linear_q_down_proj.weight [8, 32] where refit's " \
-                   "decoder.layers.0.self_attention.linear_q_down_proj.weight is [16, 32]" in message, message
-            assert "ColumnParallelLinear" in message and "TELinear" in message
-        assert client.list_workers(group="refused-mla") == []
     finally:
         trainers.close()
 

@@ -5,7 +5,8 @@
   (rope_interleave, DeepSeek-V3's default): no rope-dimension reordering exists between them.  The
   same check with a non-interleaved HF rope differs by O(1): the check can see a reordering.
 * The parameter shapes of the local spec at tp 1 equal refit's (TE-spec) shapes; at tp 2 the local
-  spec splits the down-projections over tp while the TE spec refit follows keeps them whole.
+  spec splits the down-projections over tp while the TE spec keeps them whole, and refit's ``local1``
+  layout holds exactly the local spec's shapes.
 """
 
 from __future__ import annotations
@@ -46,12 +47,12 @@ TE_TO_LOCAL = {"linear_q_up_proj.layer_norm_weight": "q_layernorm.weight",
                "linear_kv_up_proj.layer_norm_weight": "kv_layernorm.weight"}
 
 
-def refit_attention_shapes(q_lora_rank: int, tp: int, rank: int) -> dict[str, list[int]]:
+def refit_attention_shapes(q_lora_rank: int, tp: int, rank: int, local: int = 0) -> dict[str, list[int]]:
     cfg = ModelConfig("deepseek_v3", hidden_size=32, num_layers=1, num_heads=4, num_kv_heads=4, head_dim=12,
                       intermediate_size=16, vocab_size=64, q_lora_rank=q_lora_rank, kv_lora_rank=16,
                       qk_nope_head_dim=8, qk_rope_head_dim=4, v_head_dim=8)
     spec = build_spec("mla", cfg)
-    layout = MegatronLayout(tp=tp).resolve(spec)
+    layout = MegatronLayout(tp=tp, local=local).resolve(spec)
     out = {}
     for t in layout.local_tensors(spec, rank):
         if ".self_attention." in t.name:
@@ -74,11 +75,12 @@ def test_the_check_would_see_a_rope_reordering(results):
 
 def test_local_spec_splits_down_projections_that_the_te_spec_keeps_whole(results):
     local = dict((n, s) for n, s in results[3]["params"])
-    ours = refit_attention_shapes(16, 2, 1)
+    te = refit_attention_shapes(16, 2, 1)
     for name in ("linear_q_down_proj.weight", "linear_kv_down_proj.weight"):
-        assert local[name][0] * 2 == ours[name][0]  # local: rows / tp; TE (refit): whole
+        assert local[name][0] * 2 == te[name][0]  # local: rows / tp; TE: whole
     for name in ("linear_q_up_proj.weight", "linear_kv_up_proj.weight", "linear_proj.weight"):
-        assert local[name] == ours[name]
+        assert local[name] == te[name]
+    assert local == refit_attention_shapes(16, 2, 1, local=1)  # refit's local1 layout: every shape
 
 
 @pytest.mark.parametrize("tp,pp,ep", [(2, 1, 2), (1, 2, 4)])

@@ -19,7 +19,7 @@ from tests.harness.strategies import layouts, model_specs
 
 # The help text, derived from the registry (the CLI shows it; users and tests read it).
 HELP_BEFORE_THE_REGISTRY = (
-    "layouts: megatron:<tp,pp,vpp,ep,etp,dp,cp,first,last,vocabdiv><N>... (e.g. megatron:tp4ep8, megatron:tp2pp2vpp2), "
+    "layouts: megatron:<tp,pp,vpp,ep,etp,dp,cp,first,last,vocabdiv,local><N>... (e.g. megatron:tp4ep8, megatron:tp2pp2vpp2), "
     "vllm:<tp,ep,dp><N>... (e.g. vllm:tp8, vllm:tp4ep4, vllm:tp8dp4), fsdp:<dp,rep,tp,fused><N>... (e.g. fsdp:dp8, fsdp:dp4rep2, fsdp:dp4tp2, fsdp:dp8fused1), hf. "
     "A bare tp4ep8 means megatron as a source and vllm as a destination."
 )

@@ -41,6 +41,8 @@ CHAINS = {
                    ["fsdp:dp2tp2", "megatron:tp2"]],
     "tiny-llama": [["megatron:tp4pp2vpp2", "vllm:tp8"], ["vllm:tp2", "megatron:tp8"],
                    ["fsdp:dp3tp2", "vllm:tp2", "fsdp:dp2rep2tp3"]],
+    # MLA: the local spec's split down-projections (local1), the TE spec's whole ones
+    "tiny-deepseek-v3": [["megatron:tp2ep2local1", "vllm:tp2", "megatron:tp2pp2ep2", "megatron:tp4local1"]],
 }
 
 
