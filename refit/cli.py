@@ -76,7 +76,26 @@ def cmd_models(args: argparse.Namespace) -> int:
 # settings
 
 
+SCHEMAS = ("settings", "init_info", "update_info")  # what `refit settings --json-schema` describes
+
+
+def json_schema(what: str) -> dict[str, Any]:
+    """The JSON schema of the REFIT_* settings, or of the vLLM backend's init_info / update_info."""
+    if what == "settings":
+        return settings.json_schema()
+    try:
+        from refit.integrations.vllm import infos
+    except ImportError as e:
+        raise InvalidInput(f"the {what} schema is the vLLM backend's: install vLLM ('refit[vllm]') ({e})") from None
+    from refit.validation import json_schema as schema_of
+
+    return schema_of(infos.RefitInitInfo if what == "init_info" else infos.RefitUpdateInfo)
+
+
 def cmd_settings(args: argparse.Namespace) -> int:
+    if args.json_schema:
+        print(json.dumps(json_schema(args.json_schema), indent=2))
+        return 0
     here = settings.current()
     rows = []
     for k in settings.KNOBS:
@@ -433,6 +452,9 @@ def build_parser() -> argparse.ArgumentParser:
                         epilog="scope run: member 0's value holds for every member of a run; process: this "
                                "process alone; bench: refit-bench alone")
     st.add_argument("--json", action="store_true", help="print JSON (one object per knob)")
+    st.add_argument("--json-schema", nargs="?", const="settings", choices=SCHEMAS, metavar="WHAT",
+                    help="print a JSON schema instead: of the REFIT_* settings (default), or of the vLLM backend's "
+                         "init_info / update_info (what init_weight_transfer_engine / update_weights take)")
     st.set_defaults(func=cmd_settings)
 
     ve = sub.add_parser("verify", help="check what a plan's engines hold now against the trainers, moving no weights",

@@ -272,6 +272,20 @@ def token_set_empty() -> bool:
     return os.environ.get("REFIT_TOKEN") == ""
 
 
+def json_schema() -> dict[str, Any]:
+    """The knobs as a JSON schema (``refit settings --json-schema``): a pydantic model over `KNOBS`,
+    each variable a string with its choices, default and words."""
+    from pydantic import ConfigDict, Field, create_model
+
+    fields: dict[str, Any] = {}
+    for k in KNOBS:
+        kind = Literal[k.choices] if k.choices else str  # type: ignore[valid-type]
+        words = k.what + (f" (form: {k.form})" if k.form and not k.choices else "")
+        fields[k.name] = (kind, Field(default=k.default, description=words))
+    model = create_model("RefitSettings", __config__=ConfigDict(extra="forbid"), **fields)
+    return model.model_json_schema()
+
+
 def markdown_table() -> str:
     """The knobs as docs/performance.md shows them."""
     rows = ["| variable | scope | values | default | what it does |", "|---|---|---|---|---|"]

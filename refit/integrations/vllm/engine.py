@@ -37,15 +37,10 @@ from __future__ import annotations
 
 import logging
 import time
-from dataclasses import dataclass
 from typing import Any
 
 import torch
-from vllm.distributed.weight_transfer.base import (
-    WeightTransferEngine,
-    WeightTransferInitInfo,
-    WeightTransferUpdateInfo,
-)
+from vllm.distributed.weight_transfer.base import WeightTransferEngine
 
 from refit.control.agent import EngineAgent
 from refit.control.agent_state import Holding
@@ -53,42 +48,14 @@ from refit.control.embedded import coordinator_for
 from refit.control.membership import within_replica
 from refit.errors import InvalidInput, RefitFailed
 from refit.timeline import mark
+from refit.validation import parse
 from refit.integrations.vllm.config import WorkerIdentity, identify
+from refit.integrations.vllm.infos import RefitInitInfo, RefitUpdateInfo
 from refit.integrations.vllm import compat, failures, sleep
 from refit.integrations.vllm.landing import Landing, check_options
 from refit.integrations.vllm.lora_slot import AdapterLanding, adapter_of
 
 log = logging.getLogger(__name__)
-
-
-@dataclass
-class RefitInitInfo(WeightTransferInitInfo):
-    coordinator: str = ""  # default: $REFIT_ADDRESS, else 127.0.0.1:50051 (served in-process if nobody does)
-    group: str = "engine"
-    token: str | None = None  # default: $REFIT_TOKEN
-    host: str = "127.0.0.1"
-    staging: str = "bounded"  # see landing.py
-    window_layers: int = 1  # bounded staging: layers staged at a time (0: the whole shard)
-    # a server serving one replica of an elastic engine group on its own: its index (config.identify)
-    replica: int | None = None
-    # an adapter-only engine: {"name", "id", "r", "lora_alpha", "target_modules", "use_rslora"?}
-    # (lora_slot.py); the refits then move that LoRA adapter alone, into its pinned slot
-    adapter: dict[str, Any] | None = None
-    # a speculative engine's draft model: its agent's group (default "<group>-draft"; "": the
-    # trainer trains no drafter, which is kept as loaded); draft.py
-    draft_group: str | None = None
-
-
-@dataclass
-class RefitUpdateInfo(WeightTransferUpdateInfo):
-    plan_id: str
-    version: int
-    timeout: float = 60.0
-    atomic: bool = False  # all or none across the plan's engines (needs init_info staging "atomic")
-    verify: bool = False  # both ends checksum every transfer (`refit.Client.refit`)
-    # send only what changed since the version the engines hold (`refit.Client.refit`); in full,
-    # logged with the reason, where an engine re-processes what it receives or staging is "atomic"
-    delta: bool = False
 
 
 class VllmEngineAgent(EngineAgent):
@@ -134,6 +101,15 @@ class RefitWeightTransferEngine(WeightTransferEngine[RefitInitInfo, RefitUpdateI
     # A draft session (``start_draft_weight_update``) is answered by the drafter's own agent and
     # landing (`draft.DraftEngine`), registered at init: the target's stay fixed.
     supports_draft_weight_update = True
+
+    # The loop's dicts, checked by refit's declarations (`infos`): an unknown key is refused naming
+    # the nearest known one, a wrong value naming its field (vLLM's own parse would pass a typo on
+    # as a TypeError and a string where an int belongs on to fail deep inside).
+    def parse_init_info(self, init_dict: dict[str, Any]) -> RefitInitInfo:
+        return parse(RefitInitInfo, init_dict, "init_info")
+
+    def parse_update_info(self, update_dict: dict[str, Any]) -> RefitUpdateInfo:
+        return parse(RefitUpdateInfo, update_dict, "update_info")
 
     def __init__(self, config: Any, vllm_config: Any, device: torch.device, model: torch.nn.Module) -> None:
         compat.check_version()
