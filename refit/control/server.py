@@ -358,10 +358,21 @@ def _sendable(token: str, source: str) -> str:
     return token
 
 
+def port_number(text: str) -> int:
+    """A TCP port, 0 (any free one) to 65535; argparse names the option on refusal (exit 2)."""
+    try:
+        port = int(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"{text!r} is not a port number") from None
+    if not 0 <= port <= 65535:
+        raise argparse.ArgumentTypeError(f"{port} is not a port: 0 (any free one) to 65535")
+    return port
+
+
 def add_arguments(p: argparse.ArgumentParser) -> None:
     """The options of `refit serve` (also for a subparser of refit/cli.py)."""
     p.add_argument("--host", default="127.0.0.1", help="address to listen on (default 127.0.0.1: loopback only)")
-    p.add_argument("--port", type=int, default=DEFAULT_PORT, help=f"port (default {DEFAULT_PORT}; 0 picks one)")
+    p.add_argument("--port", type=port_number, default=DEFAULT_PORT, help=f"port (default {DEFAULT_PORT}; 0 picks one)")
     p.add_argument("--token-file", help="require `authorization: Bearer TOKEN` on every call, TOKEN read from this "
                    "file; or set $REFIT_TOKEN")
     p.add_argument("--token", help="the token on the command line (visible to other users in the process list: "

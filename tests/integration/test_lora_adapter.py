@@ -129,9 +129,10 @@ def test_adapter_spec_and_refusals_at_attach() -> None:
     # the engine side's first checks need no engine: a model without vLLM's LoRA manager, bad init_info
     from refit.integrations.vllm.lora_slot import AdapterLanding
 
-    for adapter, match in (({**ADAPTER, "r": 0}, "id 1 and r 0 must be positive integers"),
-                           ({"name": "policy", "id": 1}, "missing r, lora_alpha, target_modules"),
-                           ({**ADAPTER, "alpha": 3}, "unknown alpha"),
+    for adapter, match in (({**ADAPTER, "r": 0}, "init_info.adapter.r: 0 is refused: Input should be greater than or "
+                                                 "equal to 1"),
+                           ({"name": "policy", "id": 1}, "init_info.adapter: 'r', 'lora_alpha', 'target_modules' required"),
+                           ({**ADAPTER, "alpha": 3}, "init_info.adapter: unknown key 'alpha'; did you mean 'lora_alpha'"),
                            (ADAPTER, "this engine has no LoRA: start it with enable_lora=True \\(and max_lora_rank >= 4")):
         with pytest.raises(RefitError, match=match):
             AdapterLanding(torch.nn.Linear(1, 1), spec, None, 0, torch.device("cpu"), adapter)  # type: ignore[arg-type]
@@ -219,7 +220,7 @@ def test_engine_refusals(coordinator, base_dir, tmp_path) -> None:
                 ({**ADAPTER, "r": 16}, "LoRA rank 16 exceeds the engine's max_lora_rank 8"),
                 (ADAPTER, r"target q_proj has no LoRA layer in this engine .*lora_target_modules: \['o_proj'\]"),
                 ({**ADAPTER, "target_modules": ["lm_head"]}, r"target modules \['lm_head'\] are none of the modules"),
-                ({**ADAPTER, "id": 0}, "id 0 and r 4 must be positive integers")):
+                ({**ADAPTER, "id": 0}, "init_info.adapter.id: 0 is refused")):
             status, value = engine.ask("init", {**init, "adapter": adapter})
             assert status == "error" and match and __import__("re").search(match, value), value
         # one refit adapter per engine: a later init with another id replaces the earlier one

@@ -237,6 +237,11 @@ def test_refusals_when_verl_builds_the_backend() -> None:
     from refit.errors import InvalidInput
 
     assert CheckpointEngineRegistry.get("refit") is refit_verl.RefitCheckpointEngine
+    # engine_kwargs.refit checked against its declaration: a typo named with the nearest key, a wrong value by field
+    with pytest.raises(InvalidInput, match=r"engine_kwargs.refit: unknown key 'timout'; did you mean 'timeout'\?"):
+        CheckpointEngineRegistry.new("refit", bucket_size=1, timout=30)
+    with pytest.raises(InvalidInput, match=r"engine_kwargs.refit.delta: 'yes' is refused"):
+        CheckpointEngineRegistry.new("refit", bucket_size=1, delta="yes")
     for vllm, words in (({"enable_eplb": True}, "enable_eplb"), ({"quantization": "fp8"}, "quantized"),
                         ({"weight_transfer_config": {"backend": "nccl"}}, "weight_transfer_config")):
         ckpt, rollout_config = _configs(**vllm)

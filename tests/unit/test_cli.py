@@ -220,3 +220,16 @@ def test_plan_out_honors_the_umask(capsys, tmp_path):
     finally:
         os.umask(old)
     assert rc == 0 and out_file.stat().st_mode & 0o777 == 0o640
+
+
+@pytest.mark.parametrize("argv,words", [(["--port", "99999"], "argument --port: 99999 is not a port"),
+                                        (["--port", "http"], "argument --port: 'http' is not a port number"),
+                                        (["--timeout", "0"], "--timeout must be a number of seconds in (0,"),
+                                        (["--drop-engines-after", "-1"], "--drop-engines-after must be a number")])
+def test_serve_refuses_bad_options_before_listening(capsys, argv, words):
+    """A port out of range was taken modulo 65536 by gRPC (99999 listened on 34463)."""
+    try:
+        code = main(["serve", *argv])
+    except SystemExit as e:  # argparse's own refusals
+        code = e.code
+    assert code == 2 and words in capsys.readouterr().err

@@ -109,3 +109,18 @@ def test_a_wrong_setting_is_refused_naming_the_variable(knob, value) -> None:
         knob.parse(value)
     except InvalidInput as e:
         assert str(e).startswith(f"{knob.name}={value!r}: must be "), str(e)
+
+
+def test_verl_options_table_and_refusals() -> None:
+    pytest.importorskip("verl")
+    from refit.integrations.verl import VerlOptions
+    from refit.validation import markdown_table, parse
+
+    text = (ROOT / "docs" / "verl.md").read_text()
+    found = re.search(r"<!-- verl: generated[^\n]*-->\n(.*?)\n<!-- /verl -->", text, re.S)
+    assert found and found[1] == markdown_table(VerlOptions), "regenerate docs/verl.md's options table"
+    with pytest.raises(InvalidInput, match=r"engine_kwargs.refit: unknown key 'engine_grup'; did you mean 'engine_group'"):
+        parse(VerlOptions, {"engine_grup": "x"}, "engine_kwargs.refit")
+    with pytest.raises(InvalidInput, match=r"engine_kwargs.refit.timeout: '30' is refused"):
+        parse(VerlOptions, {"timeout": "30"}, "engine_kwargs.refit")
+    assert parse(VerlOptions, {"timeout": 30, "init_info": {"staging": "atomic"}}, "x").timeout == 30

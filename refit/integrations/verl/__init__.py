@@ -29,12 +29,15 @@ from __future__ import annotations
 import asyncio
 import logging
 import time
-from typing import Any, Generator, Iterator
+from dataclasses import dataclass
+from typing import Annotated, Any, Generator, Iterator, Mapping, Optional
 
+from pydantic import Field
 from verl.checkpoint_engine.base import CheckpointEngine, CheckpointEngineRegistry
 
 from refit.errors import InvalidInput, RefitFailed
 from refit.integrations.verl import live
+from refit.validation import check_fields, parse
 
 __all__ = ["BACKEND", "Handled", "RefitCheckpointEngine"]
 
@@ -51,6 +54,42 @@ class Handled:
         return iter(())
 
 
+@dataclass
+class VerlOptions:
+    """``actor_rollout_ref.rollout.checkpoint_engine.engine_kwargs.refit``, declared once
+    (`refit.validation`; docs/verl.md lists them)."""
+
+    address: Annotated[Optional[str], Field(description=(
+        "a coordinator already running (`refit serve`); default `$REFIT_ADDRESS`; with neither, actor rank 0 "
+        "serves one in its own process on `serve_host`"))] = None
+    token: Annotated[Optional[str], Field(description="its bearer token; default `$REFIT_TOKEN`")] = None
+    serve_host: Annotated[str, Field(min_length=1, description=(
+        "where actor rank 0 serves the coordinator when no address is given (`127.0.0.1`: one node; on several, "
+        "a host the other nodes reach, or an address)"))] = "127.0.0.1"
+    trainer_group: Annotated[str, Field(min_length=1, description="the actor ranks' group")] = "verl-actor"
+    engine_group: Annotated[str, Field(min_length=1, description=(
+        "the rollout replicas' groups: replica r registers as `<engine_group>-r`"))] = "verl-rollout"
+    timeout: Annotated[float, Field(gt=0, description="seconds per refit")] = 120.0
+    delta: Annotated[bool, Field(description=(
+        "send, at each sync, only the values that changed since the last one where they cross a wire (NCCL, "
+        "gloo), exact as a full sync ([delta-refits.md](delta-refits.md))"))] = False
+    init_info: Annotated[Optional[dict[str, Any]], Field(description=(
+        "more of the vLLM backend's `init_info` (`staging`, `window_layers`, `host`: the address an engine's "
+        "node is reached at when trainers and engines are on different nodes)"))] = None
+
+    def __post_init__(self) -> None:
+        check_fields(self, "engine_kwargs.refit")
+
+
+def plain(value: Any) -> Any:
+    """OmegaConf's containers (verl's configs) as plain dicts and lists, for the strict checks."""
+    if isinstance(value, Mapping):
+        return {k: plain(v) for k, v in value.items()}
+    if isinstance(value, (list, tuple)) or type(value).__name__ == "ListConfig":
+        return [plain(v) for v in value]
+    return value
+
+
 @CheckpointEngineRegistry.register(BACKEND)
 class RefitCheckpointEngine(CheckpointEngine):
     """verl's checkpoint engine over refit: one per verl worker (see the module's docstring).
@@ -60,20 +99,18 @@ class RefitCheckpointEngine(CheckpointEngine):
     last sync: `refit.Client.refit`) and ``init_info`` (more of the vLLM backend's init_info:
     ``staging``, ``window_layers``, ``host``)."""
 
-    def __init__(self, bucket_size: int = 0, is_master: bool = False, *, address: str | None = None,
-                 token: str | None = None, serve_host: str = "127.0.0.1", trainer_group: str = "verl-actor",
-                 engine_group: str = "verl-rollout", timeout: float = 120.0, delta: bool = False,
-                 init_info: dict[str, Any] | None = None) -> None:
+    def __init__(self, bucket_size: int = 0, is_master: bool = False, **options: Any) -> None:
+        # the keys of engine_kwargs.refit, checked against their declaration (`VerlOptions`): an
+        # unknown key is refused naming the nearest known one, a wrong value naming its field
+        o = parse(VerlOptions, plain(options), "engine_kwargs.refit")
         reason = live.refusal_at_construction()
         if reason:
             raise InvalidInput(reason)
         self.is_master = is_master
-        self.address, self.token, self.serve_host = address, token, serve_host
-        self.trainer_group, self.engine_group, self.timeout = trainer_group, engine_group, float(timeout)
-        if not isinstance(delta, bool):
-            raise InvalidInput(f"refit: engine_kwargs.refit.delta must be true or false, got {delta!r}")
-        self.delta = delta
-        self.init_info = dict(init_info or {})
+        self.address, self.token, self.serve_host = o.address, o.token, o.serve_host
+        self.trainer_group, self.engine_group, self.timeout = o.trainer_group, o.engine_group, float(o.timeout)
+        self.delta = o.delta
+        self.init_info = dict(o.init_info or {})
         self._server: Any = None  # ThreadedServer, on the master when no address is given
         self._agent: Any = None
         self._attached: int | None = None  # id() of the module the agent serves

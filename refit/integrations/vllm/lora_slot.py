@@ -43,9 +43,11 @@ from __future__ import annotations
 import logging
 import math
 import time
-from typing import Any
+from dataclasses import dataclass
+from typing import Annotated, Any, Union
 
 import torch
+from pydantic import Field
 
 from refit.adapters import TARGETS, adapter_spec
 from refit.dtypes import DTYPE_BYTES
@@ -54,32 +56,33 @@ from refit.layouts import Layout
 from refit.integrations.vllm import compat
 from refit.layouts.vllm_lora import vllm_module
 from refit.spec import ModelSpec
+from refit.validation import check_fields, parse
 
 log = logging.getLogger(__name__)
 
-ADAPTER_KEYS = ("name", "id", "r", "lora_alpha", "target_modules", "use_rslora")
+@dataclass
+class AdapterInfo:
+    """``init_info["adapter"]``, declared once (`refit.validation`), in PEFT's ``LoraConfig`` names."""
+
+    name: Annotated[str, Field(min_length=1, description="the adapter's name in vLLM (its LoRARequest's)")]
+    id: Annotated[int, Field(ge=1, description="vLLM's lora_int_id (from 1)")]
+    r: Annotated[int, Field(ge=1, description="the LoRA rank")]
+    lora_alpha: Annotated[float, Field(gt=0)]
+    target_modules: Annotated[Union[str, list[str]], Field(description="PEFT's target modules")]
+    use_rslora: bool = False
+
+    def __post_init__(self) -> None:
+        check_fields(self, "init_info.adapter")
 
 
 def adapter_of(info: dict[str, Any]) -> tuple[str, int, int, list[str], float]:
-    """(name, int id, rank, targets, scaling) of an ``init_info["adapter"]`` entry (PEFT's
-    ``LoraConfig`` names: ``r``, ``lora_alpha``, ``target_modules``, ``use_rslora``)."""
-    if not isinstance(info, dict):
-        raise InvalidInput(f"init_info adapter must be a dict with {', '.join(ADAPTER_KEYS)}; got {type(info).__name__}")
-    unknown = sorted(set(info) - set(ADAPTER_KEYS))
-    missing = [k for k in ADAPTER_KEYS[:5] if k not in info]
-    if unknown or missing:
-        raise InvalidInput(f"init_info adapter: {'missing ' + ', '.join(missing) if missing else ''}"
-                           f"{'; ' if missing and unknown else ''}{'unknown ' + ', '.join(unknown) if unknown else ''} "
-                           f"(keys: {', '.join(ADAPTER_KEYS)})")
-    name, lora_id, r, alpha = str(info["name"]), info["id"], info["r"], info["lora_alpha"]
-    if not isinstance(lora_id, int) or lora_id < 1 or not isinstance(r, int) or r < 1:
-        raise InvalidInput(f"init_info adapter {name!r}: id {lora_id!r} and r {r!r} must be positive integers "
-                           f"(vLLM's lora_int_id starts at 1)")
-    targets = info["target_modules"]
-    targets = [targets] if isinstance(targets, str) else list(targets)
+    """(name, int id, rank, targets, scaling) of an ``init_info["adapter"]`` entry."""
+    a = parse(AdapterInfo, info, "init_info.adapter")
+    name, lora_id, r, alpha = a.name, a.id, a.r, a.lora_alpha
+    targets = [a.target_modules] if isinstance(a.target_modules, str) else list(a.target_modules)
     targets = sorted(set(map(str, targets)), key=lambda t: (list(TARGETS).index(t) if t in TARGETS else len(TARGETS), t))
     # PEFT's scaling (LoraLayer.update_layer), which vLLM's PEFTHelper computes alike
-    scaling = alpha / math.sqrt(r) if info.get("use_rslora") else alpha / r
+    scaling = alpha / math.sqrt(r) if a.use_rslora else alpha / r
     return name, lora_id, r, targets, float(scaling)
 
 
