@@ -161,6 +161,10 @@ def _engine_main(conn: Any, name: str, model_dir: str, coordinator: str | None, 
     # a cache of its own: engines compiling the same model side by side would race in one
     os.environ["VLLM_CACHE_ROOT"] = os.path.join(os.environ.get("TMPDIR", "/tmp"), f"vllm-cache-{name}")
     os.environ.setdefault("VLLM_ALLOW_INSECURE_SERIALIZATION", "1")  # apply_model across processes
+    # Inductor without on-device benchmarking: engines compiling one model side by side on one GPU
+    # would otherwise time kernel configurations and may keep different ones.  (It did not remove the
+    # 5th-decimal logprob differences of the dense engines seen on 2026-11-29: see bench/RESULTS.md.)
+    os.environ["TORCHINDUCTOR_DETERMINISTIC"] = "1"
     logging.basicConfig(level=logging.INFO)
     try:
         from vllm import LLM
