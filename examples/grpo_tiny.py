@@ -155,9 +155,10 @@ def refit_engine(llm: Any, plan_id: str, step: int, delta: bool = False) -> floa
 # ------------------------------------------------------------------------------------ training
 def bf16_words(trainer: Trainer) -> list[torch.Tensor]:
     """This rank's parameters as the engine holds them (bfloat16 bits), for `bf16_changed`."""
-    local = [p.detach() for p in trainer.model.parameters()]
-    local = [t.to_local() if hasattr(t, "to_local") else t for t in local]  # FSDP2: this rank's shard
-    return [t.to(torch.bfloat16).view(torch.int16).clone() for t in local]
+    # FSDP2's DTensors whole (every rank gathers: each counts every value, the ratio is the same);
+    # around a step FSDP2 may hold a parameter sharded or not, so shards would not line up
+    whole = [t.full_tensor() if hasattr(t, "full_tensor") else t for t in (p.detach() for p in trainer.model.parameters())]
+    return [t.to(torch.bfloat16).view(torch.int16).clone() for t in whole]
 
 
 def train_step(trainer: Trainer, batch: dict[str, torch.Tensor], n: int, clip: float,

@@ -74,7 +74,7 @@ def test_a_bad_adapter_init_info_leaves_the_registered_agent() -> None:
 
     engine = make_engine()
     held = engine.agent = SimpleNamespace(stop=lambda: pytest.fail("the registered agent was stopped"))
-    with pytest.raises(RefitError, match="init_info adapter"):
+    with pytest.raises(RefitError, match=r"init_info\.adapter: 'lora_alpha', 'target_modules' required"):
         engine.init_transfer_engine(RefitInitInfo(adapter={"name": "policy", "id": 0, "r": 8}))
     assert engine.agent is held
 

@@ -78,8 +78,8 @@ class VllmEngineAgent(EngineAgent):
 
     # With ``staging`` "atomic" the tensors the agent is given are the landing's staging already,
     # and the switch is the landing's `apply`, which ``update_weights`` runs after the commit.
-    def _staging(self, live: Any) -> Any:
-        return live
+    def _staging(self, live: Any, refresh: bool = False) -> Any:
+        return live  # refreshing is the landing's: it stages what it re-processes (no delta refits: takes_delta)
 
     def _switch(self, staged: Any, live: Any) -> None:
         pass
