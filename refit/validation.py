@@ -16,6 +16,7 @@ from __future__ import annotations
 import dataclasses
 import difflib
 import functools
+import json
 import typing
 from typing import Any, Iterable, Mapping, TypeVar
 
@@ -91,8 +92,6 @@ def markdown_table(cls: type) -> str:
 
 
 def json_value(v: Any) -> str:
-    import json
-
     return json.dumps(v)
 
 

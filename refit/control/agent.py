@@ -351,7 +351,7 @@ class Agent(AgentStream):
             return pb.WorkerMessage(result=pb.RunResult(refit_id=ctx.refit_id, ok=False, error=f"{type(e).__name__}: {e}",
                                                         before_start=before))
         stats = getattr(self.data_plane, "last_delta", None) if ctx.delta and self.role is Side.TRAINER else None
-        delta = pb.DeltaStats(buckets=stats.buckets, delta_buckets=stats.delta_buckets, words=stats.elements,
+        delta = pb.DeltaStats(buckets=stats.buckets, delta_buckets=stats.delta_buckets, words=stats.words,
                               changed=stats.changed, wire_bytes=stats.wire_bytes, full_bytes=stats.full_bytes,
                               fallback=getattr(self.data_plane, "delta_fallback", "")) if stats is not None else None
         return pb.WorkerMessage(result=pb.RunResult(refit_id=ctx.refit_id, ok=True, bytes=nbytes, seconds=seconds,

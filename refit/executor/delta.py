@@ -51,18 +51,18 @@ _WORD = {1: torch.uint8, 2: torch.int16, 4: torch.int32, 8: torch.int64}
 class DeltaStats:
     """What a (delta) refit sent over the wire, summed over a member's buckets or a whole refit.
     ``full_bytes``: what a full refit sends; ``wire_bytes``: what this one sent (payloads and
-    headers); ``elements``/``changed``: words compared and words that differed."""
+    headers); ``words``/``changed``: words compared and words that differed."""
 
     buckets: int = 0
     delta_buckets: int = 0  # sent as INDEX or MASK (the rest FULL)
-    elements: int = 0
+    words: int = 0
     changed: int = 0
     wire_bytes: int = 0
     full_bytes: int = 0
 
     @property
     def changed_fraction(self) -> float:
-        return self.changed / self.elements if self.elements else 0.0
+        return self.changed / self.words if self.words else 0.0
 
     def __add__(self, other: "DeltaStats") -> "DeltaStats":
         return DeltaStats(*(getattr(self, f.name) + getattr(other, f.name) for f in fields(self)))
@@ -282,7 +282,7 @@ def run_delta_step(step: "BoundStep", comm: "Comm", device: "Device", deadline: 
         s = delta.stats
         s.buckets += 1
         s.delta_buckets += mode != FULL
-        s.elements += buf.numel() // word
+        s.words += buf.numel() // word
         s.changed += changed
         s.full_bytes += buf.numel()
         s.wire_bytes += nbytes + HEADER_BYTES
@@ -317,9 +317,10 @@ def run_delta_step(step: "BoundStep", comm: "Comm", device: "Device", deadline: 
 
 def full_stats(bound: "Bound") -> DeltaStats:
     """What a full refit of ``bound`` sends over its wires, counted as `run_delta_step` counts."""
-    sent = [buf.numel() for st in bound.stages for step in st.steps for _, _, buf in step.sends]
-    return DeltaStats(buckets=len(sent), elements=sum(sent), changed=sum(sent), wire_bytes=sum(sent),
-                      full_bytes=sum(sent))
+    sent = [(buf.numel(), word) for st in bound.stages for step in st.steps
+            for (_, _, buf), word in zip(step.sends, step.words)]
+    nbytes, words = sum(n for n, _ in sent), sum(n // w for n, w in sent)
+    return DeltaStats(buckets=len(sent), words=words, changed=words, wire_bytes=nbytes, full_bytes=nbytes)
 
 
 def _settle(device: "Device") -> None:

@@ -52,7 +52,7 @@ from refit.validation import parse
 from refit.integrations.vllm.config import WorkerIdentity, identify
 from refit.integrations.vllm.infos import RefitInitInfo, RefitUpdateInfo
 from refit.integrations.vllm import compat, failures, sleep
-from refit.integrations.vllm.landing import Landing, check_options
+from refit.integrations.vllm.landing import Landing
 from refit.integrations.vllm.lora_slot import AdapterLanding, adapter_of
 
 log = logging.getLogger(__name__)
@@ -130,7 +130,7 @@ class RefitWeightTransferEngine(WeightTransferEngine[RefitInitInfo, RefitUpdateI
 
     # ------------------------------------------------------------------ lifecycle
     def init_transfer_engine(self, init_info: RefitInitInfo) -> None:
-        check_options(init_info.staging, init_info.window_layers)  # before dropping a registered agent
+        # staging and window_layers were checked when init_info was built (`infos.RefitInitInfo`)
         if init_info.adapter is not None:
             adapter_of(init_info.adapter)  # its fields too (what the engine can hold is checked once built)
         if self.agent is not None:
