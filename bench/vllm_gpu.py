@@ -102,7 +102,7 @@ def main(argv: list[str] | None = None) -> int:
     from refit.layouts import HFLayout
     from refit.spec import ModelConfig, build_spec
     from refit.timeline import mark
-    from tests.harness.vllm_rl import generate
+    from tests.gpu.vllm_gpu import generate_alone as generate
 
     cfg = dict(CATALOG[a.model], architectures=[_arch(CATALOG[a.model])], max_position_embeddings=4096)
     if a.layers:
@@ -129,9 +129,11 @@ def main(argv: list[str] | None = None) -> int:
     result["checkpoint_write_s"] = time.perf_counter() - t0
     result["copy_floor_ms"] = copy_floor(nbytes, a.repeats) * 1e3
 
-    # Inductor without on-device benchmarking in the engines' processes (they inherit it), as the GPU
-    # tests start theirs (tests/gpu/vllm_gpu.py)
-    os.environ["TORCHINDUCTOR_DETERMINISTIC"] = "1"
+    # no kernel chosen by timing in the engines' processes (they inherit it), as the GPU tests start
+    # theirs: two engines of one model then answer alike
+    from tests.gpu.vllm_gpu import SAME_KERNELS_ENV
+
+    os.environ.update(SAME_KERNELS_ENV)
     kw: dict[str, Any] = {"skip_tokenizer_init": True, "dtype": "bfloat16", "max_model_len": 512, "max_num_seqs": 4,
                           "gpu_memory_utilization": 0.2, "kv_cache_memory_bytes": 1 << 30,
                           "seed": 0,
@@ -215,10 +217,10 @@ TRACE_START = "loop: start_weight_update called"
 def _answers(llm: Any) -> Any:
     """Greedy answers after a transfer, as an RL loop takes them: the prefix cache reset first (vLLM
     keeps KV blocks computed before the transfer, and reusing them changes the arithmetic)."""
-    from tests.harness.vllm_rl import generate
+    from tests.gpu.vllm_gpu import generate_alone
 
     llm.reset_prefix_cache()
-    return generate(llm)
+    return generate_alone(llm)
 
 
 def _steps(prefix: str, last: int) -> dict[str, float]:

@@ -55,6 +55,7 @@ class Fleet:
     answers: dict[str, Any] = field(default_factory=dict)  # "<engine>@<stage>" -> generate()
     probes: dict[str, Any] = field(default_factory=dict)
     facts: dict[str, Any] = field(default_factory=dict)
+    digests: dict[str, dict[str, str]] = field(default_factory=dict)  # "<engine>@<stage>" -> weights' digests
     errors: dict[str, str] = field(default_factory=dict)
 
     def stage(self, name: str, fn: Callable[[], Any]) -> None:
@@ -152,6 +153,7 @@ def _run(f: Fleet, address: str, configs: dict, GpuEngine: Any, GpuTrainer: Any,
     for e in f.plans:
         f.stage(f"{e} v2", lambda e=e: _refit(f, e, 2))
         f.stage(f"{e} answers v2", lambda e=e: f.answers.__setitem__(f"{e}@v2", f.engines[e].ask("generate")))
+        f.stage(f"{e} digests v2", lambda e=e: f.digests.__setitem__(f"{e}@v2", f.engines[e].ask("digests")))
     f.stage("addresses after", lambda: f.facts.__setitem__("addresses2", f.engines["dense"].ask("addresses")))
     f.stage("mla probe", lambda: f.probes.__setitem__("mla@v2", f.engines["mla"].ask("probe", MLA_DERIVED)))
     # sleep level 2: the weights are dropped; woken (garbage), refitted, then the KV cache woken
@@ -171,6 +173,7 @@ def _run(f: Fleet, address: str, configs: dict, GpuEngine: Any, GpuTrainer: Any,
     f.stage("dense v3", lambda: (_refit(f, "dense", 3), f.answers.__setitem__("dense@v3", f.engines["dense"].ask("generate"))))
     for name, ref in refs.items():
         f.stage(f"fresh {name}", lambda name=name, ref=ref: f.answers.__setitem__(f"fresh@{name}", ref.ask("generate")))
+        f.stage(f"fresh {name} digests", lambda name=name, ref=ref: f.digests.__setitem__(f"fresh@{name}", ref.ask("digests")))
     f.stage("fresh mla probe", lambda: f.probes.__setitem__("fresh@mla@v2", refs["mla@v2"].ask("probe", MLA_DERIVED)))
     f.stage("failed refit", lambda: _failed_refit(f, address, GpuTrainer))
 
@@ -197,10 +200,19 @@ def _failed_refit(f: Fleet, address: str, GpuTrainer: Any) -> None:
     f.facts["listed after v5"] = _listed(f, "engine-dense")
 
 
+def _same_weights(f: Fleet, engine: str, stage: str) -> None:
+    """The refitted engine holds, bit for bit, every parameter and buffer the fresh engine holds."""
+    got, want = f.digests.get(f"{engine}@{stage}"), f.digests.get(f"fresh@{engine}@{stage}")
+    assert got is not None and want is not None, f"no digests of {engine}@{stage}: {sorted(f.digests)}"
+    differ = sorted(n for n in set(got) | set(want) if got.get(n) != want.get(n))
+    assert not differ, f"{engine}@{stage}: {len(differ)} of {len(want)} tensors differ from a fresh engine's: {differ[:8]}"
+
+
 # ------------------------------------------------------------------------------------ tests
 @pytest.mark.parametrize("engine", ["dense", "moe"])
 def test_tp1_exact_after_two_refits(fleet: Fleet, engine: str) -> None:
     fleet.ok(f"start {engine}", f"{engine} v1", f"{engine} v2", f"{engine} answers v2", f"fresh {engine}@v2")
+    _same_weights(fleet, engine, "v2")
     assert fleet.answers[f"{engine}@v2"] == fleet.answers[f"fresh@{engine}@v2"]
 
 
@@ -212,6 +224,7 @@ def test_inplace_parameters_keep_their_addresses(fleet: Fleet) -> None:
 
 def test_sleep_level_1_between_refits(fleet: Fleet) -> None:
     fleet.ok("start sleepy", "sleepy sleep 1", "sleepy v2", "sleepy answers v2", "fresh sleepy@v2")
+    _same_weights(fleet, "sleepy", "v2")
     assert fleet.answers["sleepy@v2"] == fleet.answers["fresh@sleepy@v2"]
 
 
@@ -224,17 +237,20 @@ def test_sleep_level_2_then_refit(fleet: Fleet) -> None:
 
 def test_online_fp8_engine(fleet: Fleet) -> None:
     fleet.ok("start fp8", "fp8 v1", "fp8 v2", "fp8 answers v2", "fresh fp8@v2")
+    _same_weights(fleet, "fp8", "v2")
     assert fleet.answers["fp8@v2"] == fleet.answers["fresh@fp8@v2"]
 
 
 @pytest.mark.parametrize("engine", FP8_CHECKPOINT)
 def test_fp8_checkpoint_engine_quantized_on_the_wire(fleet: Fleet, engine: str) -> None:
     fleet.ok(f"start {engine}", f"{engine} v1", f"{engine} v2", f"{engine} answers v2", f"fresh {engine}@v2")
+    _same_weights(fleet, engine, "v2")
     assert fleet.answers[f"{engine}@v2"] == fleet.answers[f"fresh@{engine}@v2"]
 
 
 def test_mla_exact_and_derived_tensors_rederived(fleet: Fleet) -> None:
     fleet.ok("start mla", "mla v1", "mla v2", "mla answers v2", "fresh mla@v2", "mla probe", "fresh mla probe")
+    _same_weights(fleet, "mla", "v2")
     assert fleet.answers["mla@v2"] == fleet.answers["fresh@mla@v2"]
     from tests.harness.vllm_rl import unprobe
 

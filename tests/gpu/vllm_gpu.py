@@ -49,6 +49,12 @@ CONFIGS: dict[str, dict[str, Any]] = {
                         "n_routed_experts": 8, "n_shared_experts": 1, "topk_method": "noaux_tc",
                         "vocab_size": 1024},
 }
+# No kernel chosen by timing it on the device.  vLLM compiles each CUDA-graph batch size with
+# Inductor's max-autotune and coordinate-descent tuning on: engines compiling one model side by side
+# on a busy GPU time candidate kernels and may keep different ones.  Every engine here, refitted or
+# fresh, compiles without it.
+SAME_KERNELS_ENV = {"VLLM_ENABLE_INDUCTOR_MAX_AUTOTUNE": "0", "VLLM_ENABLE_INDUCTOR_COORDINATE_DESCENT_TUNING": "0",
+                    "TORCHINDUCTOR_DETERMINISTIC": "1"}
 SCALE = 0.1  # random weights: standard normal times this
 LR = 1e-3  # large enough that every step changes many bf16 values
 
@@ -156,21 +162,39 @@ def _addresses(model: torch.nn.Module) -> dict[str, int]:
     return {n: p.data_ptr() for n, p in model.named_parameters()}
 
 
+def _digests(model: torch.nn.Module) -> dict[str, str]:
+    """A digest of every parameter's and buffer's bytes as the engine holds them (after its
+    post-load processing): two engines that hold the same weights give equal dicts."""
+    import hashlib
+    import itertools
+
+    return {n: hashlib.sha256(t.detach().cpu().contiguous().reshape(-1).view(torch.uint8).numpy().tobytes())
+            .hexdigest()[:16] for n, t in itertools.chain(model.named_parameters(), model.named_buffers())}
+
+
+def generate_alone(llm: Any) -> list[tuple[list[int], list[float]]]:
+    """`generate` of each prompt on its own.  The engine core schedules requests as they arrive, so
+    prompts handed over in one call may share a first step or not depending on timing, and the
+    batch's shape changes the GEMMs' summation order: two engines holding equal weights bit for bit
+    then differ in the 5th decimal of a logprob (seen 2026-11-29, one time in two, their weights'
+    digests equal).  One prompt at a time, every step's batch is the same on every engine."""
+    from tests.harness.vllm_rl import PROMPTS, generate
+
+    return [generate(llm, [p])[0] for p in PROMPTS]
+
+
 def _engine_main(conn: Any, name: str, model_dir: str, coordinator: str | None, group: str,
                  llm_kwargs: dict[str, Any]) -> None:
     # a cache of its own: engines compiling the same model side by side would race in one
     os.environ["VLLM_CACHE_ROOT"] = os.path.join(os.environ.get("TMPDIR", "/tmp"), f"vllm-cache-{name}")
     os.environ.setdefault("VLLM_ALLOW_INSECURE_SERIALIZATION", "1")  # apply_model across processes
-    # Inductor without on-device benchmarking: engines compiling one model side by side on one GPU
-    # would otherwise time kernel configurations and may keep different ones.  (It did not remove the
-    # 5th-decimal logprob differences of the dense engines seen on 2026-11-29: see bench/RESULTS.md.)
-    os.environ["TORCHINDUCTOR_DETERMINISTIC"] = "1"
+    os.environ.update(SAME_KERNELS_ENV)
     logging.basicConfig(level=logging.INFO)
     try:
         from vllm import LLM
 
         from refit.integrations.vllm import compat
-        from tests.harness.vllm_rl import generate, probe
+        from tests.harness.vllm_rl import probe
 
         kw: dict[str, Any] = {"skip_tokenizer_init": True, "dtype": "bfloat16", "max_model_len": 128,
                               "max_num_seqs": 4, "gpu_memory_utilization": 0.05,
@@ -194,7 +218,7 @@ def _engine_main(conn: Any, name: str, model_dir: str, coordinator: str | None, 
         cmd, arg = conn.recv()
         try:
             if cmd == "generate":
-                conn.send(("ok", generate(llm)))
+                conn.send(("ok", generate_alone(llm)))
             elif cmd == "refit":  # the RL loop's calls
                 plan_id, version = arg
                 llm.start_weight_update()
@@ -203,6 +227,8 @@ def _engine_main(conn: Any, name: str, model_dir: str, coordinator: str | None, 
                 conn.send(("ok", None))
             elif cmd == "addresses":
                 conn.send(("ok", llm.apply_model(_addresses)[0]))
+            elif cmd == "digests":
+                conn.send(("ok", llm.apply_model(_digests)[0]))
             elif cmd == "probe":
                 conn.send(("ok", probe(llm, arg)))
             elif cmd == "sleep":
