@@ -46,6 +46,8 @@ sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 import torch  # noqa: E402
 
 from refit.executor import quantize as qz  # noqa: E402
+from refit.executor import quantize_grouped as qg  # noqa: E402
+from refit.executor import quantize_triton as qt  # noqa: E402
 
 log = logging.getLogger("quantize_fp8")
 DEFAULT_SHAPES = ["4096x4096", "128x1536x2048", "8192x8192"]
@@ -118,7 +120,7 @@ def bench_shape(shape: tuple[int, ...], dtype: torch.dtype, block: tuple[int, in
     q = torch.empty(shape, dtype=qz.FP8_DTYPE, device=dev)
     s = torch.empty(qz.fp8_scale_shape(shape, block), dtype=torch.float32, device=dev)
     copy_dst = torch.empty_like(x)
-    triton_path = dev.type == "cuda" and qz._triton_usable(dev)
+    triton_path = dev.type == "cuda" and qt._triton_usable(dev)
     if triton_path:
         def quantize() -> None:
             qz._quantize_fp8_triton(x, block, q, s, num_warps=args.num_warps)
@@ -181,7 +183,7 @@ def bench_many(count: int, shape: tuple[int, ...], dtype: torch.dtype, block: tu
     copy_dst = torch.empty_like(copy_src)
 
     def many() -> None:
-        qz.quantize_fp8_blocks_many(xs, outs, scales, block)
+        qg.quantize_fp8_blocks_many(xs, outs, scales, block)
 
     def loop() -> None:
         for x, q, s in zip(xs, outs, scales):
@@ -195,7 +197,7 @@ def bench_many(count: int, shape: tuple[int, ...], dtype: torch.dtype, block: tu
         loop()
         copy()
     torch.cuda.synchronize(dev)
-    qz._many_cache.clear()  # a cold call: checks, grouping, the address tables built and copied over
+    qg._many_cache.clear()  # a cold call: checks, grouping, the address tables built and copied over
     t0 = time.perf_counter()
     many()
     torch.cuda.synchronize(dev)
@@ -212,7 +214,7 @@ def bench_many(count: int, shape: tuple[int, ...], dtype: torch.dtype, block: tu
     g_many, g_loop, g_copy = moved / t_many / 1e9, moved / t_loop / 1e9, 2 * in_bytes / t_copy / 1e9
     res: dict[str, Any] = {
         "case": "many", "count": count, "shape": list(shape), "dtype": str(dtype).removeprefix("torch."),
-        "block": list(block), "path": "triton" if qz._triton_usable(dev) else "torch", "bytes_in": in_bytes,
+        "block": list(block), "path": "triton" if qt._triton_usable(dev) else "torch", "bytes_in": in_bytes,
         "iters": args.iters,
         "eager": {"many_ms": round(t_many * 1e3, 3), "many_gbps": round(g_many, 1),
                   "loop_ms": round(t_loop * 1e3, 3), "loop_gbps": round(g_loop, 1),

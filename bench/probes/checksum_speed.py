@@ -20,6 +20,7 @@ import torch
 
 from refit import load_spec, make_plan
 from refit.executor import checksum as ck
+from refit.executor import checksum_triton as ckt
 from refit.executor.values import TORCH_DTYPES, int_view
 
 
@@ -73,16 +74,16 @@ def one_side(args: argparse.Namespace, spec, r, side: str) -> None:
     items = share.launches.items.shape[0] if share.launches is not None else 0
     print(f"{side} rank {args.rank} ({layout.describe()}): {len(tensors)} tensors, {len(share.boxes)} boxes in "
           f"{blocks} blocks, {nbytes / 1e9:.2f} GB, {items} kernel items; first call {first * 1e3:.0f} ms")
-    base = dict(ck._CONFIG)
+    base = dict(ckt._CONFIG)
     for cfg in args.configs:
         warps, stages = (int(x) for x in cfg.split(","))
-        ck._CONFIG.update(num_warps=warps, num_stages=stages)
+        ckt._CONFIG.update(num_warps=warps, num_stages=stages)
         share.launches = None  # items depend on the block size
         same = run() == want
         s = timed(run, args.iters)
         print(f"  kernel warps={warps} stages={stages}: {s * 1e3:8.2f} ms  {nbytes / s / 1e9:7.1f} GB/s"
               f"  {'same checksums' if same else 'CHECKSUMS DIFFER'}")
-    ck._CONFIG.update(base)
+    ckt._CONFIG.update(base)
     share.launches = None
     views = ck._Views(share, tensors)
     s = timed(lambda: ck._sums_torch(share, views).tolist(), max(1, args.iters // 5))

@@ -18,7 +18,8 @@ import math
 import torch
 
 from refit.errors import InvalidInput
-from refit.executor.quantize import quantize, quantize_many
+from refit.executor.quantize import quantize
+from refit.executor.quantize_grouped import quantize_many
 from refit.executor.shards import Shards, Verdict, verify
 from refit.executor.values import fill_box, int_view
 from refit.layouts import Piece, QuantizedLayout

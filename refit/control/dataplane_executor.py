@@ -47,7 +47,7 @@ from refit.executor.delta import DeltaStats
 from refit.executor.member import Member, Rebuild
 from refit.executor.seating import locate
 from refit.executor.topology import Endpoint
-from refit.executor.quantize import quantize_many
+from refit.executor.quantize_grouped import quantize_many
 from refit.layouts import Layout, QuantizedLayout, resolve_layout
 from refit.quantization import quant_format
 from refit.plan import Plan

@@ -11,6 +11,7 @@ Files, in reading order:
 * `handles`    — what crosses processes through the store: plain validated JSON, never pickle;
 * `transports` — CUDA IPC / shared memory export, NCCL (cupy) and gloo communicators;
 * `bound`      — the schedule bound to tensors and buffers, and `run_refit` (one replay);
+* `member_barriers` — how members wait for each other (gloo, or shared memory on one host);
 * `member`     — `Member`: one process's set-up (store, devices, sharing, groups), `prepare` per
   plan, `refit` per refit — what the agents' data plane and the bench both drive.
 

@@ -28,7 +28,6 @@ control group without waiting for the barriers an abandoned refit left posted in
 
 from __future__ import annotations
 
-import datetime
 import json
 import logging
 import time
@@ -42,13 +41,14 @@ from refit.errors import InvalidInput, RefitFailed
 from refit.executor.bound import Bound, Remaining, bind_all, run_refit
 from refit.executor.delta import DeltaCache, DeltaRun, DeltaStats, full_stats
 from refit.executor.device import Device, enable_peer_access, make_device
+from refit.executor.member_barriers import MemberBarriers
 from refit.executor.schedule import compile_program
 from refit.executor.shards import Shards, allocate, check_own, remove_file, views
 from refit.executor.shared_blocks import SharedQuantizer, allocate_derived, share
 from refit.executor.shm_barrier import ShmBarrier
 from refit.executor.topology import Endpoint, Topology
 from refit.executor.transports import (Comm, PeerError, export_arena, export_tensors, first_line, gloo_group,
-                                       import_share, make_comm, ended, retire)
+                                       import_share, make_comm)
 from refit.layouts import Layout
 from refit.layouts.quantized import QuantizedLayout, scale_table
 from refit.quantization import is_quantized, quant_format
@@ -103,10 +103,11 @@ def shares(topo: Topology, member: int, ep: Endpoint, ipc: bool, push: bool = Fa
     return ipc and (ep[0] == "src" or (push and len(topo.drivers) > 1))
 
 
-class Member:
+class Member(MemberBarriers):
     """Member ``member`` of ``topology``: holds ``own`` (its endpoints' tensors), on ``device``
     (``cpu`` or ``cuda:<index>``); ``names`` name every member in messages.  Builds everything
-    but the plan's schedule (`prepare`); ``remaining`` bounds the set-up waits."""
+    but the plan's schedule (`prepare`); ``remaining`` bounds the set-up waits.  Its barriers are
+    `MemberBarriers`' (`refit.executor.member_barriers`)."""
 
     def __init__(self, store: dist.Store, topology: Topology, member: int, device: str, own: Mapping[Endpoint, Own],
                  spec: ModelSpec, src: Layout, dst: Layout, names: Sequence[str], remaining: Remaining,
@@ -198,42 +199,6 @@ class Member:
         self.gathers: list[Shards] = []
         log.info("%s: member %d, device %s, %s, drives %s", self.name, member, device,
                  ("ipc push" if self.push else "ipc") if ipc else "communicator", sorted(driven) or "nothing")
-
-    def _offer_shm_barrier(self) -> ShmBarrier | None:
-        """Map the members' shared barrier (member 0 creates it) and say in the store whether
-        this member could; `_agree_shm_barrier` decides, after the setup barrier."""
-        barrier = None
-        try:
-            if self.member == 0:
-                barrier = ShmBarrier(ShmBarrier.new_path(), 0, len(self.topo.members), create=True)
-                self.store.set("barrier/shm", barrier.path)
-            else:
-                path = self.store.get("barrier/shm").decode()
-                barrier = ShmBarrier(path, self.member, len(self.topo.members), create=False) if path else None
-        except OSError as e:  # another host (the name is only in member 0's /dev/shm), another container: gloo
-            log.info("%s: refit barriers over gloo: the shared barrier cannot be mapped here (%s)", self.name, e)
-            if self.member == 0:
-                self.store.set("barrier/shm", "")
-        self.store.set(f"barrier/ok/{self.member}", "1" if barrier is not None else "0")
-        return barrier
-
-    def _agree_shm_barrier(self) -> None:
-        """Keep the shared barrier only if every member mapped it (each said so before the setup
-        barrier); member 0 then removes its name, so nothing is left behind however the run ends."""
-        keys = [f"barrier/ok/{m}" for m in range(len(self.topo.members))]
-        multi_get = getattr(self.store, "multi_get", None)
-        oks = multi_get(keys) if multi_get is not None else [self.store.get(k) for k in keys]
-        if self.member == 0 and self.shm_barrier is not None:
-            self.shm_barrier.unlink()
-        if not all(v == b"1" for v in oks):
-            self._drop_shm_barrier()
-
-    def _drop_shm_barrier(self) -> None:
-        barrier, self.shm_barrier = self.shm_barrier, None
-        if barrier is not None:
-            if self.member == 0:
-                barrier.unlink()
-            barrier.close()
 
     def _derive(self, own: Mapping[Endpoint, Own]) -> tuple[dict[Endpoint, Own], dict[int, dict[str, torch.Tensor]]]:
         """``own`` with the tensors its source ranks derive from local tensors that cut FP8
@@ -401,78 +366,6 @@ class Member:
         self.delta_ready = delta
         return seconds
 
-    def barrier(self, what: str, remaining: Remaining, flag: float = 0.0) -> float:
-        """Wait for every member, at most ``remaining()``, giving up as soon as ``remaining``
-        raises (the refit was abandoned); returns the sum of the members' ``flag``.  A member
-        still waiting after its first 50 ms marks its arrival in the store, so that a timeout
-        names the members that never came (a barrier over within 50 ms, the usual case of a
-        refit, costs no store call).  A barrier given up stays posted in the control group until
-        its own timeout (the refit's deadline): it is kept in ``self.abandoned`` so that `close`
-        does not wait for it.  Members on one host with GPUs meet in shared memory instead
-        (`refit.executor.shm_barrier`), whose slots say who never came; nothing stays posted."""
-        if self.shm_barrier is not None:
-            if self.ctl is None:
-                raise RefitFailed(f"{self.name}: {what} barrier after close")
-            self.rounds += 1
-            return float(self.shm_barrier.wait(self.rounds, bool(flag), lambda: self._left(what, remaining)))
-        flags = torch.full((1,), flag)
-        self._reduce(what, flags, dist.ReduceOp.SUM, remaining)
-        return float(flags.item())
-
-    def _reduce(self, what: str, values: torch.Tensor, op: dist.ReduceOp, remaining: Remaining) -> None:
-        """All-reduce the CPU tensor ``values`` in place over every member (`barrier`'s waits)."""
-        if self.ctl is None:
-            raise RefitFailed(f"{self.name}: {what} barrier after close")
-        self.rounds += 1
-        opts = dist.AllreduceOptions()
-        opts.reduceOp = op
-        opts.timeout = datetime.timedelta(seconds=max(remaining(), 0.001))
-        try:
-            work = self.ctl.allreduce([values], opts)
-        except RuntimeError as e:
-            raise PeerError(f"lost contact with another member at the {what} barrier: {first_line(e)}") from None
-        try:
-            # Wakes at once when every member arrived.  (Not a callback on the work's future: gloo
-            # running it as the interpreter exits, a barrier abandoned, aborts the process.)
-            marked = False
-            while not ended(work, 0.05):
-                if not marked:
-                    mark = getattr(self.store, "set_async", self.store.set)  # no round trip where the store can
-                    mark(f"arrived/{self.rounds % 3}/{self.member}", str(self.rounds))
-                    marked = True
-                self._left(what, remaining)  # raises when the refit is abandoned: give up now
-        except BaseException:
-            self.abandoned.append(work)  # still pending in gloo until its timeout
-            raise
-        try:
-            work.wait()
-        except RuntimeError as e:
-            self._left(what, remaining)  # the group's own timeout (the same deadline) fired first
-            raise PeerError(f"lost contact with another member at the {what} barrier (a worker died?): "
-                            f"{first_line(e)}; {self._absent()}") from None
-
-    def _left(self, what: str, remaining: Remaining) -> None:
-        try:
-            remaining()
-        except TimeoutError:
-            raise TimeoutError(f"timed out at the {what} barrier; {self._absent()}") from None
-
-    def _absent(self) -> str:
-        """Which members have not reached the current barrier (asked of the shared barrier or
-        of the store)."""
-        try:
-            if self.shm_barrier is not None:
-                missing = [self.names[m] for m in self.shm_barrier.absent(self.rounds)]
-            else:
-                missing = [self.names[m] for m in range(len(self.topo.members)) if not self._arrived(m)]
-        except Exception as e:  # the store itself is gone: say so rather than guess
-            return f"could not ask the store who is missing ({first_line(e)})"
-        return f"waiting on {', '.join(missing)} (never reached it)" if missing else "every member reached it"
-
-    def _arrived(self, m: int) -> bool:
-        key = f"arrived/{self.rounds % 3}/{m}"
-        return self.store.check([key]) and self.store.get(key).decode() == str(self.rounds)
-
     # ------------------------------------------------------------------ teardown
     def release(self) -> None:
         """Drop every view of peers' memory (then the mappings go), before anyone exits."""
@@ -498,11 +391,3 @@ class Member:
         self.comm = None
         self.release()
         self._retire_ctl()
-
-    def _retire_ctl(self) -> None:
-        """Drop the control group; with abandoned barriers in it, through `retire` (no wait)."""
-        ctl, self.ctl = self.ctl, None
-        if ctl is not None:
-            retire(ctl, self.abandoned, f"{self.name}: control group")
-        self.abandoned = []
-        self._drop_shm_barrier()

@@ -1,5 +1,5 @@
-"""Whether Triton can be used here: the kernels of `refit.executor.quantize` and
-`refit.executor.checksum` run through it on CUDA and fall back to torch without it."""
+"""Whether Triton can be used here: the kernels of `refit.executor.quantize_triton` and
+`refit.executor.checksum_triton` run through it on CUDA and fall back to torch without it."""
 
 from __future__ import annotations
 

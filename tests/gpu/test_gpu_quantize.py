@@ -1,4 +1,5 @@
-"""FP8 quantization on the wire, on CUDA (`refit.executor.quantize`): `make test-gpu`.
+"""FP8 quantization on the wire, on CUDA (`refit.executor.quantize`, `refit.executor.quantize_grouped`,
+`refit.executor.quantize_triton`): `make test-gpu`.
 
 The Triton kernel must produce the bits of the torch path run on the CPU (which
 tests/unit/test_quantize.py checks against vLLM's own functions): every FP8 code and every scale,
@@ -14,6 +15,8 @@ import torch
 
 from refit.executor.triton_support import triton_importable
 from refit.executor import quantize as qz
+from refit.executor import quantize_grouped as qg
+from refit.executor import quantize_triton as qt
 from refit.executor.quantize import FP8_BLOCK, fp8_scale_shape, quantize_fp8_blocks
 from tests.unit.test_quantize import edge_data
 
@@ -37,7 +40,7 @@ CASES = [  # (shape, block)
 def needs_triton() -> None:
     if not triton_importable("the kernel tests skip"):
         pytest.skip("triton is not installed: quantize_fp8_blocks uses the torch path on CUDA")
-    if not qz._triton_usable(torch.device("cuda", torch.cuda.current_device())):
+    if not qt._triton_usable(torch.device("cuda", torch.cuda.current_device())):
         pytest.skip("this GPU has no FP8 conversion (compute capability < 8.9): the torch path runs instead")
 
 
@@ -131,9 +134,9 @@ def test_many_equals_torch_cpu(dtype: torch.dtype) -> None:
     want.append(want[0])
     outs = [torch.full(x.shape, 7.0, device=dev).to(qz.FP8_DTYPE) for x in xd]
     scales = [torch.full(fp8_scale_shape(x.shape), -1.0, device=dev) for x in xd]
-    built = qz._many_stats["tables_built"]
-    qz.quantize_fp8_blocks_many(xd, outs, scales)
-    assert qz._many_stats["tables_built"] - built >= 7  # one group per shape (alignment may split one)
+    built = qg._many_stats["tables_built"]
+    qg.quantize_fp8_blocks_many(xd, outs, scales)
+    assert qg._many_stats["tables_built"] - built >= 7  # one group per shape (alignment may split one)
     for i, (q, s) in enumerate(zip(outs, scales)):
         assert_same((q, s), want[i], f"member {i} {tuple(xs[min(i, len(xs) - 1)].shape)} {dtype}")
 
@@ -146,15 +149,15 @@ def test_many_cache_builds_tables_once() -> None:
     xs = [torch.randn(256, 384, device=dev, dtype=torch.bfloat16) for _ in range(50)]
     outs = [torch.empty(x.shape, dtype=qz.FP8_DTYPE, device=dev) for x in xs]
     scales = [torch.empty(fp8_scale_shape(x.shape), device=dev) for x in xs]
-    qz.quantize_fp8_blocks_many(xs, outs, scales)
-    built = qz._many_stats["tables_built"]
+    qg.quantize_fp8_blocks_many(xs, outs, scales)
+    built = qg._many_stats["tables_built"]
     for x in xs:
         x.mul_(3)
-    qz.quantize_fp8_blocks_many(xs, outs, scales)
-    assert qz._many_stats["tables_built"] == built
+    qg.quantize_fp8_blocks_many(xs, outs, scales)
+    assert qg._many_stats["tables_built"] == built
     for x, q, s in zip(xs, outs, scales):
         assert_same((q, s), quantize_fp8_blocks(x.cpu()), "second call")
-    qz.quantize_fp8_blocks_many(xs[:10], outs[:10], scales[:10])  # another list: another plan
-    assert qz._many_stats["tables_built"] == built + 1
-    qz.quantize_fp8_blocks_many(xs, outs, scales)  # the first still cached (LRU of a few)
-    assert qz._many_stats["tables_built"] == built + 1
+    qg.quantize_fp8_blocks_many(xs[:10], outs[:10], scales[:10])  # another list: another plan
+    assert qg._many_stats["tables_built"] == built + 1
+    qg.quantize_fp8_blocks_many(xs, outs, scales)  # the first still cached (LRU of a few)
+    assert qg._many_stats["tables_built"] == built + 1

@@ -7,6 +7,7 @@ from __future__ import annotations
 import torch
 
 from refit.executor import checksum as ck
+from refit.executor import checksum_triton as ckt
 from refit.executor.values import TORCH_DTYPES, int_view
 from refit.layouts import Layout, LocalTensor
 from refit.planners import make_plan
@@ -100,8 +101,8 @@ def kernel_cases(device: str | torch.device = "cpu") -> list[tuple[ck.Share, dic
     gen = torch.Generator().manual_seed(7)
     out = []
     for width, dtype in WIDTHS.items():
-        block = 32 * ck._CONFIG["num_warps"] * 16 // width
-        long = ck._ITEM_CHUNKS * block + 3 * block + 5
+        block = 32 * ckt._CONFIG["num_warps"] * 16 // width
+        long = ckt._ITEM_CHUNKS * block + 3 * block + 5
         plain = {"pad": (0, 0), "at": (0, 0), "order": (0, 1), "misalign": False}
         cases = [
             (random_bits((1, 50), dtype, gen), [((0, 0), (1, 50), {**plain, "pad": (1, 0), "order": (1, 0)})]),

@@ -1,5 +1,6 @@
-"""Per-transfer checksums (`refit.executor.checksum`): both ends of every transfer agree bit for
-bit, whatever their layouts, and a corrupted box is caught.
+"""Per-transfer checksums (`refit.executor.checksum`, and its kernel path
+`refit.executor.checksum_triton`): both ends of every transfer agree bit for bit, whatever their
+layouts, and a corrupted box is caught.
 
 Each end's local tensors are cut, per its layout, from the same canonical tensors of random bits
 (NaN patterns included); every stage-1 transfer's two checksums must be equal, and equal to the
@@ -25,6 +26,7 @@ from refit.control.dataplane import BaseDataPlane, Seat
 from refit.control.dataplane_executor import ExecutorDataPlane
 from refit.errors import InvalidInput
 from refit.executor import checksum as ck
+from refit.executor import checksum_triton as ckt
 from refit.executor.checksum import box_checksum, fold, share_checksums
 from refit.executor.values import int_view
 from refit.planners import make_plan
@@ -204,7 +206,7 @@ def test_a_box_in_blocks_stored_any_way_sums_as_the_box(case) -> None:
     views = ck._Views(share, tensors)
     sums = ck._sums_torch(share, views)
     assert fold(*sums[0].tolist()) == box_checksum(box)
-    strides = ck._row_major(box.shape)
+    strides = ckt._row_major(box.shape)
     for b in share.boxes[0].blocks:  # the kernel's 2-D segments: each element's memory offset and box index
         local = views.of(b.local, box.dim()).stride()
         want = {sum((a + q) * s for a, q, s in zip(b.local_start, qs, local)):
@@ -213,7 +215,7 @@ def test_a_box_in_blocks_stored_any_way_sums_as_the_box(case) -> None:
         off = sum(a * s for a, s in zip(b.local_start, local))
         idx = sum(a * s for a, s in zip(b.box_start, strides))
         got = {g.off + r * g.lr + c * g.lc: g.idx + r * g.br + c * g.bc
-               for g in ck._segments(off, idx, b.size, local, strides) for r in range(g.rows) for c in range(g.cols)}
+               for g in ckt._segments(off, idx, b.size, local, strides) for r in range(g.rows) for c in range(g.cols)}
         assert got == want
 
 

@@ -139,13 +139,14 @@ def test_own_tensors_unlike_the_layout_are_refused_before_sharing() -> None:
 def test_a_communicator_that_fails_lets_the_control_group_go(monkeypatch: pytest.MonkeyPatch) -> None:
     """Before: the control group built just before stayed referenced by nobody's close."""
     import refit.executor.member as member_mod
+    import refit.executor.member_barriers as barriers_mod
 
     r = make_plan(DENSE, "tp1", "tp1", "disaggregated", "p2p", 4096)
     topo = Topology.one_per_rank(r.plan.placement)  # two devices, two drivers: a data communicator
     master = dist.TCPStore("127.0.0.1", 0, is_master=True, wait_for_workers=False)
     retired: list[str] = []
     monkeypatch.setattr(member_mod, "make_comm", lambda *a, **k: (_ for _ in ()).throw(RuntimeError("no NCCL")))
-    monkeypatch.setattr(member_mod, "retire", lambda pg, pending, what: retired.append(what))
+    monkeypatch.setattr(barriers_mod, "retire", lambda pg, pending, what: retired.append(what))
     names = ["src rank 0", "dst rank 0"]
 
     def member(m: int) -> Any:

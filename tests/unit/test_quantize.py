@@ -1,4 +1,6 @@
-"""Quantization on the wire (`refit.executor.quantize`), bit for bit against vLLM's own functions.
+"""Quantization on the wire (`refit.executor.quantize`, many tensors at once in
+`refit.executor.quantize_grouped`, the kernels of `refit.executor.quantize_triton`), bit for bit
+against vLLM's own functions.
 
 Every element is compared (FP8 values as their uint8 codes, scales with ``torch.equal``) with
 ``vllm.utils.deep_gemm.per_block_cast_to_fp8`` applied to each 2-D slice, and with
@@ -26,8 +28,10 @@ from hypothesis import strategies as st
 
 from refit.errors import InvalidInput
 from refit.executor import quantize as qz
+from refit.executor import quantize_grouped as qg
 from refit.executor.quantize import (FP8_BLOCK, dequantize_fp8_blocks, fp8_scale_shape, quantize_fp8_blocks,
-                                     quantize_fp8_blocks_many, quantize_mxfp8)
+                                     quantize_mxfp8)
+from refit.executor.quantize_grouped import quantize_fp8_blocks_many
 
 ROOT = Path(__file__).resolve().parents[2]
 DTYPES = [torch.bfloat16, torch.float16, torch.float32]
@@ -348,32 +352,32 @@ def test_many_plan_cache(monkeypatch: pytest.MonkeyPatch) -> None:
     """The plan cache (used on CUDA): found again for the same tensor objects at the same
     addresses; not for a new object, a tensor moved to other memory (``set_``), a freed one, or
     another block; the oldest plan goes past a few."""
-    monkeypatch.setattr(qz, "_many_cache", type(qz._many_cache)())
+    monkeypatch.setattr(qg, "_many_cache", type(qg._many_cache)())
     xs, outs, scales = [torch.ones(4, 130, 200)], [torch.empty(4, 130, 200, dtype=torch.float8_e4m3fn)], \
         [torch.empty(4, 2, 2)]
     flat = [*xs, *outs, *scales]
-    key = qz._many_key(FP8_BLOCK, flat)
-    plan = qz._ManyPlan([], [])
-    assert qz._many_lookup(key, flat) is None
-    qz._many_remember(key, flat, plan)
-    assert qz._many_lookup(qz._many_key(FP8_BLOCK, [*xs, *outs, *scales]), [*xs, *outs, *scales]) is plan
-    assert qz._many_lookup(qz._many_key((4, 8), flat), flat) is None
+    key = qg._many_key(FP8_BLOCK, flat)
+    plan = qg._ManyPlan([], [])
+    assert qg._many_lookup(key, flat) is None
+    qg._many_remember(key, flat, plan)
+    assert qg._many_lookup(qg._many_key(FP8_BLOCK, [*xs, *outs, *scales]), [*xs, *outs, *scales]) is plan
+    assert qg._many_lookup(qg._many_key((4, 8), flat), flat) is None
     other = [xs[0].clone(), *outs, *scales]
-    assert qz._many_lookup(qz._many_key(FP8_BLOCK, other), other) is None
+    assert qg._many_lookup(qg._many_key(FP8_BLOCK, other), other) is None
     forged = (FP8_BLOCK, id(other[0]), *key[2:])  # an id reused by another object
-    assert qz._many_lookup(forged, other) is None
+    assert qg._many_lookup(forged, other) is None
     scales[0].set_(torch.empty(4, 2, 2))  # the same object, other memory
-    assert qz._many_lookup(key, flat) is None
+    assert qg._many_lookup(key, flat) is None
     keys = []
-    for _ in range(qz._MANY_CACHE_SIZE + 1):
+    for _ in range(qg._MANY_CACHE_SIZE + 1):
         ts = [torch.ones(2, 2), torch.empty(2, 2, dtype=torch.float8_e4m3fn), torch.empty(1, 1)]
-        keys.append(qz._many_key(FP8_BLOCK, ts))
-        qz._many_remember(keys[-1], ts, plan)
-    assert list(qz._many_cache) == keys[1:]  # the oldest went
+        keys.append(qg._many_key(FP8_BLOCK, ts))
+        qg._many_remember(keys[-1], ts, plan)
+    assert list(qg._many_cache) == keys[1:]  # the oldest went
     del ts  # the last list's tensors freed: its plan is not found for new tensors under a reused key
     fresh = [torch.ones(2, 2), torch.empty(2, 2, dtype=torch.float8_e4m3fn), torch.empty(1, 1)]
-    assert qz._many_lookup(keys[-1], fresh) is None
-    assert qz._many_lookup(keys[-1], [None, None, None]) is None
+    assert qg._many_lookup(keys[-1], fresh) is None
+    assert qg._many_lookup(keys[-1], [None, None, None]) is None
 
 
 # ------------------------------------------------------------------------------------------------
@@ -449,7 +453,8 @@ def test_triton_kernel_indexing_in_the_interpreter() -> None:
 _INTERPRETED_MANY = """
 import torch
 from refit.executor import quantize as qz
-qz._MAX_PROGRAMS = 10  # several launches for most groups
+from refit.executor import quantize_grouped as qg
+qg._MAX_PROGRAMS = 10  # several launches for most groups
 g = torch.Generator().manual_seed(0)
 def mk(shape, dtype):
     return (torch.randn(shape, generator=g) * 10.0 ** torch.randint(-5, 4, shape, generator=g)).to(dtype)
@@ -466,13 +471,13 @@ for block, specs in cases:
         wire = torch.zeros(xs[4].numel() + 1, dtype=torch.uint8)
         outs[4] = wire[1:].view(torch.float8_e4m3fn).view(xs[4].shape)
     scales = [torch.full_like(s, -1.0) for _, s in want]
-    plan = qz._many_plan(xs, outs, scales, block, use_kernel=lambda x: True)
+    plan = qg._many_plan(xs, outs, scales, block, use_kernel=lambda x: True)
     # a group per dtype and 2-D shape, split further by alignment (the unaligned output, 3-D
     # members whose slices are not a multiple of 16 bytes long)
     assert not plan.loop and len(plan.groups) >= len({(x.dtype, x.shape[-2:]) for x in xs}) + unaligned
     assert sorted(i for gr in plan.groups for i in gr.members) == list(range(len(xs)))
     assert any(len(gr.launches) > 1 for gr in plan.groups)
-    qz._many_run(plan, xs, outs, scales, block)
+    qg._many_run(plan, xs, outs, scales, block)
     for x, q, s, (q0, s0) in zip(xs, outs, scales, want):
         assert torch.equal(s, s0), (x.shape, block, int((s != s0).sum()))
         a, b = q0.float(), q.float()
