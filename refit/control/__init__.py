@@ -3,12 +3,15 @@
 Data never flows through gRPC: the coordinator registers workers, creates plans, and on
 ``Refit(plan_id)`` tells every member of the plan to run its share through its data plane.
 
-* `refit.control.server` — the coordinator as a gRPC server (`serve_main`, `CoordinatorServer`);
-* `refit.control.coordinator` — what a refit does (`registry`: workers and plans, `refits`: one
-  refit's bookkeeping and response, `events`: WatchRefits);
+* `refit.control.server` — the coordinator as a gRPC server (`serve_main`, `CoordinatorServer`;
+  what each call does with its request: `servicer`);
+* `refit.control.coordinator` — what a refit does (`coordinator_state`: the workers and plans it
+  runs on, `registry`: their records and checks, `refits`: one refit's bookkeeping and response,
+  `events`: WatchRefits);
 * `refit.control.client` — `Client` for the RL loop;
 * `refit.control.agent` — `TrainerAgent`, `EngineAgent` inside trainer and engine ranks (their
-  stream to the coordinator: `agent_stream`; what they share with host threads: `agent_state`);
+  stream to the coordinator: `agent_stream`; running their share through the data plane:
+  `agent_share`; what they share with host threads: `agent_state`);
 * `refit.control.dataplane` — the data-plane contract; `dataplane_executor` runs `refit.executor` under it.
 
 The API itself is proto/refit/v1/refit.proto (stubs in `refit.control.v1`).

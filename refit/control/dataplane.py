@@ -124,7 +124,7 @@ class RunContext:
     # at rendezvous.host:port.  Agents meet in the coordinator's store instead (authenticated).
     store: "Callable[[float], dist.Store] | None" = None
     reached_start: threading.Event = field(default_factory=threading.Event)  # see `starting`
-    atomic: bool = False  # all or none: an engine's tensors here are its staging (`Agent._staging`)
+    atomic: bool = False  # all or none: an engine's tensors here are its staging (`AgentShare._staging`)
     verify: bool = False  # the data plane is asked for its transfers' checksums after the run
     check_only: bool = False  # a Check: nothing moves, the agent reads checksums of its tensors
     delta: bool = False  # a delta refit (`refit.executor.delta`): trainers send what changed, keep what they send

@@ -1,4 +1,4 @@
-"""An atomic refit's switch on CUDA (`refit.control.agent.Agent._switch`): `make test-gpu`.
+"""An atomic refit's switch on CUDA (`refit.control.agent_share.AgentShare._switch`): `make test-gpu`.
 
 The switch puts an engine's staged version in place with one batched copy.  On CUDA a float copy
 (`torch._foreach_copy_` of bfloat16) canonicalizes NaN payloads — found by `refit-bench --via grpc

@@ -201,7 +201,7 @@ def test_joiner_with_a_shorter_timeout_gets_failed_then_joins_again() -> None:
 
 def test_disconnected_rows_are_pruned() -> None:
     async def main() -> None:
-        from refit.control import coordinator as mod
+        from refit.control import coordinator_state as mod
 
         coord = Coordinator()
         for i in range(mod.MAX_GONE + 50):
