@@ -78,7 +78,7 @@ def main() -> int:
     import torch
 
     import refit
-    from refit.bench.cli import first_layers
+    from refit.bench.smaller_specs import first_layers
     from refit.control.server import ThreadedServer
     from refit.spec import build_spec
 

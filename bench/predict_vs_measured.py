@@ -6,7 +6,7 @@ Each case's measured median and command are copied from the section of bench/RES
 its row (the newest figure of that section unless the row says otherwise); the plan is built with
 the same arguments as the run (buckets of 256 MiB as refit-bench uses on GPUs unless the command
 names --bucket-mb; colocated unless it says disaggregated; `--layers N` through
-`refit.bench.cli.first_layers`), then predicted with the preset of the GPU it ran on.  No case is
+`refit.bench.smaller_specs.first_layers`), then predicted with the preset of the GPU it ran on.  No case is
 tuned: one preset per GPU kind (refit/predict.py); the two live-vLLM cases are the runs the engine
 cost (`refit.predict.ENGINES`) was fitted on, so they check the arithmetic, not the model.  Cases outside 15% carry a one-line reason.
 ``--big``: predict the runs no machine here can measure (docs/performance.md, "Predicted big runs").
@@ -19,7 +19,7 @@ import json
 import sys
 from dataclasses import dataclass
 
-from refit.bench.cli import first_layers
+from refit.bench.smaller_specs import first_layers
 from refit.hf_checkpoint import load_spec
 from refit.planners import make_plan
 from refit.predict import engine_cost, hardware, predict

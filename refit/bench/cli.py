@@ -1,8 +1,8 @@
 """``refit-bench``: plan a refit, run it for real on one process per rank, time it, verify it.
 
-(This module: the command line, the device and transport choice, the reduced-width model.
-`refit.bench.direct` runs and reports the direct bench, `refit.bench.via_grpc` the one through
-the control plane.)
+(This module: the command line, the device and transport choice.  `refit.bench.smaller_specs`
+cuts the model (``--layers``, the reduced width), `refit.bench.direct` runs and reports the direct
+bench, `refit.bench.via_grpc` the one through the control plane.)
 
 Every source rank holds its shard filled with canonical values (`refit.executor.values`), every
 destination rank its destination tensors (starting as a sentinel pattern).  After warm-up, N
@@ -27,22 +27,21 @@ still goes over the communicator.
 from __future__ import annotations
 
 import argparse
-import dataclasses
 import json
 import sys
 from typing import Any
 
 from refit import settings
+from refit.bench.smaller_specs import first_layers, reduce_spec
 from refit.entrypoint import run_main, setup_logging
-from refit.errors import InvalidInput, RefitError
+from refit.errors import InvalidInput
 from refit.layouts import LAYOUT_HELP, resolve_layout
 from refit.layouts.quantized import shared_scale_table
 from refit.hf_checkpoint import load_spec
 from refit.planners import MIN_BUCKET_BYTES, make_plan
 from refit.quantization import FORMATS
-from refit.spec import ModelSpec, build_spec, quantize_spec
+from refit.spec import ModelSpec, quantize_spec
 from refit.units import MiB
-
 
 
 DESCRIPTION = ("refit-bench: plan a refit, run it for real on one process per rank, time it, verify every "
@@ -63,61 +62,6 @@ examples:
   refit-bench --model qwen3-30b-moe --src megatron:tp2ep2 --dst vllm:tp2 --via grpc
   refit-bench --model qwen3-30b-moe --src megatron:tp2ep2 --dst vllm:tp2 --ray auto
 """
-
-
-# ---------------------------------------------------------------------------------------------
-# Reduced width for CPU runs
-
-
-def first_layers(spec: ModelSpec, layers: int) -> ModelSpec:
-    """``spec`` cut to its first ``layers`` decoder layers, every width kept: a big model's real
-    shapes on a machine that cannot hold all of it twice (qwen3-235b-moe's 20 first layers fit
-    beside their destination in two H200s)."""
-    c = spec.config
-    if not 1 <= layers <= c.num_layers:
-        raise InvalidInput(f"--layers {layers}: must be 1 to {c.num_layers} ({spec.name}'s decoder layers)")
-    # MTP layers follow the last decoder layer (and are never moved): a cut model has none
-    cfg = dataclasses.replace(c, num_layers=layers, moe_layers=tuple(l for l in c.moe_layers if l < layers),
-                              num_mtp_layers=c.num_mtp_layers if layers == c.num_layers else 0)
-    return build_spec(f"{spec.name}[:{layers}]" if layers < c.num_layers else spec.name, cfg)
-
-
-def reduce_spec(spec: ModelSpec, src: str, dst: str, quantization: str | None = None
-                ) -> tuple[ModelSpec, dict[str, list[int]]]:
-    """The smallest variant of ``spec`` (same counts of heads, kv heads, experts) that both
-    layouts still accept; returns it and ``{field: [full, reduced]}`` for what changed.  With
-    ``quantization``, widths of whole 128-blocks (hidden 256, heads of 128) that both layouts
-    split on block boundaries."""
-    c = spec.config
-    block = 128 if quantization else 0
-    layer_options = sorted({n for n in (4, 8, 12, 16, 24, 32) if n < c.num_layers} | {c.num_layers})
-    for layers in layer_options:
-        for mult in (1, 2, 4, 8, 16):
-            moe_layers = tuple(l for l in c.moe_layers if l < layers)
-            cfg = dataclasses.replace(
-                c, num_layers=layers, moe_layers=moe_layers,
-                hidden_size=min(c.hidden_size, 2 * block or 128), head_dim=min(c.head_dim, block or 16),
-                intermediate_size=min(c.intermediate_size, 128 * mult),
-                moe_intermediate_size=min(c.moe_intermediate_size, (block or 64) * mult),
-                vocab_size=min(c.vocab_size, 2000))
-            small = build_spec(spec.name, cfg)
-            try:
-                if quantization:  # every rank's shards checked against the blocks
-                    q = quantize_spec(small, quantization)
-                    if shared_scale_table(q, make_plan(q, src, dst).src):  # trainers cutting blocks: see `run`
-                        continue
-                else:
-                    resolve_layout(src, small, "src")
-                    resolve_layout(dst, small, "dst")
-            except RefitError:
-                continue
-            changed = {f.name: [getattr(c, f.name), getattr(cfg, f.name)] for f in dataclasses.fields(c)
-                       if f.name != "moe_layers" and getattr(c, f.name) != getattr(cfg, f.name)}
-            return small, changed
-    return spec, {}
-
-
-# ---------------------------------------------------------------------------------------------
 
 
 def parse_args(argv: list[str] | None) -> argparse.Namespace:

@@ -8,7 +8,8 @@ model in Megatron's DDP, whose buffers the parameters then live in).  The layout
 ``megatron.core.parallel_state`` (tp, pp, vpp, ep, etp, cp, dp) and the config's uneven pipeline
 split (``num_layers_in_first/last_pipeline_stage`` or ``account_for_embedding/loss_in_pipeline_split``),
 then checked against the model itself: this rank's coordinates, the layers each chunk
-built, the config's dimensions against the spec's.
+built, the config's dimensions against the spec's (both in `refit.integrations.megatron_checks`;
+this module serves the parameters).
 
 Models: Llama, Qwen2/3, Qwen3-MoE, DeepSeek-V3 / Kimi-K2 / Moonlight (MLA with or without q LoRA,
 dense first layers, shared experts, the router's ``expert_bias``) and GLM-4.5 (GQA with qkv bias,
@@ -34,7 +35,8 @@ forward and checkpoint save, ``TopKRouter._maintain_float32_expert_bias``, which
 likewise).  MLA's down-projections (``linear_q_down_proj``, ``linear_kv_down_proj``) are whole on
 every tp rank as TE's ``TELinear(parallel_mode="duplicated")`` holds them, and split by rows over tp
 as the local spec's ColumnParallelLinear holds them: attach reads which from the live modules
-(`split_down_projections`; ``local1`` in the layout it registers).
+(`refit.integrations.megatron_checks.split_down_projections`; ``local1`` in the layout it
+registers).
 
 Multi-token prediction layers (``mtp.*``, DeepSeek-V3 / GLM-4.5) are vLLM's MTP *drafter*, a model
 of its own (`refit.drafters`): ``attach`` leaves them out (logged), and ``attach_mtp`` serves them as
@@ -68,12 +70,12 @@ from typing import Any, Container, Mapping, Sequence
 import torch
 
 from refit.control.agent import TrainerAgent
-from refit.drafters import mtp_config, mtp_layers
+from refit.drafters import mtp_config
 from refit.errors import InvalidInput
 from refit.integrations._common import ParameterPaths, Served, global_rank, refuse_unmapped, start_trainer
+from refit.integrations.megatron_checks import (check_config, check_coords, check_layers, check_mtp_layers,
+                                                check_vocab, layout_from_parallel_state)
 from refit.layouts import MegatronLayout
-from refit.layouts.megatron import VOCAB_DIVISIBLE_BY
-from refit.layouts.base import pad_to
 from refit.hf_checkpoint import hf_config, load_spec
 from refit.spec import ModelConfig, ModelSpec, build_spec
 
@@ -109,12 +111,12 @@ def attach(model: torch.nn.Module | Sequence[torch.nn.Module], address: str | No
         log.warning("overlap_param_gather is on: before each refit, finish the parameter all-gather "
                     "(model_chunk.start_param_sync(force_sync=True) on every chunk), or refits send stale shards")
     chunks = [_unwrap(m) for m in wrappers]
-    _check_config(chunks, spec)
+    check_config(chunks, spec)
     layout = layout_from_parallel_state(spec, chunks)
-    _check_vocab(chunks, spec, layout)
+    check_vocab(chunks, spec, layout)
     rank = global_rank()
-    _check_coords(layout, rank)
-    _check_layers(layout, spec, chunks, rank)
+    check_coords(layout, rank)
+    check_layers(layout, spec, chunks, rank)
     served = _serve([(layout.chunk_prefix(c), layout.chunk_prefix(c), chunk) for c, chunk in enumerate(chunks)],
                     spec, layout, rank)
     return start_trainer(address, group=group, rank=rank, spec=spec, layout=layout, served=served, token=token,
@@ -132,14 +134,14 @@ def attach_mtp(model: torch.nn.Module | Sequence[torch.nn.Module], address: str 
     Raises `refit.InvalidInput`, before registering, for a model whose MTP layers differ from it."""
     target, drafter = _mtp_specs(spec)
     chunks = [_unwrap(m) for m in _wrappers(model)]
-    _check_config(chunks, target)
+    check_config(chunks, target)
     built = getattr(chunks[0].config, "mtp_num_layers", None) or 0
     if built != target.config.num_mtp_layers:
         raise InvalidInput(f"megatron config mtp_num_layers is {built}, {target.name} has "
                            f"{target.config.num_mtp_layers} MTP layer(s) (num_nextn_predict_layers)")
     layout = layout_from_parallel_state(target, chunks)
     rank = global_rank()
-    _check_coords(layout, rank)
+    check_coords(layout, rank)
     if layout.coords(rank)["pp"] != layout.pp - 1:
         log.debug("rank %d: no MTP layers off the last pipeline stage; not in group %s", rank, group)
         return None
@@ -147,7 +149,7 @@ def attach_mtp(model: torch.nn.Module | Sequence[torch.nn.Module], address: str 
                            local=layout.local).resolve(drafter)
     stage_rank = rank - (layout.pp - 1) * stage.world_size  # the stage's ranks, numbered from 0 in the same order
     last = chunks[-1]
-    _check_mtp_layers(last, drafter)
+    check_mtp_layers(last, drafter)
     served = _serve([("", layout.chunk_prefix(len(chunks) - 1), last)], drafter, stage, stage_rank, mtp=True)
     return start_trainer(address, group=group, rank=stage_rank, spec=drafter, layout=stage, served=served, token=token,
                          **agent_options)
@@ -168,21 +170,6 @@ def _mtp_specs(model: str | Mapping[str, Any]) -> tuple[ModelSpec, ModelSpec]:
     return target, build_spec(f"{name}-mtp", mtp_config(hf))
 
 
-def _check_mtp_layers(chunk: torch.nn.Module, drafter: ModelSpec) -> None:
-    """The last stage built the MTP layers, each MoE exactly where vLLM's drafter has it."""
-    c = drafter.config
-    built = list(getattr(getattr(chunk, "mtp", None), "layers", None) or [])
-    if len(built) != c.num_mtp_layers:
-        raise InvalidInput(f"the last pipeline stage built {len(built)} MTP layer(s), {drafter.name} has "
-                           f"{c.num_mtp_layers} (GPTModel's mtp_block_spec)")
-    for i, (hf_layer, layer) in enumerate(zip(mtp_layers(c), built)):
-        moe = hasattr(layer.transformer_layer.mlp, "router")
-        if moe != (hf_layer in c.moe_layers):
-            raise InvalidInput(f"MTP layer {i} is {'MoE' if moe else 'dense'} in the model, "
-                               f"{'MoE' if hf_layer in c.moe_layers else 'dense'} in {drafter.name} (its HF layer "
-                               f"{hf_layer}, as vLLM's drafter builds it)")
-
-
 def _wrappers(model: torch.nn.Module | Sequence[torch.nn.Module]) -> list[torch.nn.Module]:
     """The model chunks as given: a list of virtual-pipeline chunks, or one model."""
     return list(model) if isinstance(model, (list, tuple)) else [model]
@@ -195,158 +182,6 @@ def _unwrap(m: torch.nn.Module) -> torch.nn.Module:
     if not hasattr(m, "decoder"):
         raise InvalidInput(f"{type(m).__name__} is not a megatron-core GPTModel (no .decoder)")
     return m
-
-
-def layout_from_parallel_state(spec: ModelSpec, chunks: Sequence[torch.nn.Module]) -> MegatronLayout:
-    """refit's megatron layout of this job, degrees read from ``megatron.core.parallel_state``."""
-    from megatron.core import parallel_state as ps
-
-    if not ps.model_parallel_is_initialized():
-        raise InvalidInput("megatron.core.parallel_state is not initialized: call initialize_model_parallel first")
-    vpp = ps.get_virtual_pipeline_model_parallel_world_size() or 1
-    if len(chunks) != vpp:
-        raise InvalidInput(f"got {len(chunks)} model chunks, parallel_state says virtual pipeline size {vpp}")
-    cfg = chunks[0].config
-    if getattr(cfg, "pipeline_model_parallel_layout", None) is not None:
-        raise InvalidInput("pipeline_model_parallel_layout is not supported; use num_layers_in_first/last_pipeline_stage")
-    moe = spec.config.is_moe
-    pp = ps.get_pipeline_model_parallel_world_size()
-    first = getattr(cfg, "num_layers_in_first_pipeline_stage", None)
-    last = getattr(cfg, "num_layers_in_last_pipeline_stage", None)
-    emb = bool(getattr(cfg, "account_for_embedding_in_pipeline_split", False))
-    loss = bool(getattr(cfg, "account_for_loss_in_pipeline_split", False))
-    if (emb or loss) and pp > 1:
-        # Megatron's get_num_layers_to_build: the embedding and/or the loss count as a layer each,
-        # (L + emb + loss) / pp layers a stage, and the first / last stage builds one layer fewer
-        if vpp > 1:
-            raise InvalidInput("account_for_embedding/loss_in_pipeline_split with a virtual pipeline is not supported; "
-                             "use num_layers_in_first/last_pipeline_stage")
-        per_stage = (cfg.num_layers + emb + loss) // pp
-        first, last = (per_stage - 1 if emb else None), (per_stage - 1 if loss else None)
-    tp = ps.get_tensor_model_parallel_world_size()
-    layout = MegatronLayout(
-        tp=tp, pp=pp, vpp=vpp,
-        ep=ps.get_expert_model_parallel_world_size(), etp=ps.get_expert_tensor_parallel_world_size() if moe else None,
-        dp=ps.get_data_parallel_world_size(), cp=ps.get_context_parallel_world_size(), first=first, last=last,
-        vocabdiv=vocab_divisor(spec.config.vocab_size, getattr(chunks[0], "vocab_size", None), tp),
-        local=int(spec.config.is_mla and tp > 1 and split_down_projections(chunks)))
-    return layout.resolve(spec)
-
-
-def split_down_projections(chunks: Sequence[torch.nn.Module]) -> bool:
-    """Whether the model's MLA down-projections are split over tp: the local spec builds them as
-    ColumnParallelLinear (``local1`` in refit's layout), the Transformer Engine spec as TELinear
-    ``duplicated``, whole on every rank.  Read from the live modules' types."""
-    from megatron.core.tensor_parallel import ColumnParallelLinear
-
-    for chunk in chunks:
-        for name, module in chunk.named_modules():
-            if name.endswith(("linear_q_down_proj", "linear_kv_down_proj")):
-                return isinstance(module, ColumnParallelLinear)
-    return False
-
-
-def vocab_divisor(vocab: int, padded: int | None, tp: int) -> int:
-    """The ``vocabdiv`` of a model built with ``padded`` rows of vocabulary: Megatron's default
-    (a multiple of 128 * tp) when it fits, else the smallest divisor that gives it (1 for a
-    bridge's unpadded embedding).  Padding no divisor explains keeps the default, and
-    `_check_vocab` refuses it with the numbers."""
-    if padded is None or padded == pad_to(vocab, VOCAB_DIVISIBLE_BY * tp):
-        return VOCAB_DIVISIBLE_BY
-    if padded % tp == 0:
-        for d in range(1, padded // tp + 1):
-            if pad_to(vocab, d * tp) == padded:
-                return d
-    return VOCAB_DIVISIBLE_BY
-
-
-def _check_coords(layout: MegatronLayout, rank: int) -> None:
-    """refit numbers ranks tp-cp-ep-dp-pp (Megatron's default order): refuse any other."""
-    from megatron.core import parallel_state as ps
-
-    got = dict(tp=ps.get_tensor_model_parallel_rank(), cp=ps.get_context_parallel_rank(),
-               dp=ps.get_data_parallel_rank(), pp=ps.get_pipeline_model_parallel_rank(),
-               etp=ps.get_expert_tensor_parallel_rank(), ep=ps.get_expert_model_parallel_rank(),
-               edp=ps.get_expert_data_parallel_rank())
-    want = layout.coords(rank)
-    if layout.etp is None:  # a dense model has no experts: Megatron's expert grid (etp = tp by default) is moot
-        got = {k: v for k, v in got.items() if k in ("tp", "cp", "dp", "pp")}
-        want = {k: v for k, v in want.items() if k in got}
-    if got != want:
-        raise InvalidInput(f"global rank {rank} has parallel_state coordinates {got}, refit's {layout.describe()} "
-                         f"expects {want}: initialize_model_parallel with the default order tp-cp-ep-dp-pp")
-
-
-def _check_config(chunks: Sequence[torch.nn.Module], spec: ModelSpec) -> None:
-    """The megatron config against the spec, field by field: every field that differs, with both values."""
-    cfg, c = chunks[0].config, spec.config
-    checks = [("num_layers", cfg.num_layers, c.num_layers), ("hidden_size", cfg.hidden_size, c.hidden_size),
-              ("num_attention_heads", cfg.num_attention_heads, c.num_heads),
-              ("multi_latent_attention", bool(getattr(cfg, "multi_latent_attention", False)), c.is_mla),
-              ("gated_linear_unit", bool(cfg.gated_linear_unit), True),
-              ("normalization", cfg.normalization, "RMSNorm"),
-              ("share_embeddings_and_output_weights", bool(chunks[0].share_embeddings_and_output_weights),
-               c.tie_embeddings),
-              ("num_moe_experts", cfg.num_moe_experts or 0, c.num_experts if c.is_moe else 0)]
-    if c.is_mla:  # MLATransformerConfig; qk_layernorm builds the q_a / kv_a layernorms
-        checks += [("q_lora_rank", getattr(cfg, "q_lora_rank", None) or 0, c.q_lora_rank),
-                   ("kv_lora_rank", getattr(cfg, "kv_lora_rank", None), c.kv_lora_rank),
-                   ("qk_head_dim", getattr(cfg, "qk_head_dim", None), c.qk_nope_head_dim),
-                   ("qk_pos_emb_head_dim", getattr(cfg, "qk_pos_emb_head_dim", None), c.qk_rope_head_dim),
-                   ("v_head_dim", getattr(cfg, "v_head_dim", None), c.v_head_dim),
-                   ("qk_layernorm (MLA's q_a/kv_a layernorms)", bool(cfg.qk_layernorm), True)]
-    else:
-        checks += [("num_query_groups", cfg.num_query_groups or cfg.num_attention_heads, c.num_kv_heads),
-                   ("kv_channels", cfg.kv_channels, c.head_dim), ("qk_layernorm", bool(cfg.qk_layernorm), c.qk_norm),
-                   ("add_qkv_bias", bool(cfg.add_qkv_bias), c.qkv_bias)]
-    if c.dense_layers:
-        checks.append(("ffn_hidden_size", cfg.ffn_hidden_size, c.intermediate_size))
-    if c.is_moe:
-        checks += [("moe_ffn_hidden_size", cfg.moe_ffn_hidden_size, c.moe_intermediate_size),
-                   ("MoE layers (moe_layer_freq)", _moe_layers(cfg), list(c.moe_layers)),
-                   ("moe_shared_expert_intermediate_size",
-                    getattr(cfg, "moe_shared_expert_intermediate_size", None) or 0, c.shared_intermediate_size),
-                   ("moe_router_enable_expert_bias", bool(getattr(cfg, "moe_router_enable_expert_bias", False)),
-                    c.router_bias)]
-    wrong = [f"{what} is {got}, {spec.name} has {want}" for what, got, want in checks if got != want]
-    if wrong:
-        raise InvalidInput(f"megatron config {'; '.join(wrong)}")
-
-
-def _moe_layers(cfg: Any) -> list[int] | str:
-    """The 0-based layers ``moe_layer_freq`` makes MoE (get_gpt_decoder_layer_specs' rule)."""
-    freq = cfg.moe_layer_freq
-    if isinstance(freq, int):
-        return [i for i in range(cfg.num_layers) if i % freq == 0]
-    if isinstance(freq, (list, tuple)):
-        return [i for i, f in enumerate(freq) if f == 1]
-    return repr(freq)
-
-
-def _check_vocab(chunks: Sequence[torch.nn.Module], spec: ModelSpec, layout: MegatronLayout) -> None:
-    """The model's (padded) vocabulary against the rows refit's layout gives the embedding."""
-    want = pad_to(spec.config.vocab_size, layout.vocabdiv * layout.tp)
-    got = getattr(chunks[0], "vocab_size", want)
-    if got != want:
-        raise InvalidInput(f"megatron model vocab_size (padded) is {got}, {spec.name}'s vocab {spec.config.vocab_size} "
-                         f"padded to a multiple of {layout.vocabdiv}*tp{layout.tp} is {want} "
-                         f"(make_vocab_size_divisible_by {layout.vocabdiv})")
-
-
-def _check_layers(layout: MegatronLayout, spec: ModelSpec, chunks: Sequence[torch.nn.Module], rank: int) -> None:
-    """Each chunk built the layers refit's pipeline split gives it, MoE exactly where the spec has it."""
-    pp = layout.coords(rank)["pp"]
-    stages = layout.stage_layers(spec.config.num_layers)
-    moe = set(spec.config.moe_layers)
-    for c, chunk in enumerate(chunks):
-        built = [int(layer.layer_number) - 1 for layer in chunk.decoder.layers]
-        if built != stages[(pp, c)]:
-            raise InvalidInput(f"pipeline rank {pp} chunk {c} built layers {built}, refit's {layout.describe()} "
-                             f"places layers {stages[(pp, c)]} there")
-        for layer_id, layer in zip(built, chunk.decoder.layers):
-            if hasattr(layer.mlp, "router") != (layer_id in moe):
-                raise InvalidInput(f"layer {layer_id} is {'MoE' if hasattr(layer.mlp, 'router') else 'dense'} in the "
-                                 f"model, {'MoE' if layer_id in moe else 'dense'} in {spec.name}")
 
 
 def _serve(parts: Sequence[tuple[str, str, torch.nn.Module]], spec: ModelSpec, layout: MegatronLayout, rank: int,

@@ -360,19 +360,19 @@ def test_family_configs_are_checked_not_refused(model) -> None:
     """DeepSeek-V3 / Moonlight / GLM-4.5 specs are no longer refused by family: a matching config
     passes, and each contradicting field is named with both values."""
     from refit.errors import RefitError
-    from refit.integrations.megatron import _check_config
+    from refit.integrations.megatron_checks import check_config
 
-    _check_config([_megatron_config(model)], tiny_spec(model))
+    check_config([_megatron_config(model)], tiny_spec(model))
     c = tiny_spec(model).config
     with pytest.raises(RefitError) as e:
-        _check_config([_megatron_config(model, moe_layer_freq=1, moe_shared_expert_intermediate_size=None,
-                                        moe_router_enable_expert_bias=False)], tiny_spec(model))
+        check_config([_megatron_config(model, moe_layer_freq=1, moe_shared_expert_intermediate_size=None,
+                                       moe_router_enable_expert_bias=False)], tiny_spec(model))
     msg = str(e.value)
     assert f"MoE layers (moe_layer_freq) is {list(range(c.num_layers))}, {model} has {list(c.moe_layers)}" in msg
     assert f"moe_shared_expert_intermediate_size is 0, {model} has {c.shared_intermediate_size}" in msg
     assert f"moe_router_enable_expert_bias is False, {model} has True" in msg
     with pytest.raises(RefitError, match=f"multi_latent_attention is {not c.is_mla}, {model} has {c.is_mla}"):
-        _check_config([_megatron_config(model, multi_latent_attention=not c.is_mla)], tiny_spec(model))
+        check_config([_megatron_config(model, multi_latent_attention=not c.is_mla)], tiny_spec(model))
 
 
 def test_mtp_layers_built_otherwise_than_vllms_drafter_are_refused() -> None:
@@ -383,7 +383,7 @@ def test_mtp_layers_built_otherwise_than_vllms_drafter_are_refused() -> None:
 
     from refit.drafters import mtp_config
     from refit.errors import RefitError
-    from refit.integrations.megatron import _check_mtp_layers
+    from refit.integrations.megatron_checks import check_mtp_layers
     from refit.spec import build_spec
     from tests.harness.tiny import TINY_CONFIGS
 
@@ -394,9 +394,9 @@ def test_mtp_layers_built_otherwise_than_vllms_drafter_are_refused() -> None:
         return SimpleNamespace(mtp=SimpleNamespace(layers=[SimpleNamespace(transformer_layer=SimpleNamespace(mlp=m))
                                                            for m in mlps]))
 
-    _check_mtp_layers(stage(SimpleNamespace(router=object())), drafter)
+    check_mtp_layers(stage(SimpleNamespace(router=object())), drafter)
     with pytest.raises(RefitError, match=rf"MTP layer 0 is dense in the model, MoE in tiny-deepseek-v3-mtp \(its HF "
                                          rf"layer {layer}, as vLLM's drafter builds it\)"):
-        _check_mtp_layers(stage(SimpleNamespace()), drafter)
+        check_mtp_layers(stage(SimpleNamespace()), drafter)
     with pytest.raises(RefitError, match=r"the last pipeline stage built 0 MTP layer\(s\), tiny-deepseek-v3-mtp has 1"):
-        _check_mtp_layers(SimpleNamespace(), drafter)
+        check_mtp_layers(SimpleNamespace(), drafter)

@@ -298,7 +298,7 @@ def test_bench_first_layers_keep_every_width(capsys: pytest.CaptureFixture[str])
     """``--layers N``: the model's first N decoder layers at full width (a big model's shapes on
     fewer GPUs); out of range is a clear error before anything starts."""
     from refit.bench import main
-    from refit.bench.cli import first_layers
+    from refit.bench.smaller_specs import first_layers
     from refit.errors import RefitError
     from refit.hf_checkpoint import load_spec
 

@@ -13,6 +13,7 @@ import torch
 
 from refit.bench import cli, steps
 from refit.bench.direct import delta_report, table
+from refit.bench.smaller_specs import reduce_spec
 from refit.bench.steps import Masters
 from refit.errors import InvalidInput
 from refit.executor.delta import DeltaStats
@@ -28,7 +29,7 @@ CPU = torch.device("cpu")
 
 @pytest.fixture(scope="module")
 def spec() -> ModelSpec:
-    small, _ = cli.reduce_spec(load_spec("qwen3-8b"), "tp2", "tp1")  # 1.4M parameters, bfloat16
+    small, _ = reduce_spec(load_spec("qwen3-8b"), "tp2", "tp1")  # 1.4M parameters, bfloat16
     return small
 
 
