@@ -27,7 +27,7 @@ from refit.control.dataplane import DataPlane, PhaseHook, RunContext, Tensors, T
 from refit.control.membership import interchangeable
 from refit.control.v1 import refit_pb2 as pb
 from refit.errors import InvalidInput, RefitFailed
-from refit.executor.values import int_view
+from refit.executor.values import copy_bits, int_view
 from refit.layouts import Layout, resolve_layout
 from refit.plan import Plan
 from refit.spec import ModelSpec
@@ -190,14 +190,7 @@ class AgentShare(AgentStream):
     def _switch(self, staged: Tensors, live: Tensors) -> None:
         """Put an atomic refit's staged version in place: one batched copy, finished before the
         agent answers `Switched` (so that the caller of the refit finds the tensors switched)."""
-        names = list(live)
-        if not names:  # an agent with no tensors (a data plane that needs none)
-            return
-        with torch.no_grad():  # as integers: a float copy on CUDA canonicalizes NaN payloads
-            torch._foreach_copy_([int_view(live[n]) for n in names], [int_view(staged[n]) for n in names])
-        devices = {t.device for t in live.values() if t.device.type == "cuda"}
-        for d in devices:
-            torch.cuda.synchronize(d)
+        copy_bits(live, staged)
         self._staging_current = True
 
     async def _switch_and_answer(self, refit_id: str, version: int, staged: Tensors, live: Tensors) -> None:

@@ -34,6 +34,19 @@ def int_view(t: torch.Tensor) -> torch.Tensor:
     return t.view(_INT_OF_WIDTH[t.element_size()])
 
 
+def copy_bits(dst: dict[str, torch.Tensor], src: dict[str, torch.Tensor]) -> None:
+    """Copy every tensor of ``src`` into ``dst``'s tensor of the same name, bit for bit, in one
+    batched copy finished before returning (as integers: a float copy on CUDA canonicalizes NaN
+    payloads)."""
+    names = list(dst)
+    if not names:
+        return
+    with torch.no_grad():
+        torch._foreach_copy_([int_view(dst[n]) for n in names], [int_view(src[n]) for n in names])
+    for d in {t.device for t in dst.values() if t.device.type == "cuda"}:
+        torch.cuda.synchronize(d)
+
+
 def name_salt(tensor: str, seed: int) -> tuple[int, int]:
     """Two 32-bit salts from a tensor name and a seed; stable across processes and machines."""
     digest = hashlib.blake2b(f"{seed}\0{tensor}".encode(), digest_size=8).digest()

@@ -1,4 +1,4 @@
-"""An atomic refit's switch on CUDA (`refit.control.agent_share.AgentShare._switch`): `make test-gpu`.
+"""An atomic refit's switch on CUDA (`refit.executor.values.copy_bits`, what `AgentShare._switch` runs): `make test-gpu`.
 
 The switch puts an engine's staged version in place with one batched copy.  On CUDA a float copy
 (`torch._foreach_copy_` of bfloat16) canonicalizes NaN payloads — found by `refit-bench --via grpc
@@ -11,8 +11,7 @@ from __future__ import annotations
 import pytest
 import torch
 
-from refit.control.agent import EngineAgent
-from refit.executor.values import int_view
+from refit.executor.values import copy_bits, int_view
 
 CUDA = torch.cuda.is_available()
 pytestmark = [pytest.mark.gpu,
@@ -26,6 +25,6 @@ def test_the_switch_keeps_every_bit(dtype: torch.dtype) -> None:
     staged = {n: torch.empty_like(t) for n, t in live.items()}
     for t in staged.values():
         t.view(torch.uint8).random_()  # every byte value: every bit pattern, NaN payloads included
-    EngineAgent._switch(None, staged, live)  # type: ignore[arg-type]  # uses no agent state
+    copy_bits(live, staged)
     for n in live:
         assert torch.equal(int_view(live[n]), int_view(staged[n])), n
