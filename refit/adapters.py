@@ -14,18 +14,19 @@ without the ``base_model.model.`` prefix), stacked over layers as every per-laye
 ``lora_scaling`` is PEFT's ``scaling`` (``lora_alpha / r``, rsLoRA ``lora_alpha / sqrt(r)``), one
 for every module: B travels unscaled, and the engine folds the scaling in where its own loader
 does.  Dense GQA models only (Llama, Qwen2, Qwen3): MoE experts and MLA attention are refused.
+
+The spec of an adapter is `refit.spec.adapter_spec`: `refit.spec.build_spec` calls
+`adapter_tensors`, so this module sits below the spec builder and imports only the config.
 """
 
 from __future__ import annotations
 
 import dataclasses
 import math
-from typing import TYPE_CHECKING, Callable
+from typing import Callable
 
 from refit.errors import InvalidInput
-
-if TYPE_CHECKING:
-    from refit.spec import ModelConfig, ModelSpec
+from refit.model_config import ModelConfig
 
 # The modules an adapter may target, in canonical order -> the submodule holding each
 ATTENTION, MLP = "self_attn", "mlp"
@@ -34,7 +35,7 @@ TARGETS: dict[str, str] = {"q_proj": ATTENTION, "k_proj": ATTENTION, "v_proj": A
 ADAPTER_ARCHS = ("llama", "qwen2", "qwen3")
 
 
-def target_shape(cfg: "ModelConfig", target: str) -> tuple[int, int]:
+def target_shape(cfg: ModelConfig, target: str) -> tuple[int, int]:
     """(output rows, input columns) of the base linear layer ``target``."""
     H, q, kv, inter = cfg.hidden_size, cfg.num_heads * cfg.head_dim, cfg.num_kv_heads * cfg.head_dim, \
         cfg.intermediate_size
@@ -42,7 +43,7 @@ def target_shape(cfg: "ModelConfig", target: str) -> tuple[int, int]:
             "gate_proj": (inter, H), "up_proj": (inter, H), "down_proj": (H, inter)}[target]
 
 
-def targets_of(cfg: "ModelConfig") -> tuple[str, ...]:
+def targets_of(cfg: ModelConfig) -> tuple[str, ...]:
     return tuple(t for t in cfg.lora_targets.split(",") if t)
 
 
@@ -51,7 +52,7 @@ def tensor_name(target: str, which: str) -> str:
     return f"model.layers.*.{TARGETS[target]}.{target}.{which}.weight"
 
 
-def check_adapter(cfg: "ModelConfig") -> None:
+def check_adapter(cfg: ModelConfig) -> None:
     """Refuse an adapter config refit cannot describe, naming the numbers."""
     if cfg.arch not in ADAPTER_ARCHS or cfg.is_moe or cfg.is_mla:
         raise InvalidInput(f"adapter-only refits hold LoRA of dense GQA models ({', '.join(ADAPTER_ARCHS)}); "
@@ -70,7 +71,7 @@ def check_adapter(cfg: "ModelConfig") -> None:
         raise InvalidInput(f"adapter: LoRA scaling {cfg.lora_scaling}; expected a finite positive number")
 
 
-def adapter_tensors(cfg: "ModelConfig", per_layer: Callable[..., None]) -> None:
+def adapter_tensors(cfg: ModelConfig, per_layer: Callable[..., None]) -> None:
     """The adapter's canonical tensors (``per_layer(suffix, shape)`` as in `refit.spec.build_spec`)."""
     check_adapter(cfg)
     r = cfg.lora_rank
@@ -80,8 +81,8 @@ def adapter_tensors(cfg: "ModelConfig", per_layer: Callable[..., None]) -> None:
         per_layer(f"{TARGETS[target]}.{target}.lora_B.weight", (rows, r))
 
 
-def adapter_config(base: "ModelConfig", rank: int, targets: list[str] | tuple[str, ...], scaling: float,
-                   dtype: str | None = None) -> "ModelConfig":
+def adapter_config(base: ModelConfig, rank: int, targets: list[str] | tuple[str, ...], scaling: float,
+                   dtype: str | None = None) -> ModelConfig:
     """``base``'s config describing one adapter of it (targets put in canonical order)."""
     unknown = sorted(set(targets) - set(TARGETS))
     if unknown:
@@ -92,13 +93,3 @@ def adapter_config(base: "ModelConfig", rank: int, targets: list[str] | tuple[st
                               dtype=dtype or base.dtype)
     check_adapter(cfg)
     return cfg
-
-
-def adapter_spec(base: "ModelSpec", rank: int, targets: list[str] | tuple[str, ...], scaling: float,
-                 dtype: str | None = None, name: str | None = None) -> "ModelSpec":
-    """The spec of an adapter of ``base`` (its tensors only; the base model's are not moved)."""
-    from refit.spec import build_spec
-
-    if base.config.lora_rank:
-        raise InvalidInput(f"{base.name} describes an adapter already")
-    return build_spec(name or base.name, adapter_config(base.config, rank, targets, scaling, dtype))

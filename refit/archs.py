@@ -10,8 +10,9 @@ Multi-token-prediction (MTP) layers — ``num_nextn_predict_layers`` extra decod
 ``model.layers.{num_hidden_layers + i}.*`` — are *not moved with the target*: vLLM's main model
 skips them (``get_spec_layer_idx_from_weight_name``) and holds them only in its MTP drafter.  They
 are not canonical tensors of the target; `ModelSpec.not_moved` names them and checkpoint checks
-accept them.  The drafter's own spec (``ModelConfig.drafter == "mtp"``, `refit.drafters`) holds
-them, refitted into the engine's drafter in the same version.
+accept them (`refit.drafters.not_moved`, `is_not_moved`).  The drafter's own spec
+(``ModelConfig.drafter == "mtp"``, `refit.drafters`) holds them, refitted into the engine's drafter
+in the same version.  Nothing here imports the drafters, which build on these tensors.
 """
 
 from __future__ import annotations
@@ -116,29 +117,3 @@ def mtp_layer_of(cfg: Any, name: str) -> int | None:
     if m and cfg.num_layers <= int(m.group(1)) < cfg.num_layers + cfg.num_mtp_layers:
         return int(m.group(1)) - cfg.num_layers
     return None
-
-
-def is_not_moved(cfg: Any, name: str) -> bool:
-    """Whether HF checkpoint tensor ``name`` is one `not_moved` speaks of: an MTP layer's of the
-    model, or, for a drafter's own spec, one the target's refit moves instead."""
-    if getattr(cfg, "drafter", ""):
-        from refit.drafters import moved_by_target
-
-        return moved_by_target(cfg, name)
-    return mtp_layer_of(cfg, name) is not None
-
-
-def not_moved(cfg: Any) -> tuple[str, ...]:
-    """What a checkpoint of this model may hold that refit does not move, said plainly."""
-    if getattr(cfg, "drafter", ""):  # a drafter's own spec: what the target's refit moves instead
-        from refit.drafters import shared_with_target
-
-        return shared_with_target(cfg)
-    if not cfg.num_mtp_layers:
-        return ()
-    lo, hi = cfg.num_layers, cfg.num_layers + cfg.num_mtp_layers - 1
-    where = f"model.layers.{lo}.*" if lo == hi else f"model.layers.{lo}..{hi}.*"
-    # (this text is part of plan summaries, whose hashes tests/unit/test_plan_stability.py pins;
-    # the MTP drafter's own spec holds these layers: refit.drafters)
-    return (f"{where}: {cfg.num_mtp_layers} multi-token-prediction layer(s) (num_nextn_predict_layers) are not "
-            f"moved; vLLM's main model skips them and holds them only in its MTP drafter",)

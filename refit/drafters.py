@@ -31,8 +31,9 @@ from __future__ import annotations
 import dataclasses
 from typing import Any, Callable
 
-from refit.archs import FAMILY_ARCHS, family_fields, gqa_tensors, mla_tensors, moe_extra_tensors
+from refit.archs import FAMILY_ARCHS, family_fields, gqa_tensors, mla_tensors, moe_extra_tensors, mtp_layer_of
 from refit.errors import InvalidInput
+from refit.model_config import ModelConfig
 
 MTP, EAGLE = "mtp", "eagle"
 DRAFTERS = (MTP, EAGLE)
@@ -52,11 +53,9 @@ def mtp_layers(cfg: Any) -> tuple[int, ...]:
     return tuple(range(cfg.num_layers, cfg.num_layers + cfg.num_mtp_layers))
 
 
-def mtp_config(target_hf: dict[str, Any]) -> Any:
+def mtp_config(target_hf: dict[str, Any]) -> ModelConfig:
     """The `ModelConfig` of the MTP layers of the model of HF config ``target_hf`` (a DeepSeek-V3
     family config.json with ``num_nextn_predict_layers``, and the dtype: ``torch_dtype``)."""
-    from refit.spec import ModelConfig
-
     target = ModelConfig.from_hf(target_hf)
     if target.arch not in FAMILY_ARCHS:
         raise InvalidInput(f"MTP layers of model_type {target.arch!r}: refit lands DeepSeek-V3's and GLM-4.5's "
@@ -72,11 +71,9 @@ def mtp_config(target_hf: dict[str, Any]) -> Any:
     return dataclasses.replace(target, drafter=MTP, moe_layers=moe, tie_embeddings=False)
 
 
-def eagle_config(head_hf: dict[str, Any]) -> Any:
+def eagle_config(head_hf: dict[str, Any]) -> ModelConfig:
     """The `ModelConfig` of an EAGLE head of HF config ``head_hf`` (the head's config.json: a
     Llama of ``num_hidden_layers`` layers, and the dtype)."""
-    from refit.spec import ModelConfig
-
     head = ModelConfig.from_hf(head_hf)
     if head.arch not in EAGLE_ARCHS:
         raise InvalidInput(f"EAGLE head of model_type {head.arch!r}: refit lands EAGLE heads of "
@@ -86,7 +83,7 @@ def eagle_config(head_hf: dict[str, Any]) -> Any:
     return dataclasses.replace(head, drafter=EAGLE, tie_embeddings=False)
 
 
-def drafter_config(method: str, target_hf: dict[str, Any], draft_hf: dict[str, Any]) -> Any:
+def drafter_config(method: str, target_hf: dict[str, Any], draft_hf: dict[str, Any]) -> ModelConfig:
     """The `ModelConfig` of the drafter of vLLM speculative ``method``: from the target's HF
     config (MTP layers live in the target's checkpoint) or the draft's (an EAGLE head)."""
     kind = METHOD_DRAFTER.get(method)
@@ -178,3 +175,27 @@ def shared_with_target(cfg: Any) -> tuple[str, ...]:
         return ("embed_tokens.weight, lm_head.weight: vLLM's EAGLE drafter holds the target's (a head with none of "
                 "its own, or an identical copy); the target's refit moves them",)
     return ()
+
+
+# What a checkpoint holds that a model's refit does not move: here, beside the drafters that do
+# move it, rather than in `refit.archs`, whose tensor builders this module calls.
+def is_not_moved(cfg: Any, name: str) -> bool:
+    """Whether HF checkpoint tensor ``name`` is one `not_moved` speaks of: an MTP layer's of the
+    model, or, for a drafter's own spec, one the target's refit moves instead."""
+    if getattr(cfg, "drafter", ""):
+        return moved_by_target(cfg, name)
+    return mtp_layer_of(cfg, name) is not None
+
+
+def not_moved(cfg: Any) -> tuple[str, ...]:
+    """What a checkpoint of this model may hold that refit does not move, said plainly."""
+    if getattr(cfg, "drafter", ""):  # a drafter's own spec: what the target's refit moves instead
+        return shared_with_target(cfg)
+    if not cfg.num_mtp_layers:
+        return ()
+    lo, hi = cfg.num_layers, cfg.num_layers + cfg.num_mtp_layers - 1
+    where = f"model.layers.{lo}.*" if lo == hi else f"model.layers.{lo}..{hi}.*"
+    # (this text is part of plan summaries, whose hashes tests/unit/test_plan_stability.py pins;
+    # the MTP drafter's own spec holds these layers: `mtp_config`)
+    return (f"{where}: {cfg.num_mtp_layers} multi-token-prediction layer(s) (num_nextn_predict_layers) are not "
+            f"moved; vLLM's main model skips them and holds them only in its MTP drafter",)

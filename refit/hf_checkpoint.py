@@ -17,9 +17,9 @@ import struct
 from typing import Any
 
 from refit.catalog import CATALOG
+from refit.drafters import is_not_moved
 from refit.dtypes import FROM_SAFETENSORS
 from refit.errors import InvalidInput, RefitError
-from refit.archs import is_not_moved
 from refit.spec import ModelConfig, ModelSpec, build_spec, check_tensor_table
 
 log = logging.getLogger(__name__)

@@ -12,6 +12,9 @@ An HF checkpoint tensor (``model.layers.3.mlp.experts.7.gate_proj.weight``) is t
 canonical tensor, and a vLLM rank's ``w13_weight`` for all layers is a handful of boxes instead of
 thousands.  Nothing here imports torch: specs are pure data.  Reading a spec from an HF
 checkpoint directory or the catalog (`load_spec`) lives in `refit.hf_checkpoint`.
+
+`ModelConfig` lives in `refit.model_config` (re-exported here): `refit.adapters` and
+`refit.drafters`, whose tensors `build_spec` lays out, read and build configs without this module.
 """
 
 from __future__ import annotations
@@ -21,157 +24,15 @@ import hashlib
 import json
 import math
 from dataclasses import dataclass, field
-from typing import Any, Iterator, Mapping
+from typing import Iterator, Mapping
 
-from refit.adapters import adapter_tensors
-from refit.archs import FAMILY_ARCHS, family_fields, gqa_tensors, mla_tensors, moe_extra_tensors, not_moved
+from refit.adapters import adapter_config, adapter_tensors
+from refit.archs import gqa_tensors, mla_tensors, moe_extra_tensors
+from refit.drafters import drafter_tensors, not_moved
 from refit.dtypes import DTYPE_BYTES
 from refit.errors import InvalidInput
-from refit.quantization import from_hf_config, is_quantized, quant_format, scale_shape
-
-SUPPORTED_ARCHS = ("llama", "qwen2", "qwen3", "qwen3_moe", "deepseek_v3", "kimi_k2", "glm4_moe")
-
-# config.json keys refit will not guess.  Missing, transformers gives them its config class's
-# defaults — the full-size model's values (Qwen3MoeConfig's 128 experts, DeepseekV3Config's 256,
-# Qwen2Config's 32 kv heads) — and vLLM builds those shapes; refit's own fallbacks (0, the head
-# count) would plan others.  Every key refit reads that is not listed falls back as transformers
-# does (tests/unit/test_spec.py checks both against the installed transformers).  Alternatives:
-# "a|b" — either name.
-_MOE_FAMILY = ("n_routed_experts", "first_k_dense_replace", "moe_intermediate_size", "n_shared_experts")
-MUST_STATE: dict[str, tuple[str, ...]] = {
-    "llama": ("intermediate_size",),
-    "qwen2": ("intermediate_size", "num_key_value_heads"),
-    "qwen3": ("intermediate_size", "num_key_value_heads", "head_dim"),
-    "qwen3_moe": ("intermediate_size", "num_key_value_heads", "num_experts|num_local_experts",
-                  "moe_intermediate_size"),
-    "deepseek_v3": ("intermediate_size", *_MOE_FAMILY, "q_lora_rank"),
-    "kimi_k2": ("intermediate_size", *_MOE_FAMILY, "q_lora_rank"),
-    "glm4_moe": ("intermediate_size", "num_key_value_heads", *_MOE_FAMILY),
-}
-
-
-@dataclass(frozen=True)
-class ModelConfig:
-    """The numbers that decide every tensor's shape and how frameworks split it."""
-
-    arch: str
-    hidden_size: int
-    num_layers: int
-    num_heads: int
-    num_kv_heads: int
-    head_dim: int
-    intermediate_size: int
-    vocab_size: int
-    tie_embeddings: bool = False
-    qkv_bias: bool = False
-    qk_norm: bool = False
-    num_experts: int = 0
-    moe_intermediate_size: int = 0
-    moe_layers: tuple[int, ...] = ()
-    dtype: str = "bfloat16"
-    # DeepSeek-V3 / GLM-4.5 family (refit/archs.py); zero/False for the others
-    num_shared_experts: int = 0  # one shared MLP of width moe_intermediate_size * num_shared_experts
-    router_bias: bool = False  # mlp.gate.e_score_correction_bias, float32
-    num_mtp_layers: int = 0  # multi-token-prediction layers after the decoder: not moved
-    q_lora_rank: int = 0  # MLA (kv_lora_rank > 0); q_lora_rank 0: a plain q_proj
-    kv_lora_rank: int = 0
-    qk_nope_head_dim: int = 0
-    qk_rope_head_dim: int = 0
-    v_head_dim: int = 0
-    # "" or a format of `refit.quantization` (an engine serving FP8): the decoder's linear weights
-    # are held quantized, each with a scale tensor (`quantize_spec`)
-    quantization: str = ""
-    # an adapter-only refit (`refit.adapters`): the spec holds one LoRA adapter of this model, of
-    # rank lora_rank on the comma-joined lora_targets (q_proj,...,down_proj), scaled by lora_scaling
-    lora_rank: int = 0
-    lora_targets: str = ""
-    lora_scaling: float = 0.0
-    # a speculative drafter trained beside the policy (refit/drafters.py): "mtp" (the MTP layers of
-    # this config's model) or "eagle" (an EAGLE head of this config); "" for the model itself
-    drafter: str = ""
-
-    @property
-    def is_mla(self) -> bool:
-        return self.kv_lora_rank > 0
-
-    @property
-    def shared_intermediate_size(self) -> int:
-        return self.moe_intermediate_size * self.num_shared_experts
-
-    @property
-    def is_moe(self) -> bool:
-        return self.num_experts > 0 and len(self.moe_layers) > 0
-
-    @property
-    def dense_layers(self) -> tuple[int, ...]:
-        moe = set(self.moe_layers)
-        return tuple(l for l in range(self.num_layers) if l not in moe)
-
-    @classmethod
-    def from_hf(cls, cfg: dict[str, Any]) -> "ModelConfig":
-        """Read an HF ``config.json`` dict; refuse architectures refit does not know."""
-        arch = cfg.get("model_type", "")
-        if arch not in SUPPORTED_ARCHS:
-            archs = cfg.get("architectures") or []
-            raise InvalidInput(
-                f"unsupported model_type {arch!r} (architectures {archs}); "
-                f"refit knows {', '.join(SUPPORTED_ARCHS)}"
-            )
-        try:
-            hidden = int(cfg["hidden_size"])
-            heads = int(cfg["num_attention_heads"])
-            layers = int(cfg["num_hidden_layers"])
-            vocab = int(cfg["vocab_size"])
-        except KeyError as e:
-            raise InvalidInput(f"config.json lacks {e.args[0]!r}") from None
-        unstated = [k for k in MUST_STATE[arch] if not any(a in cfg for a in k.split("|"))]
-        if unstated:
-            names = ", ".join(" or ".join(map(repr, k.split("|"))) for k in unstated)
-            raise InvalidInput(f"config.json (model_type {arch!r}) lacks {names}: refit does "
-                             f"not guess them (transformers, and so vLLM, would take its config class's defaults, "
-                             f"the full-size model's values); write them out")
-        kv = int(cfg.get("num_key_value_heads") or heads)
-        head_dim = int(cfg.get("head_dim") or hidden // heads)
-        experts, moe_inter, moe_layers = 0, 0, ()
-        if arch == "qwen3_moe":
-            # transformers 5 writes num_local_experts; earlier releases num_experts
-            experts = int(cfg.get("num_experts") or cfg.get("num_local_experts") or 0)
-            moe_inter = int(cfg.get("moe_intermediate_size", 0))
-            step = int(cfg.get("decoder_sparse_step", 1) or 1)
-            only_mlp = set(cfg.get("mlp_only_layers") or [])
-            # The rule of transformers' Qwen3MoeDecoderLayer: which layers get a sparse block.
-            moe_layers = tuple(
-                l for l in range(layers) if l not in only_mlp and experts > 0 and (l + 1) % step == 0
-            )
-        dtype = str(cfg.get("torch_dtype") or cfg.get("dtype") or "bfloat16")
-        if dtype not in DTYPE_BYTES:
-            raise InvalidInput(f"unsupported dtype {dtype!r}; refit knows {', '.join(DTYPE_BYTES)}")
-        quantization = from_hf_config(cfg["quantization_config"]) if cfg.get("quantization_config") else ""
-        if arch in FAMILY_ARCHS:
-            fields = dict(arch=arch, hidden_size=hidden, num_layers=layers, num_heads=heads, num_kv_heads=kv,
-                          head_dim=head_dim, intermediate_size=int(cfg.get("intermediate_size", 0)),
-                          vocab_size=vocab, tie_embeddings=bool(cfg.get("tie_word_embeddings", False)),
-                          dtype=dtype, quantization=quantization)
-            fields.update(family_fields(cfg, layers, heads))
-            return cls(**fields)
-        return cls(
-            arch=arch,
-            hidden_size=hidden,
-            num_layers=layers,
-            num_heads=heads,
-            num_kv_heads=kv,
-            head_dim=head_dim,
-            intermediate_size=int(cfg.get("intermediate_size", 0)),
-            vocab_size=vocab,
-            tie_embeddings=bool(cfg.get("tie_word_embeddings", False)),
-            qkv_bias=arch == "qwen2" or bool(cfg.get("attention_bias", False)),
-            qk_norm=arch in ("qwen3", "qwen3_moe"),
-            num_experts=experts,
-            moe_intermediate_size=moe_inter,
-            moe_layers=moe_layers,
-            dtype=dtype,
-            quantization=quantization,
-        )
+from refit.model_config import MUST_STATE, SUPPORTED_ARCHS, ModelConfig  # noqa: F401  re-exported: refit.spec's names
+from refit.quantization import is_quantized, quant_format, scale_shape
 
 
 @dataclass(frozen=True)
@@ -291,8 +152,6 @@ def build_spec(name: str, cfg: ModelConfig) -> ModelSpec:
         adapter_tensors(cfg, per_layer)
         return ModelSpec(name, cfg, tuple(out))
     if cfg.drafter:  # MTP layers or an EAGLE head alone (refit/drafters.py)
-        from refit.drafters import drafter_tensors
-
         drafter_tensors(cfg, per_layer, lambda n, shape: out.append(TensorSpec(n, shape, dt)))
         return ModelSpec(name, cfg, tuple(out))
     out.append(TensorSpec("model.embed_tokens.weight", (cfg.vocab_size, H), dt))
@@ -339,6 +198,15 @@ def quantize_spec(spec: ModelSpec, fmt: str) -> ModelSpec:
         out.append(TensorSpec(t.name, t.shape, f.value_dtype, t.layers))
         out.append(TensorSpec(t.name + f.scale_suffix, scale_shape(t.shape, f.block), f.scale_dtype, t.layers))
     return ModelSpec(spec.name, dataclasses.replace(spec.config, quantization=fmt), tuple(out))
+
+
+def adapter_spec(base: ModelSpec, rank: int, targets: list[str] | tuple[str, ...], scaling: float,
+                 dtype: str | None = None, name: str | None = None) -> ModelSpec:
+    """The spec of a LoRA adapter of ``base`` (its tensors only; the base model's are not moved).
+    Here rather than in `refit.adapters`, which `build_spec` calls: a spec is built above both."""
+    if base.config.lora_rank:
+        raise InvalidInput(f"{base.name} describes an adapter already")
+    return build_spec(name or base.name, adapter_config(base.config, rank, targets, scaling, dtype))
 
 
 def base_spec(spec: ModelSpec) -> ModelSpec:

@@ -24,7 +24,7 @@ from typing import Callable
 import torch
 
 from refit.executor.batch_memcpy import BatchMemcpy
-from refit.executor.copies import Memcpy
+from refit.executor.memcpys import Memcpy
 from refit.executor.device import enable_peer_access
 from refit.executor.table_copy import TableCopy
 

@@ -23,14 +23,23 @@ from __future__ import annotations
 
 import time
 from dataclasses import dataclass
-from typing import TYPE_CHECKING, Collection, Iterable
+from typing import Any, Collection, Iterable, Protocol
 
 from refit.errors import InvalidInput
 from refit.layouts import Layout, resolve_layout
 from refit.spec import ModelSpec
 
-if TYPE_CHECKING:
-    from refit.control.registry import Worker
+
+class Registered(Protocol):
+    """What a view reads of a registered engine: `refit.control.registry.Worker` is one (the
+    registry imports this module to tell elastic groups, so it is named here by its shape)."""
+
+    info: Any  # its WorkerInfo: ``group`` and ``rank``
+    layout: Layout
+    layout_str: str
+    worker_id: str
+    connected: bool
+    left_at: float
 
 
 def replica_shape(layout: Layout) -> tuple[int, int] | None:
@@ -84,7 +93,7 @@ class View:
     """The engines a refit of an elastic plan runs for."""
 
     layout: Layout  # resolved: as many replicas as the view holds
-    engines: tuple["Worker", ...]  # in plan-rank order: replica by replica, tp rank within
+    engines: tuple[Registered, ...]  # in plan-rank order: replica by replica, tp rank within
     replicas: tuple[int, ...]  # the replica index of each of the view's replicas
     left_out: tuple[str, ...]  # worker ids of registered replicas not in it (gone, incomplete, not asked for)
 
@@ -92,13 +101,13 @@ class View:
     def members(self) -> tuple[str, ...]:
         return tuple(w.worker_id for w in self.engines)
 
-    def by_replica(self) -> dict[int, tuple["Worker", ...]]:
+    def by_replica(self) -> dict[int, tuple[Registered, ...]]:
         """The engines of each of the view's replicas, by replica index (tp ranks in order)."""
         tp = len(self.engines) // len(self.replicas)
         return {idx: self.engines[i * tp:(i + 1) * tp] for i, idx in enumerate(self.replicas)}
 
 
-def engine_view(engines: Iterable["Worker"], spec: ModelSpec, drop_after: float | None,
+def engine_view(engines: Iterable[Registered], spec: ModelSpec, drop_after: float | None,
                 only: Collection[int] | None = None, now: float | None = None) -> View:
     """The view of an elastic group's registered engines (rows of one group, one replica shape):
     whole replicas whose ranks are connected or gone for at most ``drop_after`` seconds (None:
@@ -107,7 +116,7 @@ def engine_view(engines: Iterable["Worker"], spec: ModelSpec, drop_after: float 
     now = time.monotonic() if now is None else now
     rows = list(engines)
     tp = replica_shape(rows[0].layout)[0]
-    by_replica: dict[int, dict[int, "Worker"]] = {}
+    by_replica: dict[int, dict[int, Registered]] = {}
     for w in rows:
         by_replica.setdefault(w.info.rank // tp, {})[w.info.rank % tp] = w
     kept, left_out, why = [], [], []

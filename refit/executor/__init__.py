@@ -7,6 +7,7 @@ Files, in reading order:
 * `values`     — deterministic canonical values, to fill sources and verify destinations bit-exact;
 * `shards`     — an endpoint's local tensors in one arena (shareable with one handle);
 * `copies`     — batched block copies (merged strided views, ``_foreach_copy_``, copy engines);
+* `memcpys`    — the copy-engine descriptors of a copy between two views (pure, no torch);
 * `device`     — CPU / CUDA streams and bounded waits;
 * `handles`    — what crosses processes through the store: plain validated JSON, never pickle;
 * `transports` — CUDA IPC / shared memory export, NCCL (cupy) and gloo communicators;

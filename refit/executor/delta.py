@@ -26,19 +26,49 @@ from __future__ import annotations
 
 import math
 from dataclasses import dataclass, field, fields
-from typing import TYPE_CHECKING, Callable
+from typing import TYPE_CHECKING, Callable, Protocol, Sequence
 
 import torch
 
 from refit.errors import RefitFailed
+from refit.executor.copies import CopyBatch, Pair
 from refit.executor.triton_support import triton_importable
 
-if TYPE_CHECKING:  # types only: `refit.executor.bound` runs the steps and imports this module
-    from refit.executor.bound import Bound, BoundStep
+if TYPE_CHECKING:
     from refit.executor.device import Device
     from refit.executor.transports import Comm
 
 Remaining = Callable[[], float]
+
+
+class WireStep(Protocol):
+    """What a delta refit runs of one step: `refit.executor.bound.BoundStep` is one (bound runs
+    the steps through `run_delta_step` and imports this module, so a step is named here by its
+    shape)."""
+
+    pack: CopyBatch
+    unpack: CopyBatch
+    sends: list[tuple[int, int, torch.Tensor]]
+    recvs: list[tuple[int, int, torch.Tensor]]
+    words: list[int]
+    refill: list[Pair]
+
+    def refill_batch(self, dma: bool) -> CopyBatch: ...
+
+
+class WireStage(Protocol):
+    """One stage's steps (`refit.executor.bound.BoundStage`)."""
+
+    @property
+    def steps(self) -> Sequence[WireStep]: ...
+
+
+class Wired(Protocol):
+    """A member's bound schedule as `full_stats` counts it (`refit.executor.bound.Bound`)."""
+
+    @property
+    def stages(self) -> Sequence[WireStage]: ...
+
 
 FULL, INDEX, MASK = 0, 1, 2
 MODES = {FULL: "full", INDEX: "index", MASK: "mask"}
@@ -260,7 +290,7 @@ class DeltaRun:
 HEADER_TAG = 1 << 28  # gloo tags of the headers, apart from the buckets' own
 
 
-def run_delta_step(step: "BoundStep", comm: "Comm", device: "Device", deadline: float, remaining: Remaining,
+def run_delta_step(step: WireStep, comm: "Comm", device: "Device", deadline: float, remaining: Remaining,
                    delta: DeltaRun) -> None:
     """One step of a delta refit, in three exchanges: pack and encode every send against the cache
     (`refit.executor.delta.encode`); swap headers (mode, payload bytes, changed words, word); fill
@@ -315,7 +345,7 @@ def run_delta_step(step: "BoundStep", comm: "Comm", device: "Device", deadline: 
     done()
 
 
-def full_stats(bound: "Bound") -> DeltaStats:
+def full_stats(bound: Wired) -> DeltaStats:
     """What a full refit of ``bound`` sends over its wires, counted as `run_delta_step` counts."""
     sent = [(buf.numel(), word) for st in bound.stages for step in st.steps
             for (_, _, buf), word in zip(step.sends, step.words)]

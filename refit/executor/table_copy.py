@@ -5,20 +5,18 @@ Frameworks allocate one tensor per parameter (vLLM) or lay parameters out in the
 ~12k copies of ~0.8 MB per GPU.  Issued one ``cudaMemcpy2DAsync`` each, the host cannot keep up
 (3.5x the time of the same bytes in merged copies: bench/RESULTS.md, "2026-11-22 — pulls in
 rounds and framework-style allocations").  Here the
-copies of a `refit.executor.copies.CopyBatch` become rows of a table on the device, built once per
-plan, and one launch copies them all: each thread block takes table rows (pieces of at most
-`PIECE_BYTES`, so blocks stay balanced) and moves 16-byte words where every address, width and
-pitch allows it, bytes otherwise.  Reads of a peer GPU's memory go over NVLink like any load.
+copies of a `refit.executor.copies.CopyBatch` (`refit.executor.memcpys.Memcpy` descriptors) become
+rows of a table on the device, built once per plan, and one launch copies them all: each thread
+block takes table rows (pieces of at most `PIECE_BYTES`, so blocks stay balanced) and moves
+16-byte words where every address, width and pitch allows it, bytes otherwise.  Reads of a peer GPU's memory go over NVLink like any load.
 """
 
 from __future__ import annotations
 
-from typing import TYPE_CHECKING, Any, Sequence
+from typing import Any, Sequence
 
 from refit import settings
-
-if TYPE_CHECKING:
-    from refit.executor.copies import Memcpy
+from refit.executor.memcpys import Memcpy
 
 PIECE_BYTES = 256 << 10
 THREADS = 512
@@ -119,7 +117,7 @@ def kernel_source(unroll: int = 4, index: str = "unsigned long long") -> str:
 _KERNELS: dict[int, Any] = {}
 
 
-def table_rows(memcpys: Sequence["Memcpy"], piece: int = PIECE_BYTES) -> list[tuple[int, int, int, int, int, int]]:
+def table_rows(memcpys: Sequence[Memcpy], piece: int = PIECE_BYTES) -> list[tuple[int, int, int, int, int, int]]:
     """The copies cut into pieces of at most ``piece`` bytes (whole rows, or parts of one long
     row), as (dst, dpitch, src, spitch, width, height).  Pure arithmetic: tested on CPU."""
     out = []
@@ -138,7 +136,7 @@ def table_rows(memcpys: Sequence["Memcpy"], piece: int = PIECE_BYTES) -> list[tu
     return out
 
 
-def enabled(memcpys: Sequence["Memcpy"], beside_kernel: bool = False, beside_pipeline: bool = False,
+def enabled(memcpys: Sequence[Memcpy], beside_kernel: bool = False, beside_pipeline: bool = False,
             alone: bool = False) -> bool:
     """Whether ``memcpys`` run as one table kernel (``REFIT_TABLE_COPY``): ``auto`` when more than
     `MIN_CALLS` memcpys average under `MAX_MEAN_BYTES` (big merged copies stay on the copy engines,
@@ -187,7 +185,7 @@ def grid(peer: bool, beside: bool = False) -> int:
 class TableCopy:
     """The table of one batch on device ``index``; `launch` copies all of it on a stream."""
 
-    def __init__(self, memcpys: Sequence["Memcpy"], index: int, alias_sources: bool = False,
+    def __init__(self, memcpys: Sequence[Memcpy], index: int, alias_sources: bool = False,
                  peer: bool = False, alias_dests: bool = False, beside: bool = False) -> None:
         """``alias_sources`` / ``alias_dests``: read sources (write destinations) through this
         device's own mappings of peer IPC memory (`refit.executor.ipc_alias`); raises LookupError

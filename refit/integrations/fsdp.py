@@ -74,7 +74,7 @@ def _attach_adapter(model: torch.nn.Module, adapter: str, address: str | None, *
     parameter's dim 0."""
     from torch.distributed.tensor import DTensor
 
-    from refit.adapters import adapter_spec
+    from refit.spec import adapter_spec
     from refit.integrations._common import Served
     from refit.integrations.lora import adapter_parameters
 

@@ -85,8 +85,8 @@ def attach(model: torch.nn.Module, address: str | None = None, *, group: str = "
 def _attach_adapter(model: torch.nn.Module, adapter: str, address: str | None, *, group: str, token: str | None,
                     **agent_options: Any) -> TrainerAgent:
     """Serve one LoRA adapter's A/B matrices (views of the live parameters) as the one rank of
-    layout ``hf``, under its adapter spec (`refit.adapters`)."""
-    from refit.adapters import adapter_spec
+    layout ``hf``, under its adapter spec (`refit.spec.adapter_spec`)."""
+    from refit.spec import adapter_spec
     from refit.integrations.lora import adapter_parameters
 
     base, named, rank, targets, scaling = adapter_parameters(model, adapter)

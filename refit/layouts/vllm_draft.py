@@ -14,19 +14,33 @@ rank of a speculative engine, as vLLM 0.32's loaders fill them.
 
 from __future__ import annotations
 
-from typing import TYPE_CHECKING
+from typing import Protocol
 
 from refit.drafters import EAGLE, MTP, MTP_OWN, mtp_layers
 from refit.layouts.base import LocalTensor, Piece
 from refit.spec import ModelSpec
 
-if TYPE_CHECKING:
-    from refit.layouts.vllm import VllmLayout
-
 MTP_BLOCK = "mtp_block."
 
 
-def drafter_local_tensors(layout: "VllmLayout", spec: ModelSpec, rank: int) -> list[LocalTensor]:
+class VllmParts(Protocol):
+    """What a drafter's tensors are built from: the target's decoder-layer pieces of a vLLM layout
+    (`refit.layouts.vllm.VllmLayout`, which imports this module to lay out a drafter spec)."""
+
+    tp: int
+
+    def _layer_parts(self, spec: ModelSpec, layer: int,
+                     t: int) -> tuple[tuple[LocalTensor, ...], tuple[LocalTensor, ...]]: ...
+
+    def _qkv(self, spec: ModelSpec, p: str, layer: int, t: int) -> list[LocalTensor]: ...
+
+    def _dense_mlp(self, spec: ModelSpec, p: str, layer: int, t: int, shared: bool = False,
+                   ways: int | None = None) -> list[LocalTensor]: ...
+
+    def _routed_experts(self, spec: ModelSpec, p: str, layer: int, rank: int) -> list[LocalTensor]: ...
+
+
+def drafter_local_tensors(layout: VllmParts, spec: ModelSpec, rank: int) -> list[LocalTensor]:
     c = spec.config
     if c.drafter == MTP:
         return _mtp(layout, spec, rank)
@@ -35,7 +49,7 @@ def drafter_local_tensors(layout: "VllmLayout", spec: ModelSpec, rank: int) -> l
     raise ValueError(f"not a drafter spec: {spec.name}")
 
 
-def drafter_varying_tensors(layout: "VllmLayout", spec: ModelSpec, rank: int) -> list[LocalTensor]:
+def drafter_varying_tensors(layout: VllmParts, spec: ModelSpec, rank: int) -> list[LocalTensor]:
     """The routed experts of the MTP layers (what differs between the dp ranks of one tp rank)."""
     if spec.config.drafter != MTP:
         return []
@@ -55,7 +69,7 @@ def _whole(spec: ModelSpec, local: str, tensor: str, layer: int | None) -> Local
                                                       (0,) * (len(inner) + 1)),))
 
 
-def _mtp(layout: "VllmLayout", spec: ModelSpec, rank: int) -> list[LocalTensor]:
+def _mtp(layout: VllmParts, spec: ModelSpec, rank: int) -> list[LocalTensor]:
     t = rank % layout.tp
     out: list[LocalTensor] = []
     for layer in mtp_layers(spec.config):
@@ -75,7 +89,7 @@ def _renamed(lt: LocalTensor, old: str, new: str) -> LocalTensor:
     return LocalTensor(new + lt.name.removeprefix(old), lt.shape, lt.dtype, lt.pieces)
 
 
-def _eagle(layout: "VllmLayout", spec: ModelSpec, rank: int) -> list[LocalTensor]:
+def _eagle(layout: VllmParts, spec: ModelSpec, rank: int) -> list[LocalTensor]:
     c = spec.config
     T, H, dt = layout.tp, c.hidden_size, c.dtype
     t = rank % T

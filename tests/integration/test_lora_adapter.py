@@ -91,7 +91,7 @@ def _save_sharded(model: Any, directory: str, rank: int) -> None:
 
 # ------------------------------------------------------------------------------------ no engine
 def test_adapter_spec_and_refusals_at_attach() -> None:
-    from refit.adapters import adapter_spec
+    from refit.spec import adapter_spec
     from refit.integrations._common import spec_of_hf_config
     from refit.integrations.lora import adapter_parameters
     from refit.layouts import resolve_layout

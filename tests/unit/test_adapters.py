@@ -1,5 +1,5 @@
-"""`refit.adapters` (a LoRA adapter as a model spec) and `refit.layouts.vllm_lora` (where vLLM's
-LoRA slots hold it per TP rank): pure data, no torch.  The live check against vLLM loading the
+"""`refit.adapters` (a LoRA adapter as a model spec: `refit.spec.adapter_spec`) and
+`refit.layouts.vllm_lora` (where vLLM's LoRA slots hold it per TP rank): pure data, no torch.  The live check against vLLM loading the
 adapter itself is tests/integration/test_lora_adapter.py."""
 
 from __future__ import annotations
@@ -9,10 +9,9 @@ import dataclasses
 
 import pytest
 
-from refit.adapters import adapter_spec
 from refit.errors import InvalidInput
 from refit.layouts import resolve_layout
-from refit.spec import ModelConfig, build_spec
+from refit.spec import ModelConfig, adapter_spec, build_spec
 
 BASE = build_spec("tiny", ModelConfig(arch="qwen3", hidden_size=128, num_layers=2, num_heads=4, num_kv_heads=2,
                                       head_dim=32, intermediate_size=256, vocab_size=1000, qk_norm=True))

@@ -11,7 +11,7 @@ import ctypes
 import torch
 
 from refit.executor import batch_memcpy, copies
-from refit.executor.copies import Memcpy
+from refit.executor.memcpys import Memcpy
 
 
 def _fake_driver(calls: list[dict]):

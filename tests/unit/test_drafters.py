@@ -343,7 +343,7 @@ def test_a_drafter_refit_cannot_land_is_kept_and_named(caplog) -> None:
 
 def test_an_eagle_head_with_an_embedding_of_its_own_is_refused_naming_it() -> None:
     pytest.importorskip("vllm")
-    from refit.integrations.vllm.draft import DraftEngine
+    from refit.integrations.vllm.engine import DraftEngine
 
     head = torch.nn.Module()
     head.model = torch.nn.Module()

@@ -9,7 +9,7 @@ import torch
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from refit.executor.copies import Memcpy, memcpy_plan
+from refit.executor.memcpys import Memcpy, memcpy_plan
 
 
 def _desc(t: torch.Tensor) -> tuple[int, tuple[int, ...], tuple[int, ...]]:

@@ -8,7 +8,7 @@ import random
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from refit.executor.copies import Memcpy
+from refit.executor.memcpys import Memcpy
 from refit.executor.table_copy import table_rows
 
 

@@ -30,7 +30,8 @@ Lifecycle (one instance per vLLM worker, created by vLLM after the model loaded)
   ``update_weights``, which vLLM runs between engine steps).
 * A speculative engine's separate draft model has an agent of its own (``draft_group``, default
   ``<group>-draft``), registered by ``init_transfer_engine``; a ``start_draft_weight_update``
-  session is answered by it (`draft.py`): a separate draft model, MTP layers or an EAGLE head.
+  session is answered by it (`DraftEngine`, `draft.py`): a separate draft model, MTP layers or an
+  EAGLE head.
 """
 
 from __future__ import annotations
@@ -46,12 +47,15 @@ from refit.control.agent import EngineAgent
 from refit.control.agent_state import Holding
 from refit.control.embedded import coordinator_for
 from refit.control.membership import within_replica
+from refit.drafters import drafter_config
 from refit.errors import InvalidInput, RefitFailed
+from refit.layouts import resolve_layout
+from refit.spec import build_spec
 from refit.timeline import mark
 from refit.validation import parse
 from refit.integrations.vllm.config import WorkerIdentity, identify
 from refit.integrations.vllm.infos import RefitInitInfo, RefitUpdateInfo
-from refit.integrations.vllm import compat, failures, sleep
+from refit.integrations.vllm import compat, draft as drafts, failures, sleep
 from refit.integrations.vllm.landing import Landing
 from refit.integrations.vllm.lora_slot import AdapterLanding, adapter_of
 
@@ -99,8 +103,9 @@ class RefitWeightTransferEngine(WeightTransferEngine[RefitInitInfo, RefitUpdateI
     init_info_cls = RefitInitInfo
     update_info_cls = RefitUpdateInfo
     # A draft session (``start_draft_weight_update``) is answered by the drafter's own agent and
-    # landing (`draft.DraftEngine`), registered at init: the target's stay fixed.
+    # landing (`DraftEngine`), registered at init: the target's stay fixed.
     supports_draft_weight_update = True
+    is_draft = False  # the drafter's own engine (`DraftEngine`) has no drafter of its own
 
     # The loop's dicts, checked by refit's declarations (`infos`): an unknown key is refused naming
     # the nearest known one, a wrong value naming its field (vLLM's own parse would pass a typo on
@@ -162,9 +167,11 @@ class RefitWeightTransferEngine(WeightTransferEngine[RefitInitInfo, RefitUpdateI
                  "place)", self.agent.worker_id, init_info.group, who.rank, layout.describe(), spec.name,
                  init_info.staging, f", phases of {self.landing.phase_layers} layers" if phased else "",
                  self.landing.nbytes / 2**20, self.landing.direct_nbytes / 2**20)
-        from refit.integrations.vllm import draft as drafts  # draft.py subclasses this engine
-
         self.draft = drafts.attach(self, init_info, self.draft)
+
+    def draft_engine(self, model: torch.nn.Module, model_config: Any) -> "DraftEngine":
+        """A new engine for this engine's drafter, ``model`` (`draft.attach` registers it)."""
+        return DraftEngine(self, model, model_config)
 
     def _identify(self, init_info: RefitInitInfo) -> WorkerIdentity:
         """This worker's rank, layout and spec (a drafter's engine answers its own: draft.py)."""
@@ -175,8 +182,6 @@ class RefitWeightTransferEngine(WeightTransferEngine[RefitInitInfo, RefitUpdateI
                        init_info.window_layers, self.model_config)
 
     def start_weight_update(self) -> None:
-        from refit.integrations.vllm import draft as drafts
-
         engine = drafts.session_engine(self)  # a draft session: the drafter's agent, or refused here
         engine._require_target()
         engine._require_init()
@@ -247,8 +252,6 @@ class RefitWeightTransferEngine(WeightTransferEngine[RefitInitInfo, RefitUpdateI
                  seconds, time.perf_counter() - t0)
 
     def update_weights(self, update_info: dict[str, Any]) -> None:
-        from refit.integrations.vllm import draft as drafts
-
         engine = drafts.session_engine(self)  # vLLM retargets a draft session at the drafter
         with failures.carried():  # the loop tells refit's errors by type across vLLM's processes
             info = engine.parse_update_info(update_info)
@@ -390,3 +393,52 @@ class RefitWeightTransferEngine(WeightTransferEngine[RefitInitInfo, RefitUpdateI
         box = [outcome]
         dist.broadcast_object_list(box, src=group.ranks[0], group=group.cpu_group)
         return box[0]
+
+
+class DraftEngine(RefitWeightTransferEngine):
+    """The backend bound to the draft model: its own landing, agent and holding; vLLM never calls
+    it, its target engine hands it the draft sessions (`draft.session_engine`).  Here, beside its
+    base class, so that `draft`, which the target engine calls, imports no engine."""
+
+    is_draft = True
+
+    def __init__(self, target: RefitWeightTransferEngine, model: torch.nn.Module, model_config: Any) -> None:
+        super().__init__(target.config, target.vllm_config, target.device, model)
+        self.model_config = self._default_model_config = model_config
+        self.method: str = target.vllm_config.speculative_config.method
+        # the target's parameters: those the drafter shares (MTP / EAGLE embedding and LM head)
+        self.target_params = frozenset(id(p) for p in target._default_model.parameters())
+        self.version: int | None = None  # the version last landed here (None: as loaded)
+        self.target_version: int | None = None  # the target's last version (`after_target`)
+
+    def _identify(self, init_info: RefitInitInfo) -> WorkerIdentity:
+        """A separate draft model is identified by its own config; MTP layers and an EAGLE head by
+        `refit.drafters` (vLLM's draft config of them, ``deepseek_mtp`` / ``eagle``, is no model
+        refit knows), at the target's rank and layout."""
+        if self.method == "draft_model":
+            return identify(self.vllm_config, init_info.replica, self.model_config)
+        target = identify(self.vllm_config, init_info.replica)
+        cfg = drafter_config(self.method, drafts.hf_dict(self.vllm_config.model_config),
+                             drafts.hf_dict(self.model_config))
+        spec = build_spec(f"{target.spec.name}-{cfg.drafter}", cfg)
+        return WorkerIdentity(target.rank, resolve_layout(target.layout.describe(), spec, "dst"), spec)
+
+    def _landing(self, who: WorkerIdentity, init_info: RefitInitInfo) -> Any:
+        if self.method == "eagle":
+            self._check_eagle_shares()
+        return Landing(self.model, who.spec, who.layout, who.rank, self.device, init_info.staging,
+                       init_info.window_layers, self.model_config, written_elsewhere=self.target_params)
+
+    def _check_eagle_shares(self) -> None:
+        """An EAGLE head refit lands uses the target's embedding and LM head (vLLM shares them when
+        the head's checkpoint has none, or identical ones); one of its own is refused, naming it."""
+        own = [n for n, p in self.model.named_parameters() if id(p) not in self.target_params
+               and n.rpartition(".")[0].split(".")[-1] in ("embed_tokens", "lm_head")]
+        if own:
+            raise InvalidInput(f"refit: the {drafts.drafter_name(self.vllm_config)} holds {', '.join(own)} of its own "
+                               f"(its checkpoint's differ from the target's): refit lands EAGLE heads that use the "
+                               f"target's embedding and LM head; drop them from the head's checkpoint")
+
+    def receive_weights(self, update_info: Any) -> None:
+        super().receive_weights(update_info)
+        self.version = int(update_info.version)

@@ -49,13 +49,13 @@ from typing import Annotated, Any, Union
 import torch
 from pydantic import Field
 
-from refit.adapters import TARGETS, adapter_spec
+from refit.adapters import TARGETS
 from refit.dtypes import DTYPE_BYTES
 from refit.errors import InvalidInput
 from refit.layouts import Layout
 from refit.integrations.vllm import compat
 from refit.layouts.vllm_lora import vllm_module
-from refit.spec import ModelSpec
+from refit.spec import ModelSpec, adapter_spec
 from refit.validation import check_fields, parse
 
 log = logging.getLogger(__name__)
