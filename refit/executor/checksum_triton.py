@@ -18,7 +18,7 @@ import functools
 import itertools
 import logging
 from dataclasses import dataclass
-from typing import TYPE_CHECKING, Any, NamedTuple
+from typing import Any, NamedTuple, Protocol
 
 import torch
 
@@ -26,8 +26,24 @@ from refit.boxes import Index
 from refit.errors import InvalidInput
 from refit.executor.values import int_view
 
-if TYPE_CHECKING:  # types only: `refit.executor.checksum` imports this module at its top
-    from refit.executor.checksum import Share, _Checked, _Views
+
+
+class SeatBoxes(Protocol):
+    """What the kernel path reads of one seat's boxes (`refit.executor.checksum.Share`, which
+    imports this module: described here, not imported)."""
+
+    boxes: tuple[Any, ...]  # BoxBlocks
+    launches: Any  # the `_Launches` made last for this seat
+
+
+class CheckedViews(Protocol):
+    """What it reads of the checked tensors (`refit.executor.checksum._Views`)."""
+
+    tensors: dict[str, torch.Tensor | None]
+    device: torch.device
+    checked: Any  # the identity of the tensors checked last (`checksum._Checked`)
+
+    def of(self, name: str, ndim: int) -> torch.Tensor: ...
 
 log = logging.getLogger("refit.executor")
 
@@ -110,13 +126,13 @@ class _Launches:
     """The kernel's work for one set of tensors: the item table and launches, on the device."""
 
     items: torch.Tensor  # [N, _FIELDS] int64
-    owners: torch.Tensor  # [N] the box (its position in Share.boxes) of each item
+    owners: torch.Tensor  # [N] the box (its position in SeatBoxes.boxes) of each item
     groups: list[_Group]
     bases: dict[int, str]  # element width -> the local tensor whose address offsets count from
-    made_for: _Checked  # the tensors it was made for (their addresses)
+    made_for: Any  # `views.checked` of the tensors it was made for (their addresses)
 
 
-def _sums_kernel(share: Share, views: _Views) -> torch.Tensor | None:
+def _sums_kernel(share: SeatBoxes, views: CheckedViews) -> torch.Tensor | None:
     """The sums by the kernel, or None where it cannot run (offsets that are not whole elements)."""
     launches = _launches(share, views)
     if launches is None:
@@ -134,7 +150,7 @@ def _sums_kernel(share: Share, views: _Views) -> torch.Tensor | None:
     return out.index_add_(0, launches.owners, partial)
 
 
-def _launches(share: Share, views: _Views) -> _Launches | None:
+def _launches(share: SeatBoxes, views: CheckedViews) -> _Launches | None:
     """The cached launches when the very same tensors are at the same addresses, else new ones."""
     old = share.launches
     if old is not None and old.made_for is views.checked:
@@ -145,7 +161,7 @@ def _launches(share: Share, views: _Views) -> _Launches | None:
     return made
 
 
-def _bases(views: _Views) -> dict[int, str] | None:
+def _bases(views: CheckedViews) -> dict[int, str] | None:
     """Per element width, the tensor whose address the item offsets count from: a 16-byte aligned
     one where there is one.  None if some tensor's offset from it is not a whole element."""
     bases: dict[int, str] = {}
@@ -159,7 +175,7 @@ def _bases(views: _Views) -> dict[int, str] | None:
     return bases
 
 
-def _segment_table(share: Share, views: _Views, bases: dict[int, str]) -> list[list[int]]:
+def _segment_table(share: SeatBoxes, views: CheckedViews, bases: dict[int, str]) -> list[list[int]]:
     """One row per segment: its `_Segment` fields, its box's position, its element width."""
     rows = []
     for n, box in enumerate(share.boxes):
@@ -174,7 +190,7 @@ def _segment_table(share: Share, views: _Views, bases: dict[int, str]) -> list[l
     return rows
 
 
-def _make_launches(share: Share, views: _Views) -> _Launches | None:
+def _make_launches(share: SeatBoxes, views: CheckedViews) -> _Launches | None:
     bases = _bases(views)
     if bases is None:
         log.warning("checksums: a local tensor's offset is not a whole element; the torch path runs")

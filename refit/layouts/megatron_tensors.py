@@ -10,17 +10,29 @@ follow are written in that module's docstring.  Planning code: no torch.
 
 from __future__ import annotations
 
-from typing import TYPE_CHECKING
+from typing import Protocol
 
 from refit.drafters import mtp_layers
 from refit.layouts.base import LocalTensor, Piece
 from refit.spec import ModelSpec
 
-if TYPE_CHECKING:  # refit.layouts.megatron imports this module: its layout class is only a type hint here
-    from refit.layouts.megatron import MegatronLayout
 
 
-def mtp_tensors(layout: MegatronLayout, spec: ModelSpec, co: dict[str, int]) -> list[LocalTensor]:
+class LayerDegrees(Protocol):
+    """The degrees these functions read of a `refit.layouts.megatron.MegatronLayout` (which imports
+    this module: described here, not imported)."""
+
+    @property
+    def tp(self) -> int: ...
+    @property
+    def ep(self) -> int: ...
+    @property
+    def local(self) -> int: ...
+    @property
+    def etp_(self) -> int: ...
+
+
+def mtp_tensors(layout: LayerDegrees, spec: ModelSpec, co: dict[str, int]) -> list[LocalTensor]:
     """The MTP layers of a drafter spec (every rank of the last stage holds all of them)."""
     c = spec.config
     t, H, dt = co["tp"], c.hidden_size, c.dtype
@@ -42,7 +54,7 @@ def mtp_tensors(layout: MegatronLayout, spec: ModelSpec, co: dict[str, int]) -> 
     return out
 
 
-def attention_tensors(layout: MegatronLayout, spec: ModelSpec, p: str, layer: int, t: int) -> list[LocalTensor]:
+def attention_tensors(layout: LayerDegrees, spec: ModelSpec, p: str, layer: int, t: int) -> list[LocalTensor]:
     """Self-attention of layer ``layer`` on tp rank ``t``, local names under ``p``: GQA's interleaved
     ``linear_qkv`` and its norms, or MLA (`mla_tensors`)."""
     c = spec.config
@@ -87,7 +99,7 @@ def attention_tensors(layout: MegatronLayout, spec: ModelSpec, p: str, layer: in
     return out
 
 
-def dense_mlp_tensors(layout: MegatronLayout, spec: ModelSpec, p: str, layer: int, t: int,
+def dense_mlp_tensors(layout: LayerDegrees, spec: ModelSpec, p: str, layer: int, t: int,
                       shared: bool = False) -> list[LocalTensor]:
     """A dense MLP (or with ``shared`` the shared experts) of layer ``layer`` on tp rank ``t``: [gate; up]
     rows in ``linear_fc1``, down split on dim 1 in ``linear_fc2``."""
@@ -109,7 +121,7 @@ def dense_mlp_tensors(layout: MegatronLayout, spec: ModelSpec, p: str, layer: in
     ]
 
 
-def moe_tensors(layout: MegatronLayout, spec: ModelSpec, p: str, layer: int, co: dict[str, int]
+def moe_tensors(layout: LayerDegrees, spec: ModelSpec, p: str, layer: int, co: dict[str, int]
                 ) -> list[LocalTensor]:
     """An MoE layer's norm, router, shared experts and the experts of the rank at coordinates ``co``
     (TE grouped-GEMM names, local expert i of ep rank k being global expert k*E/EP + i)."""
@@ -143,7 +155,7 @@ def moe_tensors(layout: MegatronLayout, spec: ModelSpec, p: str, layer: int, co:
     return out
 
 
-def mla_tensors(layout: MegatronLayout, spec: ModelSpec, p: str, layer: int, t: int) -> list[LocalTensor]:
+def mla_tensors(layout: LayerDegrees, spec: ModelSpec, p: str, layer: int, t: int) -> list[LocalTensor]:
     """MLASelfAttention with qk_layernorm (as DeepSeek-V3 recipes run it).  Under the
     Transformer Engine spec the down-projections are TELinear ``duplicated`` (whole on every tp
     rank); under the local spec (``local``) ColumnParallelLinear, their rows split contiguously
