@@ -24,14 +24,19 @@ __version__ = "0.1.0"
 
 
 def __getattr__(name: str) -> Any:
-    """`refit.Client`, `refit.TrainerAgent`, `refit.EngineAgent`: imported on first use (grpc)."""
+    """`refit.Client`, `refit.TrainerAgent`, `refit.EngineAgent` (grpc) and `refit.load_plan`
+    (pydantic): imported on first use."""
     if name in ("Client", "TrainerAgent", "EngineAgent"):
         import refit.control
 
         return getattr(refit.control, name)
+    if name == "load_plan":
+        from refit.plan_schema import load_plan
+
+        return load_plan
     raise AttributeError(f"module 'refit' has no attribute {name!r}")
 
 
 __all__ = ["Client", "TrainerAgent", "EngineAgent", "RefitError", "InvalidInput", "RefitFailed", "ModelSpec", "Layout",
-           "Placement", "Plan", "PlanResult", "DEFAULT_BUCKET_BYTES", "load_spec", "make_plan", "parse_layout",
+           "Placement", "Plan", "PlanResult", "DEFAULT_BUCKET_BYTES", "load_plan", "load_spec", "make_plan", "parse_layout",
            "resolve_layout"]

@@ -76,19 +76,24 @@ def cmd_models(args: argparse.Namespace) -> int:
 # settings
 
 
-SCHEMAS = ("settings", "init_info", "update_info")  # what `refit settings --json-schema` describes
+SCHEMAS = ("settings", "init_info", "update_info", "plan", "summary")  # what `refit settings --json-schema` describes
 
 
 def json_schema(what: str) -> dict[str, Any]:
-    """The JSON schema of the REFIT_* settings, or of the vLLM backend's init_info / update_info."""
+    """The JSON schema of the REFIT_* settings, of a plan file or a plan's summary, or of the vLLM
+    backend's init_info / update_info."""
     if what == "settings":
         return settings.json_schema()
+    from refit.validation import json_schema as schema_of
+
+    if what in ("plan", "summary"):
+        from refit import plan_schema
+
+        return schema_of(plan_schema.SCHEMAS[what])
     try:
         from refit.integrations.vllm import infos
     except ImportError as e:
         raise InvalidInput(f"the {what} schema is the vLLM backend's: install vLLM ('refit[vllm]') ({e})") from None
-    from refit.validation import json_schema as schema_of
-
     return schema_of(infos.RefitInitInfo if what == "init_info" else infos.RefitUpdateInfo)
 
 
@@ -453,8 +458,10 @@ def build_parser() -> argparse.ArgumentParser:
                                "process alone; bench: refit-bench alone")
     st.add_argument("--json", action="store_true", help="print JSON (one object per knob)")
     st.add_argument("--json-schema", nargs="?", const="settings", choices=SCHEMAS, metavar="WHAT",
-                    help="print a JSON schema instead: of the REFIT_* settings (default), or of the vLLM backend's "
-                         "init_info / update_info (what init_weight_transfer_engine / update_weights take)")
+                    help="print a JSON schema instead: of the REFIT_* settings (default), of a plan file (`plan`: what "
+                         "`refit plan --out` writes, `refit.load_plan` reads) or a plan's summary (`summary`: `refit "
+                         "plan --json`), or of the vLLM backend's init_info / update_info (what "
+                         "init_weight_transfer_engine / update_weights take)")
     st.set_defaults(func=cmd_settings)
 
     ve = sub.add_parser("verify", help="check what a plan's engines hold now against the trainers, moving no weights",

@@ -72,21 +72,24 @@ def json_schema(cls: type) -> dict[str, Any]:
 
 
 def describe(cls: type) -> list[tuple[str, str, str, str]]:
-    """Each field of ``cls`` as (name, type as the schema says it, default, description): the
-    rows of a docs table."""
+    """Each field of declaration ``cls`` (a dataclass or a TypedDict) as (name, type as the schema
+    says it, default, description): the rows of a docs table."""
     schema = json_schema(cls)
+    names = [f.name for f in dataclasses.fields(cls) if f.init] if dataclasses.is_dataclass(cls) \
+        else list(schema["properties"])
     rows = []
-    for f in dataclasses.fields(cls):
-        if not f.init:
-            continue
-        prop = schema["properties"][f.name]
-        default = "required" if f.name in schema.get("required", ()) else f"`{json_value(prop.get('default'))}`"
-        rows.append((f.name, _type_of(prop), default, prop.get("description", "")))
+    for name in names:
+        prop = schema["properties"][name]
+        if name in schema.get("required", ()):
+            default = "required"
+        else:
+            default = f"`{json_value(prop['default'])}`" if "default" in prop else "optional"
+        rows.append((name, _type_of(prop), default, prop.get("description", "")))
     return rows
 
 
-def markdown_table(cls: type) -> str:
-    rows = ["| key | type | default | what it does |", "|---|---|---|---|"]
+def markdown_table(cls: type, meaning: str = "what it does") -> str:
+    rows = [f"| key | type | default | {meaning} |", "|---|---|---|---|"]
     rows += [f"| `{n}` | {t} | {d} | {w} |" for n, t, d, w in describe(cls)]
     return "\n".join(rows)
 
@@ -100,7 +103,7 @@ def _type_of(prop: Mapping[str, Any]) -> str:
         return " / ".join(f"`{json_value(v)}`" for v in prop["enum"])
     if "anyOf" in prop:
         return " or ".join(_type_of(p) for p in prop["anyOf"])
-    kind = prop.get("type", "any")
+    kind = "object" if "$ref" in prop else prop.get("type", "any")
     bounds = [f"{op} {prop[k]}" for k, op in (("minimum", "≥"), ("exclusiveMinimum", ">"), ("maximum", "≤"))
               if k in prop]
     return kind + (f" ({', '.join(bounds)})" if bounds else "")

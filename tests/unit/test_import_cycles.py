@@ -29,7 +29,7 @@ LAYERS: list[tuple[str, ...]] = [
     ("refit.hf_checkpoint",),
     ("refit.layouts",),
     ("refit.plan", "refit.phases", "refit.predict", "refit.regions"),
-    ("refit.planners",),
+    ("refit.planners", "refit.plan_schema"),  # plan_schema: plan files read back, checked (pydantic)
     ("refit.reshard", "refit.executor"),
     ("refit.control",),
     ("refit.integrations",),
