@@ -1,5 +1,6 @@
 #!/usr/bin/env bash
-# The H200 measurements of bench/RESULTS.md from 2026-11-22 (pulls in rounds onwards), in one go; 2- and 1-GPU cases
+# The H200 measurements of bench/RESULTS.md made on 2026-11-22 from pulls in rounds on (each case's history
+# names them), in one go; 2- and 1-GPU cases
 # restrict CUDA_VISIBLE_DEVICES (on a 2-GPU machine run only those).  Writes each run's JSON and log
 # under ${OUT:-bench/out}.  Cases: four, two, one (pulls in rounds, merged main); bulk, trace, moon, nccl (then:
 # batched copy-engine pulls against the table kernel alone and the arena, moonlight-16b, the NCCL

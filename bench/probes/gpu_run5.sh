@@ -1,5 +1,6 @@
 #!/usr/bin/env bash
-# The GPU measurements of bench/RESULTS.md from 2026-11-22 (push instead of pull) to 2026-11-23, one case per argument:
+# The GPU measurements of bench/RESULTS.md that name `gpu_run5.sh` (first used 2026-11-22, push instead of pull),
+# one case per argument:
 #   bash bench/probes/gpu_run5.sh CASE [CASE ...]      JSON (and trace lines) under ${OUT:-bench/out}, logs in /tmp
 # Checks: check-table (the table kernel against torch's copy, one GPU and from a peer).
 # Probes: nccl-reg (NCCL out of/into registered ncclMemAlloc buffers vs torch's), nccl-ops (NCCL message shapes, both ways), nccl-oneway, nccl-chunk (NCCL_P2P_NVL_CHUNKSIZE), nccl-env (channels, buffer size, copy engines),

@@ -3,7 +3,8 @@
 Why: refit's control time per refit is a chain of thread wake-ups across processes (the caller's
 gRPC call, the coordinator, each agent's loop and worker thread).  After an RL loop's pause each
 wake-up costs a few hundred microseconds on the lent GPU host, and holding ``/dev/cpu_dma_latency``
-at 0 µs did not change that (bench/RESULTS.md), so the cost is not deep C-states.  On a virtual
+at 0 µs did not change that (bench/RESULTS.md, case "Control-plane overhead"), so the cost is not deep
+C-states.  On a virtual
 machine a halted vCPU wakes through the hypervisor, which a guest's PM QoS cannot prevent.  A
 SCHED_IDLE task never halts its core, and the scheduler treats a core running only SCHED_IDLE
 tasks as idle when it places a woken thread (``sched_idle_cpu``), which then preempts the spinner

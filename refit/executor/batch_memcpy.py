@@ -5,8 +5,9 @@ Frameworks allocate a tensor per parameter (vLLM) or per expert (Megatron's Sequ
 grouped linear), so a pull from a peer GPU is thousands of separate contiguous blocks.  One
 ``cudaMemcpyAsync`` each costs more host time than the wire takes (`refit.executor.table_copy`
 says how much); an SM kernel over a table issues them all at once but its loads from a single
-peer are a fifth slower than copy engines (bench/RESULTS.md, "2026-11-22 — batched copy-engine
-pulls for framework-style allocations").  The batch APIs hand
+peer are a fifth slower than copy engines (bench/RESULTS.md, case
+"qwen3-30b-moe megatron:tp2ep2 → vllm:tp2, 2× H200, CUDA IPC", its history: batched copy-engine
+pulls for framework-style allocations).  The batch APIs hand
 the driver all copies of a batch in one call each (plain runs of bytes, and pitched blocks such as
 an expert's column slice) and let it run them on the copy engines.
 
@@ -95,8 +96,9 @@ def _function_3d() -> "ctypes._CFuncPtr | None":
 def mode() -> str:
     """``REFIT_BATCH_MEMCPY``: ``off`` (the table kernel alone), ``flat`` (1-D copies batched
     beside it) or ``all`` (pitched ones batched too).  A small gain on 2 GPUs and a large loss on 4,
-    so batching is opt-in: bench/RESULTS.md, "2026-11-22 — 4x H200: batched copy-engine pulls
-    turned off by default"."""
+    so batching is opt-in: bench/RESULTS.md, case
+    "qwen3-30b-moe megatron:tp4ep4 → vllm:tp4, 4× H200, CUDA IPC", its history: batched
+    copy-engine pulls turned off by default."""
     return settings.current().batch_memcpy
 
 

@@ -262,8 +262,8 @@ def run_refit(bound: Bound, comm: Comm | None, device: Device, remaining: Remain
         # kernel, whose blocks fill every SM, it runs in the gaps and ends late); then the peer
         # copies; then the rest of the moves (copy-engine memcpys, faster after the peer pulls,
         # and small copies torch issues one by one, which hold the peer copies back when first),
-        # beside the table kernel on a stream of their own.  Measured: bench/RESULTS.md,
-        # "2026-11-22 — the NCCL pipeline no longer waits for the same-GPU copies; order of issue".
+        # beside the table kernel on a stream of their own.  Measured: bench/RESULTS.md, case
+        # "qwen3-30b-moe megatron:tp2ep2 → vllm:tp2, 2× H200, CUDA IPC" (its history: order of issue).
         launched = not stage.steps and stage.moves.table
         if launched:
             device.copy(stage.moves, part="launch")

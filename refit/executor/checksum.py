@@ -39,7 +39,8 @@ per element); the item table is built on the first call and reused while the sam
 back at the same addresses.  Elsewhere, or without Triton, torch computes the sums block by block
 in bounded int64 chunks: that path is the reference.  Either way the sums stay on the device
 until one ``tolist()`` at the end.  On an H200 the kernel reads 4.1-4.5 TB/s, about half a
-same-size copy's time (bench/RESULTS.md, `bench/probes/checksum_speed.py`).
+same-size copy's time (bench/RESULTS.md, case "Per-transfer checksums (verified refits), one H200";
+`bench/probes/checksum_speed.py`).
 
 Here: the definition, the API, one seat's boxes and the torch path.  The kernel path (its item
 tables and the Triton kernel) is `refit.executor.checksum_triton`.

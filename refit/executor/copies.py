@@ -140,8 +140,9 @@ def engine_split(pairs: list[Pair], peer: bool) -> tuple[list[Memcpy], list[Pair
     `CopyBatch.table`) and the pairs left to torch.  Every pull goes to memcpys; same-GPU copies
     when big (`DMA_MIN_BYTES`), or all of them when they are only small ones and many (a pack of
     an expert's blocks of 384-byte rows at TP4, one torch launch per strided copy, was most of a
-    4-GPU NCCL refit: bench/RESULTS.md, "2026-11-22 — the NCCL pipeline no longer waits for the
-    same-GPU copies; order of issue")."""
+    4-GPU NCCL refit: bench/RESULTS.md, case
+    "qwen3-30b-moe megatron:tp4ep4 → vllm:tp4, 4× H200, NCCL", its history: small packs in the
+    table kernel)."""
     def big(p: Pair) -> bool:
         return peer or p[0].numel() * p[0].element_size() >= DMA_MIN_BYTES
     memcpys, rest = _memcpy_pairs([p for p in pairs if big(p)])
@@ -158,8 +159,8 @@ def join_table(memcpys: list[Memcpy], rest: list[Pair]) -> tuple[list[Memcpy], l
     torch join it wherever `memcpy_plan` can express them: torch launches once per strided pair.
     A colocated agent's same-GPU moves (the trainer's tensors mapped one handle each: blocks of
     different tensors never merge) left at least 1777 such pairs beside the table, 36 ms of
-    launches where the kernel took 7 ms (qwen3-30b-moe tp4ep4 -> tp4 --via grpc, 4x H200:
-    bench/RESULTS.md)."""
+    launches where the kernel took 7 ms (bench/RESULTS.md, case
+    "qwen3-30b-moe megatron:tp4ep4 → vllm:tp4, 4× H200, --via grpc")."""
     calls, left = _memcpy_pairs(rest)
     return memcpys + calls, left
 
@@ -229,7 +230,8 @@ class CopyBatch:
     def table(self) -> bool:
         """Whether the memcpys run as one table kernel (`refit.executor.table_copy`).  A push
         always does: copy engines writing a peer's memory were 10x slower than SM stores
-        (bench/RESULTS.md, "2026-11-22 — push instead of pull")."""
+        (bench/RESULTS.md, case "qwen3-30b-moe megatron:tp2ep2 → vllm:tp2, 2× H200, CUDA IPC", its
+        history: push instead of pull)."""
         if self._use_table is None:
             self._use_table = bool(self.memcpys) and (
                 self.pushes or table_copy.enabled(self.memcpys, self.beside_kernel, self.beside, self.alone))

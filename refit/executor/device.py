@@ -103,8 +103,8 @@ class CudaDevice:
         self._bulk_streams: dict[int, torch.cuda.Stream] = {}  # id(pull stream) -> its batched-memcpy twin
         # Pulls from several peers share one stream, issued in round order (`refit.executor.bound.bind`
         # sorts them by ring distance), so at any time each GPU reads one peer and is read by one:
-        # pulling from all peers at once halves the inbound bandwidth (bench/RESULTS.md,
-        # "2026-11-22 — pulls in rounds").
+        # pulling from all peers at once halves the inbound bandwidth (bench/RESULTS.md, case
+        # "qwen3-30b-moe megatron:tp4ep4 → vllm:tp4, 4× H200, CUDA IPC", its history: pulls in rounds).
         self._round_stream: torch.cuda.Stream | None = None
         # REFIT_TRACE=1: time every batch with CUDA events and log the timeline after each refit.
         self.trace: list[tuple[str, object, torch.cuda.Event, torch.cuda.Event]] | None = \
@@ -133,7 +133,8 @@ class CudaDevice:
         Without them the agents' path ran 15% slower than the bench, as if the same-GPU table
         kernel were launched after the peer kernel; our reading is that timing events keep the
         launch order on the GPU (the mechanism is not established).  They cost microseconds.
-        Measured: bench/RESULTS.md, "2026-11-23, from 1ba1ade"."""
+        Measured: bench/RESULTS.md, case "qwen3-30b-moe megatron:tp2ep2 → vllm:tp2, 2× H200, --via grpc" (its
+        history from 1ba1ade)."""
         ev = torch.cuda.Event(enable_timing=True)
         ev.record(stream)
         return ev

@@ -86,7 +86,8 @@ def ipc_direction(mode: str, cuda: bool, packed: bool = False) -> str:
     writes into the destination's with SM stores (posted over NVLink, where loads wait a round
     trip each); ``auto``: push on GPUs, except between arenas ``packed`` by the bench (`--alloc
     arena`), whose blocks merge into a few big copies that the copy engines pull faster; pull on
-    CPU.  Measured: bench/RESULTS.md, "2026-11-22 — push instead of pull"."""
+    CPU.  Measured: bench/RESULTS.md, case "qwen3-30b-moe megatron:tp2ep2 → vllm:tp2, 2× H200, CUDA IPC"
+    (its history: push instead of pull)."""
     if mode == "auto":
         return "push" if cuda and not packed else "pull"
     return mode

@@ -3,8 +3,9 @@
 Frameworks allocate one tensor per parameter (vLLM) or lay parameters out in their own order
 (Megatron's DDP buffers), so the blocks of a refit rarely merge: a 30B MoE refit on 4 GPUs is
 ~12k copies of ~0.8 MB per GPU.  Issued one ``cudaMemcpy2DAsync`` each, the host cannot keep up
-(3.5x the time of the same bytes in merged copies: bench/RESULTS.md, "2026-11-22 — pulls in
-rounds and framework-style allocations").  Here the
+(3.5x the time of the same bytes in merged copies: bench/RESULTS.md, case
+"qwen3-30b-moe megatron:tp4ep4 → vllm:tp4, 4× H200, CUDA IPC", its history: pulls in rounds and
+framework-style allocations).  Here the
 copies of a `refit.executor.copies.CopyBatch` (`refit.executor.memcpys.Memcpy` descriptors) become
 rows of a table on the device, built once per plan, and one launch copies them all: each thread
 block takes table rows (pieces of at most `PIECE_BYTES`, so blocks stay balanced) and moves
@@ -154,7 +155,8 @@ def enabled(memcpys: Sequence[Memcpy], beside_kernel: bool = False, beside_pipel
       hold back the pipeline's next step; a packed arena's few big copies stay on the copy engines,
       where they cost the host nothing and take no SMs from NCCL.
 
-    Measured: bench/RESULTS.md, "2026-11-23, from 8c9a4ff" (qwen3-235b's shapes, 1.52x -> 1.07x)."""
+    Measured: bench/RESULTS.md, case "qwen3-235b-moe --layers 20 …, megatron:tp2ep2 → vllm:tp2, 2× H200"
+    (its history from 8c9a4ff: 1.52x -> 1.07x)."""
     mode = settings.current().table_copy
     if mode != "auto":
         return mode == "on"
@@ -174,8 +176,10 @@ def grid(peer: bool, beside: bool = False) -> int:
     the other.  ``beside``: same-GPU moves that run for a whole NCCL pipeline
     (`refit.executor.device.CudaDevice.beside`); on LOCAL's grid they and a pack filled every SM
     and NCCL's kernel waited for them, so they get a quarter of the SMs and spread over the wire's
-    time.  Measured: bench/RESULTS.md, "2026-11-23, from 45ab304" and "2026-11-22 — push instead
-    of pull, table-kernel grids"."""
+    time.  Measured: bench/RESULTS.md, cases "qwen3-30b-moe megatron:tp2ep2 → vllm:tp2, 2× H200, NCCL"
+    (its history: the NCCL pipeline, and from 45ab304) and
+    "qwen3-30b-moe megatron:tp2ep2 → vllm:tp2, 2× H200, CUDA IPC" (its history: push instead of pull,
+    table-kernel grids)."""
     peer_blocks, local_blocks, beside_blocks = settings.current().table_blocks
     if beside:
         return beside_blocks

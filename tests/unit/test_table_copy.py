@@ -48,7 +48,9 @@ def test_pieces_copy_what_the_memcpys_copy(case: tuple[list[Memcpy], int], piece
 
 
 def test_grid_gives_peer_pulls_the_gpu_and_same_gpu_copies_a_slice() -> None:
-    """Measured on 2x H200 (bench/RESULTS.md, 2026-11-22): a same-GPU table kernel on a full
+    """Measured on 2x H200 on 2026-11-22 (bench/RESULTS.md, case
+    "qwen3-30b-moe megatron:tp2ep2 → vllm:tp2, 2× H200, CUDA IPC", its history: push instead of pull,
+    table-kernel grids): a same-GPU table kernel on a full
     grid beside a peer pull costs 5 ms per refit; the default keeps it to one block per SM.
     (`REFIT_TABLE_BLOCKS`' parsing: tests/unit/test_settings.py.)"""
     from refit import settings
