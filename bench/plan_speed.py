@@ -60,7 +60,7 @@ def measure(model: str, src: str, dst: str, placement: str, planner: str, repeat
             "median_s": statistics.median(times), "min_s": min(times), "max_s": max(times),
             "cpu_median_s": statistics.median(cpu), "cpu_min_s": min(cpu), "num_transfers": s["num_transfers"],
             "num_buckets": s["num_buckets"], "plan_json_bytes": s["plan_json_bytes"],
-            "plan_id": s["plan_id"]}
+            "plan_hash": s["plan_hash"]}
 
 
 def cpu_reference_ms() -> float:

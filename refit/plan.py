@@ -14,7 +14,6 @@ from __future__ import annotations
 import functools
 import hashlib
 import json
-import warnings
 from dataclasses import dataclass, field
 from typing import Any, Literal, NamedTuple
 
@@ -251,13 +250,6 @@ class Plan:
         return self._id_and_size[0]
 
     @property
-    def plan_id(self) -> str:
-        """Deprecated name of `plan_hash`."""
-        warnings.warn("Plan.plan_id is the plan's content hash: use Plan.plan_hash (the control plane's "
-                      "plan_id, from Client.create_plan, is another id)", DeprecationWarning, stacklevel=2)
-        return self.plan_hash
-
-    @property
     def json_bytes(self) -> int:
         """Size of the plan as compact JSON (what `refit plan --out` writes)."""
         return self._id_and_size[1]
@@ -363,7 +355,6 @@ def summarize(plan: Plan, spec: ModelSpec, dst_total_bytes: int, seconds: float 
             recv[dg] += nbytes
     out: dict[str, Any] = {
         "plan_hash": plan.plan_hash,
-        "plan_id": plan.plan_hash,  # deprecated key of the same hash, kept for `refit plan --json` readers
         "model": plan.model,
         "src": plan.src_layout,
         "dst": plan.dst_layout,

@@ -11,8 +11,8 @@ the variable.  Knobs come in three scopes:
 * ``bench``: read by ``refit-bench`` alone.
 
 ``refit settings`` prints each knob with its value here; docs/performance.md's table is
-`markdown_table`'s output (tests/unit/test_settings.py holds the two equal).  Knobs that only
-ever served a measurement were retired: setting one logs a warning and changes nothing.
+`markdown_table`'s output (tests/unit/test_settings.py holds the two equal).  Any other
+``REFIT_*`` variable is named in a warning and changes nothing.
 """
 
 from __future__ import annotations
@@ -153,14 +153,6 @@ KNOBS: tuple[Knob, ...] = (
          what="fault injection for tests: that rank of `refit-bench` dies (`:stop`: hangs) during that refit"),
 )
 
-# Knobs that only served a measurement, kept in the results (`bench/RESULTS.md`), no longer read.
-RETIRED: Mapping[str, str] = {
-    "REFIT_COPY": "torch copies instead of the copy engines: the executor before 2026-11-20",
-    "REFIT_PULL_ON": "pulls issued on the source's stream: a comparison of 2026-11-21",
-    "REFIT_PULL_ORDER": "pulls from every peer at once: half the inbound bandwidth of pulls in rounds",
-    "REFIT_TABLE_PULL": "the table kernel always run on the peer: slower than through our own mapping",
-}
-
 # REFIT_* variables that refit's own tests and their harness read (docs/testing.md), not refit:
 # neither knobs nor misspellings of one.
 TEST_VARIABLES = frozenset({"REFIT_VLLM_FULL", "REFIT_VLLM_DP_MOE", "REFIT_ALLOW_MISSING_DEPS", "REFIT_OLD_GRPC_PYTHON",
@@ -192,9 +184,7 @@ class Settings:
         """The settings ``environ`` (default: this process's environment) asks for; InvalidInput
         names a knob whose value is wrong."""
         env = os.environ if environ is None else environ
-        for name in sorted(set(RETIRED) & set(env)):
-            log.warning("%s is no longer read (%s); see bench/RESULTS.md", name, RETIRED[name])
-        known = {k.name for k in KNOBS} | set(RETIRED) | TEST_VARIABLES
+        known = {k.name for k in KNOBS} | TEST_VARIABLES
         for name in sorted(n for n in env if n.startswith("REFIT_") and n not in known):
             near = difflib.get_close_matches(name, [k.name for k in KNOBS], n=1)
             log.warning("%s is not a refit setting and is ignored%s (`refit settings` lists them)", name,

@@ -174,8 +174,7 @@ def report(spec: ModelSpec, plans: list[Any], timed: list[list[bool]], results: 
         peaks = [p.peak_extra_bytes for p in per_worker if p.peak_extra_bytes is not None]
         staging = max(p.staging_bytes + p.gather_bytes for p in per_worker)
         out["runs"].append({
-            "planner": s["planner"], "plan_hash": s["plan_hash"],
-            "plan_id": s["plan_hash"], "bucket_bytes": s["bucket_bytes"],
+            "planner": s["planner"], "plan_hash": s["plan_hash"], "bucket_bytes": s["bucket_bytes"],
             "seconds": {"median": median, "min": min(per_refit), "max": max(per_refit), "all": per_refit},
             "moved_bytes": moved, "remote_bytes": s["remote_bytes"], "local_bytes": s["local_bytes"],
             "dst_bytes": s["total_bytes"], "gbps": moved / median / 1e9,

@@ -13,6 +13,8 @@ Files, in reading order:
 * `transports` — CUDA IPC / shared memory export, NCCL (cupy) and gloo communicators;
 * `bound`      — the schedule bound to tensors and buffers, and `run_refit` (one replay);
 * `member_barriers` — how members wait for each other (gloo, or shared memory on one host);
+* `seating`    — the rendezvous store a run's members meet in (`connect`), and `locate`: each
+  publishes its device and learns everyone's (the run's `Topology`);
 * `member`     — `Member`: one process's set-up (store, devices, sharing, groups), `prepare` per
   plan, `refit` per refit — what the agents' data plane and the bench both drive.
 
@@ -32,8 +34,8 @@ _EXPORTS = {
     "compile_program": "refit.executor.schedule",
     "Member": "refit.executor.member",
     "Budget": "refit.executor.member",
-    "connect": "refit.executor.member",
-    "locate": "refit.executor.member",
+    "connect": "refit.executor.seating",
+    "locate": "refit.executor.seating",
     "PeerError": "refit.executor.transports",
     "HandleError": "refit.executor.handles",
 }

@@ -1,5 +1,5 @@
-"""The control plane under the lowest grpcio / protobuf refit declares (pyproject.toml's ``grpc``
-extra).  The round trip itself (tests/harness/grpc_compat_check.py) runs in this environment always, and
+"""The control plane under the lowest grpcio / protobuf refit declares (pyproject.toml's base
+dependencies).  The round trip itself (tests/harness/grpc_compat_check.py) runs in this environment always, and
 in a second interpreter holding grpcio 1.66.0 / protobuf 5.29.1 when REFIT_OLD_GRPC_PYTHON names
 one (a venv built as that file's docstring says; torch may come from PYTHONPATH)."""
 

@@ -36,9 +36,9 @@ def test_plan_json_has_the_summary_fields(capsys, tmp_path):
     doc = json.loads(out)
     s = doc["summary"]
     for key in ("total_bytes", "local_bytes", "remote_bytes", "max_send_bytes", "max_recv_bytes", "num_transfers",
-                "plan_hash", "plan_id", "plan_seconds"):
+                "plan_hash", "plan_seconds"):
         assert key in s
-    assert s["plan_id"] == s["plan_hash"]  # the old key of the content hash, kept for readers of --json
+    assert "plan_id" not in s  # the control plane's id (create_plan), not the content hash
     assert doc["src"]["layout"] == "megatron:tp4ep8etp1dp2" and doc["dst"]["world_size"] == 8
     assert s["local_bytes"] + s["remote_bytes"] == s["total_bytes"]
     assert json.loads(out_file.read_text())["format"] == 1

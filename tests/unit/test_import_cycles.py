@@ -33,7 +33,7 @@ LAYERS: list[tuple[str, ...]] = [
     ("refit.reshard", "refit.executor"),
     ("refit.control",),
     ("refit.integrations",),
-    ("refit", "refit.cli", "refit.bench"),  # `refit` itself: the package's names (refit.Client, ...)
+    ("refit", "refit.cli", "refit.cli_parser", "refit.bench"),  # `refit` itself: the package's names (refit.Client, ...)
 ]
 
 

@@ -1,7 +1,6 @@
 """The import flow is one-way: spec -> layouts -> plan -> refit.planners -> reshard / executor /
-control / cli; planning never imports torch; the planners import nothing above them; nothing in
-refit/ imports the planners inside a function; and the top-level `planners` package is only a
-deprecated alias of `refit.planners` that nothing in refit/ uses."""
+control / cli; planning never imports torch; the planners import nothing above them; and nothing in
+refit/ imports the planners inside a function."""
 
 from __future__ import annotations
 
@@ -59,8 +58,7 @@ def test_any_module_imports_first_and_planning_needs_no_torch(first):
           "assert refit.make_plan is refit.planners.make_plan is refit.planners.registry.make_plan\n"
           "assert 'phase_layers' in inspect.signature(refit.make_plan).parameters\n"
           "assert refit.make_plan(refit.load_spec('qwen3-8b'), 'tp2', 'tp4').summary['num_gpus'] == 4\n"
-          "assert 'torch' not in sys.modules, sorted(sys.modules)\n"
-          "assert 'planners' not in sys.modules, 'refit imported the deprecated top-level planners'")
+          "assert 'torch' not in sys.modules, sorted(sys.modules)")
 
 
 def test_the_planners_import_nothing_above_planning():
@@ -69,41 +67,11 @@ def test_the_planners_import_nothing_above_planning():
           "assert not above, above")
     bad = [f"{rel}:{node.lineno} {name}" for path, rel in _py_files(os.path.join("refit", "planners"))
            for node, name, _ in _imports(path)
-           if any(_within(name, a) for a in ABOVE_PLANNING + ("planners",))]
+           if any(_within(name, a) for a in ABOVE_PLANNING)]
     assert not bad, f"refit.planners is pure planning: {bad}"
 
 
-def test_refit_imports_the_planners_at_module_top_and_never_the_deprecated_package():
-    lazy, old = [], []
-    for path, rel in _py_files("refit"):
-        for node, name, in_function in _imports(path):
-            if _within(name, "planners"):
-                old.append(f"{rel}:{node.lineno}")
-            if _within(name, "refit.planners") and in_function:
-                lazy.append(f"{rel}:{node.lineno}")
-    assert not old, f"import refit.planners, not the deprecated top-level planners: {old}"
+def test_refit_imports_the_planners_at_module_top():
+    lazy = [f"{rel}:{node.lineno}" for path, rel in _py_files("refit")
+            for node, name, in_function in _imports(path) if _within(name, "refit.planners") and in_function]
     assert not lazy, f"import refit.planners at module top instead: {lazy}"
-
-
-def test_the_top_level_planners_package_is_a_deprecated_alias():
-    fresh("import warnings\n"
-          "with warnings.catch_warnings(record=True) as caught:\n"
-          "    warnings.simplefilter('always')\n"
-          "    import planners\n"
-          "    import planners.base, planners.broadcast, planners.p2p, planners.registry\n"
-          "    from planners import make_plan, PLANNERS, P2PPlanner, BroadcastPlanner, Planner, PlanResult\n"
-          "    from planners.registry import MIN_BUCKET_BYTES\n"
-          "deprecations = [w for w in caught if issubclass(w.category, DeprecationWarning)]\n"
-          "assert len(deprecations) == 1, [str(w.message) for w in caught]\n"
-          "assert 'refit.planners' in str(deprecations[0].message), deprecations[0].message\n"
-          # shown by Python's default filters: attributed to the importing code, not to the shim
-          "assert deprecations[0].filename == '<string>', deprecations[0].filename\n"
-          "import refit, refit.planners\n"
-          "for name in ('base', 'broadcast', 'p2p', 'registry'):\n"
-          "    assert getattr(planners, name) is getattr(refit.planners, name), name\n"
-          "assert planners.make_plan is make_plan is refit.make_plan is refit.planners.make_plan\n"
-          "assert PLANNERS is refit.planners.PLANNERS and PlanResult is refit.planners.PlanResult\n"
-          "assert (P2PPlanner, BroadcastPlanner, Planner) == (refit.planners.P2PPlanner, "
-          "refit.planners.BroadcastPlanner, refit.planners.Planner)\n"
-          "assert MIN_BUCKET_BYTES == refit.planners.MIN_BUCKET_BYTES\n"
-          "assert planners.make_plan(refit.load_spec('qwen3-8b'), 'tp2', 'tp4').summary['num_gpus'] == 4\n")

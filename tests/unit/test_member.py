@@ -225,3 +225,19 @@ def test_close_aborts_the_communicator_before_it_frees_the_buffers() -> None:
     m.comm = Comm()  # type: ignore[assignment]
     m.close()
     assert seen == [1] and m.phases == [] and m.comm is None
+
+
+def test_every_name_the_executor_package_exports_resolves() -> None:
+    """`refit.executor` loads its names lazily from a table of modules (so that importing it does
+    not import torch): a name whose module does not define it fails only when first used."""
+    import importlib
+
+    import refit.executor as executor
+
+    assert executor.__all__
+    for name in executor.__all__:
+        module = importlib.import_module(executor._EXPORTS[name])
+        assert getattr(executor, name) is getattr(module, name), name
+    assert (executor.connect, executor.locate) == (connect, locate)
+    with pytest.raises(AttributeError, match="no attribute 'no_such_name'"):
+        executor.no_such_name  # noqa: B018

@@ -115,7 +115,7 @@ def test_summary_adds_up():
     assert s["local_bytes"] == 0  # disaggregated: stage 0 between GPUs 0 and 1, stage 1 across sides
     assert s["max_send_bytes"] == max(sum(b.nbytes for b in plan.buckets if plan.src_gpu(b) == g) for g in range(4))
     assert (s["num_gpus"], s["total_bytes"], s["plan_seconds"], s["bucket_bytes"]) == (4, 123, 0.5, 32)
-    assert s["plan_hash"] == s["plan_id"] == plan.plan_hash
+    assert s["plan_hash"] == plan.plan_hash and "plan_id" not in s  # plan_id: the control plane's id
 
 
 def test_round_trip_through_json_keeps_the_plan_and_its_id():
@@ -232,13 +232,3 @@ def test_gathers_is_answered_once_per_plan():
     assert plan.gathers  # it has stage-0 buckets
     object.__setattr__(plan, "buckets", ())  # a second scan would now answer False
     assert plan.gathers
-
-
-def test_plan_id_is_the_deprecated_name_of_plan_hash():
-    """`Plan.plan_id` was the content hash while the control plane's plan_id is another id: the
-    hash is `plan_hash` now, and the old name still answers it, with a DeprecationWarning."""
-    import refit
-
-    plan = refit.make_plan(load_spec("qwen3-8b"), "tp1", "tp2").plan
-    with pytest.warns(DeprecationWarning, match="use Plan.plan_hash"):
-        assert plan.plan_id == plan.plan_hash

@@ -76,10 +76,10 @@ def test_a_command_refuses_a_bad_value_before_it_runs(monkeypatch: pytest.Monkey
     settings.reload()
 
 
-def test_a_retired_knob_is_named_in_a_warning(caplog: pytest.LogCaptureFixture) -> None:
+def test_a_knob_no_longer_read_is_an_unknown_variable(caplog: pytest.LogCaptureFixture) -> None:
     with caplog.at_level(logging.WARNING, "refit.settings"):
         settings.Settings.from_env({"REFIT_PULL_ORDER": "all"})
-    assert "REFIT_PULL_ORDER is no longer read" in caplog.text
+    assert "REFIT_PULL_ORDER is not a refit setting and is ignored" in caplog.text
 
 
 def test_an_unknown_refit_variable_is_named_in_a_warning(caplog: pytest.LogCaptureFixture) -> None:

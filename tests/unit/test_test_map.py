@@ -10,7 +10,7 @@ from pathlib import Path
 
 ROOT = Path(__file__).resolve().parents[2]
 TESTS = ROOT / "tests"
-PACKAGES = ("refit", "planners")  # planners: the deprecated shim of refit.planners
+PACKAGES = ("refit",)
 ROW = re.compile(r"^\|\s*`(?P<module>[\w.]+)`[^|]*\|(?P<files>[^|]*)\|\s*$")
 
 
