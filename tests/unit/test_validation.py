@@ -1,6 +1,6 @@
 """`refit.validation`: what users hand refit as data is checked against one typed declaration.
-The vLLM backend's ``init_info`` / ``update_info`` (its declarations need vLLM) and the
-``REFIT_*`` settings: every wrong type or out-of-range value, and every unknown key, is refused
+The vLLM backend's ``init_info`` / ``update_info`` and LoRA adapter (their declarations need vLLM), the
+verl backend's options and the ``REFIT_*`` settings (plan files: test_plan_schema.py): every wrong type or out-of-range value, and every unknown key, is refused
 naming it; the docs' tables and the JSON schemas come from the declarations."""
 
 from __future__ import annotations
@@ -41,14 +41,29 @@ def _accepts(cls, name: str, value) -> bool:
     return True
 
 
-@hsettings(max_examples=300, deadline=None, suppress_health_check=[HealthCheck.function_scoped_fixture])
-@given(which=st.sampled_from(["init_info", "update_info"]), data=st.data())
+def _declaration(which: str) -> tuple[type, dict]:
+    """The declaration read as ``which`` and the least valid input of it."""
+    if which == "engine_kwargs.refit":
+        pytest.importorskip("verl")
+        from refit.integrations.verl import VerlOptions
+
+        return VerlOptions, {}
+    module = infos()
+    if which == "init_info.adapter":
+        from refit.integrations.vllm.lora_slot import AdapterInfo
+
+        return AdapterInfo, {"name": "a", "id": 1, "r": 8, "lora_alpha": 16.0, "target_modules": ["q_proj"]}
+    if which == "init_info":
+        return module.RefitInitInfo, {}
+    return module.RefitUpdateInfo, {"plan_id": "p", "version": 3}
+
+
+@hsettings(max_examples=400, deadline=None, suppress_health_check=[HealthCheck.function_scoped_fixture])
+@given(which=st.sampled_from(["init_info", "update_info", "engine_kwargs.refit", "init_info.adapter"]), data=st.data())
 def test_a_wrong_value_is_refused_naming_its_field(which, data) -> None:
     from refit.validation import parse
 
-    module = infos()
-    cls = module.RefitInitInfo if which == "init_info" else module.RefitUpdateInfo
-    base = {} if which == "init_info" else {"plan_id": "p", "version": 3}
+    cls, base = _declaration(which)
     name = data.draw(st.sampled_from([f.name for f in dataclasses.fields(cls)]))
     value = data.draw(WRONG)
     if _accepts(cls, name, value):
