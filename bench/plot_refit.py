@@ -72,8 +72,8 @@ def matrix(model: str, src: str, dst: str, placement: str, out: str) -> None:
     n = plan.placement.num_gpus
     grid = [[0.0] * n for _ in range(n)]
     for b in plan.buckets:
-        s = plan.placement.src_gpus[b.src]
-        d = plan.placement.dst_gpus[b.dst] if b.stage == 1 else plan.placement.src_gpus[b.dst]
+        s = plan.placement.src_gpus[b.sender]
+        d = plan.placement.dst_gpus[b.receiver] if b.stage == 1 else plan.placement.src_gpus[b.receiver]
         grid[s][d] += b.nbytes / 2**30
     fig, ax = plt.subplots(figsize=(1.5 + 0.9 * n, 1 + 0.8 * n))
     im = ax.imshow(grid, cmap="viridis")

@@ -6,7 +6,7 @@ over the box — and nothing but the plan itself ever needs to be agreed on.
 
 ``stage`` orders work: stage 0 moves boxes between *source* ranks (the broadcast baseline gathers
 each full tensor on one root that way); stage 1 moves boxes from source ranks to destination ranks.
-Transfers are grouped into buckets of at most ``bucket_bytes``, each bucket one (stage, src, dst) pair.
+Transfers are grouped into buckets of at most ``bucket_bytes``, each bucket one (stage, sender, receiver) pair.
 """
 
 from __future__ import annotations
@@ -55,8 +55,8 @@ class Placement:
 
 class Transfer(NamedTuple):
     stage: int
-    src: int  # source rank
-    dst: int  # destination rank (stage 1) or source rank (stage 0)
+    sender: int  # a source rank
+    receiver: int  # a destination rank at stage 1; at stage 0 another source rank (a gather)
     tensor: str
     start: Index
     size: Index
@@ -68,8 +68,8 @@ class Transfer(NamedTuple):
 
 class Bucket(NamedTuple):  # a NamedTuple: a 1T plan makes 6 * 10^4 of them
     stage: int
-    src: int
-    dst: int
+    sender: int  # as in `Transfer`
+    receiver: int
     first: int  # transfers[first:first + count] belong to this bucket
     count: int
     nbytes: int
@@ -118,11 +118,11 @@ class Plan:
         return t.numel * DTYPE_BYTES[self.tensors[t.tensor][0]]
 
     def src_gpu(self, t: Transfer | Bucket) -> int:
-        return self.placement.src_gpus[t.src]
+        return self.placement.src_gpus[t.sender]
 
     def dst_gpu(self, t: Transfer | Bucket) -> int:
         gpus = self.placement.src_gpus if t.stage == 0 else self.placement.dst_gpus
-        return gpus[t.dst]
+        return gpus[t.receiver]
 
     def is_local(self, t: Transfer | Bucket) -> bool:
         return self.src_gpu(t) == self.dst_gpu(t)
@@ -225,7 +225,7 @@ class Plan:
             total = 0
             for t in transfers[first:end]:
                 dtype, shape = tensors[t.tensor]
-                if (t.stage, t.src, t.dst) != (stage, src, dst) or len(t.start) != len(shape) \
+                if (t.stage, t.sender, t.receiver) != (stage, src, dst) or len(t.start) != len(shape) \
                         or len(t.size) != len(shape) \
                         or not all(0 <= a and 0 <= n and a + n <= dim for a, n, dim in zip(t.start, t.size, shape)):
                     raise InvalidInput(f"malformed plan: transfer {t} in bucket {bi} of ({stage}, {src}, {dst}), "
@@ -278,9 +278,9 @@ def pack_buckets(transfers: list[Transfer], plan_tensors: dict[str, tuple[str, I
     for t in transfers:
         itemsize = itemsizes[t.tensor]
         pairs = by_itemsize.setdefault(itemsize, {})
-        group = pairs.get((t.stage, t.src, t.dst))
+        group = pairs.get((t.stage, t.sender, t.receiver))
         if group is None:
-            group = pairs[t.stage, t.src, t.dst] = ([], [])
+            group = pairs[t.stage, t.sender, t.receiver] = ([], [])
         group[0].append(t)
         group[1].append(volume(t.size) * itemsize)
     return pack_pairs(by_itemsize, bucket_bytes, src_gpus, dst_gpus)
@@ -334,7 +334,7 @@ def pack_pairs(by_itemsize: dict[int, Pairs], bucket_bytes: int, src_gpus: tuple
 
 
 def _split(t: Transfer, itemsize: int, bucket_bytes: int) -> list[tuple[Transfer, int]]:
-    return [(Transfer(t.stage, t.src, t.dst, t.tensor, start, size), volume(size) * itemsize)
+    return [(Transfer(t.stage, t.sender, t.receiver, t.tensor, start, size), volume(size) * itemsize)
             for start, size in split_box((t.start, t.size), max(1, bucket_bytes // itemsize))]
 
 

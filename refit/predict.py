@@ -181,7 +181,7 @@ def gpu_bytes(plan: Plan, gpus_per_host: int, stage: int = 1) -> list[GpuBytes]:
     for b in plan.buckets:
         if b.stage != stage:
             continue
-        sg, dg = src_gpus[b.src], dst_gpus[b.dst]
+        sg, dg = src_gpus[b.sender], dst_gpus[b.receiver]
         if sg == dg:
             acc[sg][0] += b.nbytes
         elif sg // gpus_per_host == dg // gpus_per_host:

@@ -78,7 +78,7 @@ class Side(str, enum.Enum):
 
     def rank_in(self, bucket: "Bucket") -> int:
         """This side's rank in a bucket of a plan."""
-        return bucket.src if self is Side.TRAINER else bucket.dst
+        return bucket.sender if self is Side.TRAINER else bucket.receiver
 
 # Placement names as refit's planners spell them, and their proto enum (the one map of both).
 PLACEMENTS = {"colocated": pb.PLACEMENT_COLOCATED, "disaggregated": pb.PLACEMENT_DISAGGREGATED}

@@ -212,7 +212,7 @@ def verify_checksums(run: Run) -> tuple[int, dict[str, pb.WorkerResult]]:
     for i, t in enumerate(plan.transfers):
         if t.stage != 1:
             continue
-        sender, receiver = names[t.src], names[entry.num_src + t.dst]
+        sender, receiver = names[t.sender], names[entry.num_src + t.receiver]
         sent, got = run.checksums.get(sender, {}).get(i), run.checksums.get(receiver, {}).get(i)
         if sent is not None and sent == got:
             matched += 1

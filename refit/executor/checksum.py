@@ -172,7 +172,7 @@ def _make_share(plan: Plan, spec: ModelSpec, src: Layout, dst: Layout, side: str
     wanted = range(len(plan.transfers)) if phase is None else _phase_transfers(plan, phase)
     boxes = tuple(BoxBlocks(i, t.size, tuple(box_blocks(index, t, ep, whole=True, sending=sending)))
                   for i, t in ((i, plan.transfers[i]) for i in wanted)
-                  if t.stage == 1 and (t.src if sending else t.dst) == rank)
+                  if t.stage == 1 and (t.sender if sending else t.receiver) == rank)
     return Share(spec, {lt.name: lt for lt in locals_}, boxes)
 
 

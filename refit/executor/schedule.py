@@ -119,7 +119,7 @@ class Program:
 
 
 def bucket_ends(b: Bucket) -> tuple[Endpoint, Endpoint]:
-    return ("src", b.src), ("src" if b.stage == 0 else "dst", b.dst)
+    return ("src", b.sender), ("src" if b.stage == 0 else "dst", b.receiver)
 
 
 def compile_program(plan: Plan, spec: ModelSpec, src: Layout, dst: Layout, topo: Topology, member: int,
@@ -153,8 +153,8 @@ def compile_program(plan: Plan, spec: ModelSpec, src: Layout, dst: Layout, topo:
     steps: dict[tuple[int, int, int], tuple[list[Wire], list[Wire]]] = {}
     pair_count: dict[tuple[int, int, int], int] = defaultdict(int)
     for bi, b in enumerate(plan.buckets):
-        i = pair_count[(b.stage, b.src, b.dst)]
-        pair_count[(b.stage, b.src, b.dst)] += 1
+        i = pair_count[(b.stage, b.sender, b.receiver)]
+        pair_count[(b.stage, b.sender, b.receiver)] += 1
         if buckets is not None and bi not in buckets:
             continue
         s_ep, d_ep = bucket_ends(b)
@@ -224,9 +224,9 @@ def _gather_tensors(plan: Plan, spec: ModelSpec, topo: Topology, mine: set[int])
     """One gather tensor per stage-0 transfer landing on a root this member drives."""
     out: dict[Endpoint, list[LocalTensor]] = defaultdict(list)
     for b in plan.buckets:
-        if b.stage != 0 or topo.device_of[("src", b.dst)] not in mine:
+        if b.stage != 0 or topo.device_of[("src", b.receiver)] not in mine:
             continue
-        root = ("src", b.dst)
+        root = ("src", b.receiver)
         for t in plan.transfers[b.first:b.first + b.count]:
             name = f"{GATHER_PREFIX}{len(out[root])}"
             out[root].append(LocalTensor(name, t.size, spec[t.tensor].dtype,

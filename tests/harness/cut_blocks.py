@@ -108,14 +108,14 @@ def land(spec: ModelSpec, plan, src, dst, sent: list[dict[str, torch.Tensor]]) -
         return box
 
     for t in sorted(plan.transfers, key=lambda t: t.stage):
-        box = read(t.src, t.tensor, t.start, t.size)
+        box = read(t.sender, t.tensor, t.start, t.size)
         if t.stage == 0:
-            root = staged.setdefault((t.dst, t.tensor), torch.zeros(spec[t.tensor].shape,
+            root = staged.setdefault((t.receiver, t.tensor), torch.zeros(spec[t.tensor].shape,
                                                                      dtype=TORCH_DTYPES[spec[t.tensor].dtype]))
             root[slices(t.start, t.size)] = box
             continue
-        for b in d_index[t.dst].regions(t.tensor, (t.start, t.size)):
-            view = out[t.dst][b.local].view(d_index[t.dst].tensors[b.local].view_shape(ndim[t.tensor]))
+        for b in d_index[t.receiver].regions(t.tensor, (t.start, t.size)):
+            view = out[t.receiver][b.local].view(d_index[t.receiver].tensors[b.local].view_shape(ndim[t.tensor]))
             view[slices(b.local_start, b.size)] = box[slices(b.box_start, b.size)]
     return out
 

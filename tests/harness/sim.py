@@ -68,18 +68,18 @@ def run_plan(plan: Plan, spec: ModelSpec, src: Layout, dst: Layout, canon: dict[
     for b in plan.buckets:
         for t in plan.transfers[b.first:b.first + b.count]:
             box = (t.start, t.size)
-            buf = gather(t.src, t.tensor, box)
+            buf = gather(t.sender, t.tensor, box)
             if t.stage == 0:
                 shape = spec[t.tensor].shape
-                data, mask = staging.setdefault((t.dst, t.tensor), (np.zeros(shape, np.int64), np.zeros(shape, bool)))
+                data, mask = staging.setdefault((t.receiver, t.tensor), (np.zeros(shape, np.int64), np.zeros(shape, bool)))
                 data[slices(*box)] = buf
                 mask[slices(*box)] = True
                 continue
-            for r in dst_index[t.dst].regions(t.tensor, box):
-                lt = dst_index[t.dst].tensors[r.local]
+            for r in dst_index[t.receiver].regions(t.tensor, box):
+                lt = dst_index[t.receiver].tensors[r.local]
                 vs = lt.view_shape(ndim(t.tensor))
-                dst_arrays[t.dst][r.local].reshape(vs)[slices(r.local_start, r.size)] = buf[slices(r.box_start, r.size)]
-                counts[t.dst][r.local].reshape(vs)[slices(r.local_start, r.size)] += 1
+                dst_arrays[t.receiver][r.local].reshape(vs)[slices(r.local_start, r.size)] = buf[slices(r.box_start, r.size)]
+                counts[t.receiver][r.local].reshape(vs)[slices(r.local_start, r.size)] += 1
     return dst_arrays, counts
 
 

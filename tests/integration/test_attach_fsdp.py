@@ -230,7 +230,7 @@ def test_hsdp_every_replica_group_serves(server, tmp_path) -> None:
         engines = Engines(srv.address, spec, "vllm:tp2", group=f"{group}-engine")
         plan_id = client.create_plan(group, f"{group}-engine")["plan_id"]
         plan = client.get_plan(plan_id, include_plan=True)["plan"]
-        senders = {t.src for t in plan.transfers if t.stage == 1}
+        senders = {t.sender for t in plan.transfers if t.stage == 1}
         assert senders & {0, 1} and senders & {2, 3}, senders
         refit_step_refit(client, trainers, engines, spec, plan_id, tmp_path)
     finally:

@@ -64,11 +64,11 @@ def test_both_ends_agree_bit_for_bit(model: str, src: str, dst: str, scatter_sid
     stage1 = [(i, t) for i, t in enumerate(r.plan.transfers) if t.stage == 1]
     assert stage1
     for (side, rank), sums in got.items():
-        assert set(sums) == {i for i, t in stage1 if (t.src if side == "src" else t.dst) == rank}, (side, rank)
+        assert set(sums) == {i for i, t in stage1 if (t.sender if side == "src" else t.receiver) == rank}, (side, rank)
         assert all(0 <= v < 2 ** 63 for v in sums.values())
     for i, t in stage1:
         want = box_checksum(canon[t.tensor][slices(t.start, t.size)])
-        assert got["src", t.src][i] == got["dst", t.dst][i] == want, (i, t)
+        assert got["src", t.sender][i] == got["dst", t.receiver][i] == want, (i, t)
 
 
 def corrupt_one_box(how: str) -> tuple[set[int], int]:

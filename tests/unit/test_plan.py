@@ -53,7 +53,7 @@ def test_pack_buckets_keeps_every_element_and_bounds_buckets(ts, bucket_bytes, k
         # per (stage, src, dst, tensor): how often each element is moved
         cov = {}
         for t in items:
-            key = (t.stage, t.src, t.dst, t.tensor)
+            key = (t.stage, t.sender, t.receiver, t.tensor)
             cov.setdefault(key, np.zeros(TENSORS[t.tensor][1], dtype=np.int32))
             cov[key][tuple(slice(s, s + z) for s, z in zip(t.start, t.size))] += 1
         return cov
@@ -65,12 +65,12 @@ def test_pack_buckets_keeps_every_element_and_bounds_buckets(ts, bucket_bytes, k
     assert sum(b.count for b in buckets) == len(out)
     for b in buckets:
         inside = out[b.first:b.first + b.count]
-        assert b.count >= 1 and {(t.stage, t.src, t.dst) for t in inside} == {(b.stage, b.src, b.dst)}
+        assert b.count >= 1 and {(t.stage, t.sender, t.receiver) for t in inside} == {(b.stage, b.sender, b.receiver)}
         assert b.nbytes == sum(volume(t.size) * DTYPE_BYTES[TENSORS[t.tensor][0]] for t in inside)
         assert b.nbytes <= bucket_bytes or (b.count == 1 and volume(inside[0].size) == 1)
     # stage 0 first; each (stage, src, dst) pair's transfers sit in consecutive buckets
     assert [b.stage for b in buckets] == sorted(b.stage for b in buckets)
-    pairs = [(b.stage, b.src, b.dst) for b in buckets]
+    pairs = [(b.stage, b.sender, b.receiver) for b in buckets]
     for p in set(pairs):
         at = [i for i, q in enumerate(pairs) if q == p]
         assert at == list(range(at[0], at[-1] + 1)), p
@@ -80,12 +80,12 @@ def test_local_copies_go_first_then_rounds_of_gpu_distance():
     place = Placement.make("colocated", 4, 4)
     ts = [Transfer(1, s, d, "a", (0, 0), (1, 1)) for s in range(4) for d in range(4)]
     _, buckets = pack_buckets(ts, TENSORS, 4096, place.src_gpus, place.dst_gpus)
-    distances = [(b.dst - b.src) % 4 for b in buckets]
+    distances = [(b.receiver - b.sender) % 4 for b in buckets]
     assert distances == [0] * 4 + [1] * 4 + [2] * 4 + [3] * 4
     # in every round each GPU sends once and receives once
     for r in range(4):
         rnd = buckets[4 * r:4 * r + 4]
-        assert sorted(b.src for b in rnd) == sorted(b.dst for b in rnd) == [0, 1, 2, 3]
+        assert sorted(b.sender for b in rnd) == sorted(b.receiver for b in rnd) == [0, 1, 2, 3]
 
 
 def small_plan(kind: str = "disaggregated") -> Plan:
@@ -104,7 +104,7 @@ def test_plan_facts():
     last = next(t for t in plan.transfers if t.tensor == "c")
     assert (plan.src_gpu(last), plan.dst_gpu(last), plan.is_local(last)) == (1, 2, False)
     co = small_plan("colocated")
-    assert all(co.is_local(t) == (t.src == t.dst) for t in co.transfers)
+    assert all(co.is_local(t) == (t.sender == t.receiver) for t in co.transfers)
 
 
 def test_summary_adds_up():

@@ -60,7 +60,7 @@ def test_plans_are_static_serialisable_and_bounded(case):
     assert again == a.plan and again.plan_hash == a.plan.plan_hash
     for bk in a.plan.buckets:
         ts = a.plan.transfers[bk.first:bk.first + bk.count]
-        assert all((t.stage, t.src, t.dst) == (bk.stage, bk.src, bk.dst) for t in ts)
+        assert all((t.stage, t.sender, t.receiver) == (bk.stage, bk.sender, bk.receiver) for t in ts)
         # float32 tensors (router biases) sit beside bfloat16 ones
         assert bk.nbytes == sum(volume(t.size) * DTYPE_BYTES[spec[t.tensor].dtype] for t in ts)
         assert bk.nbytes <= bucket or bk.count == 1
@@ -77,7 +77,7 @@ def test_same_gpu_sources_are_preferred(case):
     for t in plan.transfers:
         if plan.is_local(t):
             continue
-        dgpu = plan.placement.dst_gpus[t.dst]
+        dgpu = plan.placement.dst_gpus[t.receiver]
         for r, gpu in enumerate(plan.placement.src_gpus):
             if gpu == dgpu:
                 for box in src_h[r].get(t.tensor, ()):

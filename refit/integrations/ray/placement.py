@@ -190,8 +190,8 @@ def traffic(plan: "Plan", src_host: Mapping[int, str], dst_host: Mapping[int, st
     within: dict[str, int] = {}
     across = 0
     for b in plan.buckets:
-        sender = src_host[b.src]
-        receiver = (src_host if b.stage == 0 else dst_host)[b.dst]
+        sender = src_host[b.sender]
+        receiver = (src_host if b.stage == 0 else dst_host)[b.receiver]
         if sender == receiver:
             within[sender] = within.get(sender, 0) + b.nbytes
         else:
