@@ -150,11 +150,11 @@ class Plan:
             "planner": self.planner,
             "bucket_bytes": self.bucket_bytes,
             "tensors": [[n, self.tensors[n][0], list(self.tensors[n][1])] for n in names],
-            # [stage, src, dst, tensor index, start, size]
+            # [stage, sender, receiver, tensor index, start, size]
             # (start/size stay tuples: json writes them as the same arrays, and copying 10^5 of
             # them is a tenth of a 1T-model plan's time)
             "transfers": [(stage, s, d, index[name], start, size) for stage, s, d, name, start, size in self.transfers],
-            # [stage, src, dst, first transfer, count, bytes]
+            # [stage, sender, receiver, first transfer, count, bytes]
             "buckets": [list(b) for b in self.buckets],
         }
         if self.phase_layers > 0:
@@ -196,7 +196,7 @@ class Plan:
 
     def check(self) -> None:
         """Refuse a plan that contradicts itself: buckets that do not tile the transfers in order,
-        a transfer unlike its bucket's (stage, src, dst), a rank the placement lacks, a box
+        a transfer unlike its bucket's (stage, sender, receiver), a rank the placement lacks, a box
         outside its tensor, a byte count that does not add up, phases out of order."""
         if self.placement.kind not in ("colocated", "disaggregated") or not self.placement.src_gpus \
                 or not self.placement.dst_gpus or min(self.placement.src_gpus + self.placement.dst_gpus) < 0:
@@ -261,7 +261,7 @@ class Plan:
         return hashlib.sha256(blob.encode()).hexdigest()[:16], len(blob)
 
 
-# Transfers grouped by (stage, src, dst), in plan order, and their byte counts (two lists: packing
+# Transfers grouped by (stage, sender, receiver), in plan order, and their byte counts (two lists: packing
 # then sums and copies a group without a Python step per transfer); one such dict per item size,
 # so that packing can put the widest dtype first without sorting every group.
 Pairs = dict[tuple[int, int, int], tuple[list[Transfer], list[int]]]
@@ -269,7 +269,7 @@ Pairs = dict[tuple[int, int, int], tuple[list[Transfer], list[int]]]
 
 def pack_buckets(transfers: list[Transfer], plan_tensors: dict[str, tuple[str, Index]], bucket_bytes: int,
                  src_gpus: tuple[int, ...], dst_gpus: tuple[int, ...]) -> tuple[list[Transfer], list[Bucket]]:
-    """Split transfers to fit ``bucket_bytes`` and pack them, per (stage, src, dst) pair and widest
+    """Split transfers to fit ``bucket_bytes`` and pack them, per (stage, sender, receiver) pair and widest
     dtype first, into buckets.  Order: stage, then local copies, then remote pairs in rounds of the GPU distance
     ``(dst_gpu - src_gpu) mod G`` so that in each round every GPU sends to one peer and receives
     from one peer."""

@@ -7,7 +7,7 @@ bucket buffer.  `refit.executor.bound` binds it to real tensors and staging buff
 Schedule.  Buckets between devices are exchanged in **steps**.  A step is keyed
 ``(stage, round, i)``: ``round`` is the device distance ``(dst_dev - src_dev) mod G`` (the
 topology's devices; in the bench, the plan's GPUs, which the plan is ordered by), ``i`` the
-bucket's index within its (stage, src, dst) pair.  In one step every device sends to at most one
+bucket's index within its (stage, sender, receiver) pair.  In one step every device sends to at most one
 peer and receives from at most one (for the placements refit makes), all of a step's sends and
 receives are posted together (one NCCL group), and every member walks the steps in key order —
 so the smallest unfinished step always has both ends posted: no deadlock, and each round runs on

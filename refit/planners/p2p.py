@@ -33,7 +33,7 @@ class P2PPlanner:
         index = source_index(spec, src)
         sgpu, dgpu = placement.src_gpus, placement.dst_gpus
         send = [0] * placement.num_gpus
-        # Transfers by item size and (stage, src, dst) pair, in the order they are chosen (what
+        # Transfers by item size and (stage, sender, receiver) pair, in the order they are chosen (what
         # `pack_pairs` takes).
         by_itemsize: dict[int, Pairs] = {}
         # (bytes, dst, tensor, box, candidate sources, item size)
