@@ -190,9 +190,13 @@ def delta_fallback(run: Run, rebuilt: bool, workers: Mapping[str, Worker]) -> st
 
 
 def add_delta(total: pb.DeltaStats, one: pb.DeltaStats) -> None:
-    for f in ("buckets", "delta_buckets", "words", "changed", "wire_bytes", "full_bytes"):
-        setattr(total, f, getattr(total, f) + getattr(one, f))
-    total.fallback = total.fallback or one.fallback
+    """``total += one``: every count field summed (as the proto declares them), the first
+    fallback reason kept."""
+    for f in pb.DeltaStats.DESCRIPTOR.fields:
+        if f.name == "fallback":
+            total.fallback = total.fallback or one.fallback
+        else:
+            setattr(total, f.name, getattr(total, f.name) + getattr(one, f.name))
 
 
 def busy_results(entry: PlanEntry, refit_id: str) -> dict[str, pb.WorkerResult]:
