@@ -42,7 +42,7 @@ from refit.control.agent_share import AgentShare
 from refit.control.agent_state import Expectation, Holding, Outcome, Outcomes
 from refit.control.common import (KEEPALIVE_MS, KEEPALIVE_TIMEOUT_MS, Side, config_json, coordinator_address,
                                   coordinator_token, on_agent_loop, worker_id)
-from refit.control.dataplane import DataPlane, PhaseHook, Rendezvous, RunContext, Seat, Tensors, TensorSource
+from refit.control.dataplane import DataPlane, PhaseHook, Rendezvous, RunContext, Seat, Tensors, TensorSource, check_data_plane
 from refit.control.store_client import CoordinatorStore
 from refit.control.v1 import refit_pb2 as pb
 from refit.errors import InvalidInput
@@ -106,9 +106,8 @@ class Agent(AgentShare):
             from refit.control.dataplane_executor import ExecutorDataPlane
 
             data_plane = ExecutorDataPlane()
-        elif not hasattr(data_plane, "run"):
-            raise InvalidInput("data_plane must have open/prepare/run/close (refit.control.dataplane.DataPlane); "
-                               "a plain callable is the contract of refit before these four calls")
+        else:
+            check_data_plane(data_plane)
         self.host, self.gpu = host, gpu
         data_plane.open(Seat(self.role, rank, spec, self.layout, host))  # bound once: who it moves bytes for
         self.data_plane: DataPlane = data_plane
@@ -275,7 +274,7 @@ class Agent(AgentShare):
         self._cancel = {run.refit_id: ctx.cancelled}
         if self._abandoned == run.refit_id:  # the coordinator gave it up before it could start
             ctx.cancelled.set()
-        if getattr(self.data_plane, "inline", False):
+        if self.data_plane.inline:
             await self._write(self._execute(plan, ctx))
             return
         self._running = run.refit_id

@@ -121,7 +121,7 @@ class AgentShare(AgentStream):
             ctx.remaining()
             if self.phase_hook is not None:  # a refusal: nothing moves (we never reach the start barrier)
                 self.phase_hook.check(plan)
-            if ctx.verify and not getattr(self.data_plane, "verifies", False):
+            if ctx.verify and not self.data_plane.verifies:
                 raise InvalidInput(f"verify: {type(self.data_plane).__name__} computes no checksums of its transfers")
             if ctx.check_only:
                 return self._checksums_now(plan, ctx)
@@ -141,13 +141,13 @@ class AgentShare(AgentStream):
         except Exception as e:
             log.warning("%s: refit %s failed: %s: %s", self.worker_id, ctx.refit_id, type(e).__name__, e)
             # Only a data plane that says when it reaches the start barrier can prove it did not.
-            before = not in_plane or (getattr(self.data_plane, "reports_start", False) and not ctx.reached_start.is_set())
+            before = not in_plane or (self.data_plane.reports_start and not ctx.reached_start.is_set())
             return pb.WorkerMessage(result=pb.RunResult(refit_id=ctx.refit_id, ok=False, error=f"{type(e).__name__}: {e}",
                                                         before_start=before))
-        stats = getattr(self.data_plane, "last_delta", None) if ctx.delta and self.role is Side.TRAINER else None
+        stats = self.data_plane.last_delta if ctx.delta and self.role is Side.TRAINER else None
         delta = pb.DeltaStats(buckets=stats.buckets, delta_buckets=stats.delta_buckets, words=stats.words,
                               changed=stats.changed, wire_bytes=stats.wire_bytes, full_bytes=stats.full_bytes,
-                              fallback=getattr(self.data_plane, "delta_fallback", "")) if stats is not None else None
+                              fallback=self.data_plane.delta_fallback) if stats is not None else None
         return pb.WorkerMessage(result=pb.RunResult(refit_id=ctx.refit_id, ok=True, bytes=nbytes, seconds=seconds,
                                                     checksums=checksums, delta=delta))
 

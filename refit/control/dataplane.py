@@ -46,6 +46,7 @@ if TYPE_CHECKING:
     import torch
     import torch.distributed as dist
 
+    from refit.executor.delta import DeltaStats
     from refit.layouts import Layout
     from refit.plan import Plan
     from refit.spec import ModelSpec
@@ -168,8 +169,15 @@ class PhaseHook(Protocol):
 
 
 class DataPlane(Protocol):
-    inline: bool
-    reports_start: bool
+    """What an agent calls of its data plane, capabilities included: declared here, given defaults
+    by `BaseDataPlane`, and checked once when an agent takes one (`check_data_plane`), so that the
+    agent reads them rather than guessing."""
+
+    inline: bool  # runs a refit on the agent's event loop (it moves nothing that takes time)
+    reports_start: bool  # calls ``ctx.starting()`` before its start barrier
+    verifies: bool  # ``checksums`` gives the transfers' checksums of a refit
+    last_delta: "DeltaStats | None"  # what the last delta refit sent over wires, if it was one
+    delta_fallback: str  # why the last delta refit went in full here, if it did
 
     def open(self, seat: Seat) -> None: ...
 
@@ -177,7 +185,20 @@ class DataPlane(Protocol):
 
     def run(self, plan: "Plan", tensors: Tensors, ctx: RunContext) -> tuple[int, float]: ...
 
+    def checksums(self, plan: "Plan", tensors: "Tensors | None" = None) -> dict[int, int]: ...
+
     def close(self) -> None: ...
+
+
+def check_data_plane(data_plane: object) -> None:
+    """Refuse, naming them, a data plane without every member `DataPlane` declares (subclass
+    `BaseDataPlane` for the defaults)."""
+    declared = {n for n in vars(DataPlane) if not n.startswith("_") and callable(vars(DataPlane)[n])}
+    declared |= set(DataPlane.__annotations__)
+    lacking = sorted(n for n in declared if not hasattr(data_plane, n))
+    if lacking:
+        raise InvalidInput(f"data_plane {type(data_plane).__name__} lacks {', '.join(lacking)} "
+                           "(refit.control.dataplane.DataPlane; subclass BaseDataPlane for the defaults)")
 
 
 class BaseDataPlane:
@@ -185,7 +206,9 @@ class BaseDataPlane:
 
     inline = False
     reports_start = False
-    verifies = False  # whether `checksums` gives the transfers' checksums of a refit
+    verifies = False
+    last_delta: "DeltaStats | None" = None
+    delta_fallback = ""
     _seat: Seat | None = None
 
     def open(self, seat: Seat) -> None:

@@ -10,10 +10,13 @@ import threading
 import time
 from typing import Any, Iterator
 
+import pytest
+
 from refit.control.agent import EngineAgent, TrainerAgent
 from refit.control.agent_state import Outcome, Outcomes
 from refit.control.dataplane import BaseDataPlane, NoopDataPlane, RunContext
 from refit.control.v1 import refit_pb2 as pb
+from refit.errors import InvalidInput
 from tests.harness.tiny import tiny_spec
 
 
@@ -268,3 +271,16 @@ def test_a_tensor_removed_from_a_mapping_fails_the_refit_naming_it(server) -> No
         assert not result.ok and f"mapped-t/0: tensor {gone!r} (1 in all) was removed" in result.error, result.error
     finally:
         trainer.stop(), engine.stop()
+
+
+def test_a_data_plane_lacking_a_declared_member_is_refused_naming_it() -> None:
+    class Bare:  # the four calls, none of the declared capabilities
+        def open(self, seat: Any) -> None: ...
+        def prepare(self, plan: Any, rank: Any = None) -> None: ...
+        def run(self, plan: Any, tensors: Any, ctx: Any) -> tuple[int, float]: return 0, 0.0
+        def close(self) -> None: ...
+
+    with pytest.raises(InvalidInput, match=r"data_plane Bare lacks checksums, delta_fallback, inline, last_delta, "
+                                           r"reports_start, verifies \(refit.control.dataplane.DataPlane; subclass "
+                                           r"BaseDataPlane"):
+        EngineAgent("127.0.0.1:1", group="e", rank=0, spec=tiny_spec("tiny-qwen2"), layout="vllm:tp1", data_plane=Bare())
