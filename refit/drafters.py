@@ -103,7 +103,7 @@ def drafter_tensors(cfg: Any, per_layer: PerLayer, single: Single) -> None:
         _eagle_tensors(cfg, per_layer, single)
     else:
         raise InvalidInput(f"drafter {cfg.drafter!r}: refit knows {', '.join(DRAFTERS)}")
-    if cfg.lora_rank:
+    if cfg.lora is not None:
         raise InvalidInput("a drafter's LoRA adapter is not landed by refit")
 
 

@@ -5,6 +5,13 @@ that what describes a config beyond a plain model, `refit.adapters` (LoRA) and `
 (MTP layers, EAGLE heads), can name and build configs without importing the spec builder that calls
 them: the model's modules then import one way, `refit.archs` -> here -> adapters / drafters ->
 `refit.spec` (tests/unit/test_import_cycles.py).  Nothing here imports torch.
+
+What a config describes beyond the model's own weights is one field each, not a set of flags:
+``lora`` (a `LoraAdapter`, or None), ``quantization`` (a format name) and ``drafter`` (a drafter
+kind).  The last two stay names: each picks one thing whose numbers follow from the name
+(`refit.quantization`'s formats) or from the model (its MTP layers, an EAGLE head's config), so
+there is nothing to compose beside them.  `LoraAdapter` is defined here, not in `refit.adapters`,
+because `ModelConfig` holds one and `refit.adapters` sits above this module.
 """
 
 from __future__ import annotations
@@ -39,6 +46,18 @@ MUST_STATE: dict[str, tuple[str, ...]] = {
 
 
 @dataclass(frozen=True)
+class LoraAdapter:
+    """One LoRA adapter of a model (`refit.adapters` builds its tensors and checks it): the A and B
+    matrices of rank ``rank`` on each of ``targets`` on every layer.  ``targets`` are module names
+    (``q_proj`` ... ``down_proj``) in `refit.adapters.TARGETS`'s order, each once; ``scaling`` is
+    PEFT's (``lora_alpha / r``, rsLoRA ``lora_alpha / sqrt(r)``), one for every module."""
+
+    rank: int
+    targets: tuple[str, ...]
+    scaling: float
+
+
+@dataclass(frozen=True)
 class ModelConfig:
     """The numbers that decide every tensor's shape and how frameworks split it."""
 
@@ -69,11 +88,9 @@ class ModelConfig:
     # "" or a format of `refit.quantization` (an engine serving FP8): the decoder's linear weights
     # are held quantized, each with a scale tensor (`quantize_spec`)
     quantization: str = ""
-    # an adapter-only refit (`refit.adapters`): the spec holds one LoRA adapter of this model, of
-    # rank lora_rank on the comma-joined lora_targets (q_proj,...,down_proj), scaled by lora_scaling
-    lora_rank: int = 0
-    lora_targets: str = ""
-    lora_scaling: float = 0.0
+    # an adapter-only refit (`refit.adapters`): the spec holds this LoRA adapter of the model and
+    # nothing of the base; None for the model itself
+    lora: LoraAdapter | None = None
     # a speculative drafter trained beside the policy (refit/drafters.py): "mtp" (the MTP layers of
     # this config's model) or "eagle" (an EAGLE head of this config); "" for the model itself
     drafter: str = ""
@@ -94,6 +111,20 @@ class ModelConfig:
     def dense_layers(self) -> tuple[int, ...]:
         moe = set(self.moe_layers)
         return tuple(l for l in range(self.num_layers) if l not in moe)
+
+    @classmethod
+    def from_fields(cls, fields: dict[str, Any]) -> "ModelConfig":
+        """The config whose `dataclasses.asdict` read back from JSON is ``fields``: the inverse a
+        registration needs (`refit.control.common`'s ``config_json``), where tuples arrive as lists
+        and the adapter as an object.  A malformed value raises TypeError."""
+        fields = dict(fields)
+        fields["moe_layers"] = tuple(fields.get("moe_layers", ()))
+        lora = fields.get("lora")
+        if lora is not None:
+            if not isinstance(lora, dict) or not isinstance(lora.get("targets"), (list, tuple)):
+                raise TypeError(f"lora must be an object with a list of targets, not {lora!r}")
+            fields["lora"] = LoraAdapter(**{**lora, "targets": tuple(lora["targets"])})
+        return cls(**fields)
 
     @classmethod
     def from_hf(cls, cfg: dict[str, Any]) -> "ModelConfig":

@@ -31,7 +31,7 @@ from refit.archs import gqa_tensors, mla_tensors, moe_extra_tensors
 from refit.drafters import drafter_tensors, not_moved
 from refit.dtypes import DTYPE_BYTES
 from refit.errors import InvalidInput
-from refit.model_config import MUST_STATE, SUPPORTED_ARCHS, ModelConfig  # noqa: F401  re-exported: refit.spec's names
+from refit.model_config import MUST_STATE, SUPPORTED_ARCHS, LoraAdapter, ModelConfig  # noqa: F401  re-exported: refit.spec's names
 from refit.quantization import is_quantized, quant_format, scale_shape
 
 
@@ -146,7 +146,7 @@ def build_spec(name: str, cfg: ModelConfig) -> ModelSpec:
         if layers:
             out.append(TensorSpec(f"model.layers.*.{suffix}", (len(layers),) + shape, dtype, layers))
 
-    if cfg.lora_rank:  # one LoRA adapter of the model, nothing of the base (refit/adapters.py)
+    if cfg.lora is not None:  # one LoRA adapter of the model, nothing of the base (refit/adapters.py)
         if cfg.quantization:
             raise InvalidInput(f"adapter of {name}: LoRA adapters are moved unquantized")
         adapter_tensors(cfg, per_layer)
@@ -204,7 +204,7 @@ def adapter_spec(base: ModelSpec, rank: int, targets: list[str] | tuple[str, ...
                  dtype: str | None = None, name: str | None = None) -> ModelSpec:
     """The spec of a LoRA adapter of ``base`` (its tensors only; the base model's are not moved).
     Here rather than in `refit.adapters`, which `build_spec` calls: a spec is built above both."""
-    if base.config.lora_rank:
+    if base.config.lora is not None:
         raise InvalidInput(f"{base.name} describes an adapter already")
     return build_spec(name or base.name, adapter_config(base.config, rank, targets, scaling, dtype))
 

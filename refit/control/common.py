@@ -221,6 +221,7 @@ def short(value: object, limit: int = 80) -> str:
 
 
 def config_json(config: ModelConfig) -> str:
+    """A registration's model config (``ModelConfig.from_fields`` of it read back is ``config``)."""
     return json.dumps(dataclasses.asdict(config), sort_keys=True)
 
 
@@ -230,8 +231,7 @@ def spec_from_registration(name: str, config: str, digest: str) -> ModelSpec:
         fields: dict[str, Any] = json.loads(config)
         if not isinstance(fields, dict):
             raise TypeError("not a JSON object")
-        fields["moe_layers"] = tuple(fields.get("moe_layers", ()))
-        spec = build_spec(name, ModelConfig(**fields))
+        spec = build_spec(name, ModelConfig.from_fields(fields))
     except (ValueError, TypeError) as e:
         raise InvalidInput(f"model_config_json is not a refit ModelConfig: {short(str(e))}") from None
     if spec.digest() != digest:

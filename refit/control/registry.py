@@ -128,7 +128,7 @@ MAX_VERSION_STEP = 2**32  # the most a version may jump past what the engines ho
 # Model config fields: generous for today's largest models (Qwen3-235B: 94 layers, 128 experts).
 CONFIG_BOUNDS = {"hidden_size": 2**17, "num_layers": 1024, "num_heads": 4096, "num_kv_heads": 4096,
                  "head_dim": 4096, "intermediate_size": 2**20, "vocab_size": 2**23, "num_experts": 4096,
-                 "moe_intermediate_size": 2**20, "lora_rank": 2**14}
+                 "moe_intermediate_size": 2**20, "lora.rank": 2**14}  # lora.rank: the adapter's (or none)
 MAX_SPEC_TENSORS = 2_000_000
 
 
@@ -155,8 +155,13 @@ def check_info(info: pb.WorkerInfo) -> None:
         raise InvalidInput(f"register: model_config_json is not JSON: {short(str(e))}") from None
     if not isinstance(fields, dict):
         raise InvalidInput("register: model_config_json is not a JSON object")
+    lora = fields.get("lora")
+    if lora is not None and not isinstance(lora, dict):
+        raise InvalidInput(f"register: model config lora = {short(lora)}; expected an object (rank, targets, scaling) "
+                           f"or null")
     for key, limit in CONFIG_BOUNDS.items():
-        v = fields.get(key, 0)
+        outer, _, inner = key.partition(".")
+        v = (fields.get(outer) or {}).get(inner, 0) if inner else fields.get(key, 0)
         if not isinstance(v, int) or isinstance(v, bool) or not 0 <= v <= limit:
             raise InvalidInput(f"register: model config {key} = {short(v)}; expected an integer in [0, {limit}]")
     dtype = fields.get("dtype", "bfloat16")
@@ -270,15 +275,31 @@ def check_same_model(src: Worker, dst: Worker) -> dict[str, str]:
 def config_differences(a: str, b: str, a_name: str, b_name: str, ignore: tuple[str, ...] = ()) -> str:
     """Every field on which two registered model configs differ, with both values, the first pair
     labelled with whose it is: ``dtype 'float32' (trainer) vs 'bfloat16' (engine); vocab_size 300
-    vs 302``.  Empty if equal.  Values are cut short: a registration may be 64 KiB of JSON."""
-    da, db = json.loads(a), json.loads(b)
-    absent = object()  # a field one side lacks differs from every value
-    keys = [k for k in sorted(set(da) | set(db)) if da.get(k, absent) != db.get(k, absent) and k not in ignore]
-    value = lambda d, key: short(d[key], 40) if key in d else "(absent)"  # noqa: E731
-    parts = [f"{k} {value(da, k)} vs {value(db, k)}" for k in keys]
+    vs 302``.  A nested value (the LoRA adapter) is compared field by field and named by its path,
+    ``lora.rank 8 vs 16``; against a config without one, each field shows None.  ``ignore``: paths
+    left out.  Empty if equal.  Values are cut short: a registration may be 64 KiB of JSON."""
+    rows = [row for row in differing_fields(json.loads(a), json.loads(b)) if row[0] not in ignore]
+    value = lambda v: "(absent)" if v is ABSENT else short(v, 40)  # noqa: E731
+    parts = [f"{k} {value(va)} vs {value(vb)}" for k, va, vb in rows]
     if parts:
-        parts[0] = f"{keys[0]} {value(da, keys[0])} ({a_name}) vs {value(db, keys[0])} ({b_name})"
+        k, va, vb = rows[0]
+        parts[0] = f"{k} {value(va)} ({a_name}) vs {value(vb)} ({b_name})"
     return "; ".join(parts)
+
+
+ABSENT = object()  # a field one side lacks differs from every value
+
+
+def differing_fields(a: Any, b: Any, path: str = "") -> list[tuple[str, Any, Any]]:
+    """(dotted path, value in ``a``, value in ``b``) of each field on which two JSON values differ,
+    in order of path.  An object is compared field by field, also against null or a lacking field
+    (which then stands for each of its fields): a message names the number that differs."""
+    nested = lambda v: isinstance(v, dict) or v is None or v is ABSENT  # noqa: E731
+    if (isinstance(a, dict) or isinstance(b, dict)) and nested(a) and nested(b):
+        keys = sorted({*(a if isinstance(a, dict) else ()), *(b if isinstance(b, dict) else ())})
+        at = lambda v, k: v.get(k, ABSENT) if isinstance(v, dict) else v  # noqa: E731
+        return [row for k in keys for row in differing_fields(at(a, k), at(b, k), f"{path}.{k}" if path else k)]
+    return [] if a == b else [(path, a, b)]
 
 
 def group_difference(ref: Worker, w: Worker) -> str:

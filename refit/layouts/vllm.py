@@ -166,7 +166,7 @@ class VllmLayout:
 
     def local_tensors(self, spec: ModelSpec, rank: int) -> list[LocalTensor]:
         c = spec.config
-        if c.lora_rank:  # one LoRA adapter: the engine's LoRA slots (refit/layouts/vllm_lora.py)
+        if c.lora is not None:  # one LoRA adapter: the engine's LoRA slots (refit/layouts/vllm_lora.py)
             return lora_local_tensors(self, spec, rank)
         if c.drafter:  # a speculative engine's MTP or EAGLE drafter (refit/layouts/vllm_draft.py)
             return drafter_local_tensors(self, spec, rank)

@@ -24,7 +24,7 @@ from __future__ import annotations
 
 from typing import Any
 
-from refit.adapters import TARGETS, target_shape, targets_of, tensor_name
+from refit.adapters import TARGETS, check_adapter, target_shape, tensor_name
 from refit.layouts.base import LocalTensor, Piece
 from refit.spec import ModelSpec
 
@@ -45,10 +45,11 @@ def lora_local_tensors(layout: Any, spec: ModelSpec, rank: int) -> list[LocalTen
     """The adapter's tensors on ``rank`` of a resolved `VllmLayout` (dense models: dp replicas
     hold the same), in vLLM's module order."""
     c = spec.config
-    T, t, r, dt = layout.tp, rank % layout.tp, c.lora_rank, c.dtype
+    lora = check_adapter(c)
+    T, t, r, dt = layout.tp, rank % layout.tp, lora.rank, c.dtype
     out: list[LocalTensor] = []
     for layer in range(c.num_layers):
-        for target in targets_of(c):
+        for target in lora.targets:
             module, s = vllm_module(target, layer)
             rows, cols = target_shape(c, target)
             a, b = tensor_name(target, "lora_A"), tensor_name(target, "lora_B")

@@ -169,7 +169,7 @@ def _two_refits(coordinator: Any, base_dir: str, tmp_path: Any, dp: int, tp: int
         # a scaling the trainer's adapter does not have: refused when the plan is made, naming both
         assert engine.ask("init", {"coordinator": address, "group": group + "-engine",
                                    "adapter": {**ADAPTER, "lora_alpha": 8}})[0] == "ok"
-        with pytest.raises(Exception, match=r"lora_scaling 3\.0 \(lora-\S+\) vs 2\.0 \(lora-\S+-engine\)"):
+        with pytest.raises(Exception, match=r"lora\.scaling 3\.0 \(lora-\S+\) vs 2\.0 \(lora-\S+-engine\)"):
             client.create_plan(group, group + "-engine")
         status, value = engine.ask("init", {"coordinator": address, "group": group + "-engine", "adapter": ADAPTER})
         assert status == "ok", value

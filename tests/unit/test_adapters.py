@@ -4,14 +4,17 @@ adapter itself is tests/integration/test_lora_adapter.py."""
 
 from __future__ import annotations
 
-import json
 import dataclasses
+import json
 
 import pytest
 
+from refit.control.common import config_json, spec_from_registration
+from refit.control.registry import check_info, config_differences
+from refit.control.v1 import refit_pb2 as pb
 from refit.errors import InvalidInput
 from refit.layouts import resolve_layout
-from refit.spec import ModelConfig, adapter_spec, build_spec
+from refit.spec import LoraAdapter, ModelConfig, adapter_spec, build_spec
 
 BASE = build_spec("tiny", ModelConfig(arch="qwen3", hidden_size=128, num_layers=2, num_heads=4, num_kv_heads=2,
                                       head_dim=32, intermediate_size=256, vocab_size=1000, qk_norm=True))
@@ -25,10 +28,43 @@ def test_spec_holds_the_adapter_only_and_survives_a_registration() -> None:
         ("model.layers.*.self_attn.q_proj.lora_B.weight", (2, 128, 8)),
         ("model.layers.*.self_attn.v_proj.lora_A.weight", (2, 8, 128)),
         ("model.layers.*.self_attn.v_proj.lora_B.weight", (2, 64, 8))]
+    assert spec.config.lora == LoraAdapter(8, ("q_proj", "v_proj"), 2.0)
     # what the coordinator rebuilds from the registration's JSON (refit.control.common)
-    fields = json.loads(json.dumps(dataclasses.asdict(spec.config)))
-    fields["moe_layers"] = tuple(fields["moe_layers"])
-    assert build_spec("tiny", ModelConfig(**fields)).digest() == spec.digest()
+    assert spec_from_registration("tiny", config_json(spec.config), spec.digest()).tensors == spec.tensors
+
+
+@pytest.mark.parametrize("config", [BASE.config, adapter_spec(BASE, 8, ALL, 2.0).config,
+                                    dataclasses.replace(BASE.config, moe_layers=(1,), num_experts=4)])
+def test_a_config_survives_its_registration_json_exactly(config: ModelConfig) -> None:
+    """``config_json`` -> ``ModelConfig.from_fields`` gives the config back, adapter and tuples included."""
+    back = ModelConfig.from_fields(json.loads(config_json(config)))
+    assert back == config and hash(back) == hash(config)
+    assert config_json(back) == config_json(config)
+
+
+def test_registrations_name_the_adapter_field_that_differs() -> None:
+    a = adapter_spec(BASE, 8, ["q_proj", "v_proj"], 2.0).config
+    b = adapter_spec(BASE, 16, ["q_proj", "v_proj"], 2.0).config
+    assert config_differences(config_json(a), config_json(b), "trainer", "engine") == \
+        "lora.rank 8 (trainer) vs 16 (engine)"
+    assert config_differences(config_json(BASE.config), config_json(a), "base", "adapter") == \
+        "lora.rank None (base) vs 8 (adapter); lora.scaling None vs 2.0; lora.targets None vs ['q_proj', 'v_proj']"
+    assert config_differences(config_json(a), config_json(b), "a", "b", ignore=("lora.rank",)) == ""
+
+
+@pytest.mark.parametrize("lora,match", [
+    ({"rank": 2**15, "targets": ["q_proj"], "scaling": 1.0}, r"lora\.rank = 32768; expected an integer in \[0, 16384\]"),
+    (["q_proj"], r"lora = \['q_proj'\]; expected an object"),
+])
+def test_a_registration_of_a_malformed_adapter_is_refused(lora: object, match: str) -> None:
+    fields = json.loads(config_json(BASE.config))
+    info = pb.WorkerInfo(role=pb.ROLE_TRAINER, group="g", layout="fsdp:dp1", model_name="tiny",
+                         model_config_json=json.dumps({**fields, "lora": lora}))
+    with pytest.raises(InvalidInput, match=match):
+        check_info(info)
+    with pytest.raises(InvalidInput, match="not a refit ModelConfig"):
+        spec_from_registration("tiny", json.dumps({**fields, "lora": {"rank": 4, "targets": "q_proj",
+                                                                       "scaling": 1.0}}), "")
 
 
 @pytest.mark.parametrize("rank,targets,scaling,match", [

@@ -182,19 +182,20 @@ class AdapterLanding:
         self.slot = m.lora_index_to_id.index(self.id)
 
     def _zero_model(self) -> Any:
-        from refit.adapters import target_shape, targets_of
+        from refit.adapters import check_adapter, target_shape
 
         LoRAModel, LoRALayerWeights = compat.lora_model_classes()
 
         c, dtype = self.spec.config, getattr(torch, self.spec.config.dtype)
+        lora = check_adapter(c)
         loras = {}
         for layer in range(c.num_layers):
-            for target in targets_of(c):
+            for target in lora.targets:
                 rows, cols = target_shape(c, target)
                 name = f"model.layers.{layer}.{TARGETS[target]}.{target}"
-                loras[name] = LoRALayerWeights(name, c.lora_rank, 1, torch.zeros(c.lora_rank, cols, dtype=dtype),
-                                               torch.zeros(rows, c.lora_rank, dtype=dtype), scaling=1.0)
-        return LoRAModel(self.id, c.lora_rank, loras)
+                loras[name] = LoRALayerWeights(name, lora.rank, 1, torch.zeros(lora.rank, cols, dtype=dtype),
+                                               torch.zeros(rows, lora.rank, dtype=dtype), scaling=1.0)
+        return LoRAModel(self.id, lora.rank, loras)
 
     def _check_slots(self) -> None:
         """Each local tensor fits the live LoRA layer's slot (refit's layout = vLLM's slicing)."""
