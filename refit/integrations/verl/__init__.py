@@ -15,11 +15,15 @@ actor rank (``is_master`` on rank 0) and one per rollout worker, and runs every 
 * ``build_topology`` (verl's driver): raises `refit.InvalidInput` with that refusal; hands the
   address and the servers to every worker.
 * ``init_process_group``: every actor rank attaches its live model once (FSDP2, Megatron or an
-  unsharded transformers model; shard to shard, never full tensors).
+  unsharded transformers model; shard to shard, never full tensors); a PEFT LoRA actor its
+  adapter alone, which the engines hold in vLLM's LoRA slot under verl's LoRA id.
 * ``send_weights``: verl's full-tensor generator is closed unread; actor rank 0 initialises each
-  replica's refit backend once (``init_weight_transfer_engine``, group ``<engine_group>-<replica>``),
-  creates one plan per replica once, and runs vLLM's start / update_weights / finish on every
-  replica for the next refit version (``global_steps`` when it increases, else the last + 1).
+  replica's refit backend once (``init_weight_transfer_engine``, group ``<engine_group>-<replica>``,
+  with the adapter's ``init_info["adapter"]`` for a LoRA actor; every DP engine of the replica's
+  server registers),
+  creates one plan per replica once (and one for the MTP drafter of an MTP rollout), and runs
+  vLLM's start / update_weights / finish on every replica (then the drafter's, same version)
+  for the next refit version (``global_steps`` when it increases, else the last + 1).
 * ``receive_weights``: nothing left to receive; returns an empty `Handled` marker, which the
   rollout's server adapter is made to skip (`_skip_handled`).
 """
@@ -114,6 +118,10 @@ class RefitCheckpointEngine(CheckpointEngine):
         self._server: Any = None  # ThreadedServer, on the master when no address is given
         self._agent: Any = None
         self._attached: int | None = None  # id() of the module the agent serves
+        self._adapter: dict[str, Any] | None = None  # a LoRA actor's init_info["adapter"] for the engines
+        self._draft_agent: Any = None  # the actor's MTP layers (last pipeline stage), when vLLM drafts with them
+        self._mtp = False  # vLLM drafts with the actor's MTP layers: every refit moves the drafter too
+        self._draft_plans: dict[int, str] = {}  # replica rank -> the drafter's plan
         self._servers: dict[int, Any] = {}  # replica rank -> vLLM server (Ray handle)
         self._plans: dict[int, str] = {}  # replica rank -> plan id, created once
         self._planned_for: dict[int, Any] = {}  # replica rank -> the server those plans were made with
@@ -133,7 +141,8 @@ class RefitCheckpointEngine(CheckpointEngine):
         adapter = live.rollout_adapter(holder)
         if adapter is not None:
             model = getattr(adapter, "model_config", None)
-            meta["refusal"] = live.rollout_refusal(adapter.config, getattr(model, "hf_config", None))
+            meta["refusal"] = live.rollout_refusal(adapter.config, getattr(model, "hf_config", None),
+                                                   live.lora_mode(model))
             server = live.server_of(adapter)
             if server is not None:
                 meta.update(replica=int(adapter.replica_rank), server=server)
@@ -203,7 +212,11 @@ class RefitCheckpointEngine(CheckpointEngine):
             return
         if self._agent is not None:  # verl rebuilt the model: serve the new one
             self._agent.stop()
-        self._agent = live.attach_actor(engine, self.address, self.trainer_group, self.token)
+            if self._draft_agent is not None:
+                self._draft_agent.stop()
+        attached = live.attach_actor(engine, self.address, self.trainer_group, self.token)
+        self._agent, self._draft_agent, self._adapter = attached.agent, attached.draft, attached.adapter
+        self._mtp = live.mtp_rollout(getattr(engine, "model_config", None))
         self._attached = id(engine.module)
         if live.params_offloaded(engine) and self._barrier_group is None:
             import torch.distributed as dist
@@ -252,10 +265,17 @@ class RefitCheckpointEngine(CheckpointEngine):
     async def _init_replica(self, replica: int) -> None:
         server, group = self._servers[replica], f"{self.engine_group}-{replica}"
         info = {**self.init_info, "coordinator": self.address, "group": group}
+        if self._adapter is not None:  # a LoRA actor: the adapter alone, into the engine's LoRA slot
+            info["adapter"] = self._adapter
+        if self._mtp:  # the engine registers its MTP drafter as a group of its own
+            info["draft_group"] = f"{group}-draft"
         if self.token:
             info["token"] = self.token
         await server.collective_rpc.remote("init_weight_transfer_engine", kwargs={"init_info": info})
-        self._plans[replica] = (await asyncio.to_thread(self._create_plan, group))["plan_id"]
+        self._plans[replica] = (await asyncio.to_thread(self._create_plan, self.trainer_group, group))["plan_id"]
+        if self._mtp:  # the actor's MTP layers (its last stage) into the engine's drafter
+            self._draft_plans[replica] = (await asyncio.to_thread(
+                self._create_plan, f"{self.trainer_group}-draft", f"{group}-draft"))["plan_id"]
         self._planned_for[replica] = server
         log.info("refit: replica %d registered as %s; plan %s", replica, group, self._plans[replica])
 
@@ -264,9 +284,9 @@ class RefitCheckpointEngine(CheckpointEngine):
 
         return Client(self.address, token=self.token)
 
-    def _create_plan(self, group: str) -> dict[str, Any]:
+    def _create_plan(self, trainers: str, engines: str) -> dict[str, Any]:
         with self._client() as client:
-            return client.create_plan(self.trainer_group, group)
+            return client.create_plan(trainers, engines)
 
     def _held_version(self) -> int:
         with self._client() as client:
@@ -280,6 +300,11 @@ class RefitCheckpointEngine(CheckpointEngine):
             await server.collective_rpc.remote("start_weight_update")
             await server.collective_rpc.remote("update_weights", kwargs={"update_info": info})
             await server.collective_rpc.remote("finish_weight_update")
+            if replica in self._draft_plans:  # then the MTP drafter, at the same version (vLLM's draft update)
+                await server.collective_rpc.remote("start_draft_weight_update")
+                draft = {**info, "plan_id": self._draft_plans[replica]}
+                await server.collective_rpc.remote("update_weights", kwargs={"update_info": draft})
+                await server.collective_rpc.remote("finish_weight_update")
         except Exception as e:  # a RefitFailed naming the worker, or Ray's error for a server that died
             raise RefitFailed(f"refit: version {version} into rollout replica {replica} "
                               f"({self.engine_group}-{replica}) failed: {e}") from e
