@@ -13,6 +13,7 @@ from typing import Any, Awaitable, Callable
 
 from refit.control.membership import one_replica, replica_shape
 from refit.control.common import Conflict, Exhausted, Precondition, Side, short, spec_from_registration, worker_id
+from refit.control.config_diff import config_differences
 from refit.casts import casts_between
 from refit.control.v1 import refit_pb2 as pb
 from refit.dtypes import DTYPE_BYTES
@@ -270,36 +271,6 @@ def check_same_model(src: Worker, dst: Worker) -> dict[str, str]:
         return casts_between(src.spec, dst.spec)
     except InvalidInput as e:
         raise InvalidInput(f"groups {a.group!r} and {b.group!r}: {e}") from None
-
-
-def config_differences(a: str, b: str, a_name: str, b_name: str, ignore: tuple[str, ...] = ()) -> str:
-    """Every field on which two registered model configs differ, with both values, the first pair
-    labelled with whose it is: ``dtype 'float32' (trainer) vs 'bfloat16' (engine); vocab_size 300
-    vs 302``.  A nested value (the LoRA adapter) is compared field by field and named by its path,
-    ``lora.rank 8 vs 16``; against a config without one, each field shows None.  ``ignore``: paths
-    left out.  Empty if equal.  Values are cut short: a registration may be 64 KiB of JSON."""
-    rows = [row for row in differing_fields(json.loads(a), json.loads(b)) if row[0] not in ignore]
-    value = lambda v: "(absent)" if v is ABSENT else short(v, 40)  # noqa: E731
-    parts = [f"{k} {value(va)} vs {value(vb)}" for k, va, vb in rows]
-    if parts:
-        k, va, vb = rows[0]
-        parts[0] = f"{k} {value(va)} ({a_name}) vs {value(vb)} ({b_name})"
-    return "; ".join(parts)
-
-
-ABSENT = object()  # a field one side lacks differs from every value
-
-
-def differing_fields(a: Any, b: Any, path: str = "") -> list[tuple[str, Any, Any]]:
-    """(dotted path, value in ``a``, value in ``b``) of each field on which two JSON values differ,
-    in order of path.  An object is compared field by field, also against null or a lacking field
-    (which then stands for each of its fields): a message names the number that differs."""
-    nested = lambda v: isinstance(v, dict) or v is None or v is ABSENT  # noqa: E731
-    if (isinstance(a, dict) or isinstance(b, dict)) and nested(a) and nested(b):
-        keys = sorted({*(a if isinstance(a, dict) else ()), *(b if isinstance(b, dict) else ())})
-        at = lambda v, k: v.get(k, ABSENT) if isinstance(v, dict) else v  # noqa: E731
-        return [row for k in keys for row in differing_fields(at(a, k), at(b, k), f"{path}.{k}" if path else k)]
-    return [] if a == b else [(path, a, b)]
 
 
 def group_difference(ref: Worker, w: Worker) -> str:

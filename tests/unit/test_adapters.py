@@ -10,7 +10,8 @@ import json
 import pytest
 
 from refit.control.common import config_json, spec_from_registration
-from refit.control.registry import check_info, config_differences
+from refit.control.config_diff import config_differences
+from refit.control.registry import check_info
 from refit.control.v1 import refit_pb2 as pb
 from refit.errors import InvalidInput
 from refit.layouts import resolve_layout

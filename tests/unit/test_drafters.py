@@ -17,7 +17,7 @@ from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
 from refit.control.common import config_json, spec_from_registration
-from refit.control.registry import config_differences
+from refit.control.config_diff import config_differences
 from refit.drafters import (EAGLE, MTP, MTP_SHARED, drafter_config, eagle_canonical, eagle_config, mtp_config,
                             mtp_layers)
 from refit.errors import InvalidInput
