@@ -31,7 +31,6 @@ names them together, states what an implementation must guarantee, and checks a 
 
 from __future__ import annotations
 
-import inspect
 from typing import Any
 
 from refit.control.dataplane import BaseDataPlane, DataPlane, PhaseHook
@@ -41,34 +40,11 @@ from refit.layouts import register_layout
 from refit.layouts.base import Layout
 from refit.planners import register_planner
 from refit.planners.base import Planner
+from refit.protocols import members, missing
 
 __all__ = ["BaseDataPlane", "DataPlane", "HostRefit", "Landing", "Layout", "PhaseHook", "Planner", "WorkerGroup",
-           "missing", "register_layout", "register_planner", "PROTOCOLS"]
+           "members", "missing", "register_layout", "register_planner", "PROTOCOLS"]
 
 # name -> protocol, as the docstring lists them
 PROTOCOLS: dict[str, Any] = {"layout": Layout, "planner": Planner, "data plane": DataPlane, "landing": Landing,
                              "worker group": WorkerGroup, "phase hook": PhaseHook}
-
-
-def members(protocol: Any) -> set[str]:
-    """The names a protocol declares: its methods, properties and annotated attributes."""
-    names = {n for n, v in vars(protocol).items() if not n.startswith("_") and (callable(v) or isinstance(v, property))}
-    for klass in protocol.__mro__:
-        if klass is object or klass.__name__ == "Protocol" or klass.__module__ == "typing":
-            continue
-        names |= {n for n in inspect.get_annotations(klass) if not n.startswith("_")}
-    return names
-
-
-def missing(candidate: Any, protocol: Any) -> list[str]:
-    """The members of ``protocol`` that ``candidate`` (a class or an instance) lacks, sorted; [] when
-    it has them all.  A class's attributes set only in ``__init__`` count where the class
-    annotates them.  Structural only: what each member does is the contract above."""
-    return sorted(n for n in members(protocol) if not hasattr(candidate, n)
-                  and n not in _instance_attributes(candidate))
-
-
-def _instance_attributes(candidate: Any) -> set[str]:
-    """Attributes a class declares by annotation only (set on its instances in ``__init__``)."""
-    cls = candidate if inspect.isclass(candidate) else type(candidate)
-    return {n for klass in cls.__mro__ for n in inspect.get_annotations(klass)}

@@ -40,6 +40,7 @@ from typing import TYPE_CHECKING, Callable, Mapping, Protocol, Union
 
 from refit.control.common import Side
 from refit.errors import InvalidInput, RefitFailed
+from refit.protocols import missing
 from refit.spec import check_tensor_table
 
 if TYPE_CHECKING:
@@ -193,9 +194,7 @@ class DataPlane(Protocol):
 def check_data_plane(data_plane: object) -> None:
     """Refuse, naming them, a data plane without every member `DataPlane` declares (subclass
     `BaseDataPlane` for the defaults)."""
-    declared = {n for n in vars(DataPlane) if not n.startswith("_") and callable(vars(DataPlane)[n])}
-    declared |= set(DataPlane.__annotations__)
-    lacking = sorted(n for n in declared if not hasattr(data_plane, n))
+    lacking = missing(data_plane, DataPlane)
     if lacking:
         raise InvalidInput(f"data_plane {type(data_plane).__name__} lacks {', '.join(lacking)} "
                            "(refit.control.dataplane.DataPlane; subclass BaseDataPlane for the defaults)")
