@@ -60,9 +60,10 @@ class PlanFile(TypedDict):
     tensors: Annotated[list[tuple[str, Dtype, Coords]], Field(description=(
         "[name, dtype, shape] of every canonical tensor the plan moves, in the engines' dtype"))]
     transfers: Annotated[list[tuple[Stage, Count, Count, Count, Coords, Coords]], Field(description=(
-        "[stage, source rank, destination rank (a source rank at stage 0), tensor index, start, size]: one box each"))]
+        "[stage, sender (a source rank), receiver (a destination rank; a source rank at stage 0), tensor index, "
+        "start, size]: one box each (`refit.plan.Transfer`)"))]
     buckets: Annotated[list[tuple[Stage, Count, Count, Count, Annotated[int, Field(ge=1)], Count]], Field(
-        description="[stage, source rank, destination rank, first transfer, transfers, bytes]: one message each")]
+        description="[stage, sender, receiver, first transfer, transfers, bytes]: one message each (`refit.plan.Bucket`)")]
     phase_layers: NotRequired[Annotated[int, Field(ge=1, description="a phased plan: layers per phase")]]
     phases: NotRequired[Annotated[list[tuple[int, Count]], Field(description=(
         "a phased plan: [phase key, first bucket] in run order (key -1: tensors of no layer)"))]]
