@@ -9,7 +9,10 @@ Everything runs in spawned processes driven over pipes (`PipedProcess`):
 * `GpuEngine`: ``vllm.LLM`` with vLLM's defaults on CUDA (CUDA graphs and torch.compile on), with
   the ``refit`` backend, or without it (a fresh engine, the reference).  Engines start side by side:
   each takes a fixed KV cache (``kv_cache_memory_bytes``) and a small share of the GPU, and a cache
-  directory of its own (two engines compiling the same model at once would race in one).
+  directory of its own (two engines compiling the same model at once would race in one).  A fresh
+  engine started to be compared with a refitted one reuses that engine's compile cache
+  (``compiled_by``), so that both run the very kernels the refitted one compiled and tuned: which
+  Triton configuration a compile keeps is no property of the weights.
 """
 
 from __future__ import annotations
@@ -183,10 +186,11 @@ def generate_alone(llm: Any) -> list[tuple[list[int], list[float]]]:
     return [generate(llm, [p])[0] for p in PROMPTS]
 
 
-def _engine_main(conn: Any, name: str, model_dir: str, coordinator: str | None, group: str,
+def _engine_main(conn: Any, cache: str, model_dir: str, coordinator: str | None, group: str,
                  llm_kwargs: dict[str, Any]) -> None:
-    # a cache of its own: engines compiling the same model side by side would race in one
-    os.environ["VLLM_CACHE_ROOT"] = os.path.join(os.environ.get("TMPDIR", "/tmp"), f"vllm-cache-{name}")
+    # engines compiling the same model side by side would race in one cache: one each, shared only
+    # with engines started once its engine has compiled (`GpuEngine`'s ``compiled_by``)
+    os.environ["VLLM_CACHE_ROOT"] = os.path.join(os.environ.get("TMPDIR", "/tmp"), f"vllm-cache-{cache}")
     os.environ.setdefault("VLLM_ALLOW_INSECURE_SERIALIZATION", "1")  # apply_model across processes
     os.environ.update(SAME_KERNELS_ENV)
     logging.basicConfig(level=logging.INFO)
@@ -231,6 +235,9 @@ def _engine_main(conn: Any, name: str, model_dir: str, coordinator: str | None, 
                 conn.send(("ok", llm.apply_model(_digests)[0]))
             elif cmd == "probe":
                 conn.send(("ok", probe(llm, arg)))
+            elif cmd == "reload":  # vLLM's own loader, from a checkpoint directory, in this engine
+                llm.collective_rpc("reload_weights", kwargs={"weights_path": arg})
+                conn.send(("ok", None))
             elif cmd == "sleep":
                 llm.sleep(level=arg)
                 conn.send(("ok", None))
@@ -250,10 +257,11 @@ class GpuEngine(PipedProcess):
     stop_timeout, join_timeout = 30.0, 30.0
 
     def __init__(self, name: str, model_dir: str, coordinator: str | None = None, group: str = "",
-                 **llm_kwargs: Any) -> None:
+                 compiled_by: str = "", **llm_kwargs: Any) -> None:
         self.name = name
         self.conn, child = CTX.Pipe()
-        self.proc = CTX.Process(target=_engine_main, args=(child, name, model_dir, coordinator, group, llm_kwargs))
+        cache = compiled_by or name  # the engine whose compile cache this one uses (it has compiled: ready)
+        self.proc = CTX.Process(target=_engine_main, args=(child, cache, model_dir, coordinator, group, llm_kwargs))
         self.proc.start()
         self._ready = False
 
