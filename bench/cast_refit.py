@@ -35,12 +35,13 @@ def _rank_main(conn: Any, address: str, spec: Any, role: str, layout: str, devic
 
     from refit.control import EngineAgent, TrainerAgent
     from refit.layouts import resolve_layout
+    from refit.sides import Side
 
     os.environ.setdefault("NCCL_NVLS_ENABLE", "0")
     dev = torch.device(device)
     if dev.type == "cuda":
         torch.cuda.set_device(dev)
-    lay = resolve_layout(layout, spec, "src" if role == "trainer" else "dst")
+    lay = resolve_layout(layout, spec, Side.named(role))
     tensors = {lt.name: torch.empty(lt.shape, dtype=getattr(torch, lt.dtype), device=dev)
                for lt in lay.local_tensors(spec, 0)}
     cls = TrainerAgent if role == "trainer" else EngineAgent

@@ -18,6 +18,7 @@ from refit.hf_checkpoint import load_spec
 from refit.layouts import Layout, parse_layout, resolve_layout
 from refit.plan import DEFAULT_BUCKET_BYTES, Placement, Plan
 from refit.planners import PlanResult, make_plan
+from refit.sides import Side  # resolve_layout's role
 from refit.spec import ModelSpec
 
 __version__ = "0.1.0"
@@ -39,4 +40,4 @@ def __getattr__(name: str) -> Any:
 
 __all__ = ["Client", "TrainerAgent", "EngineAgent", "RefitError", "InvalidInput", "RefitFailed", "ModelSpec", "Layout",
            "Placement", "Plan", "PlanResult", "DEFAULT_BUCKET_BYTES", "load_plan", "load_spec", "make_plan", "parse_layout",
-           "resolve_layout"]
+           "resolve_layout", "Side"]

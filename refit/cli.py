@@ -28,6 +28,7 @@ from refit.planners import make_plan
 from refit.predict import TERMS, engine_cost, hardware, predict
 from refit.reshard import check_output, reshard
 from refit.quantization import FORMATS, hf_quantization_config
+from refit.sides import Side
 from refit.spec import ModelSpec, build_spec, quantize_spec
 from refit.units import MiB, fmt_bytes
 
@@ -105,7 +106,7 @@ def cmd_settings(args: argparse.Namespace) -> int:
 
 def cmd_layout(args: argparse.Namespace) -> int:
     spec = load_spec(args.model)
-    layout = resolve_layout(args.layout, spec, args.role)
+    layout = resolve_layout(args.layout, spec, Side.of_end(args.role))  # --role keeps its src/dst values
     if args.rank is not None and not 0 <= args.rank < layout.world_size:
         raise InvalidInput(f"rank {args.rank} is outside {layout.describe()} (world size {layout.world_size})")
     ranks = [args.rank] if args.rank is not None else list(range(layout.world_size))
@@ -256,8 +257,8 @@ def cmd_reshard(args: argparse.Namespace) -> int:
     check_output(args.in_dir, args.out_dir, args.force)
     spec = load_spec(args.model)
     out_spec = _served_spec(spec, args.dst_dtype)
-    src = resolve_layout(args.src, spec, "src")
-    dst = resolve_layout(args.dst, out_spec, "dst")
+    src = resolve_layout(args.src, spec, Side.TRAINER)
+    dst = resolve_layout(args.dst, out_spec, Side.ENGINE)
     print(f"source  {src.describe():<36} {_degrees(src.details())}", file=sys.stderr)
     print(f"dest    {dst.describe():<36} {_degrees(dst.details())}"
           f"{'  quantized to ' + out_spec.config.quantization if out_spec is not spec else ''}", file=sys.stderr)

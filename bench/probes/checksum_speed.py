@@ -22,6 +22,7 @@ from refit import load_spec, make_plan
 from refit.executor import checksum as ck
 from refit.executor import checksum_triton as ckt
 from refit.executor.values import TORCH_DTYPES, int_view
+from refit.sides import Side
 
 
 def timed(fn: Callable[[], object], iters: int) -> float:
@@ -58,8 +59,9 @@ def copy_rate(nbytes: int, iters: int) -> tuple[float, int]:
     return n / s / 1e9, n
 
 
-def one_side(args: argparse.Namespace, spec, r, side: str) -> None:
-    layout = r.src if side == "src" else r.dst
+def one_side(args: argparse.Namespace, spec, r, end: str) -> None:
+    side = Side.of_end(end)  # --side keeps the plan's words, src/dst
+    layout = r.src if side is Side.TRAINER else r.dst
     tensors = allocate(spec, layout, args.rank)
     share = ck._share(r.plan, spec, r.src, r.dst, side, args.rank)
     nbytes = sum(r.plan.transfer_bytes(r.plan.transfers[b.index]) for b in share.boxes)
@@ -72,7 +74,7 @@ def one_side(args: argparse.Namespace, spec, r, side: str) -> None:
     want = run()
     first = time.perf_counter() - t0
     items = share.launches.items.shape[0] if share.launches is not None else 0
-    print(f"{side} rank {args.rank} ({layout.describe()}): {len(tensors)} tensors, {len(share.boxes)} boxes in "
+    print(f"{end} rank {args.rank} ({layout.describe()}): {len(tensors)} tensors, {len(share.boxes)} boxes in "
           f"{blocks} blocks, {nbytes / 1e9:.2f} GB, {items} kernel items; first call {first * 1e3:.0f} ms")
     base = dict(ckt._CONFIG)
     for cfg in args.configs:

@@ -3,9 +3,10 @@ rewritten, which the atomic switch ran into); copy_ per tensor for comparison.  
 import torch
 from refit.hf_checkpoint import load_spec
 from refit.layouts import resolve_layout
+from refit.sides import Side
 from refit.executor.shards import allocate_each
 spec = load_spec("qwen3-8b")
-lay = resolve_layout("vllm:tp1", spec, "dst")
+lay = resolve_layout("vllm:tp1", spec, Side.ENGINE)
 sh = allocate_each(list(lay.local_tensors(spec, 0)), torch.device("cuda", 0))
 live = sh.tensors
 staged = {n: t.clone() for n, t in live.items()}

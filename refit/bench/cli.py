@@ -40,6 +40,7 @@ from refit.layouts.quantized import shared_scale_table
 from refit.hf_checkpoint import load_spec
 from refit.planners import MIN_BUCKET_BYTES, make_plan
 from refit.quantization import FORMATS
+from refit.sides import Side
 from refit.spec import ModelSpec, quantize_spec
 from refit.units import MiB
 
@@ -224,13 +225,13 @@ def choose_transport(requested: str, device: str, gpus: int) -> str:
     return "ipc" if peers else comm
 
 
-def _kill_hook() -> tuple[tuple[str, int, int] | None, bool]:
+def _kill_hook() -> tuple[tuple[Side, int, int] | None, bool]:
     """``REFIT_TEST_KILL=dst2@1``: destination rank 2 dies during refit 1; ``dst2@1:stop``: it
     stops itself (SIGSTOP) instead, a hung worker (tests of failure paths)."""
     import re
 
     m = re.fullmatch(r"(src|dst)(\d+)@(\d+)(:stop)?", settings.current().test_kill)
-    return ((m.group(1), int(m.group(2)), int(m.group(3))), bool(m.group(4))) if m else (None, False)
+    return ((Side.of_end(m.group(1)), int(m.group(2)), int(m.group(3))), bool(m.group(4))) if m else (None, False)
 
 
 def run(args: argparse.Namespace) -> dict[str, Any]:
@@ -278,7 +279,8 @@ def _run_ray(args: argparse.Namespace, spec: ModelSpec) -> dict[str, Any]:
     """``--ray``: the device follows the cluster (its GPUs), not this machine."""
     from refit.bench.on_ray import connect
 
-    ranks = resolve_layout(args.src, spec, "src").world_size + resolve_layout(args.dst, spec, "dst").world_size
+    ranks = (resolve_layout(args.src, spec, Side.TRAINER).world_size
+             + resolve_layout(args.dst, spec, Side.ENGINE).world_size)
     # What is wrong whatever the cluster: said before joining one (``auto`` may start a local one).
     if args.bucket_mb is not None:
         _check_bucket(args.bucket_mb)

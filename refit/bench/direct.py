@@ -15,13 +15,14 @@ from refit.bench.launch import run_job
 from refit.bench.worker import Job, PlanRun, Refit
 from refit.executor.delta import DeltaStats
 from refit.executor.topology import Topology
+from refit.sides import Side
 from refit.spec import ModelSpec
 from refit.units import MiB, fmt_bytes
 
 
 
 def run_direct(args: argparse.Namespace, spec: ModelSpec, plans: list[Any], device: str,
-               reduced: dict[str, list[int]] | None, transport: str, kill: tuple[str, int, int] | None = None,
+               reduced: dict[str, list[int]] | None, transport: str, kill: tuple[Side, int, int] | None = None,
                hang: bool = False) -> dict[str, Any]:
     first = plans[0]
     delta, step_lr = args.delta, args.step_lr

@@ -37,6 +37,7 @@ from refit.errors import InvalidInput
 from refit.executor.topology import GpuSeat, Topology, all_visible, local_indices
 from refit.integrations.ray import coordinator as ray_coord
 from refit.integrations.ray.placement import STRATEGIES, RLPlacement, rl_placement, traffic
+from refit.sides import Side
 from refit.spec import ModelSpec
 from refit.units import MiB, fmt_bytes
 
@@ -143,7 +144,7 @@ def _node_gpus() -> int:
 
 
 def run_on_ray(args: argparse.Namespace, spec: ModelSpec, plans: list[Any], cuda: bool,
-               reduced: dict[str, list[int]] | None, kill: tuple[tuple[str, int, int] | None, bool] = (None, False),
+               reduced: dict[str, list[int]] | None, kill: tuple[tuple[Side, int, int] | None, bool] = (None, False),
                ) -> dict[str, Any]:
     """Place, run and report (the caller has joined the cluster: `connect`).  ``kill``: the
     test hook of `refit.bench.cli._kill_hook` (a rank actor dies or stops mid-refit)."""
@@ -166,7 +167,7 @@ def run_on_ray(args: argparse.Namespace, spec: ModelSpec, plans: list[Any], cuda
         topo = Topology.one_per_rank(placement)
         for ep in (e for eps in topo.members for e in eps):
             # (NCCL_NVLS_ENABLE=0 is set by the actor itself: no runtime_env beyond what placement needs)
-            opts = pl.trainer_options(ep[1]) if ep[0] == "src" else pl.engine_options(ep[1])
+            opts = pl.trainer_options(ep[1]) if ep[0] is Side.TRAINER else pl.engine_options(ep[1])
             actors.append(_BenchRankActor.options(**opts).remote(args.verbose))
         where = _where(actors, topo, cuda, args.timeout)
         topos, transport = _seat(topo, where, cuda, args.transport, actors, args.timeout)
@@ -307,8 +308,8 @@ def _ray_report(address: str, strategy: str, plans: list[Any], topo: Topology, w
         if cuda and w["gpu"] not in n["gpus"]:
             n["gpus"].append(w["gpu"])
     member_of = topo.member_of
-    src = {ep[1]: node[m] for ep, m in member_of.items() if ep[0] == "src"}
-    dst = {ep[1]: node[m] for ep, m in member_of.items() if ep[0] == "dst"}
+    src = {ep[1]: node[m] for ep, m in member_of.items() if ep[0] is Side.TRAINER}
+    dst = {ep[1]: node[m] for ep, m in member_of.items() if ep[0] is Side.ENGINE}
     runs = []
     for r in plans:
         t = traffic(r.plan, src, dst)

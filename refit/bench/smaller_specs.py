@@ -15,6 +15,7 @@ from refit.errors import InvalidInput, RefitError
 from refit.layouts import resolve_layout
 from refit.layouts.quantized import shared_scale_table
 from refit.planners import make_plan
+from refit.sides import Side
 from refit.spec import ModelSpec, build_spec, quantize_spec
 
 
@@ -56,8 +57,8 @@ def reduce_spec(spec: ModelSpec, src: str, dst: str, quantization: str | None = 
                     if shared_scale_table(q, make_plan(q, src, dst).src):  # trainers cutting blocks: see `cli.run`
                         continue
                 else:
-                    resolve_layout(src, small, "src")
-                    resolve_layout(dst, small, "dst")
+                    resolve_layout(src, small, Side.TRAINER)
+                    resolve_layout(dst, small, Side.ENGINE)
             except RefitError:
                 continue
             changed = {f.name: [getattr(c, f.name), getattr(cfg, f.name)] for f in dataclasses.fields(c)

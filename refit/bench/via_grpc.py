@@ -46,7 +46,7 @@ def _agent_main(conn: Any, address: str, spec: ModelSpec, role: str, rank: int, 
     import torch
 
     from refit.control import EngineAgent, TrainerAgent
-    from refit.control.common import Side
+    from refit.sides import Side
     from refit.control.dataplane_executor import ExecutorDataPlane
     from refit.executor.shards import allocate, allocate_each, fill_sentinel, fill_source, verify
     from refit.layouts import resolve_layout
@@ -54,7 +54,7 @@ def _agent_main(conn: Any, address: str, spec: ModelSpec, role: str, rank: int, 
     torch.set_num_threads(1)
     try:
         side = Side.named(role)
-        lay = resolve_layout(layout, spec, side.end)
+        lay = resolve_layout(layout, spec, side)
         device = torch.device("cuda", gpu) if gpu >= 0 else torch.device("cpu")
         if gpu >= 0:
             torch.cuda.set_device(gpu)

@@ -34,6 +34,7 @@ from refit.bench.throttle import Throttled
 from refit.executor.delta import DeltaStats
 from refit.layouts import Layout, LocalTensor, QuantizedLayout
 from refit.plan import Plan
+from refit.sides import Side
 from refit.spec import ModelSpec, base_spec
 
 log = logging.getLogger("refit.bench")
@@ -71,7 +72,7 @@ class Job:
     device: str = "cpu"  # "cpu" or "cuda"
     timeout_s: float = 60.0
     link_bytes: int = 0  # >0: measure the link between the first two drivers with this message
-    kill: tuple[str, int, int] | None = None  # test hook: (side, rank, refit number) dies mid-refit
+    kill: tuple[Side, int, int] | None = None  # test hook: (side, rank, refit number) dies mid-refit
     hang: bool = False  # test hook: the `kill` victim stops itself (SIGSTOP) instead of dying
     store_port: int = 0
     store_host: str = "127.0.0.1"  # where the parent's rendezvous store listens (Ray: the driver's node)
@@ -127,11 +128,11 @@ class Session:
 
     # ------------------------------------------------------------------ setup
     def locals_of(self, ep: Endpoint) -> list[LocalTensor]:
-        layout = self.job.src if ep[0] == "src" else self.job.dst
+        layout = self.job.src if ep[0] is Side.TRAINER else self.job.dst
         return list(layout.local_tensors(self.job.spec, ep[1]))
 
     def shm_path(self, ep: Endpoint) -> str:
-        return f"/dev/shm/refit-{self.job.session}-{ep[0]}{ep[1]}"
+        return f"/dev/shm/refit-{self.job.session}-{ep[0].end}{ep[1]}"  # src0, dst1: the names they had
 
     def setup(self) -> None:
         job, topo = self.job, self.topo
@@ -152,7 +153,7 @@ class Session:
             shm = self.shm_path(ep) if job.device == "cpu" and shares(topo, self.member, ep, ipc,
                                                                         ipc_direction(settings.current().ipc, cuda=False) == "push") else None
             self.shards[ep] = allocate(self.locals_of(ep), torch.device(device), shm, job.alloc == "framework")
-            if ep[0] == "src" and isinstance(job.src, QuantizedLayout):  # what the trainer holds, unquantized
+            if ep[0] is Side.TRAINER and isinstance(job.src, QuantizedLayout):  # what the trainer holds, unquantized
                 self.unquantized[ep] = allocate(job.src.inner.local_tensors(base_spec(job.spec), ep[1]),
                                                 torch.device(device), None, job.alloc == "framework")
                 self.quantizers[ep] = SourceQuantizer(self.unquantized[ep], self.shards[ep], job.src, job.spec, ep[1])
@@ -200,7 +201,7 @@ class Session:
                             blocks=sum(b.blocks for b in batches), memcpys=sum(len(b.memcpys) for b in batches))
         del bounds, batches
         for ep, s in self.shards.items():
-            if ep[0] == "dst":
+            if ep[0] is Side.ENGINE:
                 fill_sentinel(s)
         seed = None
         cuda = job.device == "cuda"
@@ -214,10 +215,10 @@ class Session:
                 for ep, s in self.shards.items():
                     if ep in self.unquantized:
                         fill_finite(self.unquantized[ep], base_spec(job.spec), seed)
-                    elif ep[0] == "src" and self.masters:  # padding zero; `_step` writes the pieces
+                    elif ep[0] is Side.TRAINER and self.masters:  # padding zero; `_step` writes the pieces
                         for m in s.memory():
                             m.zero_()
-                    elif ep[0] == "src":
+                    elif ep[0] is Side.TRAINER:
                         fill_source(s, job.spec, seed)
             if self.masters:
                 self._step()
@@ -238,7 +239,7 @@ class Session:
             if refit.verify:
                 check = verify_quantized if job.spec.config.quantization else verify
                 for ep, s in self.shards.items():
-                    if ep[0] == "dst":
+                    if ep[0] is Side.ENGINE:
                         verdict = self.masters[ep].verify(s) if self.masters else check(s, job.spec, seed)
                         res.verdicts.setdefault(endpoint_name(ep), []).append(verdict)
             self.refits_done += 1
@@ -251,7 +252,7 @@ class Session:
         with torch.no_grad():
             for ep, masters in self.masters.items():
                 masters.step(self.job.step_lr or 0.0)
-                if ep[0] == "src":
+                if ep[0] is Side.TRAINER:
                     masters.cast_into(self.shards[ep])
 
     def _quantize(self) -> float:

@@ -40,14 +40,15 @@ import torch
 
 from refit.control.agent_share import AgentShare
 from refit.control.agent_state import Expectation, Holding, Outcome, Outcomes
-from refit.control.common import (KEEPALIVE_MS, KEEPALIVE_TIMEOUT_MS, Side, config_json, coordinator_address,
-                                  coordinator_token, on_agent_loop, worker_id)
+from refit.control.common import (KEEPALIVE_MS, KEEPALIVE_TIMEOUT_MS, config_json, coordinator_address,
+                                  coordinator_token, on_agent_loop, role_of, worker_id)
 from refit.control.dataplane import DataPlane, PhaseHook, Rendezvous, RunContext, Seat, Tensors, TensorSource, check_data_plane
 from refit.control.store_client import CoordinatorStore
 from refit.control.v1 import refit_pb2 as pb
 from refit.errors import InvalidInput
 from refit.layouts import Layout, resolve_layout
 from refit.plan import Plan
+from refit.sides import Side
 from refit.spec import ModelSpec
 from refit.timeline import mark
 
@@ -94,7 +95,7 @@ class Agent(AgentShare):
         super().__init__(coordinator_address(address), coordinator_token(token), reconnect=reconnect,
                          backoff=backoff, keepalive_ms=keepalive_ms, keepalive_timeout_ms=keepalive_timeout_ms)
         self.group, self.rank, self.spec = group, rank, spec
-        self.layout = resolve_layout(layout, spec, self.role.end) if isinstance(layout, str) else layout.resolve(spec)
+        self.layout = resolve_layout(layout, spec, self.role) if isinstance(layout, str) else layout.resolve(spec)
         if not 0 <= rank < self.layout.world_size:
             raise InvalidInput(f"rank {rank} is outside {self.layout.describe()} (world size {self.layout.world_size})")
         self._source: TensorSource = tensors if tensors is not None else {}
@@ -201,7 +202,7 @@ class Agent(AgentShare):
         concurrent.futures.wait((done,), timeout=0 if on_agent_loop() else 10)
 
     def _info(self) -> pb.WorkerInfo:
-        return pb.WorkerInfo(role=self.role.role, group=self.group, rank=self.rank, host=self.host, gpu=self.gpu,
+        return pb.WorkerInfo(role=role_of(self.role), group=self.group, rank=self.rank, host=self.host, gpu=self.gpu,
                              layout=self.layout.describe(), model_name=self.spec.name, model_digest=self.spec.digest(),
                              model_config_json=config_json(self.spec.config), version=self.holding.version,
                              stale=self.holding.stale, pid=os.getpid(), phase_layers=self.phase_layers,

@@ -22,7 +22,6 @@ import torch
 
 from refit.control.agent_state import Holding
 from refit.control.agent_stream import AgentStream
-from refit.control.common import Side
 from refit.control.dataplane import DataPlane, PhaseHook, RunContext, Tensors, TensorSource, check_tensors
 from refit.control.membership import interchangeable
 from refit.control.v1 import refit_pb2 as pb
@@ -30,6 +29,7 @@ from refit.errors import InvalidInput, RefitFailed
 from refit.executor.values import copy_bits, int_view
 from refit.layouts import Layout, resolve_layout
 from refit.plan import Plan
+from refit.sides import Side
 from refit.spec import ModelSpec
 from refit.timeline import mark
 
@@ -105,7 +105,7 @@ class AgentShare(AgentStream):
             return
         own = mine == self.layout.describe() and rank == self.rank
         if not own:
-            other = resolve_layout(mine, self.spec, self.role.end) if mine != self.layout.describe() else self.layout
+            other = resolve_layout(mine, self.spec, self.role) if mine != self.layout.describe() else self.layout
             if not interchangeable(self.spec, self.layout, self.rank, other, rank):
                 raise InvalidInput(f"plan is for {plan.model_digest} {mine} and has this worker play its rank {rank}; "
                                    f"this worker holds {self.spec.digest()} {self.layout.describe()} rank {self.rank}, "

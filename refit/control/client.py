@@ -22,12 +22,13 @@ from typing import Any, Callable, Iterator
 import grpc
 from google.protobuf.descriptor import FieldDescriptor
 
-from refit.control.common import (CHANNEL_OPTIONS, PLACEMENTS, Side, auth_metadata, coordinator_address,
-                                  coordinator_token)
+from refit.control.common import (CHANNEL_OPTIONS, PLACEMENTS, auth_metadata, coordinator_address, coordinator_token,
+                                  role_of, side_of_role)
 from refit.control.v1 import refit_pb2 as pb
 from refit.control.v1 import refit_pb2_grpc as pb_grpc
 from refit import errors
 from refit.plan import Plan
+from refit.sides import Side
 
 
 class ControlError(grpc.RpcError):
@@ -137,7 +138,7 @@ class RefitResult:
     @classmethod
     def from_pb(cls, r: pb.RefitResponse) -> "RefitResult":
         workers = {w.worker_id: WorkerResult(
-            w.worker_id, Side.of_role(w.role).value,
+            w.worker_id, side_of_role(w.role).value,
             pb.WorkerOutcome.Name(w.outcome).removeprefix("WORKER_OUTCOME_").lower(), w.bytes, w.seconds, w.error)
             for w in r.workers}
         d = r.delta if r.HasField("delta") else None
@@ -192,7 +193,7 @@ class Client:
         the worker holds *now* (an engine's weights, kept up to date by each refit; read these),
         while ``info["version"]`` (and ``info["stale"]``) is what it reported when it registered,
         never updated afterwards.  Rows of workers that left stay, with ``connected`` False."""
-        req = pb.ListWorkersRequest(group=group, role=Side.named(role).role if role else pb.ROLE_UNSPECIFIED)
+        req = pb.ListWorkersRequest(group=group, role=role_of(Side.named(role)) if role else pb.ROLE_UNSPECIFIED)
         resp = _call("ListWorkers", self._stub.ListWorkers, req, metadata=self._md, timeout=self.timeout)
         return [to_dict(w) for w in resp.workers]
 

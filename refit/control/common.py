@@ -6,79 +6,35 @@ from __future__ import annotations
 
 import asyncio
 import dataclasses
-import enum
 import json
 import os
 import secrets
 import threading
-from typing import TYPE_CHECKING, Any
+from typing import Any
 
 from refit import settings
 from refit.control.v1 import refit_pb2 as pb
 from refit.errors import InvalidInput, RefitFailed
+from refit.sides import Side  # re-exported: integrations import it from here
 from refit.spec import ModelConfig, ModelSpec, build_spec
-
-if TYPE_CHECKING:
-    from refit.plan import Bucket, Plan
 
 DEFAULT_PORT = 50051
 SERVICE_NAME = "refit.v1.Coordinator"
 
 
-class Side(str, enum.Enum):
-    """The two sides of a refit, one word for each under every name a layer gives it: a trainer
-    sends, as a plan's source (``src``, its layout read as Megatron's) and the proto's
-    ``ROLE_TRAINER``; an engine receives, as ``dst`` (read as vLLM's) and ``ROLE_ENGINE``.  A
-    `str`: ``Side.TRAINER == "trainer"``."""
+def role_of(side: Side) -> pb.Role:
+    """The proto's ``Role`` of a side (kept here: the ground-floor `refit.sides` knows no proto)."""
+    return pb.ROLE_TRAINER if side is Side.TRAINER else pb.ROLE_ENGINE
 
-    TRAINER = "trainer"
-    ENGINE = "engine"
 
-    @property
-    def end(self) -> str:
-        """The plan's and the layouts' word: ``src`` or ``dst``."""
-        return "src" if self is Side.TRAINER else "dst"
+def side_of_role(role: int) -> Side:
+    """The side of a proto ``Role``; InvalidInput for ``ROLE_UNSPECIFIED`` or an unknown one."""
+    if role == pb.ROLE_TRAINER:
+        return Side.TRAINER
+    if role == pb.ROLE_ENGINE:
+        return Side.ENGINE
+    raise InvalidInput(f"role must be ROLE_TRAINER or ROLE_ENGINE, not {role}")
 
-    @property
-    def role(self) -> "pb.Role":
-        return pb.ROLE_TRAINER if self is Side.TRAINER else pb.ROLE_ENGINE
-
-    @property
-    def other(self) -> "Side":
-        return Side.ENGINE if self is Side.TRAINER else Side.TRAINER
-
-    @property
-    def plural(self) -> str:
-        return f"{self.value}s"
-
-    @property
-    def with_article(self) -> str:
-        return "a trainer" if self is Side.TRAINER else "an engine"
-
-    @classmethod
-    def of_role(cls, role: int) -> "Side":
-        """The side of a proto ``Role``; InvalidInput for ``ROLE_UNSPECIFIED`` or an unknown one."""
-        if role == pb.ROLE_TRAINER:
-            return Side.TRAINER
-        if role == pb.ROLE_ENGINE:
-            return Side.ENGINE
-        raise InvalidInput(f"role must be ROLE_TRAINER or ROLE_ENGINE, not {role}")
-
-    @classmethod
-    def named(cls, name: str) -> "Side":
-        """``trainer`` or ``engine``; InvalidInput otherwise."""
-        try:
-            return cls(name)
-        except ValueError:
-            raise InvalidInput(f"role must be one of {', '.join(s.value for s in cls)}, not {name!r}") from None
-
-    def layout_of(self, plan: "Plan") -> str:
-        """This side's layout in ``plan``."""
-        return plan.src_layout if self is Side.TRAINER else plan.dst_layout
-
-    def rank_in(self, bucket: "Bucket") -> int:
-        """This side's rank in a bucket of a plan."""
-        return bucket.sender if self is Side.TRAINER else bucket.receiver
 
 # Placement names as refit's planners spell them, and their proto enum (the one map of both).
 PLACEMENTS = {"colocated": pb.PLACEMENT_COLOCATED, "disaggregated": pb.PLACEMENT_DISAGGREGATED}

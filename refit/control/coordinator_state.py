@@ -17,7 +17,7 @@ import time
 import uuid
 from typing import Any, Callable
 
-from refit.control.common import PLACEMENT_NAMES, Exhausted, NotFound, Side, short
+from refit.control.common import PLACEMENT_NAMES, Exhausted, NotFound, short
 from refit.control.events import EventHub
 from refit.control.membership import View, engine_view
 from refit.control.refits import Run, add_delta, failed_response
@@ -28,6 +28,7 @@ from refit.control.v1 import refit_pb2 as pb
 from refit.errors import InvalidInput
 from refit.plan import DEFAULT_BUCKET_BYTES
 from refit.planners import PLANNERS, make_plan
+from refit.sides import Side
 from refit.spec import ModelSpec
 
 log = logging.getLogger("refit.control.coordinator")  # the coordinator's story reads in one logger

@@ -7,7 +7,7 @@ A data plane serves one agent, bound to it once, then told each plan once and ru
     bytes_moved, seconds = plane.run(plan, tensors, ctx)   # every refit of it
     plane.close()                             # when the agent stops
 
-* ``seat`` (`Seat`) — the agent's side (`refit.control.common.Side`: a trainer sends its boxes,
+* ``seat`` (`Seat`) — the agent's side (`refit.sides.Side`: a trainer sends its boxes,
   an engine receives into its tensors), its rank in its own layout, the model, and its host;
 * ``plan`` — the `refit.plan.Plan`, parsed once per plan and cached by the agent; ``prepare``
   may refuse it (`InvalidInput`) before any byte of it moves;
@@ -38,7 +38,7 @@ import time
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Callable, Mapping, Protocol, Union
 
-from refit.control.common import Side
+from refit.sides import Side
 from refit.errors import InvalidInput, RefitFailed
 from refit.protocols import missing
 from refit.spec import check_tensor_table
@@ -106,9 +106,9 @@ class Seat:
     host: str = "127.0.0.1"
 
     @property
-    def endpoint(self) -> tuple[str, int]:
-        """The plan's name of this seat: (``src`` or ``dst``, rank)."""
-        return self.side.end, self.rank
+    def endpoint(self) -> tuple[Side, int]:
+        """This seat as the executor names it (`refit.executor.topology.Endpoint`): (side, rank)."""
+        return self.side, self.rank
 
 
 @dataclass

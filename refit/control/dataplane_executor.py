@@ -39,18 +39,18 @@ from typing import Any, Callable, Mapping
 import torch
 import torch.distributed as dist
 
-from refit.control.common import Side
 from refit.control.dataplane import BaseDataPlane, RunContext, Tensors
 from refit.errors import InvalidInput
 from refit.executor.checksum import share_checksums
 from refit.executor.delta import DeltaStats
 from refit.executor.member import Member, Rebuild
 from refit.executor.seating import locate
-from refit.executor.topology import Endpoint
+from refit.executor.topology import Endpoint, endpoint_name, endpoints
 from refit.executor.quantize_grouped import quantize_many
 from refit.layouts import Layout, QuantizedLayout, resolve_layout
 from refit.quantization import quant_format
 from refit.plan import Plan
+from refit.sides import Side
 from refit.spec import ModelSpec
 
 log = logging.getLogger(__name__)
@@ -131,12 +131,12 @@ class ExecutorDataPlane(BaseDataPlane):
         other_side = seat.side.other
         own_text = seat.side.layout_of(plan)
         if own_text != seat.layout.describe():  # a replica playing a rank of the plan's replica count
-            mine = resolve_layout(own_text, spec, seat.side.end)
+            mine = resolve_layout(own_text, spec, seat.side)
         elif spec is not seat.spec:
-            mine = resolve_layout(seat.layout, spec, seat.side.end)
+            mine = resolve_layout(seat.layout, spec, seat.side)
         else:
             mine = seat.layout
-        other = resolve_layout(other_side.layout_of(plan), spec, other_side.end)
+        other = resolve_layout(other_side.layout_of(plan), spec, other_side)
         self._resolved[plan.plan_hash] = (spec, mine, other) if trainer else (spec, other, mine)
         if spec is not seat.spec:  # this rank's local tensors whose dtype the wire changes
             held = {lt.name: lt.dtype for lt in seat.layout.local_tensors(seat.spec, seat.rank)}
@@ -180,7 +180,7 @@ class ExecutorDataPlane(BaseDataPlane):
             seconds = held.member.refit(ctx.remaining, self.refit_hook, on_phase=on_phase, delta=ctx.delta,
                                         base=False)  # built again: nothing kept to start from
         # what was sent includes what the executor derived (a trainer's FP8 blocks cut across ranks)
-        derived = held.member.tensors.get((self.seat.side.end, self._rank(plan)), {})
+        derived = held.member.tensors.get((self.seat.side, self._rank(plan)), {})
         self._moved[plan.plan_hash] = {**derived, **tensors}
         self.last_delta = held.member.last_delta
         return held.nbytes, seconds
@@ -227,7 +227,7 @@ class ExecutorDataPlane(BaseDataPlane):
         if plan.plan_hash not in self._resolved:
             self.prepare(plan)
         spec, src, dst = self._run_view(plan)
-        return share_checksums(plan, spec, src, dst, self.seat.side.end, self._rank(plan), tensors, phase)
+        return share_checksums(plan, spec, src, dst, self.seat.side, self._rank(plan), tensors, phase)
 
     def _build(self, plan: Plan, tensors: Tensors, ctx: RunContext, rebuilds: int) -> Held:
         store = ctx.open_store(ctx.remaining())
@@ -251,12 +251,11 @@ class ExecutorDataPlane(BaseDataPlane):
 
     def _setup(self, store: dist.Store, plan: Plan, tensors: Tensors, ctx: RunContext) -> Member:
         rdv, seat, rank = ctx.rendezvous, self.seat, self._rank(plan)
-        me: Endpoint = (seat.side.end, rank)
-        eps = [("src", r) for r in range(len(plan.placement.src_gpus))] + \
-              [("dst", r) for r in range(len(plan.placement.dst_gpus))]
+        me: Endpoint = (seat.side, rank)
+        eps = endpoints(plan.placement)
         if len(eps) != rdv.world_size or eps[rdv.rank] != me:
             raise InvalidInput(f"rendezvous says member {rdv.rank} of {rdv.world_size}; the plan has "
-                             f"{len(eps)} ranks and this is {me[0]} rank {rank}")
+                             f"{len(eps)} ranks and this is {endpoint_name(me)}")
         names = [rdv.member(i) for i in range(len(eps))]
         device = _device_name(tensors)
         topo, cuda, one_host = locate(store, rdv.rank, eps, device, seat.host, names)

@@ -27,6 +27,7 @@ from typing import Any, Collection, Iterable, Protocol
 
 from refit.errors import InvalidInput
 from refit.layouts import Layout, resolve_layout
+from refit.sides import Side
 from refit.spec import ModelSpec
 
 
@@ -77,7 +78,7 @@ def layout_with(layout: Layout, n: int, spec: ModelSpec) -> Layout:
         return hit[1]
     if len(_RESOLVED) >= _RESOLVED_MAX:
         _RESOLVED.clear()
-    resolved = resolve_layout(layout.with_replicas(n).describe(), spec, "dst")
+    resolved = resolve_layout(layout.with_replicas(n).describe(), spec, Side.ENGINE)
     _RESOLVED[key] = (spec, resolved)
     return resolved
 

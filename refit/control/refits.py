@@ -9,9 +9,10 @@ import time
 from dataclasses import dataclass, field
 from typing import Mapping
 
-from refit.control.common import Side
+from refit.control.common import role_of
 from refit.control.registry import PlanEntry, Worker
 from refit.control.v1 import refit_pb2 as pb
+from refit.sides import Side
 
 log = logging.getLogger("refit.control.coordinator")  # a refit's story reads in one logger
 
@@ -135,9 +136,9 @@ def response(entry: PlanEntry, refit_id: str, version: int, t0: float, results: 
         if not r.worker_id:
             group, _, rank = m.rpartition("/")
             r.worker_id, r.rank = m, int(rank)
-            r.role = (Side.TRAINER if group == entry.src_group else Side.ENGINE).role
+            r.role = role_of(Side.TRAINER if group == entry.src_group else Side.ENGINE)
         workers.append(r)
-    received = sum(r.bytes for r in workers if r.role == Side.ENGINE.role)
+    received = sum(r.bytes for r in workers if r.role == role_of(Side.ENGINE))
     return pb.RefitResponse(refit_id=refit_id, plan_id=entry.plan_id, version=version, status=status,
                             error=error, seconds=time.monotonic() - t0, total_bytes=received, workers=workers)
 

@@ -12,7 +12,8 @@ from dataclasses import dataclass, field
 from typing import Any, Awaitable, Callable
 
 from refit.control.membership import one_replica, replica_shape
-from refit.control.common import Conflict, Exhausted, Precondition, Side, short, spec_from_registration, worker_id
+from refit.control.common import (Conflict, Exhausted, Precondition, short, side_of_role, spec_from_registration,
+                                  worker_id)
 from refit.control.config_diff import config_differences
 from refit.casts import casts_between
 from refit.control.v1 import refit_pb2 as pb
@@ -20,6 +21,7 @@ from refit.dtypes import DTYPE_BYTES
 from refit.errors import InvalidInput
 from refit.layouts import Layout, resolve_layout
 from refit.plan import Plan
+from refit.sides import Side
 from refit.spec import ModelSpec
 
 Send = Callable[[pb.CoordinatorMessage], Awaitable[None]]
@@ -62,7 +64,7 @@ class Worker:
 
     @property
     def role(self) -> Side:
-        return Side.of_role(self.info.role)
+        return side_of_role(self.info.role)
 
     def status(self) -> pb.WorkerStatus:
         return pb.WorkerStatus(worker_id=self.worker_id, info=self.info, session=self.session,
@@ -192,7 +194,7 @@ def build_registration(info: pb.WorkerInfo, specs: dict[tuple[str, str], ModelSp
     elif spec.digest() != info.model_digest:
         raise InvalidInput(f"model {short(info.model_name)}: model_config_json gives digest {spec.digest()}, "
                          f"the worker reported {short(info.model_digest or '(none)')}")
-    layout = resolve_layout(info.layout, spec, Side.of_role(info.role).end)
+    layout = resolve_layout(info.layout, spec, side_of_role(info.role))
     if layout.world_size > MAX_WORLD_SIZE:
         raise InvalidInput(f"register: {layout.describe()} has {layout.world_size} ranks, at most {MAX_WORLD_SIZE}")
     if info.rank >= layout.world_size:
@@ -219,7 +221,7 @@ def check_group_role(workers: dict[str, Worker], info: pb.WorkerInfo) -> None:
     for w in workers.values():
         if w.info.group == info.group and w.info.role != info.role and w.worker_id != worker_id(info.group, info.rank):
             raise InvalidInput(f"register: group {info.group!r} holds {w.role.plural} ({w.worker_id}); "
-                             f"{Side.of_role(info.role).with_article} cannot join it")
+                             f"{side_of_role(info.role).with_article} cannot join it")
 
 
 def group_members(workers: dict[str, Worker], group: str, side: Side) -> list[Worker]:

@@ -68,6 +68,7 @@ from refit.executor.values import DEFAULT_CHUNK, _linear_index, int_view
 from refit.layouts import Layout, LocalTensor, sent_tensors
 from refit.layouts.quantized import DERIVED_PREFIX
 from refit.plan import Plan
+from refit.sides import Side
 from refit.regions import Block, PieceIndex, slices
 from refit.spec import ModelSpec
 
@@ -95,10 +96,10 @@ def box_checksum(box: torch.Tensor) -> int:
     return fold(*sums.tolist())
 
 
-def share_checksums(plan: Plan, spec: ModelSpec, src_layout: Layout, dst_layout: Layout, side: str, rank: int,
+def share_checksums(plan: Plan, spec: ModelSpec, src_layout: Layout, dst_layout: Layout, side: Side, rank: int,
                     tensors: Mapping[str, torch.Tensor], phase: int | None = None) -> dict[int, int]:
-    """Checksum of every stage-1 transfer of ``plan`` that rank ``rank`` of ``side`` (``src`` or
-    ``dst``) sends or receives, by its index in ``plan.transfers``.  ``tensors``: that rank's
+    """Checksum of every stage-1 transfer of ``plan`` that rank ``rank`` of ``side`` (a trainer or
+    an engine) sends or receives, by its index in ``plan.transfers``.  ``tensors``: that rank's
     local tensors by local name, in the dtypes the wire carries (``spec`` is the one the plan runs
     with, the layouts resolved against it).  ``phase``: only the transfers of that phase of a
     phased plan (its key in `Plan.phase_ranges`: an engine that stages one window at a time sums
@@ -140,10 +141,10 @@ _shares: collections.OrderedDict[tuple[Any, ...], Share] = collections.OrderedDi
 _lock = threading.Lock()
 
 
-def _share(plan: Plan, spec: ModelSpec, src: Layout, dst: Layout, side: str, rank: int,
+def _share(plan: Plan, spec: ModelSpec, src: Layout, dst: Layout, side: Side, rank: int,
            phase: int | None = None) -> Share:
-    if side not in ("src", "dst"):
-        raise InvalidInput(f"side must be src or dst, not {side!r}")
+    if not isinstance(side, Side):  # a bare "trainer" would key the cache apart from Side.TRAINER
+        raise InvalidInput(f"side must be a refit.sides.Side, not {side!r}")
     key = (plan.plan_hash, src.describe(), dst.describe(), side, rank, phase)
     with _lock:
         share = _shares.get(key)
@@ -158,17 +159,18 @@ def _share(plan: Plan, spec: ModelSpec, src: Layout, dst: Layout, side: str, ran
     return share
 
 
-def _make_share(plan: Plan, spec: ModelSpec, src: Layout, dst: Layout, side: str, rank: int,
+def _make_share(plan: Plan, spec: ModelSpec, src: Layout, dst: Layout, side: Side, rank: int,
                 phase: int | None = None) -> Share:
     check_plan(plan, spec, src, dst, Topology.one_per_rank(plan.placement))
-    ranks = len(plan.placement.src_gpus if side == "src" else plan.placement.dst_gpus)
+    sending = side is Side.TRAINER
+    ranks = len(plan.placement.src_gpus if sending else plan.placement.dst_gpus)
     if not 0 <= rank < ranks:
-        raise InvalidInput(f"plan {plan.plan_hash} has {ranks} {side} ranks; there is no rank {rank}")
+        raise InvalidInput(f"plan {plan.plan_hash} has {ranks} {side.value} ranks; there is no rank {rank}")
     if plan.gathers:
         raise InvalidInput(f"plan {plan.plan_hash} gathers whole tensors on source roots (planner {plan.planner}): "
                            "its boxes leave from gathered copies no seat holds, so its transfers have no checksums")
-    locals_ = sent_tensors(spec, src if side == "src" else dst, rank)
-    index, ep, sending = PieceIndex(locals_), (side, rank), side == "src"
+    locals_ = sent_tensors(spec, src if sending else dst, rank)
+    index, ep = PieceIndex(locals_), (side, rank)
     wanted = range(len(plan.transfers)) if phase is None else _phase_transfers(plan, phase)
     boxes = tuple(BoxBlocks(i, t.size, tuple(box_blocks(index, t, ep, whole=True, sending=sending)))
                   for i, t in ((i, plan.transfers[i]) for i in wanted)

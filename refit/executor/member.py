@@ -46,13 +46,14 @@ from refit.executor.schedule import compile_program
 from refit.executor.shards import Shards, allocate, check_own, remove_file, views
 from refit.executor.shared_blocks import SharedQuantizer, allocate_derived, share
 from refit.executor.shm_barrier import ShmBarrier
-from refit.executor.topology import Endpoint, Topology
+from refit.executor.topology import Endpoint, Topology, endpoint_name
 from refit.executor.transports import (Comm, PeerError, export_arena, export_tensors, first_line, gloo_group,
                                        import_share, make_comm)
 from refit.layouts import Layout
 from refit.layouts.quantized import QuantizedLayout, scale_table
 from refit.quantization import is_quantized, quant_format
 from refit.plan import WHOLE, Plan
+from refit.sides import Side
 from refit.spec import ModelSpec
 from refit.timeline import mark
 
@@ -101,7 +102,13 @@ def shares(topo: Topology, member: int, ep: Endpoint, ipc: bool, push: bool = Fa
     else maps it, and memory CUDA IPC cannot export (vLLM's sleep-mode pool) stays usable there."""
     if topo.device_of[ep] not in topo.driven_devices(member):
         return True
-    return ipc and (ep[0] == "src" or (push and len(topo.drivers) > 1))
+    return ipc and (ep[0] is Side.TRAINER or (push and len(topo.drivers) > 1))
+
+
+def _share_key(ep: Endpoint) -> str:
+    """The store key of an endpoint's exported tensors: ``share/src0``, ``share/dst1`` (the plan's
+    word for the side, so the keys every member reads and writes stay what they were)."""
+    return f"share/{ep[0].end}{ep[1]}"
 
 
 class Member(MemberBarriers):
@@ -120,7 +127,7 @@ class Member(MemberBarriers):
         self.cuda = device.startswith("cuda")
         self.device: Device = make_device("cuda" if self.cuda else "cpu", torch.device(device).index or 0)
         for ep, tensors in own.items():
-            check_own(ep, tensors, src if ep[0] == "src" else dst, spec, self.device.torch, self.name)
+            check_own(ep, tensors, src if ep[0] is Side.TRAINER else dst, spec, self.device.torch, self.name)
         own, derived = self._derive(own)
         driven = set(topology.driven_devices(member))
         self.driver = bool(driven)
@@ -142,14 +149,14 @@ class Member(MemberBarriers):
         # Share what others read or write, then map what we read or write.
         for ep, tensors in own.items():
             if shares(topology, member, ep, ipc, self.push):
-                self.store.set(f"share/{ep[0]}{ep[1]}", self._export(ep, tensors))
+                self.store.set(_share_key(ep), self._export(ep, tensors))
         self.tensors: dict[Endpoint, dict[str, torch.Tensor]] = {
             ep: dict(t.tensors if isinstance(t, Shards) else t) for ep, t in own.items()}
         self.imported: list[torch.Tensor] = []  # peers' arenas, kept mapped for the member's life
         self.peer_devices: set[int] = set()  # CUDA devices whose memory this process reads (ipc)
         wanted = [ep for dev in sorted(driven) for ep in topology.endpoints_on(dev) if ep not in own]
         if ipc and driven:  # a driver maps every source shard of the host, once (push: every shard)
-            sides = ("src", "dst") if self.push else ("src",)
+            sides = (Side.TRAINER, Side.ENGINE) if self.push else (Side.TRAINER,)
             wanted += [ep for ep, _ in topology.devices if ep[0] in sides and ep not in own and ep not in wanted]
             if self.cuda:  # both ways, before the handles are opened (else copies go through the host)
                 here = self.device.torch.index
@@ -209,9 +216,9 @@ class Member(MemberBarriers):
         if not isinstance(self.src, QuantizedLayout):
             return own, mine
         for ep, tensors in own.items():
-            derived = allocate_derived(self.spec, self.src, ep[1], self.device.torch) if ep[0] == "src" else {}
+            derived = allocate_derived(self.spec, self.src, ep[1], self.device.torch) if ep[0] is Side.TRAINER else {}
             if derived and isinstance(tensors, Shards):
-                raise InvalidInput(f"{self.name}: {ep[0]} rank {ep[1]} of {self.src.describe()} cuts FP8 blocks, "
+                raise InvalidInput(f"{self.name}: {endpoint_name(ep)} of {self.src.describe()} cuts FP8 blocks, "
                                    f"which needs separate tensors, not an arena (the bench's --alloc arena)")
             if derived:
                 own[ep] = mine[ep[1]] = {**tensors, **derived}
@@ -253,8 +260,8 @@ class Member(MemberBarriers):
         return export_tensors(dict(tensors))
 
     def _import(self, ep: Endpoint) -> dict[str, torch.Tensor]:
-        shared = import_share(self.store.get(f"share/{ep[0]}{ep[1]}"))
-        layout = self.src if ep[0] == "src" else self.dst
+        shared = import_share(self.store.get(_share_key(ep)))
+        layout = self.src if ep[0] is Side.TRAINER else self.dst
         if isinstance(shared, dict):  # separate tensors (an agent's): as its layout says, or refused
             out = shared
             arena = next(iter(out.values()), None)
@@ -265,7 +272,7 @@ class Member(MemberBarriers):
             try:
                 out = views(arena, list(layout.local_tensors(self.spec, ep[1])), self.scattered)
             except ValueError as e:
-                raise InvalidInput(f"{self.name}: {ep[0]} rank {ep[1]} of {layout.describe()} shared by "
+                raise InvalidInput(f"{self.name}: {endpoint_name(ep)} of {layout.describe()} shared by "
                                  f"{self.names[self.topo.member_of[ep]]}: {e}") from None
         if arena is not None and arena.is_cuda and arena.device != self.device.torch:
             self.peer_devices.add(arena.device.index)

@@ -38,10 +38,11 @@ from dataclasses import dataclass, field
 
 from refit.boxes import intersect, shift, volume
 from refit.errors import InvalidInput
-from refit.executor.topology import Endpoint, Topology
+from refit.executor.topology import Endpoint, Topology, endpoint_name
 from refit.layouts import Layout, LocalTensor, Piece, sent_tensors
 from refit.plan import Bucket, Plan, Transfer
 from refit.regions import Block, PieceIndex
+from refit.sides import Side
 from refit.spec import ModelSpec
 
 GATHER_PREFIX = "refit.gather."
@@ -119,7 +120,8 @@ class Program:
 
 
 def bucket_ends(b: Bucket) -> tuple[Endpoint, Endpoint]:
-    return ("src", b.sender), ("src" if b.stage == 0 else "dst", b.receiver)
+    # stage 0 gathers among trainers (to a root), stage 1 sends to an engine
+    return (Side.TRAINER, b.sender), (Side.TRAINER if b.stage == 0 else Side.ENGINE, b.receiver)
 
 
 def compile_program(plan: Plan, spec: ModelSpec, src: Layout, dst: Layout, topo: Topology, member: int,
@@ -139,12 +141,12 @@ def compile_program(plan: Plan, spec: ModelSpec, src: Layout, dst: Layout, topo:
     locals_: dict[Endpoint, list[LocalTensor]] = {}
     for dev in mine:
         for ep in topo.endpoints_on(dev):
-            layout = src if ep[0] == "src" else dst
+            layout = src if ep[0] is Side.TRAINER else dst
             locals_[ep] = sent_tensors(spec, layout, ep[1])
     if ipc:  # every source shard on the host is readable (push: every destination shard writable)
         for ep, _ in topo.devices:
-            if ep not in locals_ and (ep[0] == "src" or push):
-                locals_[ep] = sent_tensors(spec, src if ep[0] == "src" else dst, ep[1])
+            if ep not in locals_ and (ep[0] is Side.TRAINER or push):
+                locals_[ep] = sent_tensors(spec, src if ep[0] is Side.TRAINER else dst, ep[1])
     gather = _gather_tensors(plan, spec, topo, mine)
     index = {ep: PieceIndex(lts + list(gather.get(ep, ()))) for ep, lts in locals_.items()}
 
@@ -200,11 +202,12 @@ def check_plan(plan: Plan, spec: ModelSpec, src: Layout, dst: Layout, topo: Topo
     for side, layout, text in (("source", src, plan.src_layout), ("destination", dst, plan.dst_layout)):
         if layout.describe() != text:
             raise InvalidInput(f"plan is for {side} layout {text}, this run's is {layout.describe()}")
-    ranks = {"src": len(plan.placement.src_gpus), "dst": len(plan.placement.dst_gpus)}
-    if (ranks["src"], ranks["dst"]) != (src.world_size, dst.world_size):
-        raise InvalidInput(f"plan places {ranks['src']} source and {ranks['dst']} destination ranks, the layouts "
-                         f"have {src.world_size} and {dst.world_size}")
-    missing = [f"{side} rank {r}" for side, n in ranks.items() for r in range(n) if (side, r) not in topo.device_of]
+    ranks = {Side.TRAINER: len(plan.placement.src_gpus), Side.ENGINE: len(plan.placement.dst_gpus)}
+    if (ranks[Side.TRAINER], ranks[Side.ENGINE]) != (src.world_size, dst.world_size):
+        raise InvalidInput(f"plan places {ranks[Side.TRAINER]} source and {ranks[Side.ENGINE]} destination ranks, "
+                         f"the layouts have {src.world_size} and {dst.world_size}")
+    missing = [endpoint_name((side, r)) for side, n in ranks.items() for r in range(n)
+               if (side, r) not in topo.device_of]
     if missing:
         raise InvalidInput(f"the topology places no device for {', '.join(missing[:4])} of the plan")
 
@@ -224,9 +227,9 @@ def _gather_tensors(plan: Plan, spec: ModelSpec, topo: Topology, mine: set[int])
     """One gather tensor per stage-0 transfer landing on a root this member drives."""
     out: dict[Endpoint, list[LocalTensor]] = defaultdict(list)
     for b in plan.buckets:
-        if b.stage != 0 or topo.device_of[("src", b.receiver)] not in mine:
+        root: Endpoint = (Side.TRAINER, b.receiver)  # a stage-0 receiver is a trainer rank
+        if b.stage != 0 or topo.device_of[root] not in mine:
             continue
-        root = ("src", b.receiver)
         for t in plan.transfers[b.first:b.first + b.count]:
             name = f"{GATHER_PREFIX}{len(out[root])}"
             out[root].append(LocalTensor(name, t.size, spec[t.tensor].dtype,
@@ -240,7 +243,7 @@ def box_blocks(index: PieceIndex, t: Transfer, ep: Endpoint, whole: bool, sendin
     blocks = index.regions(t.tensor, (t.start, t.size))
     got = sum(volume(r.size) for r in blocks)
     if (whole and got != t.numel) or got > t.numel:
-        raise InvalidInput(f"plan does not match the layouts: {ep[0]} rank {ep[1]} holds {got} of the "
+        raise InvalidInput(f"plan does not match the layouts: {endpoint_name(ep)} holds {got} of the "
                          f"{t.numel} elements of {t.tensor} {list(t.start)}+{list(t.size)} it must "
                          f"{'send' if sending else 'receive'}")
     return blocks

@@ -17,7 +17,7 @@ from typing import Mapping, Sequence
 import torch
 
 from refit.errors import InvalidInput
-from refit.executor.topology import Endpoint
+from refit.executor.topology import Endpoint, endpoint_name
 from refit.executor.values import TORCH_DTYPES, check_box, fill_box, int_view
 from refit.layouts import Layout
 from refit.layouts.base import LocalTensor
@@ -174,7 +174,7 @@ def check_own(ep: Endpoint, tensors: Shards | Mapping[str, torch.Tensor], layout
     table = tensors.tensors if isinstance(tensors, Shards) else tensors
     names = {v: k for k, v in TORCH_DTYPES.items()}
     found = {n: (tuple(t.shape), names.get(t.dtype, str(t.dtype).removeprefix("torch."))) for n, t in table.items()}
-    where = f"{who}: {ep[0]} rank {ep[1]} of {layout.describe()}"
+    where = f"{who}: {endpoint_name(ep)} of {layout.describe()}"
     expected = {lt.name: (lt.shape, lt.dtype) for lt in layout.local_tensors(spec, ep[1])}
     derived = getattr(layout, "derived_tensors", None)
     if derived is not None:  # what the executor derives from cut blocks (`refit.executor.shared_blocks`), once added

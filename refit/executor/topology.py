@@ -17,16 +17,22 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 from functools import cached_property
-from typing import Literal, Sequence
+from typing import Sequence
 
 from refit.plan import Placement
+from refit.sides import Side
 
-Side = Literal["src", "dst"]
-Endpoint = tuple[str, int]  # ("src", rank) or ("dst", rank)
+Endpoint = tuple[Side, int]  # (Side.TRAINER, rank): a source rank; (Side.ENGINE, rank): a destination rank
 
 
 def endpoint_name(ep: Endpoint) -> str:
-    return f"{ep[0]} rank {ep[1]}"
+    return f"{ep[0].value} rank {ep[1]}"
+
+
+def endpoints(placement: Placement) -> list[Endpoint]:
+    """Every endpoint of a placement, trainer ranks first: the order of a refit's members."""
+    return ([(Side.TRAINER, r) for r in range(len(placement.src_gpus))]
+            + [(Side.ENGINE, r) for r in range(len(placement.dst_gpus))])
 
 
 @dataclass(frozen=True)
@@ -43,19 +49,17 @@ class Topology:
     @classmethod
     def one_per_rank(cls, placement: Placement) -> "Topology":
         """One process per rank: source ranks first, then destination ranks (the bench's layout)."""
-        eps = [("src", r) for r in range(len(placement.src_gpus))] + [("dst", r) for r in range(len(placement.dst_gpus))]
-        return cls(tuple((ep,) for ep in eps), cls._devices(placement))
+        return cls(tuple((ep,) for ep in endpoints(placement)), cls._devices(placement))
 
     @classmethod
     def single(cls, placement: Placement) -> "Topology":
         """Every endpoint in one process: all copies are direct (the local transport)."""
-        eps = [("src", r) for r in range(len(placement.src_gpus))] + [("dst", r) for r in range(len(placement.dst_gpus))]
-        return cls((tuple(eps),), cls._devices(placement))
+        return cls((tuple(endpoints(placement)),), cls._devices(placement))
 
     @staticmethod
     def _devices(placement: Placement) -> tuple[tuple[Endpoint, int], ...]:
-        return tuple([(("src", r), g) for r, g in enumerate(placement.src_gpus)]
-                     + [(("dst", r), g) for r, g in enumerate(placement.dst_gpus)])
+        return tuple([((Side.TRAINER, r), g) for r, g in enumerate(placement.src_gpus)]
+                     + [((Side.ENGINE, r), g) for r, g in enumerate(placement.dst_gpus)])
 
     # ------------------------------------------------------------------ lookups
     @cached_property
@@ -70,7 +74,8 @@ class Topology:
     def driver_of(self) -> dict[int, int]:
         """Device -> the member that drives it."""
         out: dict[int, int] = {}
-        for ep, dev in sorted(self.devices, key=lambda x: (x[1], x[0][0] != "dst", x[0][1])):
+        # per device, engine endpoints before trainer ones (False sorts first), then by rank
+        for ep, dev in sorted(self.devices, key=lambda x: (x[1], x[0][0] is not Side.ENGINE, x[0][1])):
             out.setdefault(dev, self.member_of[ep])
         return out
 

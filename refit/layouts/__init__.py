@@ -9,7 +9,6 @@ classes, and parsing, help and error messages are derived from it.
 from __future__ import annotations
 
 import re
-from typing import Literal
 
 from refit.errors import InvalidInput
 from refit.layouts.base import Layout, LocalTensor, Piece, all_holdings, holdings, sent_tensors
@@ -18,6 +17,7 @@ from refit.layouts.hf import HFLayout
 from refit.layouts.megatron import MegatronLayout
 from refit.layouts.quantized import QuantizedLayout
 from refit.layouts.vllm import VllmLayout
+from refit.sides import Side
 from refit.spec import ModelSpec
 
 __all__ = ["Layout", "LocalTensor", "Piece", "parse_layout", "resolve_layout", "holdings", "all_holdings",
@@ -27,8 +27,8 @@ __all__ = ["Layout", "LocalTensor", "Piece", "parse_layout", "resolve_layout", "
 # framework name -> layout class (in the order LAYOUT_HELP lists them)
 LAYOUTS: dict[str, type[Layout]] = {}
 
-# A layout string without a framework prefix: Megatron as a source, vLLM as a destination.
-DEFAULT_FRAMEWORK = {"src": "megatron", "dst": "vllm"}
+# A layout string without a framework prefix: Megatron for a trainer, vLLM for an engine.
+DEFAULT_FRAMEWORK: dict[Side, str] = {Side.TRAINER: "megatron", Side.ENGINE: "vllm"}
 
 
 def register_layout(cls: type[Layout]) -> type[Layout]:
@@ -54,7 +54,7 @@ def _help_for(cls: type[Layout]) -> str:
 def layout_help() -> str:
     """One paragraph on layout strings, from the registry (shown by the CLI and in errors)."""
     return (f"layouts: {', '.join(_help_for(cls) for cls in LAYOUTS.values())}. "
-            f"A bare tp4ep8 means {DEFAULT_FRAMEWORK['src']} as a source and {DEFAULT_FRAMEWORK['dst']} "
+            f"A bare tp4ep8 means {DEFAULT_FRAMEWORK[Side.TRAINER]} as a source and {DEFAULT_FRAMEWORK[Side.ENGINE]} "
             "as a destination.")
 
 
@@ -68,9 +68,16 @@ def _degree_token() -> re.Pattern[str]:
     return re.compile(rf"({'|'.join(names)})(\d+)")
 
 
-def parse_layout(text: str, role: Literal["src", "dst"] = "src") -> Layout:
-    """Parse a layout string.  Without a framework prefix, a source is Megatron and a destination
+def _check_role(role: Side) -> None:
+    # refused, not guessed: a bare "dst" (this argument's old spelling) would read as a trainer's
+    if not isinstance(role, Side):
+        raise InvalidInput(f"role must be a refit.sides.Side (Side.TRAINER or Side.ENGINE), not {role!r}")
+
+
+def parse_layout(text: str, role: Side = Side.TRAINER) -> Layout:
+    """Parse a layout string.  Without a framework prefix, a trainer's is Megatron and an engine's
     vLLM (the RL refit direction).  Raises `refit.InvalidInput` for a string that is not a layout."""
+    _check_role(role)
     text = text.strip().lower()
     bare = LAYOUTS.get(text)
     if bare is not None and not bare.degrees:
@@ -103,13 +110,14 @@ def parse_layout(text: str, role: Literal["src", "dst"] = "src") -> Layout:
 DRAFTER_FRAMEWORKS = ("hf", "vllm", "megatron")  # the layouts of MTP / EAGLE drafter specs (refit.drafters)
 
 
-def resolve_layout(text: str | Layout, spec: ModelSpec, role: Literal["src", "dst"] = "src") -> Layout:
+def resolve_layout(text: str | Layout, spec: ModelSpec, role: Side = Side.TRAINER) -> Layout:
     """The layout, resolved against the model (every degree derived, the split checked).  Raises
     `refit.InvalidInput` when the model cannot be split that way, with the numbers."""
+    _check_role(role)
     layout = parse_layout(text, role) if isinstance(text, str) else text
     if spec.config.quantization and not isinstance(layout, QuantizedLayout):  # an FP8 engine, or a trainer sending to one
         # a trainer's shards may cut blocks (their scales are shared); an engine's may not
-        layout = QuantizedLayout(layout, spec.config.quantization, shares_blocks=role == "src")
+        layout = QuantizedLayout(layout, spec.config.quantization, shares_blocks=role is Side.TRAINER)
     if not spec.config.quantization and isinstance(layout, QuantizedLayout):
         layout = layout.inner
     if spec.config.drafter and layout.framework not in DRAFTER_FRAMEWORKS:  # refit/drafters.py

@@ -22,6 +22,7 @@ from refit.plan import DEFAULT_BUCKET_BYTES, Placement, Plan, summarize
 from refit.planners.base import Planner, total_bytes
 from refit.planners.broadcast import BroadcastPlanner
 from refit.planners.p2p import P2PPlanner
+from refit.sides import Side
 from refit.spec import ModelSpec, base_spec
 
 # planner name -> planner class (in the order errors list them)
@@ -63,8 +64,8 @@ def make_plan(spec: ModelSpec, src: str | Layout, dst: str | Layout, placement: 
         raise InvalidInput(f"bucket size {bucket_bytes} bytes is too small (at least {MIN_BUCKET_BYTES})")
     t0 = time.perf_counter()
     with _gc_paused():
-        src_l = resolve_layout(src, spec, "src")
-        dst_l = resolve_layout(dst, spec, "dst")
+        src_l = resolve_layout(src, spec, Side.TRAINER)
+        dst_l = resolve_layout(dst, spec, Side.ENGINE)
         place = Placement.make(placement, src_l.world_size, dst_l.world_size)
         plan = phase_plan(PLANNERS[planner]().plan(spec, src_l, dst_l, place, bucket_bytes), spec, phase_layers)
         if casts:

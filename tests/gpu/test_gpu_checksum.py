@@ -20,6 +20,7 @@ from refit.executor.values import int_view
 from refit.layouts import LocalTensor
 from refit.planners import make_plan
 from refit.regions import Block
+from refit.sides import Side
 from tests.harness.checksums import canonical, cut, kernel_cases, spec_of
 
 CUDA = torch.cuda.is_available()
@@ -51,7 +52,7 @@ def test_both_ends_of_real_plans_equal_the_cpu(model: str, src: str, dst: str) -
     spec = spec_of(model)
     r = make_plan(spec, src, dst, bucket_bytes=4096)
     canon = canonical(spec)
-    for side, layout in (("src", r.src), ("dst", r.dst)):
+    for side, layout in ((Side.TRAINER, r.src), (Side.ENGINE, r.dst)):
         for rank in range(layout.world_size):
             want = share_checksums(r.plan, spec, r.src, r.dst, side, rank, cut(spec, layout, rank, canon))
             for scatter in (False, True):
@@ -64,11 +65,11 @@ def test_a_cached_launch_reads_the_values_of_now() -> None:
     spec = spec_of("tiny-qwen3-moe")
     r = make_plan(spec, "megatron:tp2", "vllm:tp1", bucket_bytes=4096)
     tensors = cut(spec, r.dst, 0, canonical(spec, 1), device="cuda")
-    first = share_checksums(r.plan, spec, r.src, r.dst, "dst", 0, tensors)
+    first = share_checksums(r.plan, spec, r.src, r.dst, Side.ENGINE, 0, tensors)
     for t in tensors.values():
         int_view(t).copy_(int_view(t).flip(0))
-    want = share_checksums(r.plan, spec, r.src, r.dst, "dst", 0, {n: t.cpu() for n, t in tensors.items()})
-    assert share_checksums(r.plan, spec, r.src, r.dst, "dst", 0, tensors) == want != first
+    want = share_checksums(r.plan, spec, r.src, r.dst, Side.ENGINE, 0, {n: t.cpu() for n, t in tensors.items()})
+    assert share_checksums(r.plan, spec, r.src, r.dst, Side.ENGINE, 0, tensors) == want != first
 
 
 def test_past_two_to_the_31_elements() -> None:

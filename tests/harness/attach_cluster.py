@@ -23,6 +23,7 @@ from safetensors.torch import load_file
 from refit.control.agent import EngineAgent
 from refit.layouts import HFLayout, resolve_layout
 from refit.reshard import SafetensorsWriter, rank_file, reshard
+from refit.sides import Side
 from refit.spec import ModelSpec
 
 CTX = mp.get_context("spawn")
@@ -47,7 +48,7 @@ def write_hf(directory: str, tensors: dict[str, torch.Tensor]) -> None:
 
 def expected_engine_tensors(spec: ModelSpec, layout: str, hf_dir: str) -> list[dict[str, torch.Tensor]]:
     """The vLLM-layout tensors of every engine rank, from an HF checkpoint, by the offline path."""
-    dst = resolve_layout(layout, spec, "dst")
+    dst = resolve_layout(layout, spec, Side.ENGINE)
     with tempfile.TemporaryDirectory() as out:
         reshard(spec, HFLayout(), dst, hf_dir, out)
         return [load_file(rank_file(out, r)) for r in range(dst.world_size)]
@@ -57,7 +58,7 @@ class Engines:
     """Engine agents of one vLLM layout in this process, their tensors zeroed at start."""
 
     def __init__(self, address: str, spec: ModelSpec, layout: str, group: str = "engine") -> None:
-        self.layout = resolve_layout(layout, spec, "dst")
+        self.layout = resolve_layout(layout, spec, Side.ENGINE)
         self.tensors = [{lt.name: torch.zeros(lt.shape, dtype=getattr(torch, lt.dtype))  # float32 router biases
                          for lt in self.layout.local_tensors(spec, r)} for r in range(self.layout.world_size)]
         self.agents = [EngineAgent(address, group=group, rank=r, spec=spec, layout=self.layout,

@@ -12,6 +12,7 @@ from refit.executor.values import TORCH_DTYPES, int_view
 from refit.layouts import Layout, LocalTensor
 from refit.planners import make_plan
 from refit.regions import Block, slices
+from refit.sides import Side
 from refit.spec import ModelConfig, ModelSpec, build_spec, quantize_spec
 from tests.harness.tiny import tiny_spec
 
@@ -118,7 +119,7 @@ def kernel_cases(device: str | torch.device = "cpu") -> list[tuple[ck.Share, dic
     spec = spec_of("tiny-qwen3-moe")
     r = make_plan(spec, "megatron:tp2", "vllm:tp1", bucket_bytes=4096)
     canon = canonical(spec)
-    for side, layout in (("src", r.src), ("dst", r.dst)):
+    for side, layout in ((Side.TRAINER, r.src), (Side.ENGINE, r.dst)):
         share = ck._make_share(r.plan, spec, r.src, r.dst, side, 0)
-        out.append((share, cut(spec, layout, 0, canon, scatter=side == "dst", device=device)))
+        out.append((share, cut(spec, layout, 0, canon, scatter=side is Side.ENGINE, device=device)))
     return out

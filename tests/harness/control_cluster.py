@@ -22,6 +22,7 @@ from refit.control.dataplane_executor import ExecutorDataPlane
 from refit.layouts import Layout, resolve_layout
 from refit.plan import Plan
 from refit.regions import slices
+from refit.sides import Side
 from refit.spec import ModelSpec
 from tests.harness.tiny import tiny_spec
 from tests.harness.procs import AfterFirstPhase, PipedProcess, strike_self
@@ -107,7 +108,7 @@ class HookedDataPlane(ExecutorDataPlane):
 def worker_main(conn: Any, entered: Any, address: str, role: str, group: str, rank: int, layout: str,
                 version: int, phase_layers: int = 0, model: str = MODEL) -> None:
     spec = tiny_spec(model)
-    lay = resolve_layout(layout, spec, "src" if role == "trainer" else "dst")
+    lay = resolve_layout(layout, spec, Side.named(role))
     tensors = fill(spec, lay, rank, version)
     dp = HookedDataPlane(entered)
     cls = TrainerAgent if role == "trainer" else EngineAgent

@@ -44,7 +44,7 @@ def check(results: list[Any], plans: list[Any], spec: ModelSpec, refits: int = 2
         verdicts = {}
         for w in results:
             verdicts.update(w.runs[i].verdicts)
-        assert sorted(verdicts) == sorted(f"dst rank {d}" for d in range(dst.world_size)), r.plan.planner
+        assert sorted(verdicts) == sorted(f"engine rank {d}" for d in range(dst.world_size)), r.plan.planner
         for k in range(refits):
             got = [vs[k] for vs in verdicts.values()]
             assert all(v.ok for v in got), (r.plan.planner, k, [v.first for v in got if not v.ok])

@@ -14,6 +14,7 @@ from refit.layouts import Layout, resolve_layout
 from refit.phases import phase_key
 from refit.plan import Plan
 from refit.regions import slices
+from refit.sides import Side
 from refit.spec import ModelSpec
 from tests.harness.control_cluster import CTX, DST, MODEL, SRC, canonical, fill
 from tests.harness.procs import PipedProcess
@@ -82,7 +83,7 @@ class RecordingHook:
 def agent_main(conn: Any, address: str, role: str, rank: int, phase_layers: int) -> None:
     """A trainer or engine agent (tiny Qwen3-MoE, CPU gloo) driven through ``conn``."""
     spec = tiny_spec(MODEL)
-    layout = resolve_layout(SRC if role == "trainer" else DST, spec, "src" if role == "trainer" else "dst")
+    layout = resolve_layout(SRC if role == "trainer" else DST, spec, Side.named(role))
     tensors = fill(spec, layout, rank, 0)
     hook = RecordingHook(spec, layout, rank, tensors) if role == "engine" else None
     cls = TrainerAgent if role == "trainer" else EngineAgent

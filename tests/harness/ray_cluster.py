@@ -20,6 +20,7 @@ import torch
 from refit.control.agent import EngineAgent, TrainerAgent
 from refit.integrations import ray as refit_ray
 from refit.layouts import resolve_layout
+from refit.sides import Side
 from tests.harness.control_cluster import MODEL, HookedDataPlane, fill
 from tests.harness.tiny import tiny_spec
 
@@ -37,7 +38,7 @@ class RankActor:
     def __init__(self, role: str, group: str, rank: int, layout: str, version: int = 0) -> None:
         spec = tiny_spec(MODEL)
         self.spec, self.rank = spec, rank
-        self.layout = resolve_layout(layout, spec, "src" if role == "trainer" else "dst")
+        self.layout = resolve_layout(layout, spec, Side.named(role))
         self.tensors = fill(spec, self.layout, rank, version)
         self.dp = HookedDataPlane(threading.Event())
         cls = TrainerAgent if role == "trainer" else EngineAgent

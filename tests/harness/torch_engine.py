@@ -30,6 +30,7 @@ import torch
 from refit.engine import HostRefit
 from refit.layouts import Layout, resolve_layout
 from refit.plan import Plan
+from refit.sides import Side
 from refit.spec import ModelSpec
 
 
@@ -98,7 +99,7 @@ class TorchEngine:
     says so (`refit`), never when a command happens to arrive."""
 
     def __init__(self, spec: ModelSpec, staged: bool = False, layout: str = "hf") -> None:
-        self.spec, self.layout = spec, resolve_layout(layout, spec, "dst")
+        self.spec, self.layout = spec, resolve_layout(layout, spec, Side.ENGINE)
         self.model = module_of(spec, self.layout)
         self.landing = TorchLanding(self.model, spec, self.layout, staged=staged)
         self.refits = HostRefit()

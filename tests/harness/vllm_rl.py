@@ -100,10 +100,11 @@ def fill_from(spec: Any, layout: Any, rank: int, canon: dict[str, torch.Tensor],
 def _trainer_main(conn: Any, entered: Any, address: str, group: str, rank: int, layout: str, model_dir: str) -> None:
     from refit.control.agent import TrainerAgent
     from refit.layouts import resolve_layout
+    from refit.sides import Side
     from refit.hf_checkpoint import load_spec
 
     spec = load_spec(model_dir)
-    lay = resolve_layout(layout, spec, "src")
+    lay = resolve_layout(layout, spec, Side.TRAINER)
     tensors = fill_from(spec, lay, rank, canonical_from_checkpoint(spec, model_dir))
     agent = TrainerAgent(address, group=group, rank=rank, spec=spec, layout=lay, tensors=tensors).start()
     conn.send(("ready", os.getpid()))
@@ -143,10 +144,11 @@ class Trainers:
 
     def __init__(self, address: str, layout: str, model_dir: str, group: str = "trainer") -> None:
         from refit.layouts import resolve_layout
+        from refit.sides import Side
         from refit.hf_checkpoint import load_spec
 
         self.address, self.layout, self.model_dir, self.group = address, layout, model_dir, group
-        n = resolve_layout(layout, load_spec(model_dir), "src").world_size
+        n = resolve_layout(layout, load_spec(model_dir), Side.TRAINER).world_size
         self.procs: list[Any] = [None] * n
         self.conns: list[Any] = [None] * n
         self.entered = [CTX.Event() for _ in range(n)]

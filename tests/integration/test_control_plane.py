@@ -25,6 +25,7 @@ from refit.control.server import ThreadedServer
 from refit.control.v1 import refit_pb2 as pb
 from refit.errors import InvalidInput
 from refit.control.v1 import refit_pb2_grpc as pb_grpc
+from refit.sides import Side
 from tests.harness.control_cluster import DST, MODEL, SRC, Worker
 from tests.harness.loopback import close_all
 from tests.harness.tiny import tiny_spec
@@ -459,7 +460,7 @@ def test_stop_closes_the_data_plane(cluster: Cluster) -> None:
     from tests.harness.control_cluster import fill
 
     a, c, spec = cluster.address, cluster.client, tiny_spec(MODEL)
-    src, dst = resolve_layout("megatron:tp1", spec, "src"), resolve_layout("vllm:tp1", spec, "dst")
+    src, dst = resolve_layout("megatron:tp1", spec, Side.TRAINER), resolve_layout("vllm:tp1", spec, Side.ENGINE)
     planes = [ExecutorDataPlane(), ExecutorDataPlane()]
     got = {lt.name: torch.zeros(lt.shape, dtype=torch.bfloat16) for lt in dst.local_tensors(spec, 0)}
     agents = [TrainerAgent(a, group="stop-t", rank=0, spec=spec, layout=src, tensors=fill(spec, src, 0, 1),

@@ -36,7 +36,7 @@ def _member_main(conn: Any, port: int, index: int, plan_dict: dict) -> None:
     """One member: its tensors, an `ExecutorDataPlane`, refits run on a thread as an agent would."""
     import torch
 
-    from refit.control.common import Side
+    from refit.sides import Side
     from refit.control.dataplane import Rendezvous, RunContext, Seat
     from refit.control.dataplane_executor import ExecutorDataPlane
     from refit.layouts import resolve_layout
@@ -59,7 +59,7 @@ def _member_main(conn: Any, port: int, index: int, plan_dict: dict) -> None:
     torch.set_num_threads(1)
     spec = tiny_spec(MODEL)
     side, rank = (Side.TRAINER, index) if index < 2 else (Side.ENGINE, index - 2)
-    layout = resolve_layout(SRC if side is Side.TRAINER else DST, spec, side.end)
+    layout = resolve_layout(SRC if side is Side.TRAINER else DST, spec, side)
     tensors = fill(spec, layout, rank, 1 if side is Side.TRAINER else 0)
     plan = Plan.from_dict(plan_dict)
     dp = ExecutorDataPlane("comm")
@@ -234,7 +234,7 @@ def test_a_member_whose_prepare_fails_is_closed(monkeypatch: pytest.MonkeyPatch)
     its control group and communicator were never closed.  The store, the rendezvous and the
     Member are stand-ins here: only the data plane's own handling is under test."""
     import refit.control.dataplane_executor as dpe
-    from refit.control.common import Side
+    from refit.sides import Side
     from refit.control.dataplane import Rendezvous, RunContext, Seat
     from refit.errors import RefitError
     from refit.layouts import resolve_layout
@@ -256,7 +256,7 @@ def test_a_member_whose_prepare_fails_is_closed(monkeypatch: pytest.MonkeyPatch)
     monkeypatch.setattr(dpe, "locate", lambda *a: (None, False, True))
     spec = tiny_spec(MODEL)
     plan = make_plan(spec, SRC, DST).plan
-    layout = resolve_layout(SRC, spec, "src")
+    layout = resolve_layout(SRC, spec, Side.TRAINER)
     ctx = RunContext(plan.plan_hash, "r1", 1, Rendezvous("127.0.0.1", 1, "p/", 4, 0, NAMES),
                      time.monotonic() + 10, store=lambda timeout_s: None)
     dp = dpe.ExecutorDataPlane("comm")

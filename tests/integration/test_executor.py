@@ -27,6 +27,7 @@ from refit.executor.shards import allocate, fill_sentinel, fill_source, verify
 from refit.executor.values import check_box, expected_bits, fill_box
 from refit.layouts import resolve_layout
 from refit.planners import make_plan
+from refit.sides import Side
 
 ROOT = Path(__file__).resolve().parents[2]
 
@@ -72,7 +73,7 @@ def _int(dtype: torch.dtype) -> torch.dtype:
 
 
 def test_verify_counts_wrong_and_stray_elements() -> None:
-    dst = resolve_layout("tp2", MOE, "dst")
+    dst = resolve_layout("tp2", MOE, Side.ENGINE)
     s = allocate(dst.local_tensors(MOE, 1), torch.device("cpu"))  # rank 1 holds vocab padding rows
     fill_sentinel(s)
     v = verify(s, MOE, 1)
@@ -227,7 +228,7 @@ def test_one_device_shared_memory_only() -> None:
 
 
 @pytest.mark.parametrize("transport", ["comm", "ipc"])
-@pytest.mark.parametrize("victim", [("dst", 1), ("src", 0)], ids=["driver", "passive"])
+@pytest.mark.parametrize("victim", [(Side.ENGINE, 1), (Side.TRAINER, 0)], ids=["driver", "passive"])
 def test_dead_worker_fails_fast_and_is_named(victim: tuple[str, int], transport: str) -> None:
     job, _ = _job(MOE, "tp2ep2", "tp2", "colocated", planners=("p2p",), kill=(victim[0], victim[1], 1), refits=3,
                   transport=transport)
@@ -241,18 +242,18 @@ def test_dead_worker_fails_fast_and_is_named(victim: tuple[str, int], transport:
 
 
 def test_hung_worker_is_named_by_its_peers() -> None:
-    # dst rank 1 drives GPU 1 and stops itself (SIGSTOP) once its first transfer is posted: the
+    # engine rank 1 drives GPU 1 and stops itself (SIGSTOP) once its first transfer is posted: the
     # others give up at the refit's deadline, each naming whom it waited on; the parent names the
     # silent one and kills it (a stopped process too).
-    job, _ = _job(MOE, "tp2ep2", "tp2", "colocated", planners=("p2p",), kill=("dst", 1, 1), refits=3)
+    job, _ = _job(MOE, "tp2ep2", "tp2", "colocated", planners=("p2p",), kill=(Side.ENGINE, 1, 1), refits=3)
     job = dataclasses.replace(job, hang=True, timeout_s=3)
     t0 = time.monotonic()
     with pytest.raises(WorkerFailure) as err:
         run_job(job)
     assert time.monotonic() - t0 < 15
     text = str(err.value)
-    assert "with dst rank 1 failed: Timed out" in text  # dst rank 0 was receiving from it
-    assert "Still running, no report: dst rank 1 (last: 'refit 1 started')" in text
+    assert "with engine rank 1 failed: Timed out" in text  # engine rank 0 was receiving from it
+    assert "Still running, no report: engine rank 1 (last: 'refit 1 started')" in text
 
 
 def test_bench_cpu_json(capsys: pytest.CaptureFixture[str]) -> None:

@@ -32,6 +32,7 @@ from refit.control.dataplane import NoopDataPlane
 from refit.control.dataplane_executor import ExecutorDataPlane
 from refit.control.server import ThreadedServer
 from refit.errors import RefitError
+from refit.sides import Side
 from tests.harness.control_cluster import DST, MODEL, SRC, Worker
 from tests.harness.loopback import close_all
 from tests.harness.tiny import tiny_spec
@@ -723,7 +724,7 @@ def test_a_refit_refused_by_an_engine_leaves_its_version_and_staleness(server) -
 
     srv, client = server
     spec = tiny_spec("tiny-qwen3-moe")
-    src, dst = resolve_layout("megatron:tp1", spec, "src"), resolve_layout("vllm:tp2", spec, "dst")
+    src, dst = resolve_layout("megatron:tp1", spec, Side.TRAINER), resolve_layout("vllm:tp2", spec, Side.ENGINE)
     trainer_tensors = fill(spec, src, 0, 1)
     got = [fill(spec, dst, r, 0) for r in range(2)]
     hooks = [Refusing(), Refusing()]
@@ -806,7 +807,7 @@ def test_a_member_failing_inside_set_up_frees_its_peers_at_once(server) -> None:
 
     srv, client = server
     spec = tiny_spec("tiny-qwen3-moe")
-    src, dst = resolve_layout("megatron:tp1", spec, "src"), resolve_layout("vllm:tp1", spec, "dst")
+    src, dst = resolve_layout("megatron:tp1", spec, Side.TRAINER), resolve_layout("vllm:tp1", spec, Side.ENGINE)
     agents = [TrainerAgent(srv.address, group="setup-t", rank=0, spec=spec, layout=src, tensors=fill(spec, src, 0, 1)),
               EngineAgent(srv.address, group="setup-e", rank=0, spec=spec, layout=dst, tensors=fill(spec, dst, 0, 0),
                           data_plane=FailsAfterLocating())]

@@ -33,6 +33,7 @@ from refit.layouts import resolve_layout
 from refit.integrations import hf as refit_hf
 from refit.quantization import hf_quantization_config, is_quantized
 from refit.reshard import rank_file
+from refit.sides import Side
 from refit.spec import build_spec
 from tests.harness.attach_cluster import Engines, Trainers, expected_engine_tensors, make_hf_model, train_step, write_hf
 from tests.harness.tiny import TINY_CONFIGS
@@ -301,7 +302,7 @@ def test_fsdp2_trainer_ranks_quantize_their_own_shards(server, tmp_path, ranks) 
         if ranks == 4:  # the plan sends each value once and each shared scale from one rank
             plan = client.get_plan(plan_id, include_plan=True)["plan"]
             run = plan.spec_for(spec, True)
-            assert resolve_layout(plan.src_layout, run, "src").shared_blocks(run, 0)
+            assert resolve_layout(plan.src_layout, run, Side.TRAINER).shared_blocks(run, 0)
             assert sum(b.nbytes for b in plan.buckets) < 0.55 * spec.nbytes
 
         def saved(ckpt: str, _: int) -> dict[str, torch.Tensor]:

@@ -19,6 +19,7 @@ import torch
 import refit
 from refit.errors import RefitError
 from refit.integrations import hf as refit_hf
+from refit.sides import Side
 from tests.harness.attach_cluster import Trainers, make_hf_model, train_step
 from tests.harness.vllm_rl import differs, vllm_marks
 
@@ -102,7 +103,7 @@ def test_adapter_spec_and_refusals_at_attach() -> None:
     assert spec.config.dtype == "float32"  # PEFT keeps the adapter in float32 under a bfloat16 base
     assert spec["model.layers.*.self_attn.k_proj.lora_B.weight"].shape == (2, 128, RANK)
     # vllm:tp2: q's B split by heads, k/v's by kv heads, o's and down's A split on columns, B whole
-    rank1 = {lt.name: lt for lt in resolve_layout("vllm:tp2", spec, "dst").local_tensors(spec, 1)}
+    rank1 = {lt.name: lt for lt in resolve_layout("vllm:tp2", spec, Side.ENGINE).local_tensors(spec, 1)}
     assert rank1["model.layers.0.self_attn.qkv_proj.lora_b_stacked.0"].pieces[0].start == (0, 128, 0)
     assert rank1["model.layers.0.self_attn.o_proj.lora_a_stacked.0"].pieces[0].start == (0, 0, 128)
     assert rank1["model.layers.0.mlp.down_proj.lora_b_stacked.0"].shape == (128, RANK)

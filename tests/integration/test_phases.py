@@ -31,13 +31,14 @@ from refit.layouts import resolve_layout
 from refit.phases import WHOLE
 from refit.plan import Plan
 from refit.planners import make_plan
+from refit.sides import Side
 from tests.harness.control_cluster import DST, MODEL, SRC, fill
 from tests.harness.phases import AgentProcess, RecordingHook, differing, mixed_canonical, rank_tensors
 from tests.harness.tiny import tiny_spec
 from tests.harness.procs import together
 
 SPEC = tiny_spec(MODEL)
-LAYOUTS = {"src": resolve_layout(SRC, SPEC, "src"), "dst": resolve_layout(DST, SPEC, "dst")}
+LAYOUTS = {Side.TRAINER: resolve_layout(SRC, SPEC, Side.TRAINER), Side.ENGINE: resolve_layout(DST, SPEC, Side.ENGINE)}
 
 
 def _together(fns: list[Callable[[], Any]], timeout: float = 120.0) -> list[Any]:
@@ -47,8 +48,8 @@ def _together(fns: list[Callable[[], Any]], timeout: float = 120.0) -> list[Any]
 def _landing_checker(plan: Plan, rank: int, tensors: dict, old: int, new: int, seen: list) -> Callable[[int], None]:
     """An engine's ``on_phase``: record (key, local tensors not holding exactly the mix expected)."""
     def on_phase(key: int) -> None:
-        want = fill(SPEC, LAYOUTS["dst"], rank, new) if key == WHOLE else \
-            rank_tensors(SPEC, LAYOUTS["dst"], rank, mixed_canonical(SPEC, old, new, plan, key))
+        want = fill(SPEC, LAYOUTS[Side.ENGINE], rank, new) if key == WHOLE else \
+            rank_tensors(SPEC, LAYOUTS[Side.ENGINE], rank, mixed_canonical(SPEC, old, new, plan, key))
         seen.append((key, differing(want, tensors)))
     return on_phase
 
@@ -60,30 +61,30 @@ def test_member_refits_a_phased_plan_phase_by_phase_over_shared_staging() -> Non
     assert len(keys) == 3 + SPEC.config.num_layers  # embeddings, final norm, LM head; one phase per layer
     topo = Topology.one_per_rank(phased.placement)  # four CPU devices: every box crosses gloo
     eps = [ep for (ep,) in topo.members]
-    names = [f"{'trainer' if s == 'src' else 'engine'}/{r}" for s, r in eps]
-    tensors = {ep: fill(SPEC, LAYOUTS[ep[0]], ep[1], 1 if ep[0] == "src" else 0) for ep in eps}
+    names = [f"{s.value}/{r}" for s, r in eps]
+    tensors = {ep: fill(SPEC, LAYOUTS[ep[0]], ep[1], 1 if ep[0] is Side.TRAINER else 0) for ep in eps}
     master = dist.TCPStore("127.0.0.1", 0, is_master=True, wait_for_workers=False)
     prefix = uuid.uuid4().hex[:8]
 
     def member(m: int) -> Member:
         store = connect("127.0.0.1", master.port, prefix, 30.0)
-        return Member(store, topo, m, "cpu", {eps[m]: tensors[eps[m]]}, SPEC, LAYOUTS["src"], LAYOUTS["dst"], names,
-                      Budget(60.0)).prepare(phased)
+        return Member(store, topo, m, "cpu", {eps[m]: tensors[eps[m]]}, SPEC, LAYOUTS[Side.TRAINER],
+                      LAYOUTS[Side.ENGINE], names, Budget(60.0)).prepare(phased)
 
     members = _together([lambda m=m: member(m) for m in range(len(eps))])
     assert all(isinstance(m, Member) for m in members), members
     try:
         # Phase by phase: each phase lands whole, later phases untouched (the first phase's mix is
         # not already the final state: the check could fail).
-        first = rank_tensors(SPEC, LAYOUTS["dst"], 0, mixed_canonical(SPEC, 0, 1, phased, keys[0]))
-        assert differing(first, fill(SPEC, LAYOUTS["dst"], 0, 1))
+        first = rank_tensors(SPEC, LAYOUTS[Side.ENGINE], 0, mixed_canonical(SPEC, 0, 1, phased, keys[0]))
+        assert differing(first, fill(SPEC, LAYOUTS[Side.ENGINE], 0, 1))
         seen: dict[int, list] = {m: [] for m in range(len(eps))}
-        hooks = [None if ep[0] == "src" else _landing_checker(phased, ep[1], tensors[ep], 0, 1, seen[m])
+        hooks = [None if ep[0] is Side.TRAINER else _landing_checker(phased, ep[1], tensors[ep], 0, 1, seen[m])
                  for m, ep in enumerate(eps)]
         out = _together([lambda m=m: members[m].refit(Budget(60.0), on_phase=hooks[m]) for m in range(len(eps))])
         assert all(isinstance(s, float) for s in out), out
         for m, ep in enumerate(eps):
-            assert seen[m] == ([] if ep[0] == "src" else [(k, []) for k in keys]), (ep, seen[m])
+            assert seen[m] == ([] if ep[0] is Side.TRAINER else [(k, []) for k in keys]), (ep, seen[m])
             assert not differing(fill(SPEC, LAYOUTS[ep[0]], ep[1], 1), tensors[ep])
 
         # Staging: one buffer set shared by every phase, no larger than the unphased plan's.
@@ -98,10 +99,10 @@ def test_member_refits_a_phased_plan_phase_by_phase_over_shared_staging() -> Non
 
         # The unphased plan on the same members: one phase, keyed WHOLE, still bit-exact.
         for ep in eps:
-            if ep[0] == "src":
-                fill(SPEC, LAYOUTS["src"], ep[1], 2, tensors[ep])
+            if ep[0] is Side.TRAINER:
+                fill(SPEC, LAYOUTS[Side.TRAINER], ep[1], 2, tensors[ep])
         seen = {m: [] for m in range(len(eps))}
-        hooks = [None if ep[0] == "src" else _landing_checker(whole, ep[1], tensors[ep], 1, 2, seen[m])
+        hooks = [None if ep[0] is Side.TRAINER else _landing_checker(whole, ep[1], tensors[ep], 1, 2, seen[m])
                  for m, ep in enumerate(eps)]
         out = _together([lambda m=m: members[m].refit(Budget(60.0), on_phase=hooks[m]) for m in range(len(eps))])
         assert all(isinstance(s, float) for s in out), out
@@ -122,9 +123,9 @@ def test_member_refits_a_phased_plan_phase_by_phase_over_shared_staging() -> Non
 
 def test_phased_refit_through_the_control_plane(make_coordinator) -> None:
     server, client = make_coordinator(default_timeout=30.0)
-    trainer_tensors = [fill(SPEC, LAYOUTS["src"], r, 1) for r in range(2)]
-    engine_tensors = [fill(SPEC, LAYOUTS["dst"], r, 0) for r in range(2)]
-    hooks = [RecordingHook(SPEC, LAYOUTS["dst"], r, engine_tensors[r]) for r in range(2)]
+    trainer_tensors = [fill(SPEC, LAYOUTS[Side.TRAINER], r, 1) for r in range(2)]
+    engine_tensors = [fill(SPEC, LAYOUTS[Side.ENGINE], r, 0) for r in range(2)]
+    hooks = [RecordingHook(SPEC, LAYOUTS[Side.ENGINE], r, engine_tensors[r]) for r in range(2)]
     agents = [TrainerAgent(server.address, group="trainer", rank=r, spec=SPEC, layout=SRC, tensors=trainer_tensors[r])
               for r in range(2)]
     agents += [EngineAgent(server.address, group="engine", rank=r, spec=SPEC, layout=DST, tensors=engine_tensors[r],
@@ -139,11 +140,11 @@ def test_phased_refit_through_the_control_plane(make_coordinator) -> None:
         assert client.refit(summary["plan_id"], version=1, timeout=30.0).ok
         for h in hooks:
             assert h.checked == [plan.plan_hash] and h.calls == [(k, []) for k in keys], h.calls
-            assert not differing(fill(SPEC, LAYOUTS["dst"], h.rank, 1), h.tensors)
+            assert not differing(fill(SPEC, LAYOUTS[Side.ENGINE], h.rank, 1), h.tensors)
 
         # A hook refusing the plan: the refit fails naming that engine, before any byte moves.
         for r in range(2):
-            fill(SPEC, LAYOUTS["src"], r, 2, trainer_tensors[r])
+            fill(SPEC, LAYOUTS[Side.TRAINER], r, 2, trainer_tensors[r])
         hooks[1].refuse = True
         for h in hooks:
             h.calls.clear()
@@ -151,21 +152,21 @@ def test_phased_refit_through_the_control_plane(make_coordinator) -> None:
             client.refit(summary["plan_id"], version=2, timeout=5.0)
         assert "\n" not in str(e.value)
         for h in hooks:
-            assert h.calls == [] and not differing(fill(SPEC, LAYOUTS["dst"], h.rank, 1), h.tensors)
+            assert h.calls == [] and not differing(fill(SPEC, LAYOUTS[Side.ENGINE], h.rank, 1), h.tensors)
         hooks[1].refuse = False
         for r in range(2):
-            fill(SPEC, LAYOUTS["src"], r, 3, trainer_tensors[r])
+            fill(SPEC, LAYOUTS[Side.TRAINER], r, 3, trainer_tensors[r])
         for h in hooks:
             h.old, h.new = 1, 3
         assert client.refit(summary["plan_id"], version=3, timeout=30.0).ok  # and it recovers
         for h in hooks:
-            assert h.calls == [(k, []) for k in keys] and not differing(fill(SPEC, LAYOUTS["dst"], h.rank, 3), h.tensors)
+            assert h.calls == [(k, []) for k in keys] and not differing(fill(SPEC, LAYOUTS[Side.ENGINE], h.rank, 3), h.tensors)
 
         # A landing that raises fails the refit naming that engine; no later phase starts; the
         # engines are stale until the next refit succeeds.
         for version, fail_at in ((4, keys[2]), (5, None)):
             for r in range(2):
-                fill(SPEC, LAYOUTS["src"], r, version, trainer_tensors[r])
+                fill(SPEC, LAYOUTS[Side.TRAINER], r, version, trainer_tensors[r])
             for h in hooks:
                 h.calls.clear()
                 h.old, h.new = (3, 4) if version == 4 else (4, 5)
@@ -178,7 +179,7 @@ def test_phased_refit_through_the_control_plane(make_coordinator) -> None:
             assert [k for k, _ in hooks[0].calls] == keys[:3] and [k for k, _ in hooks[1].calls] == keys[:3]
             assert all(r["stale"] and r["version"] == 3 for r in client.list_workers(group="engine"))
         for h in hooks:  # (phases 0-2 held version 4 before it, the rest 3: only the order is checked)
-            assert [k for k, _ in h.calls] == keys and not differing(fill(SPEC, LAYOUTS["dst"], h.rank, 5), h.tensors)
+            assert [k for k, _ in h.calls] == keys and not differing(fill(SPEC, LAYOUTS[Side.ENGINE], h.rank, 5), h.tensors)
         assert all(not r["stale"] and r["version"] == 5 for r in client.list_workers(group="engine"))
     finally:
         for a in agents:

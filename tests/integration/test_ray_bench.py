@@ -44,8 +44,8 @@ def test_disaggregated_json_trainers_and_engines_on_two_nodes(cluster, capsys: p
     assert ray.is_initialized()  # the bench leaves the caller's connection alone
     nodes = out["ray"]["nodes"]
     assert len(nodes) == 2 and sorted(sorted(n["ranks"]) for n in nodes.values()) == \
-        [["dst rank 0", "dst rank 1"], ["src rank 0", "src rank 1"]]
-    trainers = next(k for k, n in nodes.items() if "src rank 0" in n["ranks"])
+        [["engine rank 0", "engine rank 1"], ["trainer rank 0", "trainer rank 1"]]
+    trainers = next(k for k, n in nodes.items() if "trainer rank 0" in n["ranks"])
     p2p, bcast = out["ray"]["runs"]
     for run, r in zip(out["ray"]["runs"], out["runs"]):
         assert r["verified"] and r["checked_elements"] > 0 and r["mismatches"] == 0
@@ -68,7 +68,7 @@ def test_cli_colocated_spread_over_nodes(cluster) -> None:
     row = next(line for line in text.splitlines() if line.startswith("p2p "))
     assert row.endswith("yes"), row
     assert f"Ray ({cluster.address}, placement strategy SPREAD): every rank an actor on 2 node(s)" in text
-    assert "src rank 0; dst rank 0" in text and "src rank 1; dst rank 1" in text
+    assert "trainer rank 0; engine rank 0" in text and "trainer rank 1; engine rank 1" in text
     moves = next(line for line in text.splitlines() if "per refit within nodes" in line)
     assert re.search(r"within nodes node \w+ [\d.]+ \w+, node \w+ [\d.]+ \w+; across nodes [1-9]", moves), moves
 
@@ -82,7 +82,7 @@ def test_rank_actor_dying_mid_refit_is_named(cluster, capsys: pytest.CaptureFixt
     monkeypatch.setenv("REFIT_TEST_KILL", "dst1@1")
     code = main(BENCH + ["--ray", "auto", "--timeout", "30"])
     err = capsys.readouterr().err
-    assert code == 3 and re.search(r"refit run on Ray failed: dst rank 1 \(node \w{8} [\d.]+\) died", err), err
+    assert code == 3 and re.search(r"refit run on Ray failed: engine rank 1 \(node \w{8} [\d.]+\) died", err), err
     assert all(g["state"] == "REMOVED" for g in ray.util.placement_group_table().values())
 
 
@@ -128,7 +128,7 @@ def test_gpu_refusal_and_seats_on_fake_gpus(monkeypatch: pytest.MonkeyPatch) -> 
     with pytest.raises(RefitError, match="--transport ipc needs every rank on one Ray node"):
         on_ray._seat(topo, isolated, True, "ipc", [], 10.0)
     split = [dict(w) for w in isolated]
-    split[2]["uuid"] = "GPU-c"  # dst rank 0 not on its colocated source's GPU
+    split[2]["uuid"] = "GPU-c"  # engine rank 0 not on its colocated source's GPU
     with pytest.raises(RefitError, match="do not match the plan's placement"):
         on_ray._seat(topo, split, True, "auto", [], 10.0)
 
@@ -155,7 +155,7 @@ def test_rank_actor_dying_as_it_starts_is_named(cluster, capsys: pytest.CaptureF
     monkeypatch.setattr(on_ray, "_BenchRankActor", ray.remote(max_restarts=0)(_DiesStarting))
     code = main(BENCH + ["--ray", "auto", "--timeout", "60"])
     err = capsys.readouterr().err
-    assert code == 3 and re.search(r"refit run on Ray failed: src rank 0 died starting \(", err), err
+    assert code == 3 and re.search(r"refit run on Ray failed: trainer rank 0 died starting \(", err), err
     assert "Traceback" not in err
     assert all(g["state"] == "REMOVED" for g in ray.util.placement_group_table().values())
 

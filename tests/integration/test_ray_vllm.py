@@ -31,10 +31,11 @@ class TrainerActor:
         from refit.hf_checkpoint import load_spec
         from refit.integrations import ray as refit_ray
         from refit.layouts import resolve_layout
+        from refit.sides import Side
         from tests.harness.vllm_rl import canonical_from_checkpoint, fill_from
 
         spec = load_spec(model_dir)
-        self.tensors = fill_from(spec, resolve_layout(LAYOUT, spec, "src"), rank,
+        self.tensors = fill_from(spec, resolve_layout(LAYOUT, spec, Side.TRAINER), rank,
                                  canonical_from_checkpoint(spec, model_dir))
         self.agent = TrainerAgent(**refit_ray.agent_kwargs(), group="trainer", rank=rank, spec=spec, layout=LAYOUT,
                                   tensors=self.tensors).start(timeout=120)

@@ -28,6 +28,7 @@ from refit.control.common import auth_metadata
 from refit.control.v1 import refit_pb2 as pb
 from refit.control.v1 import refit_pb2_grpc as pb_grpc
 from refit.layouts import resolve_layout
+from refit.sides import Side
 from tests.harness.attach_cluster import free_port
 from tests.harness.control_cluster import DST, MODEL, SRC, fill
 from tests.harness.tiny import tiny_spec
@@ -82,7 +83,7 @@ def served():
 def test_no_port_of_the_coordinator_gives_the_rendezvous_away(served) -> None:
     proc, address, token, client = served
     spec = tiny_spec(MODEL)
-    src, dst = resolve_layout(SRC, spec, "src"), resolve_layout(DST, spec, "dst")
+    src, dst = resolve_layout(SRC, spec, Side.TRAINER), resolve_layout(DST, spec, Side.ENGINE)
     got = [fill(spec, dst, r, 0) for r in range(dst.world_size)]
     agents = [TrainerAgent(address, group="t", rank=r, spec=spec, layout=src, tensors=fill(spec, src, r, 1),
                            token=token).start() for r in range(src.world_size)]
@@ -141,7 +142,7 @@ def test_one_environment_configures_every_entry_point(served, monkeypatch: pytes
     monkeypatch.setenv("REFIT_TOKEN", token)
     settings.reload()
     spec = tiny_spec(MODEL)
-    src, dst = resolve_layout(SRC, spec, "src"), resolve_layout(DST, spec, "dst")
+    src, dst = resolve_layout(SRC, spec, Side.TRAINER), resolve_layout(DST, spec, Side.ENGINE)
     got = [fill(spec, dst, r, 0) for r in range(dst.world_size)]
     agents = [TrainerAgent(group="env-t", rank=r, spec=spec, layout=src, tensors=fill(spec, src, r, 1)).start()
               for r in range(src.world_size)]

@@ -20,6 +20,7 @@ from refit.engine import HostDrivenAgent, Landing
 from refit.errors import RefitError, RefitFailed
 from refit.layouts import resolve_layout
 from refit.control.agent import TrainerAgent
+from refit.sides import Side
 from refit.spec import ModelSpec
 from tests.harness.tiny import tiny_spec
 from tests.harness.torch_engine import TorchEngine
@@ -41,7 +42,7 @@ class Job:
     def __init__(self, server: tuple, staged: bool) -> None:
         srv, self.client = server
         self.spec = tiny_spec(MODEL)
-        self.src = resolve_layout(SRC, self.spec, "src")
+        self.src = resolve_layout(SRC, self.spec, Side.TRAINER)
         n = next(GROUPS)
         trainer, engine = f"torch-trainer-{n}", f"torch-engine-{n}"
         self.tensors = [local(self.spec, self.src, r, random_weights(self.spec, 0)) for r in range(2)]

@@ -354,13 +354,14 @@ def test_staging_is_one_window(setups, ckpts, case) -> None:
     bytes on the rank (each tensor 64-byte aligned), well below staging the whole shard."""
     from refit.hf_checkpoint import load_spec
     from refit.layouts import resolve_layout
+    from refit.sides import Side
     from refit.phases import phase_key
 
     model, layout, tp, ep = CASES[case][:4]
     s = setups(model, layout, tp, ep)
     [report] = staging(s)  # TP=1: one worker
     spec = load_spec(ckpts[model, 1])
-    local = {lt.name: lt for lt in resolve_layout("vllm:tp1", spec, "dst").local_tensors(spec, 0)}
+    local = {lt.name: lt for lt in resolve_layout("vllm:tp1", spec, Side.ENGINE).local_tensors(spec, 0)}
     staged = report["phase_of"]
     assert report["phase_layers"] == 1 and staged and set(staged) <= set(local)
     per_phase: dict[int, int] = {}

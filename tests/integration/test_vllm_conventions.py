@@ -38,6 +38,7 @@ import torch
 from safetensors.torch import load_file
 
 from refit.cli import main
+from refit.sides import Side
 
 if TYPE_CHECKING:
     from refit.layouts.vllm import VllmLayout
@@ -122,7 +123,7 @@ def direct(checkpoints, tmp_path_factory) -> tuple[str, dict[str, list[str]]]:
 
     jobs = []
     for maker, layout in [(m, l) for m, l, _ in ENGINE_CASES] + [(m, l) for m, l, _ in DIRECT_CASES]:
-        lay = resolve_layout(layout, load_spec(checkpoints[maker]), "dst")
+        lay = resolve_layout(layout, load_spec(checkpoints[maker]), Side.ENGINE)
         jobs.append(DirectJob(case_id(maker, layout), checkpoints[maker], lay.tp, lay.dp_, lay.expert_parallel))
     out = str(tmp_path_factory.mktemp("direct"))
     return out, capture_direct(jobs, out)
@@ -135,7 +136,7 @@ def reshard(model_dir: str, layout: str, out: str) -> tuple["ModelSpec", "VllmLa
 
     assert main(["reshard", "--model", model_dir, "--src", "hf", "--dst", layout, "--in", model_dir, "--out", out]) == 0
     spec = load_spec(model_dir)
-    return spec, resolve_layout(layout, spec, "dst")
+    return spec, resolve_layout(layout, spec, Side.ENGINE)
 
 
 def assert_same_bits(got: dict[str, torch.Tensor], want: dict[str, torch.Tensor], what: str,
@@ -220,7 +221,7 @@ def test_every_layout_branch_is_run_by_a_case(checkpoints):
 
     def of(maker: str, layout: str) -> set[str]:
         spec = load_spec(checkpoints[maker])
-        return branches(spec, resolve_layout(layout, spec, "dst"))
+        return branches(spec, resolve_layout(layout, spec, Side.ENGINE))
 
     assert of("make_tiny_qwen3_moe_e7", "vllm:tp4ep4") == {"kv-replicated", "expert-remainder", "tp>2"}
     assert of("make_tiny_qwen3_moe_e7", "vllm:tp2ep2") == {"expert-remainder"}

@@ -71,12 +71,13 @@ def toy_model(local: list) -> torch.nn.Module:
 def spec_layout(tmp_path_factory):
     from refit.hf_checkpoint import load_spec
     from refit.layouts import resolve_layout
+    from refit.sides import Side
     from tests.harness.vllm_capture.make_models import make_tiny_qwen3
 
     d = str(tmp_path_factory.mktemp("tiny"))
     make_tiny_qwen3(d, seed=1)
     spec = load_spec(d)
-    return spec, resolve_layout("vllm:tp2", spec, "dst")
+    return spec, resolve_layout("vllm:tp2", spec, Side.ENGINE)
 
 
 def test_bounded_registers_live_tensors(spec_layout) -> None:

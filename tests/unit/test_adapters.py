@@ -15,6 +15,7 @@ from refit.control.registry import check_info
 from refit.control.v1 import refit_pb2 as pb
 from refit.errors import InvalidInput
 from refit.layouts import resolve_layout
+from refit.sides import Side
 from refit.spec import LoraAdapter, ModelConfig, adapter_spec, build_spec
 
 BASE = build_spec("tiny", ModelConfig(arch="qwen3", hidden_size=128, num_layers=2, num_heads=4, num_kv_heads=2,
@@ -80,7 +81,7 @@ def test_refusals(rank: int, targets: list[str], scaling: float, match: str) -> 
 
 def test_vllm_slots_per_tp_rank() -> None:
     spec = adapter_spec(BASE, 4, ALL, 2.0)
-    tp4 = resolve_layout("vllm:tp4", spec, "dst")
+    tp4 = resolve_layout("vllm:tp4", spec, Side.ENGINE)
     for t in range(4):
         held = {lt.name: lt for lt in tp4.local_tensors(spec, t)}
         p = "model.layers.1."

@@ -17,6 +17,7 @@ from refit.control.agent_state import Outcome, Outcomes
 from refit.control.dataplane import BaseDataPlane, NoopDataPlane, RunContext
 from refit.control.v1 import refit_pb2 as pb
 from refit.errors import InvalidInput
+from refit.sides import Side
 from tests.harness.tiny import tiny_spec
 
 
@@ -256,7 +257,7 @@ def test_a_tensor_removed_from_a_mapping_fails_the_refit_naming_it(server) -> No
 
     srv, client = server
     spec = tiny_spec("tiny-qwen2")
-    layout = resolve_layout("megatron:tp1", spec, "src")
+    layout = resolve_layout("megatron:tp1", spec, Side.TRAINER)
     gen = torch.Generator().manual_seed(0)
     tensors = {lt.name: torch.randn(lt.shape, generator=gen).to(getattr(torch, lt.dtype))
                for lt in layout.local_tensors(spec, 0)}

@@ -17,6 +17,7 @@ from refit.layouts import resolve_layout
 from refit.planners import make_plan
 from refit.reshard import SafetensorsWriter, rank_file
 from refit.hf_checkpoint import load_spec, spec_from_dir
+from refit.sides import Side
 from refit.spec import ModelConfig, build_spec
 from tests.harness.sim import canonical_ids, check_destination, run_plan
 from tests.harness.strategies import family_specs, layouts
@@ -58,7 +59,7 @@ def test_moe_layer_freq_is_deepseeks_only():
 
 def test_vllm_fuses_q_a_and_kv_a_and_splits_up_projections_by_heads():
     spec = tiny_spec("tiny-deepseek-v3")
-    layout = resolve_layout("vllm:tp2", spec, "dst")
+    layout = resolve_layout("vllm:tp2", spec, Side.ENGINE)
     lts = {t.name: t for t in layout.local_tensors(spec, 1)}
     fused = lts["model.layers.0.self_attn.fused_qkv_a_proj.weight"]
     assert fused.shape == (16 + 16 + 4, 32)
@@ -77,7 +78,7 @@ def test_glm_vllm_layout_declares_the_router_in_the_checkpoint_dtype():
     # vLLM holds it in float32 (its loader upcasts); the layout describes what the loader is fed,
     # and the vLLM backend's landing widens it (tests/integration/test_vllm_archs.py)
     spec = tiny_spec("tiny-glm4-moe")
-    lts = {lt.name: lt for lt in resolve_layout("vllm:tp2", spec, "dst").local_tensors(spec, 1)}
+    lts = {lt.name: lt for lt in resolve_layout("vllm:tp2", spec, Side.ENGINE).local_tensors(spec, 1)}
     assert lts["model.layers.1.mlp.gate.weight"].dtype == "bfloat16"
     assert lts["model.layers.1.mlp.gate.e_score_correction_bias"].dtype == "float32"
     assert lts["model.layers.1.self_attn.qkv_proj.bias"].shape == ((2 + 1 + 1) * 8,)

@@ -22,6 +22,7 @@ from refit.executor.values import int_view
 from refit.hf_checkpoint import load_spec
 from refit.layouts import resolve_layout
 from refit.regions import slices
+from refit.sides import Side
 from refit.spec import ModelSpec, quantize_spec
 
 CPU = torch.device("cpu")
@@ -33,7 +34,7 @@ def spec() -> ModelSpec:
     return small
 
 
-def _shards(spec: ModelSpec, layout: str, side: str) -> list[Shards]:
+def _shards(spec: ModelSpec, layout: str, side: Side) -> list[Shards]:
     lay = resolve_layout(layout, spec, side)
     return [allocate(lay.local_tensors(spec, r), CPU, scattered=True) for r in range(lay.world_size)]
 
@@ -93,7 +94,7 @@ def test_source_and_destination_masters_agree_after_steps(spec: ModelSpec, monke
     their own pieces; after N lockstep steps the engine's pieces, moved from the trainers' casts,
     verify bit-exact against its own masters.  The engine's masters are built in small chunks (a
     box cut anywhere gives the same bits)."""
-    srcs, (dst,) = _shards(spec, "tp2", "src"), _shards(spec, "tp1", "dst")
+    srcs, (dst,) = _shards(spec, "tp2", Side.TRAINER), _shards(spec, "tp1", Side.ENGINE)
     src_masters = [Masters(s, spec) for s in srcs]
     monkeypatch.setattr(steps, "DEFAULT_CHUNK", 4096)
     dst_masters = Masters(dst, spec)
@@ -126,7 +127,7 @@ def test_source_and_destination_masters_agree_after_steps(spec: ModelSpec, monke
 
 
 def _changed(spec: ModelSpec, lr: float) -> float:
-    (shards,) = _shards(spec, "tp1", "src")
+    (shards,) = _shards(spec, "tp1", Side.TRAINER)
     masters = Masters(shards, spec)
     masters.cast_into(shards)
     before = int_view(shards.arena.view(torch.bfloat16)).clone()

@@ -21,7 +21,6 @@ import torch
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from refit.control.common import Side
 from refit.control.dataplane import BaseDataPlane, Seat
 from refit.control.dataplane_executor import ExecutorDataPlane
 from refit.errors import InvalidInput
@@ -31,18 +30,19 @@ from refit.executor.checksum import box_checksum, fold, share_checksums
 from refit.executor.values import int_view
 from refit.planners import make_plan
 from refit.regions import slices
+from refit.sides import Side
 from refit.spec import ModelSpec
 from tests.harness.checksums import WIDTHS, canonical, cut, random_bits, spec_of, synthetic
 
 ROOT = Path(__file__).resolve().parents[2]
 
 
-def all_checksums(spec: ModelSpec, r, canon: dict[str, torch.Tensor], scatter_side: str = "") \
-        -> dict[tuple[str, int], dict[int, int]]:
+def all_checksums(spec: ModelSpec, r, canon: dict[str, torch.Tensor], scatter_side: Side | None = None) \
+        -> dict[tuple[Side, int], dict[int, int]]:
     out = {}
-    for side, layout in (("src", r.src), ("dst", r.dst)):
+    for side, layout in ((Side.TRAINER, r.src), (Side.ENGINE, r.dst)):
         for rank in range(layout.world_size):
-            tensors = cut(spec, layout, rank, canon, scatter=side == scatter_side)
+            tensors = cut(spec, layout, rank, canon, scatter=side is scatter_side)
             out[side, rank] = share_checksums(r.plan, spec, r.src, r.dst, side, rank, tensors)
     return out
 
@@ -55,8 +55,8 @@ CASES = [("tiny-qwen3", "megatron:tp2", "vllm:tp1"),
 
 
 @pytest.mark.parametrize("model,src,dst", CASES, ids=[f"{m}-{s}-{d}" for m, s, d in CASES])
-@pytest.mark.parametrize("scatter_side", ["", "dst"], ids=["fresh", "restrided"])
-def test_both_ends_agree_bit_for_bit(model: str, src: str, dst: str, scatter_side: str) -> None:
+@pytest.mark.parametrize("scatter_side", [None, Side.ENGINE], ids=["fresh", "restrided"])
+def test_both_ends_agree_bit_for_bit(model: str, src: str, dst: str, scatter_side: Side | None) -> None:
     spec = spec_of(model)
     r = make_plan(spec, src, dst, bucket_bytes=4096)
     canon = canonical(spec)
@@ -64,24 +64,25 @@ def test_both_ends_agree_bit_for_bit(model: str, src: str, dst: str, scatter_sid
     stage1 = [(i, t) for i, t in enumerate(r.plan.transfers) if t.stage == 1]
     assert stage1
     for (side, rank), sums in got.items():
-        assert set(sums) == {i for i, t in stage1 if (t.sender if side == "src" else t.receiver) == rank}, (side, rank)
+        sent = side is Side.TRAINER
+        assert set(sums) == {i for i, t in stage1 if (t.sender if sent else t.receiver) == rank}, (side, rank)
         assert all(0 <= v < 2 ** 63 for v in sums.values())
     for i, t in stage1:
         want = box_checksum(canon[t.tensor][slices(t.start, t.size)])
-        assert got["src", t.sender][i] == got["dst", t.receiver][i] == want, (i, t)
+        assert got[Side.TRAINER, t.sender][i] == got[Side.ENGINE, t.receiver][i] == want, (i, t)
 
 
 def corrupt_one_box(how: str) -> tuple[set[int], int]:
-    """Corrupt one element (or pair) of one received box on dst rank 0: the transfers whose
+    """Corrupt one element (or pair) of one received box on engine rank 0: the transfers whose
     checksums then differ between the two ends, and the one corrupted."""
     spec = spec_of("tiny-qwen3")
     r = make_plan(spec, "megatron:tp2", "vllm:tp1", bucket_bytes=4096)
     canon = canonical(spec, seed=3)
     sent = {}
     for rank in range(r.src.world_size):
-        sent.update(share_checksums(r.plan, spec, r.src, r.dst, "src", rank, cut(spec, r.src, rank, canon)))
+        sent.update(share_checksums(r.plan, spec, r.src, r.dst, Side.TRAINER, rank, cut(spec, r.src, rank, canon)))
     tensors = cut(spec, r.dst, 0, canon)
-    share = ck._share(r.plan, spec, r.src, r.dst, "dst", 0)
+    share = ck._share(r.plan, spec, r.src, r.dst, Side.ENGINE, 0)
     box = next(b for b in share.boxes if "qkv" in b.blocks[-1].local)  # in a fused local tensor
     blk = box.blocks[-1]
     v = ck._Views(share, tensors).of(blk.local, len(blk.size))  # a view: writes reach the tensor
@@ -94,7 +95,7 @@ def corrupt_one_box(how: str) -> tuple[set[int], int]:
         row = v[pos[:-1]][pos[-1]:pos[-1] + blk.size[-1]]
         j = next(j for j in range(1, len(row)) if row[j] != row[0])
         row[0], row[j] = row[j].clone(), row[0].clone()
-    got = share_checksums(r.plan, spec, r.src, r.dst, "dst", 0, tensors)
+    got = share_checksums(r.plan, spec, r.src, r.dst, Side.ENGINE, 0, tensors)
     return {i for i, v in got.items() if v != sent[i]}, box.index
 
 
@@ -266,21 +267,21 @@ def test_refusals() -> None:
     spec = spec_of("tiny-qwen3")
     r = make_plan(spec, "megatron:tp2", "vllm:tp1", bucket_bytes=4096)
     tensors = cut(spec, r.dst, 0, canonical(spec))
-    with pytest.raises(InvalidInput, match="side must be src or dst"):
+    with pytest.raises(InvalidInput, match="side must be a refit.sides.Side"):
         share_checksums(r.plan, spec, r.src, r.dst, "engine", 0, tensors)
     with pytest.raises(InvalidInput, match="no rank 1"):
-        share_checksums(r.plan, spec, r.src, r.dst, "dst", 1, tensors)
+        share_checksums(r.plan, spec, r.src, r.dst, Side.ENGINE, 1, tensors)
     with pytest.raises(InvalidInput, match="missing"):
-        share_checksums(r.plan, spec, r.src, r.dst, "dst", 0, dict(list(tensors.items())[1:]))
+        share_checksums(r.plan, spec, r.src, r.dst, Side.ENGINE, 0, dict(list(tensors.items())[1:]))
     name = next(iter(tensors))
     with pytest.raises(InvalidInput, match=f"local tensor {name} is float32"):
-        share_checksums(r.plan, spec, r.src, r.dst, "dst", 0, {**tensors, name: tensors[name].float()})
+        share_checksums(r.plan, spec, r.src, r.dst, Side.ENGINE, 0, {**tensors, name: tensors[name].float()})
     other = make_plan(spec, "megatron:tp2", "vllm:tp2", bucket_bytes=4096)
     with pytest.raises(InvalidInput, match="destination layout"):
-        share_checksums(r.plan, spec, r.src, other.dst, "dst", 0, tensors)
+        share_checksums(r.plan, spec, r.src, other.dst, Side.ENGINE, 0, tensors)
     bc = make_plan(spec, "megatron:tp2", "vllm:tp1", planner="broadcast", bucket_bytes=4096)
     with pytest.raises(InvalidInput, match="gathers whole tensors"):
-        share_checksums(bc.plan, spec, bc.src, bc.dst, "dst", 0, tensors)
+        share_checksums(bc.plan, spec, bc.src, bc.dst, Side.ENGINE, 0, tensors)
 
 
 def test_a_tensor_repointed_in_place_is_checked_again() -> None:
@@ -290,13 +291,13 @@ def test_a_tensor_repointed_in_place_is_checked_again() -> None:
     r = make_plan(spec, "megatron:tp2", "vllm:tp1", bucket_bytes=4096)
     canon = canonical(spec)
     params = {n: torch.nn.Parameter(t, requires_grad=False) for n, t in cut(spec, r.dst, 0, canon).items()}
-    want = share_checksums(r.plan, spec, r.src, r.dst, "dst", 0, params)
+    want = share_checksums(r.plan, spec, r.src, r.dst, Side.ENGINE, 0, params)
     p = next(iter(params.values()))
     p.data = p.data.clone()
-    assert share_checksums(r.plan, spec, r.src, r.dst, "dst", 0, params) == want
+    assert share_checksums(r.plan, spec, r.src, r.dst, Side.ENGINE, 0, params) == want
     p.data = torch.zeros(3, dtype=p.dtype)
     with pytest.raises(InvalidInput, match="the layout says"):
-        share_checksums(r.plan, spec, r.src, r.dst, "dst", 0, params)
+        share_checksums(r.plan, spec, r.src, r.dst, Side.ENGINE, 0, params)
 
 
 def test_the_data_planes() -> None:
@@ -314,7 +315,7 @@ def test_the_data_planes() -> None:
         plane.checksums(r.plan)
     tensors = cut(spec, r.dst, 0, canonical(spec))
     plane._moved[r.plan.plan_hash] = tensors  # what `run` keeps
-    assert plane.checksums(r.plan) == share_checksums(r.plan, spec, r.src, r.dst, "dst", 0, tensors)
+    assert plane.checksums(r.plan) == share_checksums(r.plan, spec, r.src, r.dst, Side.ENGINE, 0, tensors)
     plane.close()
 
 
@@ -324,13 +325,13 @@ def test_a_phased_plan_sums_phase_by_phase_to_the_whole() -> None:
     spec = spec_of("tiny-qwen3-moe")
     r = make_plan(spec, "megatron:tp2ep2", "vllm:tp2", bucket_bytes=4096, phase_layers=1)
     tensors = cut(spec, r.dst, 1, canonical(spec, seed=5))
-    whole = share_checksums(r.plan, spec, r.src, r.dst, "dst", 1, tensors)
+    whole = share_checksums(r.plan, spec, r.src, r.dst, Side.ENGINE, 1, tensors)
     parts: dict[int, int] = {}
     for key, first, end in r.plan.phase_ranges():
-        part = share_checksums(r.plan, spec, r.src, r.dst, "dst", 1, tensors, phase=key)
+        part = share_checksums(r.plan, spec, r.src, r.dst, Side.ENGINE, 1, tensors, phase=key)
         mine = {i for b in r.plan.buckets[first:end] for i in range(b.first, b.first + b.count)}
         assert set(part) <= mine and not set(part) & set(parts), key
         parts.update(part)
     assert len(r.plan.phase_ranges()) > 2 and parts == whole
     with pytest.raises(InvalidInput, match="has no phase 999"):
-        share_checksums(r.plan, spec, r.src, r.dst, "dst", 1, tensors, phase=999)
+        share_checksums(r.plan, spec, r.src, r.dst, Side.ENGINE, 1, tensors, phase=999)

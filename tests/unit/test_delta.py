@@ -74,6 +74,7 @@ def test_delta_refits_over_gloo_land_what_a_full_refit_lands() -> None:
     from refit.executor.shards import allocate, fill_sentinel, fill_source
     from refit.executor.topology import Topology
     from refit.planners import make_plan
+    from refit.sides import Side
     from tests.harness.procs import together
     from tests.unit.test_member import DENSE
 
@@ -86,7 +87,7 @@ def test_delta_refits_over_gloo_land_what_a_full_refit_lands() -> None:
     for d in dsts:
         fill_sentinel(d)
     names = [topo.describe_member(m) for m in range(len(topo.members))]
-    own = [{("src", 0): src}, {("dst", 0): dsts[0]}, {("dst", 1): dsts[1]}]
+    own = [{(Side.TRAINER, 0): src}, {(Side.ENGINE, 0): dsts[0]}, {(Side.ENGINE, 1): dsts[1]}]
 
     def member(m: int) -> Member:
         store = connect("127.0.0.1", master.port, session, 30.0)

@@ -24,6 +24,7 @@ from refit.errors import InvalidInput
 from refit.integrations.hf_draft import attach_draft
 from refit.layouts import resolve_layout
 from refit.layouts.vllm_draft import MTP_BLOCK, drafter_local_tensors
+from refit.sides import Side
 from refit.spec import ModelConfig, build_spec
 
 
@@ -116,10 +117,10 @@ def test_an_mtp_layer_past_the_dense_layers_rule_is_dense() -> None:
 @pytest.mark.parametrize("family", [deepseek, glm])
 def test_the_mtp_block_lies_in_vllm_as_a_decoder_layer_of_the_target(tp: int, family: Any) -> None:
     spec = build_spec("mtp", mtp_config(family()))
-    layout = resolve_layout(f"vllm:tp{tp}", spec, "dst")
+    layout = resolve_layout(f"vllm:tp{tp}", spec, Side.ENGINE)
     # the same model with num_hidden_layers 3: its layer 2 is built as the MTP layer's decoder
     target = build_spec("t3", ModelConfig.from_hf(family(num_hidden_layers=3, num_nextn_predict_layers=0)))
-    tlayout = resolve_layout(f"vllm:tp{tp}", target, "dst")
+    tlayout = resolve_layout(f"vllm:tp{tp}", target, Side.ENGINE)
     for rank in range(tp):
         local = drafter_local_tensors(layout, spec, rank)
         assert local == layout.local_tensors(spec, rank)
@@ -182,7 +183,7 @@ def test_megatron_mtp_plans_move_every_element_once_into_vllms_drafter(family: A
     from tests.harness.sim import canonical_ids, check_destination, run_plan
 
     spec = build_spec("mtp", mtp_config(family()))
-    src_layout, dst_layout = resolve_layout(f"megatron:{src}", spec), resolve_layout(f"vllm:tp{dst}", spec, "dst")
+    src_layout, dst_layout = resolve_layout(f"megatron:{src}", spec), resolve_layout(f"vllm:tp{dst}", spec, Side.ENGINE)
     result = make_plan(spec, src_layout, dst_layout, placement, planner, 4096)
     canon = canonical_ids(spec)
     check_destination(spec, dst_layout, canon, *run_plan(result.plan, spec, src_layout, dst_layout, canon))
@@ -216,9 +217,9 @@ def test_eagle_spec_is_the_heads_checkpoint_under_vllms_names() -> None:
 @pytest.mark.parametrize("tp", [1, 2])
 def test_an_eagle_layer_lies_in_vllm_as_a_llama_layer(tp: int) -> None:
     spec = build_spec("head", eagle_config(llama(num_hidden_layers=2)))
-    layout = resolve_layout(f"vllm:tp{tp}", spec, "dst")
+    layout = resolve_layout(f"vllm:tp{tp}", spec, Side.ENGINE)
     target = build_spec("llama2", ModelConfig.from_hf(llama(num_hidden_layers=2)))
-    tlayout = resolve_layout(f"vllm:tp{tp}", target, "dst")
+    tlayout = resolve_layout(f"vllm:tp{tp}", target, Side.ENGINE)
     for rank in range(tp):
         local = normalized(layout.local_tensors(spec, rank))
         llama_layers = normalized([lt for lt in tlayout.local_tensors(target, rank)

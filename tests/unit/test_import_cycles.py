@@ -22,7 +22,7 @@ ROOT = Path(__file__).resolve().parents[2]
 # own layer's modules and those below, never those above.
 LAYERS: list[tuple[str, ...]] = [
     ("refit.errors", "refit.dtypes", "refit.boxes", "refit.units", "refit.settings", "refit.quantization",
-     "refit.catalog", "refit.validation", "refit.timeline", "refit.entrypoint", "refit.protocols"),
+     "refit.catalog", "refit.validation", "refit.timeline", "refit.entrypoint", "refit.protocols", "refit.sides"),
     ("refit.archs",),  # the tensors of the model families
     ("refit.model_config",),  # ModelConfig
     ("refit.adapters", "refit.drafters"),  # configs beyond a plain model: LoRA, MTP layers, EAGLE heads

@@ -11,9 +11,11 @@ import pytest
 from hypothesis import given, settings
 
 from refit.errors import RefitError
+from refit.hf_checkpoint import load_spec
 from refit.layouts import (DEFAULT_FRAMEWORK, LAYOUT_HELP, LAYOUTS, FsdpLayout, HFLayout, MegatronLayout, VllmLayout,
-                           layout_help, parse_layout, register_layout)
+                           layout_help, parse_layout, register_layout, resolve_layout)
 from refit.layouts.fsdp import FsdpLayout as FsdpFromItsModule
+from refit.sides import Side
 from refit.spec import ModelConfig, build_spec
 from tests.harness.strategies import layouts, model_specs
 
@@ -34,7 +36,7 @@ def test_registry_holds_one_class_per_framework():
         assert set(cls.degrees) <= fields, cls  # every degree is a constructor keyword
         for example in cls.examples:
             assert parse_layout(example).framework == name
-    assert DEFAULT_FRAMEWORK == {"src": "megatron", "dst": "vllm"}
+    assert DEFAULT_FRAMEWORK == {Side.TRAINER: "megatron", Side.ENGINE: "vllm"}
 
 
 def test_help_is_derived_from_the_registry_and_unchanged():
@@ -42,16 +44,25 @@ def test_help_is_derived_from_the_registry_and_unchanged():
 
 
 @pytest.mark.parametrize("text,role,expected", [
-    ("megatron:tp4ep8", "src", MegatronLayout(tp=4, ep=8)),
-    ("tp4ep8", "src", MegatronLayout(tp=4, ep=8)),
-    ("tp4ep8", "dst", VllmLayout(tp=4, ep=8)),
-    (" VLLM:TP8DP4 ", "dst", VllmLayout(tp=8, dp=4)),
-    ("megatron:tp2pp4vpp2etp1first11last9", "src", MegatronLayout(tp=2, pp=4, vpp=2, etp=1, first=11, last=9)),
-    ("fsdp:dp8", "src", FsdpLayout(dp=8)),
-    ("hf", "dst", HFLayout()),
+    ("megatron:tp4ep8", Side.TRAINER, MegatronLayout(tp=4, ep=8)),
+    ("tp4ep8", Side.TRAINER, MegatronLayout(tp=4, ep=8)),
+    ("tp4ep8", Side.ENGINE, VllmLayout(tp=4, ep=8)),
+    (" VLLM:TP8DP4 ", Side.ENGINE, VllmLayout(tp=8, dp=4)),
+    ("megatron:tp2pp4vpp2etp1first11last9", Side.TRAINER, MegatronLayout(tp=2, pp=4, vpp=2, etp=1, first=11, last=9)),
+    ("fsdp:dp8", Side.TRAINER, FsdpLayout(dp=8)),
+    ("hf", Side.ENGINE, HFLayout()),
 ])
 def test_parse(text, role, expected):
     assert parse_layout(text, role) == expected
+
+
+@pytest.mark.parametrize("role", ["src", "dst", "engine"])
+def test_a_role_that_is_not_a_side_is_refused(role):
+    """Refused rather than read: a bare "dst" (the role's old spelling) would otherwise read as a trainer's."""
+    with pytest.raises(RefitError, match="role must be a refit.sides.Side"):
+        parse_layout("tp2", role)
+    with pytest.raises(RefitError, match="role must be a refit.sides.Side"):
+        resolve_layout("tp2", load_spec("qwen3-8b"), role)
 
 
 @pytest.mark.parametrize("text,message", [

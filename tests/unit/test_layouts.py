@@ -10,30 +10,31 @@ from refit.errors import RefitError
 from refit.layouts import resolve_layout
 from refit.layouts.fsdp import chunk_rows
 from refit.hf_checkpoint import load_spec
+from refit.sides import Side
 from tests.harness.tiny import tiny_spec
 
 Q30 = load_spec("qwen3-30b-moe")
 
 
 @pytest.mark.parametrize("text,role,expect", [
-    ("tp4ep8", "src", "megatron:tp4ep8etp1dp2"),
-    ("tp4ep8", "dst", "vllm:tp4ep8dp2"),
-    ("megatron:tp4pp4ep16", "src", "megatron:tp4pp4ep16etp1dp4"),
-    ("megatron:tp2pp2vpp2", "src", "megatron:tp2pp2vpp2dp1"),
-    ("megatron:tp4ep8etp4", "src", "megatron:tp4ep8etp4dp8"),
-    ("megatron:tp2cp2ep4dp1", "src", "megatron:tp2cp2ep4etp1dp1"),
-    ("vllm:tp8", "dst", "vllm:tp8"),
-    ("vllm:tp4ep4", "dst", "vllm:tp4ep4"),
-    ("vllm:tp8dp4", "dst", "vllm:tp8dp4"),
-    ("fsdp:dp8", "src", "fsdp:dp8"),
-    ("megatron:tp4vocabdiv1", "src", "megatron:tp4dp1vocabdiv1"),
-    ("megatron:tp4vocabdiv128", "src", "megatron:tp4dp1"),
-    ("fsdp:dp4rep2", "src", "fsdp:dp4rep2"),
-    ("fsdp:rep2dp4", "src", "fsdp:dp4rep2"),
-    ("fsdp:fused1dp4", "src", "fsdp:dp4fused1"),
-    ("fsdp:fused1rep2dp4", "src", "fsdp:dp4rep2fused1"),
-    ("hf", "dst", "hf"),
-    ("  VLLM:TP2 ", "dst", "vllm:tp2"),
+    ("tp4ep8", Side.TRAINER, "megatron:tp4ep8etp1dp2"),
+    ("tp4ep8", Side.ENGINE, "vllm:tp4ep8dp2"),
+    ("megatron:tp4pp4ep16", Side.TRAINER, "megatron:tp4pp4ep16etp1dp4"),
+    ("megatron:tp2pp2vpp2", Side.TRAINER, "megatron:tp2pp2vpp2dp1"),
+    ("megatron:tp4ep8etp4", Side.TRAINER, "megatron:tp4ep8etp4dp8"),
+    ("megatron:tp2cp2ep4dp1", Side.TRAINER, "megatron:tp2cp2ep4etp1dp1"),
+    ("vllm:tp8", Side.ENGINE, "vllm:tp8"),
+    ("vllm:tp4ep4", Side.ENGINE, "vllm:tp4ep4"),
+    ("vllm:tp8dp4", Side.ENGINE, "vllm:tp8dp4"),
+    ("fsdp:dp8", Side.TRAINER, "fsdp:dp8"),
+    ("megatron:tp4vocabdiv1", Side.TRAINER, "megatron:tp4dp1vocabdiv1"),
+    ("megatron:tp4vocabdiv128", Side.TRAINER, "megatron:tp4dp1"),
+    ("fsdp:dp4rep2", Side.TRAINER, "fsdp:dp4rep2"),
+    ("fsdp:rep2dp4", Side.TRAINER, "fsdp:dp4rep2"),
+    ("fsdp:fused1dp4", Side.TRAINER, "fsdp:dp4fused1"),
+    ("fsdp:fused1rep2dp4", Side.TRAINER, "fsdp:dp4rep2fused1"),
+    ("hf", Side.ENGINE, "hf"),
+    ("  VLLM:TP2 ", Side.ENGINE, "vllm:tp2"),
 ])
 def test_layout_strings_resolve_and_print_back(text, role, expect):
     layout = resolve_layout(text, Q30, role)
@@ -46,7 +47,7 @@ def test_resolved_degrees_are_reported():
     d = resolve_layout("megatron:tp4pp4ep16", load_spec("qwen3-235b-moe")).details()
     assert d == {"tp": 4, "cp": 1, "dp": 4, "pp": 4, "vpp": 1, "ep": 16, "etp": 1, "edp": 1, "world_size": 64,
                  "first": 23, "last": 23}
-    assert resolve_layout("vllm:tp4ep8", Q30, "dst").details() == {"tp": 4, "dp": 2, "ep": 8, "world_size": 8}
+    assert resolve_layout("vllm:tp4ep8", Q30, Side.ENGINE).details() == {"tp": 4, "dp": 2, "ep": 8, "world_size": 8}
 
 
 @pytest.mark.parametrize("text,words", [
@@ -72,7 +73,7 @@ def test_resolved_degrees_are_reported():
 ])
 def test_impossible_layouts_are_refused_with_numbers(text, words):
     with pytest.raises(RefitError) as e:
-        resolve_layout(text, Q30, "dst" if text.startswith("vllm") else "src")
+        resolve_layout(text, Q30, Side.ENGINE if text.startswith("vllm") else Side.TRAINER)
     for w in words:
         assert w in str(e.value), (w, str(e.value))
 
@@ -81,9 +82,9 @@ def test_vllm_vocab_padding_must_split_over_tp():
     from refit.spec import ModelConfig, build_spec
 
     spec = build_spec("six-heads", ModelConfig("llama", 12, 2, 6, 6, 2, 12, vocab_size=100))  # padded: 128
-    resolve_layout("vllm:tp2", spec, "dst")
+    resolve_layout("vllm:tp2", spec, Side.ENGINE)
     with pytest.raises(RefitError, match=r"vocab padded to a multiple of 64 \(128\) is not divisible by tp \(6\)"):
-        resolve_layout("vllm:tp6", spec, "dst")
+        resolve_layout("vllm:tp6", spec, Side.ENGINE)
 
 
 def test_megatron_qkv_rows_must_split_over_tp():
@@ -211,7 +212,7 @@ def test_kv_heads_replicated_as_vllms_loaders_place_them() -> None:
                intermediate_size=256, num_hidden_layers=2, num_attention_heads=4, num_key_value_heads=2,
                head_dim=64, tie_word_embeddings=False, dtype="bfloat16")
     spec = build_spec("tiny-qwen3", ModelConfig.from_hf(cfg))
-    layout = resolve_layout("vllm:tp4", spec, "dst")
+    layout = resolve_layout("vllm:tp4", spec, Side.ENGINE)
     for rank, want in VLLM_QKV_ROWS_TP4.items():
         qkv = next(t for t in layout.local_tensors(spec, rank) if t.name == "model.layers.0.self_attn.qkv_proj.weight")
         pieces = sorted(qkv.pieces, key=lambda p: p.local_start[1])  # in the local tensor's row order

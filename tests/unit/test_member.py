@@ -22,6 +22,7 @@ from refit.executor.seating import connect, locate
 from refit.executor.shards import allocate, fill_sentinel, fill_source, verify
 from refit.executor.topology import Topology
 from refit.planners import make_plan
+from refit.sides import Side
 from refit.spec import ModelConfig, build_spec
 from tests.harness.procs import together
 
@@ -37,20 +38,20 @@ def _together(fns: list[Callable[[], Any]], timeout: float = 60.0) -> list[Any]:
 def test_colocated_pair_refits_bit_exact_and_names_the_absent() -> None:
     r = make_plan(DENSE, "tp1", "tp1", "colocated", "p2p", 4096)
     topo = Topology.one_per_rank(r.plan.placement)  # member 0: src 0 (passive), member 1: dst 0 (driver)
-    assert shares(topo, 0, ("src", 0), ipc=False) and not shares(topo, 1, ("dst", 0), ipc=False)
+    assert shares(topo, 0, (Side.TRAINER, 0), ipc=False) and not shares(topo, 1, (Side.ENGINE, 0), ipc=False)
     # pushing on one device: the destination's own driver writes it, nobody maps it (vLLM's
     # sleep-mode memory cannot be exported through CUDA IPC)
-    assert shares(topo, 0, ("src", 0), ipc=True, push=True) and not shares(topo, 1, ("dst", 0), ipc=True, push=True)
+    assert shares(topo, 0, (Side.TRAINER, 0), ipc=True, push=True) and not shares(topo, 1, (Side.ENGINE, 0), ipc=True, push=True)
     master = dist.TCPStore("127.0.0.1", 0, is_master=True, wait_for_workers=False)
     session = uuid.uuid4().hex[:8]
     src = allocate(list(r.src.local_tensors(DENSE, 0)), torch.device("cpu"), f"/dev/shm/refit-{session}-src0")
     dst = allocate(list(r.dst.local_tensors(DENSE, 0)), torch.device("cpu"))
     fill_sentinel(dst)
-    names = ["src rank 0", "dst rank 0"]
+    names = ["trainer rank 0", "engine rank 0"]
 
     def member(m: int) -> Member:
         store = connect("127.0.0.1", master.port, session, 30.0)
-        own = {("src", 0): src} if m == 0 else {("dst", 0): dst}
+        own = {(Side.TRAINER, 0): src} if m == 0 else {(Side.ENGINE, 0): dst}
         return Member(store, topo, m, "cpu", own, DENSE, r.src, r.dst, names, Budget(30.0)).prepare(r.plan)
 
     members = _together([lambda: member(0), lambda: member(1)])
@@ -83,7 +84,7 @@ def test_colocated_pair_refits_bit_exact_and_names_the_absent() -> None:
         driver.barrier("refit start", remaining)
     assert time.monotonic() - t0 < 1.0
     t0 = time.monotonic()
-    with pytest.raises(TimeoutError, match=r"refit start barrier; waiting on src rank 0 \(never reached it\)"):
+    with pytest.raises(TimeoutError, match=r"refit start barrier; waiting on trainer rank 0 \(never reached it\)"):
         driver.refit(Budget(0.5))
     assert time.monotonic() - t0 < 2.0
     for m in members:
@@ -94,22 +95,22 @@ def test_locate_and_budget(monkeypatch: pytest.MonkeyPatch) -> None:
     # A fake machine of 4 GPUs, all visible (no CUDA here): locate knows GPUs by UUID.
     monkeypatch.setattr("refit.executor.seating.visible_gpus", lambda: ("u0", "u1", "u2", "u3"))
     master = dist.TCPStore("127.0.0.1", 0, is_master=True, wait_for_workers=False)
-    eps = [("src", 0), ("dst", 0)]
+    eps = [(Side.TRAINER, 0), (Side.ENGINE, 0)]
     names = ["trainer/0", "engine/0"]
 
     def at(prefix: str, m: int, device: str, host: str = "h1") -> Callable[[], Any]:
         return lambda: locate(connect("127.0.0.1", master.port, prefix, 10.0), m, eps, device, host, names)
 
     topo, cuda, one_host = _together([at("a/", 0, "cpu"), at("a/", 1, "cpu")])[0]
-    assert not cuda and one_host and topo.device_of == {("src", 0): 0, ("dst", 0): 1}  # CPU: own devices
+    assert not cuda and one_host and topo.device_of == {(Side.TRAINER, 0): 0, (Side.ENGINE, 0): 1}  # CPU: own devices
     out = _together([at("b/", 0, "cuda:3"), at("b/", 1, "cpu")])
     assert all(isinstance(e, RefitError) and "mix CPU and GPU" in str(e) for e in out), out
     # Colocated on GPU 3 of one host: one device, the engine drives it; on two hosts, ids are arbitrary.
     topo, cuda, one_host = _together([at("c/", 0, "cuda:3"), at("c/", 1, "cuda:3")])[0]
-    assert cuda and one_host and topo.device_of == {("src", 0): 3, ("dst", 0): 3} and topo.drivers == (1,)
+    assert cuda and one_host and topo.device_of == {(Side.TRAINER, 0): 3, (Side.ENGINE, 0): 3} and topo.drivers == (1,)
     assert topo.torch_index(3) == 3
     topo, cuda, one_host = _together([at("d/", 0, "cuda:3", "h1"), at("d/", 1, "cuda:3", "h2")])[0]
-    assert cuda and not one_host and topo.device_of == {("src", 0): 0, ("dst", 0): 1}
+    assert cuda and not one_host and topo.device_of == {(Side.TRAINER, 0): 0, (Side.ENGINE, 0): 1}
     assert topo.local == ((0, 3), (1, None))  # member 0's view: the other host's GPU is not local
     with pytest.raises(TimeoutError, match="within 0.01 s"):
         b = Budget(0.01, "refit")
@@ -132,7 +133,7 @@ def test_own_tensors_unlike_the_layout_are_refused_before_sharing() -> None:
     for i, (dst, message) in enumerate(cases):
         store = connect("127.0.0.1", master.port, f"own{i}/", 10.0)
         with pytest.raises(RefitError, match=message):
-            Member(store, topo, 0, "cpu", {("src", 0): src, ("dst", 0): dst}, DENSE, r.src, r.dst,
+            Member(store, topo, 0, "cpu", {(Side.TRAINER, 0): src, (Side.ENGINE, 0): dst}, DENSE, r.src, r.dst,
                    ["both"], Budget(10.0)).prepare(r.plan)
 
 
@@ -147,17 +148,17 @@ def test_a_communicator_that_fails_lets_the_control_group_go(monkeypatch: pytest
     retired: list[str] = []
     monkeypatch.setattr(member_mod, "make_comm", lambda *a, **k: (_ for _ in ()).throw(RuntimeError("no NCCL")))
     monkeypatch.setattr(barriers_mod, "retire", lambda pg, pending, what: retired.append(what))
-    names = ["src rank 0", "dst rank 0"]
+    names = ["trainer rank 0", "engine rank 0"]
 
     def member(m: int) -> Any:
         store = connect("127.0.0.1", master.port, "comm/", 30.0)
-        side = "src" if m == 0 else "dst"
+        side = Side.TRAINER if m == 0 else Side.ENGINE
         own = {(side, 0): allocate(list((r.src if m == 0 else r.dst).local_tensors(DENSE, 0)), torch.device("cpu"))}
         return Member(store, topo, m, "cpu", own, DENSE, r.src, r.dst, names, Budget(30.0))
 
     out = _together([lambda: member(0), lambda: member(1)])
     assert all(isinstance(e, RuntimeError) and "no NCCL" in str(e) for e in out), out
-    assert sorted(retired) == ["dst rank 0: control group", "src rank 0: control group"]
+    assert sorted(retired) == ["engine rank 0: control group", "trainer rank 0: control group"]
 
 
 def test_a_shared_arena_too_small_for_its_layout_is_refused() -> None:
@@ -165,7 +166,7 @@ def test_a_shared_arena_too_small_for_its_layout_is_refused() -> None:
     from refit.executor.handles import shm_handle
 
     r = make_plan(DENSE, "tp1", "tp1", "colocated", "p2p", 4096)
-    topo = Topology.one_per_rank(r.plan.placement)  # member 1 drives the device and maps src rank 0
+    topo = Topology.one_per_rank(r.plan.placement)  # member 1 drives the device and maps trainer rank 0
     master = dist.TCPStore("127.0.0.1", 0, is_master=True, wait_for_workers=False)
     session = uuid.uuid4().hex[:8]
     small = allocate(list(r.src.local_tensors(DENSE, 0))[:1], torch.device("cpu"), f"/dev/shm/refit-{session}-s")
@@ -174,8 +175,8 @@ def test_a_shared_arena_too_small_for_its_layout_is_refused() -> None:
         store.set("share/src0", shm_handle(small.path, small.arena.numel()))  # what member 0 would publish
         store.set("settings", json.dumps({**settings.current().run_values(), "direction": "pull"}))
         dst = allocate(list(r.dst.local_tensors(DENSE, 0)), torch.device("cpu"))
-        with pytest.raises(RefitError, match=r"dst rank 0: src rank 0 of megatron:tp1dp1 shared by src rank 0: arena of"):
-            Member(store, topo, 1, "cpu", {("dst", 0): dst}, DENSE, r.src, r.dst, ["src rank 0", "dst rank 0"],
+        with pytest.raises(RefitError, match=r"engine rank 0: trainer rank 0 of megatron:tp1dp1 shared by trainer rank 0: arena of"):
+            Member(store, topo, 1, "cpu", {(Side.ENGINE, 0): dst}, DENSE, r.src, r.dst, ["trainer rank 0", "engine rank 0"],
                    Budget(10.0))
     finally:
         os.unlink(small.path)
@@ -191,8 +192,8 @@ def test_a_refit_after_a_failed_prepare_is_refused() -> None:
         "tp1", "tp1", "colocated", "p2p", 4096)
     topo = Topology.single(r.plan.placement)
     master = dist.TCPStore("127.0.0.1", 0, is_master=True, wait_for_workers=False)
-    own = {("src", 0): allocate(list(r.src.local_tensors(DENSE, 0)), torch.device("cpu")),
-           ("dst", 0): allocate(list(r.dst.local_tensors(DENSE, 0)), torch.device("cpu"))}
+    own = {(Side.TRAINER, 0): allocate(list(r.src.local_tensors(DENSE, 0)), torch.device("cpu")),
+           (Side.ENGINE, 0): allocate(list(r.dst.local_tensors(DENSE, 0)), torch.device("cpu"))}
     m = Member(connect("127.0.0.1", master.port, "prep/", 10.0), topo, 0, "cpu", own, DENSE, r.src, r.dst,
                ["both"], Budget(10.0))
     try:
@@ -200,10 +201,10 @@ def test_a_refit_after_a_failed_prepare_is_refused() -> None:
             m.prepare(other.plan)
         with pytest.raises(RefitError, match="no plan prepared"):
             m.refit(Budget(10.0))
-        fill_source(own[("src", 0)], DENSE, 5)
-        fill_sentinel(own[("dst", 0)])
+        fill_source(own[(Side.TRAINER, 0)], DENSE, 5)
+        fill_sentinel(own[(Side.ENGINE, 0)])
         m.prepare(r.plan).refit(Budget(10.0))
-        assert verify(own[("dst", 0)], DENSE, 5).ok
+        assert verify(own[(Side.ENGINE, 0)], DENSE, 5).ok
     finally:
         m.close()
 
@@ -212,8 +213,8 @@ def test_close_aborts_the_communicator_before_it_frees_the_buffers() -> None:
     r = make_plan(DENSE, "tp1", "tp1", "colocated", "p2p", 4096)
     topo = Topology.single(r.plan.placement)
     master = dist.TCPStore("127.0.0.1", 0, is_master=True, wait_for_workers=False)
-    own = {("src", 0): allocate(list(r.src.local_tensors(DENSE, 0)), torch.device("cpu")),
-           ("dst", 0): allocate(list(r.dst.local_tensors(DENSE, 0)), torch.device("cpu"))}
+    own = {(Side.TRAINER, 0): allocate(list(r.src.local_tensors(DENSE, 0)), torch.device("cpu")),
+           (Side.ENGINE, 0): allocate(list(r.dst.local_tensors(DENSE, 0)), torch.device("cpu"))}
     m = Member(connect("127.0.0.1", master.port, "close/", 10.0), topo, 0, "cpu", own, DENSE, r.src, r.dst,
                ["both"], Budget(10.0)).prepare(r.plan)
     seen: list[int] = []

@@ -21,6 +21,7 @@ from refit.control.v1 import refit_pb2 as pb
 from refit.errors import InvalidInput
 from refit.layouts import resolve_layout
 from refit.plan import Plan
+from refit.sides import Side
 from tests.harness.tiny import tiny_spec
 from tests.unit.test_coordinator import Member, responder, run
 
@@ -229,12 +230,12 @@ def test_moe_group_is_rigid() -> None:
 
 def test_engine_view_and_interchangeable() -> None:
     spec = tiny_spec("tiny-qwen2")
-    dp3 = resolve_layout("vllm:tp2dp3", spec, "dst")
+    dp3 = resolve_layout("vllm:tp2dp3", spec, Side.ENGINE)
     dp2 = layout_with(dp3, 2, spec)
     assert dp2.describe() == "vllm:tp2dp2"
     assert interchangeable(spec, dp3, 5, dp2, 1) and not interchangeable(spec, dp3, 5, dp2, 2)
     moe = tiny_spec("tiny-qwen3-moe")
-    a, b = resolve_layout("vllm:tp1dp2", moe, "dst"), resolve_layout("vllm:tp1dp4", moe, "dst")
+    a, b = resolve_layout("vllm:tp1dp2", moe, Side.ENGINE), resolve_layout("vllm:tp1dp4", moe, Side.ENGINE)
     assert a.replicas() is None and not interchangeable(moe, a, 1, b, 1)
 
     class Row:
@@ -260,9 +261,9 @@ def test_engine_view_and_interchangeable() -> None:
 
 def test_within_replica_tells_whether_another_replica_could_start_a_refit() -> None:
     spec = tiny_spec("tiny-qwen2")
-    dp2 = resolve_layout("vllm:tp2dp2", spec, "dst")
+    dp2 = resolve_layout("vllm:tp2dp2", spec, Side.ENGINE)
     assert within_replica(dp2, 1, "e", ("t/0", "e/0", "e/1"))  # replica 0's own refit
     assert not within_replica(dp2, 1, "e", ("t/0", "e/0", "e/1", "e/2", "e/3"))  # replica 1's leader may start it
     assert within_replica(dp2, 3, "e", ("t/0", "e/2", "e/3", "other/0"))
-    tp2 = resolve_layout("vllm:tp2", spec, "dst")
+    tp2 = resolve_layout("vllm:tp2", spec, Side.ENGINE)
     assert within_replica(tp2, 1, "e", ("t/0", "e/0", "e/1"))

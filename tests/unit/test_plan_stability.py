@@ -18,6 +18,7 @@ from refit.boxes import join_runs, merge_boxes
 from refit.hf_checkpoint import load_spec
 from refit.layouts import all_holdings, holdings, resolve_layout
 from refit.planners import make_plan
+from refit.sides import Side
 
 # (model, src, dst, placement, planner, bucket bytes) -> (plan id, summary hash)
 PINNED = {
@@ -82,7 +83,7 @@ def test_all_holdings_reuses_shared_tensors_exactly(model, layout):
     """`all_holdings` takes the dp-independent part of a vLLM MoE rank from its first dp rank:
     every rank's holdings (values and order) must equal those coalesced from all its tensors."""
     spec = load_spec(model)
-    resolved = resolve_layout(layout, spec, "dst")
+    resolved = resolve_layout(layout, spec, Side.ENGINE)
     all_holdings.cache_clear()
     for rank, held in enumerate(all_holdings(spec, resolved)):
         direct = holdings(spec, resolved, rank)

@@ -13,6 +13,7 @@ from refit.layouts import QuantizedLayout, resolve_layout
 from refit.plan import Plan
 from refit.planners import make_plan
 from refit.quantization import is_quantized
+from refit.sides import Side
 from refit.spec import ModelConfig, base_spec, build_spec, quantize_spec
 
 # A Qwen3-MoE whose linear weights split into whole 128-blocks at tp2 (q, k and v 256 rows each,
@@ -59,7 +60,7 @@ def test_checkpoints_in_other_formats_are_refused_naming_them() -> None:
 
 def test_vllm_rank_holds_scales_beside_its_fused_weights() -> None:
     q = quantize_spec(spec(), "fp8")
-    layout = resolve_layout("vllm:tp2", q, "dst")
+    layout = resolve_layout("vllm:tp2", q, Side.ENGINE)
     assert isinstance(layout, QuantizedLayout) and layout.describe() == "vllm:tp2" and layout.world_size == 2
     by_name = {lt.name: lt for lt in layout.local_tensors(q, 1)}
     qkv = by_name["model.layers.0.self_attn.qkv_proj.weight"]

@@ -6,6 +6,7 @@ from refit.boxes import volume
 from refit.layouts import resolve_layout
 from refit.layouts.base import LocalTensor, Piece
 from refit.regions import Block, PieceIndex, slices
+from refit.sides import Side
 from refit.spec import ModelConfig, build_spec
 
 
@@ -22,7 +23,7 @@ def test_blocks_of_a_box_across_two_pieces() -> None:
 def test_blocks_tile_every_local_piece_of_a_real_layout() -> None:
     spec = build_spec("t", ModelConfig(arch="qwen2", hidden_size=64, num_layers=2, num_heads=8, num_kv_heads=2,
                                        head_dim=8, intermediate_size=64, vocab_size=250))
-    layout = resolve_layout("tp2", spec, "dst")
+    layout = resolve_layout("tp2", spec, Side.ENGINE)
     for rank in range(2):
         index = PieceIndex(layout.local_tensors(spec, rank))
         for t in spec.tensors:

@@ -9,12 +9,14 @@ from types import SimpleNamespace
 
 import pytest
 
-from refit.control.common import Conflict, Exhausted, Precondition, Side, config_json
+from refit.control import common
+from refit.control.common import Conflict, Exhausted, Precondition, config_json, role_of, side_of_role
 from refit.control.registry import (MAX_VERSION, MAX_VERSION_STEP, PlanEntry, Worker, build_registration,
                                     check_info, check_same_model, check_slot, check_version, group_members,
                                     holds_version)
 from refit.control.v1 import refit_pb2 as pb
-from refit.errors import RefitError
+from refit.errors import InvalidInput, RefitError
+from refit.sides import Side
 from refit.spec import build_spec
 from tests.harness.tiny import tiny_spec
 
@@ -29,6 +31,27 @@ def info(**kw) -> pb.WorkerInfo:
 def worker(i: pb.WorkerInfo) -> Worker:
     spec, layout = build_registration(i, {})
     return Worker(i, "s", spec, layout, send=None, task=None, version=i.version)  # type: ignore[arg-type]
+
+
+def test_a_side_goes_by_one_name_in_each_layer() -> None:
+    """`refit.sides.Side` is the one the control plane re-exports; the proto's roles map both ways."""
+    assert common.Side is Side
+    for side, role, end in ((Side.TRAINER, pb.ROLE_TRAINER, "src"), (Side.ENGINE, pb.ROLE_ENGINE, "dst")):
+        assert role_of(side) == role and side_of_role(role) is side
+        assert side.end == end and Side.of_end(end) is side and Side.named(side.value) is side
+        assert side.other.other is side and side.other is not side
+        assert f"{side}" == str(side) == side.value == side and side.plural == f"{side.value}s"
+    assert (Side.TRAINER.with_article, Side.ENGINE.with_article) == ("a trainer", "an engine")
+    plan = SimpleNamespace(src_layout="megatron:tp2", dst_layout="vllm:tp1")
+    bucket = SimpleNamespace(sender=1, receiver=3)
+    assert (Side.TRAINER.layout_of(plan), Side.ENGINE.layout_of(plan)) == ("megatron:tp2", "vllm:tp1")
+    assert (Side.TRAINER.rank_in(bucket), Side.ENGINE.rank_in(bucket)) == (1, 3)
+    with pytest.raises(InvalidInput, match="role must be ROLE_TRAINER or ROLE_ENGINE, not 0"):
+        side_of_role(pb.ROLE_UNSPECIFIED)
+    with pytest.raises(InvalidInput, match="role must be one of trainer, engine, not 'src'"):
+        Side.named("src")
+    with pytest.raises(InvalidInput, match="a side is src or dst, not 'trainer'"):
+        Side.of_end("trainer")
 
 
 def test_a_good_registration_builds_once_per_config() -> None:

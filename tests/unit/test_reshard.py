@@ -10,6 +10,7 @@ from safetensors import safe_open
 
 from refit.cli import main
 from refit.hf_checkpoint import checkpoint_tensors
+from refit.sides import Side
 from tests.harness.tiny import write_hf_checkpoint
 
 
@@ -375,7 +376,7 @@ def test_a_failed_run_closes_its_partial_file(tmp_path, monkeypatch):
     monkeypatch.setattr(mod.SafetensorsWriter, "__init__", remember)
     monkeypatch.setattr(mod, "assemble", fail)
     with pytest.raises(RefitError):
-        mod.reshard(spec, resolve_layout("megatron:tp2", spec, "src"), resolve_layout("vllm:tp2", spec, "dst"),
+        mod.reshard(spec, resolve_layout("megatron:tp2", spec, Side.TRAINER), resolve_layout("vllm:tp2", spec, Side.ENGINE),
                     mdir, str(tmp_path / "out"))
     assert writers and all(w._file.closed for w in writers)
 

@@ -12,6 +12,7 @@ from refit.boxes import volume
 from refit.executor.schedule import compile_program, pullable
 from refit.executor.topology import Topology
 from refit.planners import make_plan
+from refit.sides import Side
 from refit.spec import ModelConfig, build_spec
 
 MOE = build_spec("tiny-moe", ModelConfig(
@@ -41,7 +42,7 @@ def test_every_bucket_once_sends_match_receives(planner: str) -> None:
                 assert len({w.peer for w in step.sends}) == len(step.sends)  # one peer per step and way
                 for w in step.sends:
                     sends[(w.bucket, topo.comm_rank(m), w.peer, step.key)] += 1
-                    assert w.ep[0] == "src"
+                    assert w.ep[0] is Side.TRAINER
                 for w in step.recvs:
                     recvs[(w.bucket, w.peer, topo.comm_rank(m), step.key)] += 1
         assert prog.staging_bytes <= 4 * r.plan.bucket_bytes
@@ -87,13 +88,13 @@ def test_a_plan_for_another_model_layout_or_run_is_refused_before_binding() -> N
         arch="qwen3_moe", hidden_size=32, num_layers=4, num_heads=4, num_kv_heads=2, head_dim=8,
         intermediate_size=32, vocab_size=302, qk_norm=True, num_experts=8, moe_intermediate_size=16,
         moe_layers=(1, 2, 3)))
-    src2, dst2 = resolve_layout("tp2", other, "src"), resolve_layout("tp2", other, "dst")
+    src2, dst2 = resolve_layout("tp2", other, Side.TRAINER), resolve_layout("tp2", other, Side.ENGINE)
     with pytest.raises(RefitError, match="plan is for model tiny-moe .digest"):
         compile_program(r.plan, other, src2, dst2, topo, 0)
     with pytest.raises(RefitError, match="plan is for destination layout vllm:tp2, this run's is vllm:tp1"):
-        compile_program(r.plan, MOE, r.src, resolve_layout("tp1", MOE, "dst"), topo, 0)
-    small = Topology(((("src", 0), ("dst", 0)),), ((("src", 0), 0), (("dst", 0), 0)))
-    with pytest.raises(RefitError, match="no device for src rank 1, dst rank 1"):
+        compile_program(r.plan, MOE, r.src, resolve_layout("tp1", MOE, Side.ENGINE), topo, 0)
+    small = Topology((((Side.TRAINER, 0), (Side.ENGINE, 0)),), (((Side.TRAINER, 0), 0), ((Side.ENGINE, 0), 0)))
+    with pytest.raises(RefitError, match="no device for trainer rank 1, engine rank 1"):
         compile_program(r.plan, MOE, r.src, r.dst, small, 0)
 
 
@@ -107,7 +108,7 @@ def test_a_destination_missing_part_of_a_box_is_told_it_must_receive_it() -> Non
 
     index = PieceIndex([LocalTensor("x", (2, 4), "bfloat16", (Piece("a", (0, 0), (2, 4), (0, 0)),))])
     t = Transfer(1, 0, 3, "a", (0, 0), (4, 4))
-    with pytest.raises(RefitError, match=r"dst rank 3 holds 8 of the 16 elements of a \[0, 0\]\+\[4, 4\] it must receive"):
-        schedule.box_blocks(index, t, ("dst", 3), whole=True, sending=False)
-    with pytest.raises(RefitError, match="src rank 0 holds 8 of the 16 elements .* it must send"):
-        schedule.box_blocks(index, t, ("src", 0), whole=True, sending=True)
+    with pytest.raises(RefitError, match=r"engine rank 3 holds 8 of the 16 elements of a \[0, 0\]\+\[4, 4\] it must receive"):
+        schedule.box_blocks(index, t, (Side.ENGINE, 3), whole=True, sending=False)
+    with pytest.raises(RefitError, match="trainer rank 0 holds 8 of the 16 elements .* it must send"):
+        schedule.box_blocks(index, t, (Side.TRAINER, 0), whole=True, sending=True)

@@ -93,9 +93,9 @@ def test_run_values_replace_ours_and_a_difference_is_logged(caplog: pytest.LogCa
     ours = settings.Settings.from_env({"REFIT_NCCL": "torch", "REFIT_TRACE": "1"})
     theirs = settings.Settings.from_env({"REFIT_TABLE_BLOCKS": "264,66,16"}).run_values()
     with caplog.at_level(logging.WARNING, "refit.settings"):
-        used = ours.with_run_values(json.loads(json.dumps(theirs)), "dst rank 1")
+        used = ours.with_run_values(json.loads(json.dumps(theirs)), "engine rank 1")
     assert used.nccl == "cupy" and used.table_blocks == (264, 66, 16) and used.trace  # trace: per process
-    assert "dst rank 1: REFIT_NCCL: this process says 'torch', the run's member 0 says 'cupy'" in caplog.text
+    assert "engine rank 1: REFIT_NCCL: this process says 'torch', the run's member 0 says 'cupy'" in caplog.text
     with pytest.raises(InvalidInput, match="not the run knobs"):
         ours.with_run_values({"nccl": "cupy"})
 
@@ -135,15 +135,16 @@ def _member(m: int, port: int, session: str, env: dict[str, str], out: Any) -> N
     from refit.executor.shards import allocate
     from refit.executor.topology import Topology
     from refit.planners import make_plan
+    from refit.sides import Side
     from tests.unit.test_member import DENSE
 
     r = make_plan(DENSE, "tp1", "tp1", "disaggregated", "p2p", 4096)
-    ep = ("src", 0) if m == 0 else ("dst", 0)
+    ep = (Side.TRAINER, 0) if m == 0 else (Side.ENGINE, 0)
     layout = r.src if m == 0 else r.dst
     shm = f"/dev/shm/refit-{session.strip('/')}-{ep[0]}0"  # ipc on CPU: peers map each other's arenas
     own = {ep: allocate(list(layout.local_tensors(DENSE, 0)), torch.device("cpu"), shm)}
     member = Member(connect("127.0.0.1", port, session, 30.0), Topology.one_per_rank(r.plan.placement), m, "cpu",
-                    own, DENSE, r.src, r.dst, ["src rank 0", "dst rank 0"], Budget(30.0), ipc=True)
+                    own, DENSE, r.src, r.dst, ["trainer rank 0", "engine rank 0"], Budget(30.0), ipc=True)
     out.put((m, member.settings.run_values(), settings.current().trace, member.push))
     member.close()
 

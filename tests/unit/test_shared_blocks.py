@@ -35,6 +35,7 @@ from refit.hf_checkpoint import load_spec
 from refit.layouts import QuantizedLayout, resolve_layout
 from refit.layouts.quantized import shared_scale_table
 from refit.planners import make_plan
+from refit.sides import Side
 from refit.spec import ModelConfig, build_spec, quantize_spec
 from tests.harness.cut_blocks import CONFIG, expected, fp8_spec, land, mismatches, trainer_tensors, weights
 from tests.harness.procs import together
@@ -45,7 +46,7 @@ from tests.harness.procs import together
 
 def test_a_cutting_trainer_holds_its_shard_unquantized_and_derives_values_and_owned_scales() -> None:
     q = fp8_spec()  # k_proj 256 rows: fsdp:dp4 holds 64 of them a rank
-    src = resolve_layout("fsdp:dp4", q, "src")
+    src = resolve_layout("fsdp:dp4", q, Side.TRAINER)
     assert isinstance(src, QuantizedLayout) and src.shares_blocks
     k = "model.layers.0.self_attn.k_proj.weight"
     held = {lt.name: lt for lt in src.local_tensors(q, 1)}
@@ -61,7 +62,7 @@ def test_a_cutting_trainer_holds_its_shard_unquantized_and_derives_values_and_ow
     assert [(p.tensor, p.start, p.size, p.local_start) for p in owner.pieces] == \
         [("model.layers.*.self_attn.k_proj.weight_scale_inv", (0, 1, 0), (1, 1, 2), (0, 0, 0))]
     # uneven torch.chunk rows: fsdp:dp3 gives 86, 86, 84 rows; blocks whole on no rank
-    three = resolve_layout("fsdp:dp3", q, "src")
+    three = resolve_layout("fsdp:dp3", q, Side.TRAINER)
     owned = [p for r in range(3) for sb in three.shared_blocks(q, r) if sb.source == k
              for lt in sb.scales for p in lt.pieces]
     assert sorted((p.start[1], p.size[1]) for p in owned) == [(0, 1), (1, 1)]  # each block row once
@@ -164,14 +165,14 @@ def test_members_share_block_scales_over_gloo_and_refit_twice_bit_exact() -> Non
     trainers = [trainer_tensors(q, src, s, canon) for s in range(src.world_size)]
     engines = [{lt.name: torch.zeros(lt.shape, dtype=TORCH_DTYPES[lt.dtype]) for lt in dst.local_tensors(q, d)}
                for d in range(dst.world_size)]
-    eps = [("src", s) for s in range(src.world_size)] + [("dst", d) for d in range(dst.world_size)]
+    eps = [(Side.TRAINER, s) for s in range(src.world_size)] + [(Side.ENGINE, d) for d in range(dst.world_size)]
     names = [f"{side} rank {i}" for side, i in eps]
     master = dist.TCPStore("127.0.0.1", 0, is_master=True, wait_for_workers=False)
     session = uuid.uuid4().hex[:8]
 
     def member(m: int) -> Member:
         side, i = eps[m]
-        own = {eps[m]: trainers[i] if side == "src" else engines[i]}
+        own = {eps[m]: trainers[i] if side is Side.TRAINER else engines[i]}
         store = connect("127.0.0.1", master.port, session, 30.0)
         return Member(store, topo, m, "cpu", own, q, src, dst, names, Budget(30.0)).prepare(plan)
 

@@ -47,7 +47,7 @@ def _pair(timeout_s: float) -> list[GlooComm]:
 
     def build(rank: int) -> None:  # a store client per thread: a client serialises its calls
         client = dist.TCPStore("127.0.0.1", store.port, is_master=False)
-        comms[rank] = GlooComm(dist.PrefixStore("t", client), rank, 2, timeout_s, ["src rank 0", "dst rank 0"])
+        comms[rank] = GlooComm(dist.PrefixStore("t", client), rank, 2, timeout_s, ["trainer rank 0", "engine rank 0"])
 
     threads = [threading.Thread(target=build, args=(r,)) for r in range(2)]
     for t in threads:
@@ -69,7 +69,7 @@ def test_gloo_send_recv_and_a_wait_bounded_by_the_caller() -> None:
     # Nobody sends tag 8: the group was built with 60 s, the wait gives up at the caller's 0.5 s
     # and names the peer it was waiting on.
     t0 = time.monotonic()
-    with pytest.raises(PeerError, match=r"receiving bucket 8 with src rank 0 failed: Timed out"):
+    with pytest.raises(PeerError, match=r"receiving bucket 8 with trainer rank 0 failed: Timed out"):
         b.wait(b.post([], [(0, 8, got)]), 0.5)
     assert time.monotonic() - t0 < 3.0
 

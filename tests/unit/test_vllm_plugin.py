@@ -9,6 +9,7 @@ import pytest
 
 from refit.integrations.vllm.config import layout_text, spec_from_hf_config
 from refit.layouts import resolve_layout
+from refit.sides import Side
 from tests.harness.tiny import TINY_CONFIGS, tiny_spec
 
 
@@ -38,4 +39,4 @@ def test_layout_and_spec_from_configs() -> None:
     assert spec.digest() == tiny_spec("tiny-qwen3-moe").digest()  # vLLM's dtype wins over the config's
     assert layout_text(2, 1, False) == "vllm:tp2"
     assert layout_text(2, 2, True) == "vllm:tp2ep4dp2"
-    assert resolve_layout(layout_text(2, 2, True), spec, "dst").describe() == "vllm:tp2ep4dp2"
+    assert resolve_layout(layout_text(2, 2, True), spec, Side.ENGINE).describe() == "vllm:tp2ep4dp2"

@@ -25,6 +25,7 @@ from refit.integrations.vllm import compat
 from refit.layouts import Layout, resolve_layout
 from refit.layouts.vllm import replicated_shared_experts
 from refit.quantization import from_hf_config
+from refit.sides import Side
 from refit.spec import ModelConfig, ModelSpec, build_spec
 
 
@@ -119,5 +120,5 @@ def identify(vllm_config: Any, replica: int | None = None, model_config: Any = N
             raise InvalidInput(f"init_info replica={replica}: {spec.name} is a MoE model, whose data-parallel ranks "
                                f"each hold part of the experts; only a dense model's replicas come and go")
         dp_rank, dp = replica, replica + 1
-    layout = resolve_layout(layout_text(tp, dp, ep_on), spec, "dst")
+    layout = resolve_layout(layout_text(tp, dp, ep_on), spec, Side.ENGINE)
     return WorkerIdentity(dp_rank * tp + compat.tensor_parallel_rank(), layout, spec)

@@ -49,6 +49,7 @@ from refit.drafters import drafter_config
 from refit.engine.host import HostDrivenAgent, HostRefit
 from refit.errors import InvalidInput
 from refit.layouts import resolve_layout
+from refit.sides import Side
 from refit.spec import build_spec
 from refit.timeline import mark
 from refit.validation import parse
@@ -268,7 +269,7 @@ class DraftEngine(RefitWeightTransferEngine):
         cfg = drafter_config(self.method, drafts.hf_dict(self.vllm_config.model_config),
                              drafts.hf_dict(self.model_config))
         spec = build_spec(f"{target.spec.name}-{cfg.drafter}", cfg)
-        return WorkerIdentity(target.rank, resolve_layout(target.layout.describe(), spec, "dst"), spec)
+        return WorkerIdentity(target.rank, resolve_layout(target.layout.describe(), spec, Side.ENGINE), spec)
 
     def _landing(self, who: WorkerIdentity, init_info: RefitInitInfo) -> Any:
         if self.method == "eagle":
