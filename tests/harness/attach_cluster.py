@@ -10,7 +10,6 @@ the framework itself (``save_pretrained``, ``DTensor.full_tensor()``, Megatron's
 
 from __future__ import annotations
 
-import multiprocessing as mp
 import os
 import socket
 import tempfile
@@ -26,7 +25,9 @@ from refit.reshard import SafetensorsWriter, rank_file, reshard
 from refit.sides import Side
 from refit.spec import ModelSpec
 
-CTX = mp.get_context("spawn")
+from tests.harness.procs import warm_context
+
+CTX = warm_context()  # its processes fork from a server that imported torch once
 
 
 def free_port() -> int:

@@ -9,7 +9,6 @@ does with ids.  An engine can then check, bit for bit, that it holds exactly ver
 
 from __future__ import annotations
 
-import multiprocessing as mp
 import os
 import signal
 import time
@@ -25,9 +24,9 @@ from refit.regions import slices
 from refit.sides import Side
 from refit.spec import ModelSpec
 from tests.harness.tiny import tiny_spec
-from tests.harness.procs import AfterFirstPhase, PipedProcess, strike_self
+from tests.harness.procs import AfterFirstPhase, PipedProcess, strike_self, warm_context
 
-CTX = mp.get_context("spawn")
+CTX = warm_context()  # its processes fork from a server that imported torch once
 MODEL, SRC, DST = "tiny-qwen3-moe", "megatron:tp2ep2", "vllm:tp2"
 
 

@@ -6,6 +6,8 @@ once the first phase of a refit landed (`AfterFirstPhase`)."""
 
 from __future__ import annotations
 
+import functools
+import multiprocessing as mp
 import os
 import signal
 import tempfile
@@ -95,6 +97,38 @@ def recv_answer(conn: Any, proc: Any, timeout: float, what: str, log: str | None
         return conn.recv()
     except EOFError:
         raise _died(proc, what, log) from None
+
+
+class WarmContext:
+    """A multiprocessing context whose processes start with torch and vLLM already imported: they
+    fork from a server process (``forkserver``) that imported them once (`tests.harness.warm_preload`),
+    where ``spawn`` imports them again in every process.  Each process gets the environment its
+    parent has when it starts it (as with ``spawn``), not the server's."""
+
+    def __init__(self) -> None:
+        self._ctx = mp.get_context("forkserver")
+        self._ctx.set_forkserver_preload(["tests.harness.warm_preload"])
+
+    def Pipe(self, duplex: bool = True) -> Any:  # noqa: N802 - multiprocessing's name
+        return self._ctx.Pipe(duplex)
+
+    def Event(self) -> Any:  # noqa: N802
+        return self._ctx.Event()
+
+    def Process(self, target: Callable[..., Any], args: tuple[Any, ...] = (), daemon: bool | None = None) -> Any:  # noqa: N802
+        return self._ctx.Process(target=_in_environment, args=(dict(os.environ), target, *args), daemon=daemon)
+
+
+def _in_environment(environ: dict[str, str], target: Callable[..., Any], *args: Any) -> None:
+    os.environ.clear()
+    os.environ.update(environ)
+    target(*args)
+
+
+@functools.lru_cache(maxsize=None)
+def warm_context() -> WarmContext:
+    """The one `WarmContext` of a test run (its server starts with the first process)."""
+    return WarmContext()
 
 
 def _logged_main(log: str, main: Callable[..., Any], *args: Any) -> None:

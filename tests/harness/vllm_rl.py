@@ -23,7 +23,6 @@ import contextlib
 import copy
 import functools
 import logging
-import multiprocessing as mp
 import os
 import signal
 import time
@@ -33,10 +32,12 @@ from typing import Any, Iterator
 import torch
 
 from tests.harness.marks import require_vllm_mark
-from tests.harness.procs import AfterFirstPhase, PipedProcess, reap_later, recv_answer, spawn_logged, stop_then_reap
+from tests.harness.procs import (AfterFirstPhase, PipedProcess, reap_later, recv_answer, spawn_logged, stop_then_reap,
+                                 warm_context)
 from tests.harness.run_cache import checkpoint_digest, vllm_environment, vllm_version
 
-CTX = mp.get_context("spawn")
+# engines, reference engines and trainers fork from a server that imported torch and vLLM once
+CTX = warm_context()
 log = logging.getLogger(__name__)
 
 

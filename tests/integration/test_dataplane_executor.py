@@ -14,7 +14,6 @@ that barrier times out, and closing takes a fraction of a second.
 
 from __future__ import annotations
 
-import multiprocessing as mp
 import os
 import signal
 import threading
@@ -26,9 +25,10 @@ import torch.distributed as dist
 
 from refit.planners import make_plan
 from tests.harness.control_cluster import DST, MODEL, SRC
+from tests.harness.procs import warm_context
 from tests.harness.tiny import tiny_spec
 
-CTX = mp.get_context("spawn")
+CTX = warm_context()  # its processes fork from a server that imported torch once
 NAMES = ("trainer/0", "trainer/1", "engine/0", "engine/1")
 
 
@@ -42,7 +42,7 @@ def _member_main(conn: Any, port: int, index: int, plan_dict: dict) -> None:
     from refit.layouts import resolve_layout
     from refit.plan import Plan
     from tests.harness.control_cluster import fill
-    from tests.harness.procs import strike_self
+    from tests.harness.procs import strike_self, warm_context
 
     class Watched(RunContext):
         """The refit's context, counting how often the data plane asks for the time left once it
