@@ -88,14 +88,15 @@ def _trainers(ckpt: Any, rollout_config: Any = None, dtype: str = "bfloat16", se
 def _sync_and_compare(manager: Any, trainers: Any, server: Any, before: list, directory: str) -> None:
     import ray
 
-    from tests.harness.vllm_rl import fresh_outputs
+    from tests.harness.vllm_rl import fresh_outputs_async
 
-    got, dirs, versions = [], [], []
+    got, dirs, versions, pending = [], [], [], []
     for step in (1, 2):
         if step == 2:
             trainers.train(seed=step)  # a real optimizer step on the FSDP2 shards
         dirs.append(os.path.join(directory, f"step{step}"))
         trainers.save(dirs[-1])
+        pending.append(fresh_outputs_async([dirs[-1]], tp=1))  # a fresh engine starts beside the sync
         t0 = time.perf_counter()
         metrics = manager.update_weights(global_steps=0)  # repeated: refit still issues versions 1, 2
         log.info("verl update %d through refit: %.3f s (refit %.3f s)", step, time.perf_counter() - t0,
@@ -105,7 +106,7 @@ def _sync_and_compare(manager: Any, trainers: Any, server: Any, before: list, di
     # one refit per sync, hybrid too (send_weights runs twice per worker); the engine may hold a
     # version from an earlier trainer group: refit goes on above it
     assert versions[1] == versions[0] + 1, versions
-    refs = fresh_outputs(dirs, tp=1)
+    refs = [p.result()[0] for p in pending]
     assert differs(before, refs[0]), "W0 and the trainer's weights answer alike: the test would prove nothing"
     assert differs(refs[0], refs[1]), "the training step changed no answer: the test would prove nothing"
     for step, (g, r) in enumerate(zip(got, refs), 1):
@@ -274,6 +275,7 @@ def test_rollout_data_parallel_refits_every_dp_engine(cluster, tmp_path) -> None
             for worker in trainers.workers:
                 ray.kill(worker)
             ray.kill(server)
+        # after the server stopped: its two engine cores keep both cores busy while it runs
         refs = fresh_outputs(dirs, tp=1)
         assert differs(before, refs[0]), "W0 and the trainer's weights answer alike: the test would prove nothing"
         assert differs(refs[0], refs[1]), "the training step changed no answer: the test would prove nothing"
