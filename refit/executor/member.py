@@ -106,8 +106,7 @@ def shares(topo: Topology, member: int, ep: Endpoint, ipc: bool, push: bool = Fa
 
 
 def _share_key(ep: Endpoint) -> str:
-    """The store key of an endpoint's exported tensors: ``share/src0``, ``share/dst1`` (the plan's
-    word for the side, so the keys every member reads and writes stay what they were)."""
+    """An endpoint's store key (``share/src0``, ``share/dst1``): the plan's word for its side."""
     return f"share/{ep[0].end}{ep[1]}"
 
 

@@ -158,3 +158,13 @@ def test_the_checks_see_cycles_layers_and_submodules() -> None:
                        ("from ..spec import ModelSpec", ["refit.spec"]),
                        ("import torch", [])]:
         assert imported(ast.parse(code).body[0], "refit.executor", mods) == want, code
+
+
+MAX_LINES = 400  # a library module longer than this is split by what it does (docs/architecture.md)
+
+
+def test_no_library_module_over_400_lines() -> None:
+    """Generated protobuf modules (refit/control/v1) aside: their length is protoc's."""
+    long = {name: n for name, path in modules().items()
+            if not name.startswith("refit.control.v1") and (n := len(path.read_text().splitlines())) > MAX_LINES}
+    assert not long, f"modules over {MAX_LINES} lines: {long}"
