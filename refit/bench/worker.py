@@ -26,7 +26,7 @@ from refit.errors import InvalidInput, RefitError
 from refit.executor.member import Budget, Member, ipc_direction, shares
 from refit.executor.seating import connect
 from refit.executor.shards import Shards, Verdict, allocate, fill_sentinel, fill_source, verify
-from refit.executor.topology import Endpoint, Topology, endpoint_name
+from refit.executor.topology import Endpoint, Topology, endpoint_key, endpoint_name
 from refit.executor.transports import PeerError
 from refit.bench.quantized import SourceQuantizer, fill_finite, verify_quantized
 from refit.bench.steps import Masters
@@ -132,7 +132,7 @@ class Session:
         return list(layout.local_tensors(self.job.spec, ep[1]))
 
     def shm_path(self, ep: Endpoint) -> str:
-        return f"/dev/shm/refit-{self.job.session}-{ep[0].end}{ep[1]}"  # src0, dst1: the names they had
+        return f"/dev/shm/refit-{self.job.session}-{endpoint_key(ep)}"
 
     def setup(self) -> None:
         job, topo = self.job, self.topo

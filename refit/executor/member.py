@@ -46,7 +46,7 @@ from refit.executor.schedule import compile_program
 from refit.executor.shards import Shards, allocate, check_own, remove_file, views
 from refit.executor.shared_blocks import SharedQuantizer, allocate_derived, share
 from refit.executor.shm_barrier import ShmBarrier
-from refit.executor.topology import Endpoint, Topology, endpoint_name
+from refit.executor.topology import Endpoint, Topology, endpoint_key, endpoint_name
 from refit.executor.transports import (Comm, PeerError, export_arena, export_tensors, first_line, gloo_group,
                                        import_share, make_comm)
 from refit.layouts import Layout
@@ -105,11 +105,6 @@ def shares(topo: Topology, member: int, ep: Endpoint, ipc: bool, push: bool = Fa
     return ipc and (ep[0] is Side.TRAINER or (push and len(topo.drivers) > 1))
 
 
-def _share_key(ep: Endpoint) -> str:
-    """An endpoint's store key (``share/src0``, ``share/dst1``): the plan's word for its side."""
-    return f"share/{ep[0].end}{ep[1]}"
-
-
 class Member(MemberBarriers):
     """Member ``member`` of ``topology``: holds ``own`` (its endpoints' tensors), on ``device``
     (``cpu`` or ``cuda:<index>``); ``names`` name every member in messages.  Builds everything
@@ -148,7 +143,7 @@ class Member(MemberBarriers):
         # Share what others read or write, then map what we read or write.
         for ep, tensors in own.items():
             if shares(topology, member, ep, ipc, self.push):
-                self.store.set(_share_key(ep), self._export(ep, tensors))
+                self.store.set(f"share/{endpoint_key(ep)}", self._export(ep, tensors))
         self.tensors: dict[Endpoint, dict[str, torch.Tensor]] = {
             ep: dict(t.tensors if isinstance(t, Shards) else t) for ep, t in own.items()}
         self.imported: list[torch.Tensor] = []  # peers' arenas, kept mapped for the member's life
@@ -259,7 +254,7 @@ class Member(MemberBarriers):
         return export_tensors(dict(tensors))
 
     def _import(self, ep: Endpoint) -> dict[str, torch.Tensor]:
-        shared = import_share(self.store.get(_share_key(ep)))
+        shared = import_share(self.store.get(f"share/{endpoint_key(ep)}"))
         layout = self.src if ep[0] is Side.TRAINER else self.dst
         if isinstance(shared, dict):  # separate tensors (an agent's): as its layout says, or refused
             out = shared

@@ -29,6 +29,12 @@ def endpoint_name(ep: Endpoint) -> str:
     return f"{ep[0].value} rank {ep[1]}"
 
 
+def endpoint_key(ep: Endpoint) -> str:
+    """An endpoint in names other processes find it by (store keys, shared-memory files): ``src0``,
+    ``dst1``, the plan's word for its side, as those names have always been."""
+    return f"{ep[0].end}{ep[1]}"
+
+
 def endpoints(placement: Placement) -> list[Endpoint]:
     """Every endpoint of a placement, trainer ranks first: the order of a refit's members."""
     return ([(Side.TRAINER, r) for r in range(len(placement.src_gpus))]

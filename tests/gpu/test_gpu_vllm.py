@@ -189,18 +189,22 @@ def _run(f: Fleet, address: str, configs: dict, GpuEngine: Any, GpuTrainer: Any,
     f.stage("instance checks", lambda: _instance_checks(f))
 
 
-# Each comparison of a refitted engine's answers with a fresh engine's: (the refitted answers, the
-# fresh answers, the engine, the checkpoint the fresh engine loaded: model@version, FP8 or not).
-COMPARED = [("dense@v2", "fresh@dense@v2", "dense", "gpu-qwen3@v2", False),
-            ("moe@v2", "fresh@moe@v2", "moe", "gpu-qwen3-moe@v2", False),
-            ("sleepy@v2", "fresh@sleepy@v2", "sleepy", "gpu-qwen3@v2", False),
-            ("sleepy@v3", "fresh@sleepy@v3", "sleepy", "gpu-qwen3@v3", False),
-            ("dense@v3", "fresh@dense@v3", "dense", "gpu-qwen3@v3", False),
-            ("fp8@v2", "fresh@fp8@v2", "fp8", "gpu-qwen3@v2", False),
-            ("fp8ckpt@v2", "fresh@fp8ckpt@v2", "fp8ckpt", "gpu-qwen3@v2", True),
-            ("fp8ckpt-moe@v2", "fresh@fp8ckpt-moe@v2", "fp8ckpt-moe", "gpu-qwen3-moe@v2", True),
-            ("mla@v2", "fresh@mla@v2", "mla", "gpu-deepseek-v3@v2", False),
-            ("dense@v5", "fresh@dense@v3", "dense", "gpu-qwen3@v3", False)]
+# Each comparison of a refitted engine's answers ("<engine>@<version>") with a fresh engine's
+# ("fresh@<engine>@<version of the checkpoint it loaded>").
+COMPARED = [("dense@v2", "fresh@dense@v2"), ("moe@v2", "fresh@moe@v2"), ("sleepy@v2", "fresh@sleepy@v2"),
+            ("sleepy@v3", "fresh@sleepy@v3"), ("dense@v3", "fresh@dense@v3"), ("fp8@v2", "fresh@fp8@v2"),
+            ("fp8ckpt@v2", "fresh@fp8ckpt@v2"), ("fp8ckpt-moe@v2", "fresh@fp8ckpt-moe@v2"), ("mla@v2", "fresh@mla@v2"),
+            ("dense@v5", "fresh@dense@v3")]
+
+
+def _fresh_checkpoint(f: Fleet, want: str) -> str:
+    """The checkpoint the fresh engine ``want`` loaded: its engine's model at its version, as the
+    FP8 checkpoint of it for the engines that serve one (`reference` in `_run`)."""
+    from tests.gpu.vllm_gpu import fp8_checkpoint
+
+    _, engine, version = want.split("@")
+    path = f.checkpoints[f"{REFITTED[engine][0]}@{version}"]
+    return fp8_checkpoint(path, path + "-fp8") if engine in FP8_CHECKPOINT else path
 
 
 def _instance_checks(f: Fleet) -> None:
@@ -209,14 +213,12 @@ def _instance_checks(f: Fleet) -> None:
     (``<answers>#reloaded``): two engine instances of one checkpoint, started alike, can differ in a
     logprob's 5th decimal (bench/vllm_gpu.py's ``engines_agree``: two fresh engines in one process,
     no refit), so the instance's own answers for those weights are what refit's must equal then."""
-    from tests.gpu.vllm_gpu import fp8_checkpoint
-
     differ = f.facts["instances differ"] = []
-    for got, want, engine, ckpt, fp8 in COMPARED:
+    for got, want in COMPARED:
         if got in f.answers and want in f.answers and f.answers[got] != f.answers[want]:
-            path = f.checkpoints[ckpt]
-            f.engines[engine].ask("reload", fp8_checkpoint(path, path + "-fp8") if fp8 else path)
-            f.answers[f"{got}#reloaded"] = f.engines[engine].ask("generate")
+            engine = f.engines[got.split("@")[0]]
+            engine.ask("reload", _fresh_checkpoint(f, want))
+            f.answers[f"{got}#reloaded"] = engine.ask("generate")
             differ.append({"answers": got, "fresh": want, "reloaded_equal": f.answers[got] == f.answers[f"{got}#reloaded"]})
     if os.environ.get("OUT"):  # the GPU machine's run folder: which comparisons needed the instance check
         with open(os.path.join(os.environ["OUT"], "instance-checks.json"), "w") as out:
