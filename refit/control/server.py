@@ -230,6 +230,18 @@ async def serve(host: str, port: int, token: str | None, timeout: float, adverti
         log.info("refit coordinator stopped by a signal")
 
 
+def _drain(loop: asyncio.AbstractEventLoop) -> None:
+    """Let the tasks the server left (a stream handler whose client hung up during the stop's
+    grace) end before the loop closes, as `asyncio.run` does: closed under a pending handler,
+    grpc logged its ``GeneratorExit`` traceback to stderr on an otherwise clean stop."""
+    pending = [t for t in asyncio.all_tasks(loop) if not t.done()]
+    for t in pending:
+        t.cancel()
+    if pending:
+        loop.run_until_complete(asyncio.gather(*pending, return_exceptions=True))
+    loop.run_until_complete(loop.shutdown_asyncgens())
+
+
 def serve_main(argv: list[str] | None = None) -> int:
     args = build_parser().parse_args(argv)
     setup_logging(args.verbose)
@@ -245,6 +257,7 @@ def serve_main(argv: list[str] | None = None) -> int:
             loop.run_until_complete(serve(args.host, args.port, token, args.timeout, args.advertise_host,
                                           args.drop_engines_after))
         finally:
+            _drain(loop)
             loop.close()
         return 0
 
