@@ -130,6 +130,9 @@ KNOBS: tuple[Knob, ...] = (
     Knob("REFIT_BATCH_MEMCPY", "off", "run", choices=("off", "flat", "all"), see=PERF,
          what="CUDA 13's batched memcpy beside the table kernel: `flat` sends 1-D runs to the copy engines "
               "in one call, `all` pitched blocks too (a gain on 2 GPUs, a loss on 4: opt-in)"),
+    Knob("REFIT_QUANTIZE_ON_LANDING", "1", "run", convert=_flag, form="1 or 0", see=PERF,
+         what="FP8 engines sharing a GPU with their trainer: the driver quantizes the trainer's unquantized "
+              "weights straight into the engine's (0: the trainer quantizes into wire shards, which are copied)"),
     Knob("REFIT_TRACE", "0", "process", convert=_flag, form="1 or 0", see=PERF,
          what="log each GPU's timeline after every refit (CUDA events around each copy batch and NCCL step)"),
     Knob("REFIT_CONTROL_TRACE", "", "process", convert=_trace_prefix,
@@ -171,6 +174,7 @@ class Settings:
     table_copy: str
     table_blocks: tuple[int, int, int]
     batch_memcpy: str
+    quantize_on_landing: bool
     trace: bool
     control_trace: str
     address: str

@@ -1,6 +1,7 @@
 #!/usr/bin/env bash
 # The FP8 measurements of bench/RESULTS.md ("Quantizing on the wire", one GPU): the quantizer's
-# GPU tests and bandwidth, then refit-bench tp1 -> tp1 with and without --dst-dtype fp8.
+# GPU tests and bandwidth, then refit-bench tp1 -> tp1 with and without --dst-dtype fp8, and fp8 with
+# quantizing on landing turned off (REFIT_QUANTIZE_ON_LANDING=0: the trainer quantizes into wire shards).
 # Usage: gpu_run_fp8.sh kernel|8b|30b ...   Writes JSON and logs under ${OUT:-bench/out}.
 set -u
 export NCCL_NVLS_ENABLE=0 PYTHONUNBUFFERED=1 REFIT_ALLOW_MISSING_DEPS=1
@@ -21,8 +22,10 @@ for what in "$@"; do case "$what" in
           echo "rc=$?"; tail -5 "$OUT/quantize_fp8.log"; cat "$OUT/quantize_fp8.json" ;;
   suite) timeout 400 make test-gpu PY=python3 2>&1 | tail -4 ;;
   8b) run q8-tp1-tp1-bf16 240 --model qwen3-8b --src tp1 --dst tp1 --iters 10
-      run q8-tp1-tp1-fp8 240 --model qwen3-8b --src tp1 --dst tp1 --iters 10 --dst-dtype fp8 ;;
+      run q8-tp1-tp1-fp8 240 --model qwen3-8b --src tp1 --dst tp1 --iters 10 --dst-dtype fp8
+      REFIT_QUANTIZE_ON_LANDING=0 run q8-tp1-tp1-fp8-wire 240 --model qwen3-8b --src tp1 --dst tp1 --iters 10 --dst-dtype fp8 ;;
   30b) run q30-tp1-tp1-bf16 300 --model qwen3-30b-moe --src tp1 --dst tp1 --iters 10
-       run q30-tp1-tp1-fp8 300 --model qwen3-30b-moe --src tp1 --dst tp1 --iters 10 --dst-dtype fp8 ;;
+       run q30-tp1-tp1-fp8 300 --model qwen3-30b-moe --src tp1 --dst tp1 --iters 10 --dst-dtype fp8
+       REFIT_QUANTIZE_ON_LANDING=0 run q30-tp1-tp1-fp8-wire 300 --model qwen3-30b-moe --src tp1 --dst tp1 --iters 10 --dst-dtype fp8 ;;
   *) echo "usage: $0 kernel|suite|8b|30b"; exit 2 ;;
 esac; done

@@ -190,6 +190,7 @@ def report(spec: ModelSpec, plans: list[Any], timed: list[list[bool]], results: 
             "direct_wire_bytes": sum(p.direct_bytes for p in per_worker), "gather_bytes": max(p.gather_bytes for p in per_worker),
             "copies": sum(p.copies for p in per_worker), "blocks": sum(p.blocks for p in per_worker),
             "memcpys": sum(p.memcpys for p in per_worker),
+            "quantized_on_landing": sum(p.quantized_on_landing for p in per_worker),
             # every destination rank checked, every element of every piece, each refit verified, nothing wrong
             "verified": (all(v.ok for v in verdicts) and len(dst_eps) == len(first.plan.placement.dst_gpus)
                          and rounds > 0 and sum(v.checked for v in verdicts) == rounds * dst_elements),
@@ -317,6 +318,8 @@ def table(r: dict[str, Any]) -> str:
                      f"largest per-device remote volume {_size(run['floor_bytes'])}; "
                      f"{run['blocks']} blocks -> {run['copies']} copies per refit"
                      + (f" ({run['memcpys']} copy-engine memcpys)" if run.get("memcpys") else "")
+                     + (f"; {run['quantized_on_landing']} blocks quantized on landing (the trainers' unquantized "
+                        f"weights straight into the engines')" if run.get("quantized_on_landing") else "")
                      + (f"; {fmt_bytes(run['direct_wire_bytes'])} of wire ends sent from / received into tensors "
                         f"directly (no staging)" if run.get("direct_wire_bytes") else ""))
     lines.append("GB/s = plan bytes moved (remote + local, each byte once) / median seconds; floor = largest "

@@ -58,13 +58,19 @@ class SourceQuantizer:
 
     def __init__(self, base: Shards, wire: Shards, layout: QuantizedLayout, spec: ModelSpec, rank: int) -> None:
         self.fmt = layout.quantization
-        scales = layout.scale_locals(spec, rank)
-        self.xs = [t for name, t in base.tensors.items() if name in scales]
-        self.outs = [wire.tensors[name] for name in base.tensors if name in scales]
-        self.scales = [wire.tensors[scales[name]] for name in base.tensors if name in scales]
+        self.base, self.wire, self.scale_of = base, wire, layout.scale_locals(spec, rank)
+        self.skip(set())
         # as bits: a CUDA copy of bfloat16 rewrites NaN patterns (the canonical values hold some)
-        self.plain_src = [int_view(t) for name, t in base.tensors.items() if name not in scales]
-        self.plain_dst = [int_view(wire.tensors[name]) for name in base.tensors if name not in scales]
+        self.plain_src = [int_view(t) for name, t in base.tensors.items() if name not in self.scale_of]
+        self.plain_dst = [int_view(wire.tensors[name]) for name in base.tensors if name not in self.scale_of]
+
+    def skip(self, landed: set[str]) -> None:
+        """Quantize every weight but those of ``landed``, which the refit quantizes on landing
+        (`refit.executor.fused_quantize`)."""
+        names = [n for n in self.base.tensors if n in self.scale_of and n not in landed]
+        self.xs = [self.base.tensors[n] for n in names]
+        self.outs = [self.wire.tensors[n] for n in names]
+        self.scales = [self.wire.tensors[self.scale_of[n]] for n in names]
 
     def __call__(self) -> None:
         quantize_many(self.fmt, self.xs, self.outs, self.scales)

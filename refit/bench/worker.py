@@ -100,6 +100,7 @@ class PlanRunResult:
     copies: int = 0
     blocks: int = 0
     memcpys: int = 0  # of the copies, calls on the copy engines (CUDA)
+    quantized_on_landing: int = 0  # blocks of float8 weights quantized straight into the engine (`fused_quantize`)
     steps: int = 0
     deltas: list[DeltaStats] = field(default_factory=list)  # every refit's `Member.last_delta`, in order
 
@@ -155,7 +156,8 @@ class Session:
             self.shards[ep] = allocate(self.locals_of(ep), torch.device(device), shm, job.alloc == "framework")
             if ep[0] is Side.TRAINER and isinstance(job.src, QuantizedLayout):  # what the trainer holds, unquantized
                 self.unquantized[ep] = allocate(job.src.inner.local_tensors(base_spec(job.spec), ep[1]),
-                                                torch.device(device), None, job.alloc == "framework")
+                                                torch.device(device), shm and shm + "-unquantized",
+                                                job.alloc == "framework")
                 self.quantizers[ep] = SourceQuantizer(self.unquantized[ep], self.shards[ep], job.src, job.spec, ep[1])
         # every endpoint's masters, stepped in lockstep: a destination's say what its engine must hold
         self.masters: dict[Endpoint, Masters] = ({ep: Masters(s, job.spec) for ep, s in self.shards.items()}
@@ -163,7 +165,8 @@ class Session:
         names = [topo.describe_member(m) for m in range(len(topo.members))]
         store = connect(job.store_host, job.store_port, job.session, job.timeout_s)
         self.m = Member(store, topo, self.member, device, self.shards, job.spec, job.src, job.dst, names,
-                        Budget(job.timeout_s, "set-up"), ipc=ipc, host=self.host, scattered=job.alloc == "framework")
+                        Budget(job.timeout_s, "set-up"), ipc=ipc, host=self.host, scattered=job.alloc == "framework",
+                        unquantized=self.unquantized)
         self.device = self.m.device
         if job.wire_gbps and self.m.comm is not None:
             self.m.comm = Throttled(self.m.comm, job.wire_gbps)
@@ -192,13 +195,16 @@ class Session:
     def run_plan(self, run: PlanRun) -> PlanRunResult:
         job, dev = self.job, self.device
         self.m.prepare(run.plan)
+        for ep, quantizer in self.quantizers.items():  # what the drivers quantize on landing is not for the wire
+            quantizer.skip(self.m.fused_sources(ep, Budget(job.timeout_s, "prepare")))
         bounds = self.m.bounds  # one per phase of a phased plan, over one shared set of staging buffers
         batches = [x for b in bounds for x in b.batches()]
         res = PlanRunResult(staging_bytes=self.m.staging_bytes,
                             direct_bytes=sum(b.direct_bytes for b in bounds),
                             gather_bytes=sum(b.program.gather_bytes for b in bounds),
                             steps=sum(b.program.num_steps for b in bounds), copies=sum(b.copies for b in batches),
-                            blocks=sum(b.blocks for b in batches), memcpys=sum(len(b.memcpys) for b in batches))
+                            blocks=sum(b.blocks for b in batches), memcpys=sum(len(b.memcpys) for b in batches),
+                            quantized_on_landing=sum(len(st.quantizes) for b in bounds for st in b.program.stages))
         del bounds, batches
         for ep, s in self.shards.items():
             if ep[0] is Side.ENGINE:

@@ -20,6 +20,7 @@ from refit.errors import InvalidInput
 from refit.executor.copies import CopyBatch, Pair
 from refit.executor.delta import DeltaRun, run_delta_step, word_size
 from refit.executor.device import Device
+from refit.executor.fused_quantize import QuantizeBatch
 from refit.executor.schedule import Program, Wire
 from refit.executor.topology import Endpoint
 from refit.executor.transports import Comm
@@ -58,6 +59,7 @@ class BoundStage:
     moves: CopyBatch
     steps: list[BoundStep]
     pulls: list[CopyBatch] = field(default_factory=list)  # one per source device
+    quantize: QuantizeBatch | None = None  # float8 values quantized on landing (`refit.executor.fused_quantize`)
 
 
 @dataclass
@@ -236,7 +238,8 @@ def _bind_stages(program: Program, views: _Views, direct: dict[tuple[int, bool],
         pulls = [CopyBatch(pairs, peer=dev if dev.type == "cuda" and dev != device else None, dma=dma)
                  for dev, pairs in sorted(by_device.items(), key=lambda x: _ring_distance(device, x[0]))]
         moves = _moves(move_pairs, pulls, bool(st.steps), dma)
-        stages.append(BoundStage(st.stage, moves, steps, pulls))
+        quantize = QuantizeBatch(st.quantizes, views.tensors) if st.quantizes else None
+        stages.append(BoundStage(st.stage, moves, steps, pulls, quantize))
     return stages
 
 
@@ -264,6 +267,8 @@ def run_refit(bound: Bound, comm: Comm | None, device: Device, remaining: Remain
         # and small copies torch issues one by one, which hold the peer copies back when first),
         # beside the table kernel on a stream of their own.  Measured: bench/RESULTS.md, case
         # "qwen3-30b-moe megatron:tp2ep2 → vllm:tp2, 2× H200, CUDA IPC" (its history: order of issue).
+        if stage.quantize is not None:  # first: the biggest kernel; the moves run beside it
+            device.copy(stage.quantize)
         launched = not stage.steps and stage.moves.table
         if launched:
             device.copy(stage.moves, part="launch")

@@ -16,7 +16,9 @@ whole sequence:
    one program per phase of a phased plan (`refit.phases`), all over one set of staging buffers;
 7. per refit (`refit`): barrier, replay, barrier — per phase, then the phase's ``on_phase``;
    where trainer ranks cut FP8 blocks, first their shared-scale quantization
-   (`refit.executor.shared_blocks`: an all-reduce of block amaxes, then a barrier).
+   (`refit.executor.shared_blocks`: an all-reduce of block amaxes, then a barrier).  For FP8
+   engines, drivers holding a trainer's unquantized tensors quantize on landing
+   (`refit.executor.member_quantized`).
 
 Every wait is bounded by the caller's ``remaining`` (seconds left in this refit; it raises once
 the refit is past its deadline or abandoned), so no wait outlives the refit that started it.  A
@@ -31,7 +33,7 @@ from __future__ import annotations
 import json
 import logging
 import time
-from typing import Callable, Mapping, Sequence, Union
+from typing import Callable, Mapping, Sequence
 
 import torch
 import torch.distributed as dist
@@ -42,24 +44,20 @@ from refit.executor.bound import Bound, Remaining, bind_all, run_refit
 from refit.executor.delta import DeltaCache, DeltaRun, DeltaStats, full_stats
 from refit.executor.device import Device, enable_peer_access, make_device
 from refit.executor.member_barriers import MemberBarriers
+from refit.executor.member_quantized import MemberQuantized, Own
 from refit.executor.schedule import compile_program
 from refit.executor.shards import Shards, allocate, check_own, remove_file, views
-from refit.executor.shared_blocks import SharedQuantizer, allocate_derived, share
 from refit.executor.shm_barrier import ShmBarrier
 from refit.executor.topology import Endpoint, Topology, endpoint_key, endpoint_name
 from refit.executor.transports import (Comm, PeerError, export_arena, export_tensors, first_line, gloo_group,
                                        import_share, make_comm)
 from refit.layouts import Layout
-from refit.layouts.quantized import QuantizedLayout, scale_table
-from refit.quantization import is_quantized, quant_format
 from refit.plan import WHOLE, Plan
 from refit.sides import Side
 from refit.spec import ModelSpec
 from refit.timeline import mark
 
 log = logging.getLogger("refit.executor")
-
-Own = Union[Shards, Mapping[str, torch.Tensor]]  # an endpoint's tensors: an arena (bench) or separate tensors
 
 
 class Rebuild(Exception):
@@ -105,7 +103,7 @@ def shares(topo: Topology, member: int, ep: Endpoint, ipc: bool, push: bool = Fa
     return ipc and (ep[0] is Side.TRAINER or (push and len(topo.drivers) > 1))
 
 
-class Member(MemberBarriers):
+class Member(MemberBarriers, MemberQuantized):
     """Member ``member`` of ``topology``: holds ``own`` (its endpoints' tensors), on ``device``
     (``cpu`` or ``cuda:<index>``); ``names`` name every member in messages.  Builds everything
     but the plan's schedule (`prepare`); ``remaining`` bounds the set-up waits.  Its barriers are
@@ -113,8 +111,11 @@ class Member(MemberBarriers):
 
     def __init__(self, store: dist.Store, topology: Topology, member: int, device: str, own: Mapping[Endpoint, Own],
                  spec: ModelSpec, src: Layout, dst: Layout, names: Sequence[str], remaining: Remaining,
-                 ipc: bool = False, host: str = "127.0.0.1", scattered: bool = False) -> None:
-        """``scattered``: peers' arenas are laid out framework-style (`refit.executor.shards.arena_offsets`)."""
+                 ipc: bool = False, host: str = "127.0.0.1", scattered: bool = False,
+                 unquantized: Mapping[Endpoint, Own] | None = None) -> None:
+        """``scattered``: peers' arenas are laid out framework-style (`refit.executor.shards.arena_offsets`).
+        ``unquantized``: a quantizing trainer's local tensors as it holds them, by endpoint, for
+        drivers to quantize on landing (`refit.executor.member_quantized`)."""
         self.store, self.topo, self.member, self.names = store, topology, member, list(names)
         self.spec, self.src, self.dst, self.ipc, self.scattered = spec, src, dst, ipc, scattered
         self.name = self.names[member]
@@ -141,11 +142,13 @@ class Member(MemberBarriers):
         self.push = ipc and direction == "push"
         self.settings = settings.adopt(agreed, self.name)
         # Share what others read or write, then map what we read or write.
-        for ep, tensors in own.items():
-            if shares(topology, member, ep, ipc, self.push):
-                self.store.set(f"share/{endpoint_key(ep)}", self._export(ep, tensors))
+        shared = {ep for ep in own if shares(topology, member, ep, ipc, self.push)}
+        for ep in shared:
+            self.store.set(f"share/{endpoint_key(ep)}", self._export(ep, own[ep]))
         self.tensors: dict[Endpoint, dict[str, torch.Tensor]] = {
             ep: dict(t.tensors if isinstance(t, Shards) else t) for ep, t in own.items()}
+        self._share_unquantized(unquantized or {}, own, shared)
+        self._fused, self._plan_hash = {}, None
         self.imported: list[torch.Tensor] = []  # peers' arenas, kept mapped for the member's life
         self.peer_devices: set[int] = set()  # CUDA devices whose memory this process reads (ipc)
         wanted = [ep for dev in sorted(driven) for ep in topology.endpoints_on(dev) if ep not in own]
@@ -164,6 +167,8 @@ class Member(MemberBarriers):
                     enable_peer_access(there, here)
         for ep in wanted:
             self.tensors[ep] = self._import(ep)
+            if ep[0] is Side.TRAINER:
+                self._import_unquantized(ep)
 
         self.abandoned: list[dist.Work] = []  # barriers left unfinished: the control group still runs them
         # GPU members on one host (every ipc run; NCCL ones where all map the file) meet at the
@@ -184,7 +189,7 @@ class Member(MemberBarriers):
         except BaseException:  # nobody will close a member never built: let its group go now
             self._retire_ctl()
             raise
-        for t in own.values():
+        for t in [*own.values(), *(unquantized or {}).values()]:
             if isinstance(t, Shards):
                 remove_file(t.path)  # every peer has mapped it; the mapping outlives the name
         self.comm: Comm | None = None
@@ -201,49 +206,6 @@ class Member(MemberBarriers):
         self.gathers: list[Shards] = []
         log.info("%s: member %d, device %s, %s, drives %s", self.name, member, device,
                  ("ipc push" if self.push else "ipc") if ipc else "communicator", sorted(driven) or "nothing")
-
-    def _derive(self, own: Mapping[Endpoint, Own]) -> tuple[dict[Endpoint, Own], dict[int, dict[str, torch.Tensor]]]:
-        """``own`` with the tensors its source ranks derive from local tensors that cut FP8
-        blocks (`refit.executor.shared_blocks`), made before anything is shared; and those
-        ranks' tensors (none where they cut no block)."""
-        own, mine = dict(own), {}
-        if not isinstance(self.src, QuantizedLayout):
-            return own, mine
-        for ep, tensors in own.items():
-            derived = allocate_derived(self.spec, self.src, ep[1], self.device.torch) if ep[0] is Side.TRAINER else {}
-            if derived and isinstance(tensors, Shards):
-                raise InvalidInput(f"{self.name}: {endpoint_name(ep)} of {self.src.describe()} cuts FP8 blocks, "
-                                   f"which needs separate tensors, not an arena (the bench's --alloc arena)")
-            if derived:
-                own[ep] = mine[ep[1]] = {**tensors, **derived}
-        return own, mine
-
-    def _agree_shared(self, mine: dict[int, dict[str, torch.Tensor]], remaining: Remaining) -> SharedQuantizer | None:
-        """Every member learns which scale tensors some trainer rank cuts — a MAX all-reduce of
-        one flag per scale tensor of the spec (a handful: they are stacked), instead of every
-        member walking every rank's tensors — and gets the quantizer of its own cut tensors over
-        the table of those (None, on every member, where no rank cuts a block)."""
-        if not isinstance(self.src, QuantizedLayout):
-            return None
-        suffix = quant_format(self.src.quantization).scale_suffix
-        names = [t.name + suffix for t in self.spec.tensors if is_quantized(t.name)]
-        cut = {name for rank in mine for name in self.src.shared_scales(self.spec, rank)}
-        flags = torch.tensor([float(name in cut) for name in names])
-        self._reduce("setup (shared scales)", flags, dist.ReduceOp.MAX, remaining)
-        used = [name for name, flag in zip(names, flags.tolist()) if flag]
-        return SharedQuantizer(self.spec, self.src, mine, scale_table(self.spec, used)) if used else None
-
-    def share_scales(self, remaining: Remaining) -> None:
-        """Quantize the source ranks' local tensors that cut FP8 blocks, with each block's scale
-        shared: partial amaxes, all-reduced (MAX) over every member, then each rank its own part
-        (`refit.executor.shared_blocks`); a barrier after, so that no driver reads a peer's values
-        before they are written.  Every member calls it, in lockstep, when the plan's trainers cut blocks."""
-        if self.shared is None:
-            return
-        share(self.shared, self.device.torch, lambda t: self._reduce("shared-scale", t, dist.ReduceOp.MAX, remaining))
-        if self.cuda:
-            self.device.synchronize()
-        self.barrier("shared-scale", remaining)
 
     # ------------------------------------------------------------------ sharing
     def _export(self, ep: Endpoint, tensors: Own) -> bytes:
@@ -280,6 +242,7 @@ class Member(MemberBarriers):
         self.gathers, self.phases = [], []  # until this plan is bound: a failed prepare leaves none to run
         self.delta_cache.clear()  # another plan's buckets: the next delta refit starts full
         self.delta_ready = False
+        self._fused, self._plan_hash = {}, plan.plan_hash
         ranges = plan.phase_ranges()
         if not self.driver:
             self.phases = [(key, None) for key, _, _ in ranges]
@@ -288,6 +251,7 @@ class Member(MemberBarriers):
         programs = [compile_program(plan, self.spec, self.src, self.dst, self.topo, self.member, ipc=self.ipc,
                                     push=self.push, buckets=None if whole else range(first, end))
                     for _, first, end in ranges]
+        programs = self._fuse(programs, plan)
         tensors = {ep: dict(t) for ep, t in self.tensors.items()}
         gathers = []
         for program in programs:

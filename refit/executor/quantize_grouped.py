@@ -233,6 +233,20 @@ def _many_run(plan: _ManyPlan, xs: Sequence[torch.Tensor], outs: Sequence[torch.
         quantize_fp8_blocks(xs[i], block, out=outs[i], scale_out=scales[i])
 
 
+def plan_fp8_many(xs: Sequence[torch.Tensor], outs: Sequence[torch.Tensor],
+                  scales: Sequence[torch.Tensor]) -> _ManyPlan:
+    """The checks and launch tables of `quantize_fp8_blocks_many` made once, for a caller that
+    keeps the same tensors and more sets of them than its cache holds (the executor's landing
+    quantizer, a set per phase); made on the stream the launches will run on."""
+    return _many_plan(xs, outs, scales, FP8_BLOCK)
+
+
+def run_fp8_many(plan: _ManyPlan, xs: Sequence[torch.Tensor], outs: Sequence[torch.Tensor],
+                 scales: Sequence[torch.Tensor]) -> None:
+    """`quantize_fp8_blocks_many` of the tensors ``plan`` was made for."""
+    _many_run(plan, xs, outs, scales, FP8_BLOCK)
+
+
 # ------------------------------------------------------------------------------------------------
 # By format name (`refit.quantization.FORMATS`): what the executor and the bench call
 
@@ -250,4 +264,4 @@ def quantize_many(fmt: str, xs: Sequence[torch.Tensor], outs: Sequence[torch.Ten
         scale.copy_(factors)
 
 
-__all__ = ["quantize_fp8_blocks_many", "quantize_many"]
+__all__ = ["plan_fp8_many", "quantize_fp8_blocks_many", "quantize_many", "run_fp8_many"]

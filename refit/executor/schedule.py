@@ -83,6 +83,20 @@ class Move:
 
 
 @dataclass(frozen=True)
+class QuantizeMove:
+    """A move of float8 values quantized on landing (`refit.executor.fused_quantize`): block
+    ``src`` of the trainer's unquantized local tensor quantized straight into block ``values`` of
+    ``dst_ep`` and its scales into block ``scales``, in format ``fmt``."""
+
+    src_ep: Endpoint
+    src: Block
+    dst_ep: Endpoint
+    values: Block
+    scales: Block
+    fmt: str
+
+
+@dataclass(frozen=True)
 class Step:
     key: tuple[int, int, int]
     sends: tuple[Wire, ...]
@@ -95,6 +109,7 @@ class Stage:
     moves: tuple[Move, ...]
     steps: tuple[Step, ...]
     pulls: tuple[Move, ...] = ()  # ipc: copies out of another device's source shard
+    quantizes: tuple[QuantizeMove, ...] = ()  # moves of float8 values quantized on landing
 
 
 @dataclass(frozen=True)
