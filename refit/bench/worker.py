@@ -221,6 +221,7 @@ class Session:
                 for ep, s in self.shards.items():
                     if ep in self.unquantized:
                         fill_finite(self.unquantized[ep], base_spec(job.spec), seed)
+                        self.quantizers[ep].copy_plain()
                     elif ep[0] is Side.TRAINER and self.masters:  # padding zero; `_step` writes the pieces
                         for m in s.memory():
                             m.zero_()

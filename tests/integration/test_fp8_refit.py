@@ -240,6 +240,9 @@ def test_bench_quantizes_inside_each_refit_and_verifies_every_element(fmt) -> No
     assert report["verified"] and report["quantization"] == fmt
     assert 0 < run0["quantize_seconds"]["median"] <= run0["seconds"]["median"]
     assert run0["checked_elements"] > 0 and run0["mismatches"] == 0
+    # each trainer rank shares a device with an engine rank: its weights for that rank are
+    # quantized on landing, those for the other still go on the wire quantized
+    assert run0["quantized_on_landing"] > 0
 
 
 def test_trainer_quantizes_to_mxfp8_as_vllms_online_method_would(server, tmp_path) -> None:
