@@ -105,6 +105,11 @@ class ExecutorDataPlane(BaseDataPlane):
         self._quantize: dict[str, tuple[tuple[str, str], dict[str, tuple[str, tuple[int, ...]]]]] = {}
         # plan hash -> the tensors its last `run` moved (a trainer's as the wire carries them), for `checksums`
         self._moved: dict[str, Tensors] = {}
+        # plan hash -> a quantizing trainer's weights as quantized from, by local name: what drivers
+        # quantize on landing (`refit.executor.fused_quantize`); and the weights they do, which
+        # need no quantizing into the wire (`Member.fused_sources`), as the last build said
+        self._unquantized: dict[str, dict[str, torch.Tensor]] = {}
+        self._landed: dict[str, set[str]] = {}
         self.last_delta: DeltaStats | None = None  # what the last refit sent over wires (`Member.last_delta`)
         self.delta_fallback = ""  # why the last delta refit went in full here, if it did
         # plan hash -> checksums an engine took phase by phase in its last verified `run` (its
@@ -153,8 +158,10 @@ class ExecutorDataPlane(BaseDataPlane):
     def run(self, plan: Plan, tensors: Tensors, ctx: RunContext) -> tuple[int, float]:
         if plan.plan_hash not in self._resolved:
             self.prepare(plan)
-        if plan.plan_hash in self._casts or plan.plan_hash in self._quantize:
-            tensors = self._cast(plan.plan_hash, tensors)  # before the start barrier: trainer-side work
+        cast = plan.plan_hash in self._casts or plan.plan_hash in self._quantize
+        skipped = self._landed.get(plan.plan_hash, set())
+        if cast:
+            tensors = self._cast(plan.plan_hash, tensors, skipped)  # before the start barrier: trainer-side work
         self._moved[plan.plan_hash] = tensors
         held = self._members.get(ctx.plan_id)
         if held is None or held.prefix != ctx.rendezvous.prefix:
@@ -162,7 +169,9 @@ class ExecutorDataPlane(BaseDataPlane):
                 held.close()
             self._members.pop(ctx.plan_id, None)
             held = self._build(plan, tensors, ctx, 0)
-        moved = tensors is not held.tensors and where(tensors) != held.where
+            if skipped - self._landed.get(plan.plan_hash, set()):  # this build's drivers read them from the wire
+                tensors = self._cast(plan.plan_hash, tensors, self._landed[plan.plan_hash])
+        moved = tensors is not held.tensors and self._where(plan.plan_hash, tensors) != held.where
         self.delta_fallback = ""
         on_phase = self._on_phase(plan, tensors, ctx)
         ctx.starting()
@@ -177,6 +186,8 @@ class ExecutorDataPlane(BaseDataPlane):
             held.close()
             del self._members[ctx.plan_id]
             held = self._build(plan, tensors, ctx, held.rebuilds + 1)
+            if skipped - self._landed.get(plan.plan_hash, set()):
+                tensors = self._cast(plan.plan_hash, tensors, self._landed[plan.plan_hash])
             seconds = held.member.refit(ctx.remaining, self.refit_hook, on_phase=on_phase, delta=ctx.delta,
                                         base=False)  # built again: nothing kept to start from
         # what was sent includes what the executor derived (a trainer's FP8 blocks cut across ranks)
@@ -184,6 +195,11 @@ class ExecutorDataPlane(BaseDataPlane):
         self._moved[plan.plan_hash] = {**derived, **tensors}
         self.last_delta = held.member.last_delta
         return held.nbytes, seconds
+
+    def _where(self, plan_hash: str, tensors: Tensors) -> Where:
+        """Where ``tensors`` lie, and the weights a quantizing trainer's were quantized from (a
+        driver may read those: quantizing on landing)."""
+        return where(tensors) + where(self._unquantized.get(plan_hash, {}))
 
     def _on_phase(self, plan: Plan, tensors: Tensors, ctx: RunContext) -> Callable[[int], None] | None:
         """What runs as each phase landed: the engine's phase hook, after (verify) the checksums
@@ -221,6 +237,9 @@ class ExecutorDataPlane(BaseDataPlane):
         moved = self._moved.get(plan.plan_hash)
         if moved is None:
             raise InvalidInput(f"plan {plan.plan_hash} has not run on this seat: no checksums to give")
+        if self._landed.get(plan.plan_hash):  # quantized on landing: the wire buffers must say what landed
+            self._quantize_into(plan.plan_hash, dict(moved), self._wire[plan.plan_hash],
+                                only=self._landed[plan.plan_hash])
         return self._sums(plan, moved)
 
     def _sums(self, plan: Plan, tensors: Tensors, phase: int | None = None) -> dict[int, int]:
@@ -240,12 +259,14 @@ class ExecutorDataPlane(BaseDataPlane):
                 base.close()
         try:
             member = self._setup(store, plan, tensors, ctx)
+            if self.seat.side is Side.TRAINER and plan.plan_hash in self._quantize:
+                self._landed[plan.plan_hash] = member.fused_sources((Side.TRAINER, self._rank(plan)), ctx.remaining)
         except BaseException:
             close_store(store)
             raise
         side, rank = self.seat.side, self._rank(plan)
         nbytes = sum(b.nbytes for b in plan.buckets if b.stage == 1 and side.rank_in(b) == rank)
-        held = self._members[ctx.plan_id] = Held(ctx.rendezvous.prefix, store, member, nbytes, tensors, where(tensors),
+        held = self._members[ctx.plan_id] = Held(ctx.rendezvous.prefix, store, member, nbytes, tensors, self._where(plan.plan_hash, tensors),
                                                  rebuilds)
         return held
 
@@ -265,20 +286,23 @@ class ExecutorDataPlane(BaseDataPlane):
         spec, src, dst = self._run_view(plan)
         mine = src if seat.side is Side.TRAINER else dst
         local = {lt.name: tensors[lt.name] for lt in mine.local_tensors(spec, rank)}
+        # a colocated driver may quantize this trainer's weights on landing: it reads them as held
+        unquantized = {me: self._unquantized[plan.plan_hash]} if cuda and plan.plan_hash in self._unquantized else None
         member = Member(store, topo, rdv.rank, device, {me: local}, spec, src, dst, names, ctx.remaining,
-                        ipc=ipc, host=seat.host)
+                        ipc=ipc, host=seat.host, unquantized=unquantized)
         try:
             return member.prepare(plan)
         except BaseException:  # nobody else holds it: its groups and peers' maps go now, not never
             member.close()
             raise
 
-    def _cast(self, plan_hash: str, tensors: Tensors) -> Tensors:
+    def _cast(self, plan_hash: str, tensors: Tensors, landed: set[str] = frozenset()) -> Tensors:  # type: ignore[assignment]
         """The trainer's tensors as the wire carries them: each one the plan casts copied into a
         buffer of the engines' dtype (kept for the plan's life, so that the member built on it
         stays valid; a weight the plan quantizes: of the dtype it is quantized from), then each
         one it quantizes in buffers of its values and scales (`_quantize_into`); the rest as they
-        are.  Rounding, and why here: `refit.casts`.  One
+        are.  ``landed``: weights the drivers quantize on landing, left out of the wire's.
+        Rounding, and why here: `refit.casts`.  One
         ``_foreach_copy_`` for all: a loop of ``copy_`` over a MoE shard's thousands of expert
         tensors ran at a third of the GPU's bandwidth (bench/probes/cast_copy.py: 32 ms against 12)."""
         buffers = self._wire.setdefault(plan_hash, {})
@@ -293,23 +317,30 @@ class ExecutorDataPlane(BaseDataPlane):
             with torch.no_grad():
                 torch._foreach_copy_(targets, sources)
         if plan_hash in self._quantize:
-            self._quantize_into(plan_hash, out, buffers)
+            self._quantize_into(plan_hash, out, buffers, skip=landed)
         return out
 
-    def _quantize_into(self, plan_hash: str, out: dict[str, torch.Tensor], buffers: dict[str, torch.Tensor]) -> None:
+    def _quantize_into(self, plan_hash: str, out: dict[str, torch.Tensor], buffers: dict[str, torch.Tensor],
+                       skip: set[str] = frozenset(), only: set[str] | None = None) -> None:  # type: ignore[assignment]
         """Quantize each weight the plan quantizes (in ``out``: already cast to the dtype it is
         quantized from) into wire buffers of its values and its scales, which replace it in
         ``out`` (`refit.executor.quantize`: bit for bit what vLLM's quantization of the same
-        tensor gives)."""
+        tensor gives) — but those of ``skip``, or only those of ``only``.  What they were
+        quantized from is kept for the drivers that quantize on landing (`_unquantized`)."""
         (fmt_name, _), scales = self._quantize[plan_hash]
         fmt = quant_format(fmt_name)
+        held = self._unquantized.setdefault(plan_hash, {})
         xs, outs, scale_outs = [], [], []
         for name, (scale_name, scale_shape) in scales.items():
-            t = out[name]
-            xs.append(t)
-            outs.append(_buffer(buffers, name, t.shape, fmt.value_dtype, t.device))
-            scale_outs.append(_buffer(buffers, scale_name, scale_shape, fmt.scale_dtype, t.device))
-            out[name], out[scale_name] = outs[-1], scale_outs[-1]
+            t = held[name] if only is not None else out[name]
+            held[name] = t
+            value = _buffer(buffers, name, t.shape, fmt.value_dtype, t.device)
+            scale = _buffer(buffers, scale_name, scale_shape, fmt.scale_dtype, t.device)
+            out[name], out[scale_name] = value, scale
+            if name not in skip and (only is None or name in only):
+                xs.append(t)
+                outs.append(value)
+                scale_outs.append(scale)
         with torch.no_grad():  # few launches for thousands of expert tensors (cached while the tensors stay)
             quantize_many(fmt_name, xs, outs, scale_outs)
 

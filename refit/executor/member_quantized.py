@@ -21,6 +21,7 @@ from __future__ import annotations
 
 import datetime
 import json
+import logging
 from typing import TYPE_CHECKING, Mapping
 
 import torch
@@ -43,6 +44,8 @@ from refit.plan import Plan
 from refit.quantization import is_quantized, quant_format
 from refit.sides import Side
 from refit.spec import ModelSpec, base_spec
+
+log = logging.getLogger("refit.executor")
 
 Own = Shards | Mapping[str, torch.Tensor]  # an endpoint's tensors: an arena (bench) or separate tensors
 
@@ -116,7 +119,8 @@ class MemberQuantized:
     # ------------------------------------------------------------------ quantizing on landing
     def _share_unquantized(self, unquantized: Mapping[Endpoint, Own], own: Mapping[Endpoint, Own],
                            shared: set[Endpoint]) -> None:
-        """Check a trainer's unquantized tensors against its framework's layout, add them to this
+        """Check a trainer's unquantized tensors (all its local tensors or some: an agent hands
+        over the weights the plan quantizes) against its framework's layout, add them to this
         member's tensors under `UNQUANTIZED_PREFIX`, and publish them (an empty value: none) for
         each endpoint of ``shared`` (those whose shards are shared)."""
         for ep, tensors in unquantized.items():
@@ -124,7 +128,7 @@ class MemberQuantized:
                 raise InvalidInput(f"{self.name}: unquantized tensors are a quantizing trainer's, and "
                                    f"{endpoint_name(ep)} is not one of this member's")
             check_own(ep, tensors, self.src.inner, base_spec(self.spec), self.device.torch,
-                      f"{self.name} (unquantized)")
+                      f"{self.name} (unquantized)", some=True)
             self.tensors[ep].update(unquantized_views(tensors.tensors if isinstance(tensors, Shards) else tensors))
         for ep in shared:
             if ep[0] is Side.TRAINER:
@@ -160,6 +164,10 @@ class MemberQuantized:
             out.append(program)
             for ep, names in took.items():
                 fused.setdefault(ep, set()).update(names)
+        blocks = sum(len(st.quantizes) for program in out for st in program.stages)
+        if blocks:
+            log.info("%s: %d blocks of %d trainer tensors quantized on landing", self.name, blocks,
+                     sum(len(names) for names in fused.values()))
         for program in out:
             for ep, names in wire_reads(program).items():
                 fused.get(ep, set()).difference_update(names)

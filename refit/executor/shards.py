@@ -167,10 +167,11 @@ def _ndim(spec: ModelSpec, lt: LocalTensor) -> int:
 
 
 def check_own(ep: Endpoint, tensors: Shards | Mapping[str, torch.Tensor], layout: Layout, spec: ModelSpec,
-              device: torch.device | None, who: str) -> None:
+              device: torch.device | None, who: str, some: bool = False) -> None:
     """Refuse an endpoint's tensors unlike its layout's local tensors (names, shapes, dtypes) or
     off ``device`` (None: any), before anything is shared or bound: a dtype of the same width
-    would otherwise take the bits of another, and a wrong shape surface as a torch error mid-bind."""
+    would otherwise take the bits of another, and a wrong shape surface as a torch error mid-bind.
+    ``some``: the tensors may be some of the local tensors only."""
     table = tensors.tensors if isinstance(tensors, Shards) else tensors
     names = {v: k for k, v in TORCH_DTYPES.items()}
     found = {n: (tuple(t.shape), names.get(t.dtype, str(t.dtype).removeprefix("torch."))) for n, t in table.items()}
@@ -179,6 +180,8 @@ def check_own(ep: Endpoint, tensors: Shards | Mapping[str, torch.Tensor], layout
     derived = getattr(layout, "derived_tensors", None)
     if derived is not None:  # what the executor derives from cut blocks (`refit.executor.shared_blocks`), once added
         expected.update({lt.name: (lt.shape, lt.dtype) for lt in derived(spec, ep[1]) if lt.name in found})
+    if some:
+        expected = {n: v for n, v in expected.items() if n in found}
     check_tensor_table(found, expected, where)
     for n, t in table.items():
         if device is not None and (t.device.type != device.type
