@@ -126,7 +126,8 @@ KERNEL_CASE = """
 import torch
 from refit.executor.delta import FULL, MASK, INDEX, decode, decode_mask_with_kernels, encode, encode_with_kernels
 g = torch.Generator().manual_seed(0)
-for words, word, fraction in [(5000, 2, 0.01), (5000, 2, 0.3), (4097, 1, 0.05), (333, 4, 0.2), (2048, 8, 0.02), (100, 2, 0.0)]:
+for words, word, fraction in [(5000, 2, 0.01), (5000, 2, 0.3), (4097, 1, 0.05), (333, 4, 0.2), (2048, 8, 0.02),
+                              (100, 2, 0.0), (30000, 2, 0.04), (30000, 2, 0.002), (20000, 2, 0.97), (9, 1, 0.5)]:
     last = torch.randint(0, 256, (words * word,), dtype=torch.uint8, generator=g)
     new = last.clone()
     pick = torch.rand(words, generator=g) < fraction
