@@ -79,6 +79,21 @@ def row(name: str, new: torch.Tensor, last: torch.Tensor, device: torch.device, 
             "encode_vs_copy": enc_s / copy_s, "encode_two_pass_ms": two_s * 1e3 if two_s else None}
 
 
+def tune(new: torch.Tensor, last: torch.Tensor, device: torch.device, iters: int) -> None:
+    """Median milliseconds of `delta_kernels.encode_one_pass` per (block, warps, look)."""
+    from refit.executor import delta_kernels as dk
+
+    a, b = new.view(torch.int16), last.view(torch.int16)
+    mask = torch.empty(-(-a.numel() // 64) * 8, dtype=torch.uint8, device=device)
+    vals, pos = torch.empty_like(a), torch.empty(a.numel() // 32 + 8, dtype=torch.int32, device=device)
+    copy = torch.empty_like(new)
+    print(f"copy {timed(lambda: copy.copy_(new), device, iters) * 1e3:.3f} ms")
+    for block, warps, look in [(2048, 4, 32), (4096, 4, 32), (4096, 8, 32), (8192, 8, 32), (8192, 8, 64),
+                               (16384, 8, 32), (16384, 16, 32), (32768, 16, 32)]:
+        ms = timed(lambda: dk.encode_one_pass(a, b, mask, vals, pos, block, warps, look), device, iters) * 1e3
+        print(f"block {block:>6} warps {warps:>3} look {look:>3}: {ms:.3f} ms")
+
+
 def two_pass(new: torch.Tensor, last: torch.Tensor, out: torch.Tensor) -> None:
     """The MASK payload as the encode before its one pass wrote it (count, host sync, gather):
     the baseline `encode_two_pass_ms` measures."""
@@ -102,10 +117,15 @@ def main() -> None:
     p.add_argument("--iters", type=int, default=9)
     p.add_argument("--cpu", action="store_true")
     p.add_argument("--json", action="store_true")
+    p.add_argument("--tune", action="store_true", help="time the one-pass encode's block sizes, warps and look-back "
+                   "windows on an Adam-like LR 1e-6 bucket instead (CUDA)")
     a = p.parse_args()
     device = torch.device("cpu" if a.cpu or not torch.cuda.is_available() else "cuda")
     words = int(a.mib * 2**20) // 2
     g = torch.Generator(device=device).manual_seed(0)
+    if a.tune:
+        tune(*adam_step(words, 1e-6, device, g), device, a.iters)
+        return
     src = torch.empty(words * 2, dtype=torch.uint8, device=device)
     dst = torch.empty_like(src)
     copy_s = timed(lambda: dst.copy_(src), device, a.iters)

@@ -95,13 +95,16 @@ def _scatter(cur_ptr, mask_ptr, starts_ptr, vals_ptr, n, nmask, BLOCK: tl.conste
 # A block's state in the one-pass encode's look-back: its flag above FLAG_SHIFT (1: its own count
 # is below; 2: the count of it and every block before it is), one 64-bit word so that a reader
 # sees a flag and its count together.
-FLAG_SHIFT = 40
-COUNT_BITS = (1 << FLAG_SHIFT) - 1
+_SHIFT = 40
+FLAG_SHIFT, COUNT_BITS = tl.constexpr(_SHIFT), tl.constexpr((1 << _SHIFT) - 1)  # kernels read constexpr globals only
+TOTAL_OF_NOTHING = tl.constexpr(2 << _SHIFT)
+# The one-pass encode's words per block, warps and look-back window (bench/probes/delta_codec.py --tune)
+ONE_PASS_BLOCK, ONE_PASS_WARPS, ONE_PASS_LOOK = 8192, 8, 32
 
 
 @triton.jit
 def _encode(new_ptr, last_ptr, mask_ptr, vals_ptr, pos_ptr, state_ptr, ticket_ptr, n, nmask, cap_vals, cap_pos,
-            BLOCK: tl.constexpr, ROW: tl.constexpr):
+            BLOCK: tl.constexpr, ROW: tl.constexpr, LOOK: tl.constexpr):
     """One pass of an encode: each block compares its words, writes its bytes of the bit mask,
     finds where its changed words go by a decoupled look-back over the blocks before it, and
     writes them there compacted (and their positions, for an INDEX payload)."""
@@ -121,17 +124,24 @@ def _encode(new_ptr, last_ptr, mask_ptr, vals_ptr, pos_ptr, state_ptr, ticket_pt
     count = tl.sum(rows, axis=0).to(tl.int64)
     first = (bid == 0).to(tl.int64)
     tl.atomic_xchg(state_ptr + bid, ((1 + first) << FLAG_SHIFT) | count)
+    # The look-back reads LOOK blocks' states at a time (those before block 0 read as a total of
+    # 0): up to the nearest total, once every count between is published; else the whole window
+    # and on back; else it reads them again.
     prefix = count * 0
     k = bid - 1
     looking = bid > 0
+    w = tl.arange(0, LOOK)
     while looking:
-        s = tl.load(state_ptr + k, volatile=True)
+        idx = k - w
+        s = tl.load(state_ptr + idx, mask=idx >= 0, other=TOTAL_OF_NOTHING, volatile=True)
         flag = s >> FLAG_SHIFT
-        prefix += tl.where(flag != 0, s & COUNT_BITS, 0)
-        looking = flag != 2
-        k -= (flag == 1).to(tl.int32)
+        nearest = tl.min(tl.where(flag == 2, w, LOOK), axis=0)
+        ready = tl.sum(((flag == 0) & (w <= nearest)).to(tl.int32), axis=0) == 0
+        prefix += tl.where(ready, tl.sum(tl.where(w <= nearest, s & COUNT_BITS, 0), axis=0), 0)
+        looking = (ready == 0) | (nearest == LOOK)
+        k -= tl.where(ready & (nearest == LOOK), LOOK, 0)
     if bid > 0:
-        tl.atomic_xchg(state_ptr + bid, (2 << FLAG_SHIFT) | (prefix + count))
+        tl.atomic_xchg(state_ptr + bid, ((count * 0 + 2) << FLAG_SHIFT) | (prefix + count))
     at = prefix + (tl.cumsum(rows, axis=0) - rows)[:, None] + tl.cumsum(d, axis=1) - d
     changed = d != 0
     tl.store(vals_ptr + at, a, mask=changed & (at < cap_vals))
@@ -139,16 +149,18 @@ def _encode(new_ptr, last_ptr, mask_ptr, vals_ptr, pos_ptr, state_ptr, ticket_pt
 
 
 def encode_one_pass(a: torch.Tensor, b: torch.Tensor, mask: torch.Tensor, vals: torch.Tensor,
-                    pos: torch.Tensor) -> int:
+                    pos: torch.Tensor, block: int = 0, warps: int = 0, look: int = 0) -> int:
     """Compare ``a`` (new words) with ``b`` (last), write the bit mask into ``mask`` (uint8, its
     whole length), the changed words compacted into ``vals`` and their positions into ``pos``
-    (int32), each as far as it has room; returns how many words changed (the host sync)."""
+    (int32), each as far as it has room; returns how many words changed (the host sync).
+    ``block``, ``warps``, ``look``: other than the tuned ones (a multiple of 64 words; powers of two)."""
     n = a.numel()
-    blocks = triton.cdiv(n, BLOCK)
+    block, warps, look = block or ONE_PASS_BLOCK, warps or ONE_PASS_WARPS, look or ONE_PASS_LOOK
+    blocks = triton.cdiv(n, block)
     state = torch.zeros(blocks + 1, dtype=torch.int64, device=a.device)  # the last: the ticket counter
     _encode[(blocks,)](a, b, mask, vals, pos, state, state[blocks:].view(torch.int32), n, mask.numel(), vals.numel(),
-                       pos.numel(), BLOCK=BLOCK, ROW=ROW, num_warps=WARPS_COUNT)
-    return int((state[blocks - 1] & COUNT_BITS).item()) if blocks else 0
+                       pos.numel(), BLOCK=block, ROW=ROW, LOOK=look, num_warps=warps)
+    return int((state[blocks - 1] & ((1 << _SHIFT) - 1)).item()) if blocks else 0
 
 
 def _starts(counts: torch.Tensor) -> tuple[torch.Tensor, int]:

@@ -11,7 +11,7 @@ from __future__ import annotations
 import pytest
 import torch
 
-from refit.executor.delta import FULL, MASK, decode, encode
+from refit.executor.delta import FULL, decode, encode
 from refit.executor.triton_support import triton_importable
 
 CUDA = torch.cuda.is_available()
@@ -42,4 +42,3 @@ def test_one_pass_encode_equals_the_cpu_path(words: int, word: int, fraction: fl
     cur = last_d.clone()
     decode(out[:got[1]], got[0], got[2], word, cur)
     assert torch.equal(cur.cpu(), new)
-    assert want[0] == MASK or fraction < 0.01
