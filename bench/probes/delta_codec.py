@@ -69,44 +69,13 @@ def row(name: str, new: torch.Tensor, last: torch.Tensor, device: torch.device, 
         dec_s = timed(lambda: decode(out[:nbytes], mode, changed, 2, cur), device, iters)
     else:
         dec_s = copy_s  # a FULL bucket lands as a full refit's does
-    two_s = timed(lambda: two_pass(new, last, out), device, iters) if device.type == "cuda" else None
     keep = torch.empty_like(new)
     keep_s = timed(lambda: keep.copy_(new), device, iters)
     n = new.numel()
     return {"step": name, "changed_fraction": changed / (n // 2), "mode": MODES[mode],
             "payload_vs_full": nbytes / n, "encode_ms": enc_s * 1e3, "decode_ms": dec_s * 1e3,
             "keep_ms": keep_s * 1e3, "encode_gbps": n / enc_s / 1e9, "decode_gbps": n / dec_s / 1e9,
-            "encode_vs_copy": enc_s / copy_s, "encode_two_pass_ms": two_s * 1e3 if two_s else None}
-
-
-def tune(new: torch.Tensor, last: torch.Tensor, device: torch.device, iters: int) -> None:
-    """Median milliseconds of `delta_kernels.encode_one_pass` per (block, warps, look)."""
-    from refit.executor import delta_kernels as dk
-
-    a, b = new.view(torch.int16), last.view(torch.int16)
-    mask = torch.empty(-(-a.numel() // 64) * 8, dtype=torch.uint8, device=device)
-    vals, pos = torch.empty_like(a), torch.empty(a.numel() // 32 + 8, dtype=torch.int32, device=device)
-    copy = torch.empty_like(new)
-    print(f"copy {timed(lambda: copy.copy_(new), device, iters) * 1e3:.3f} ms")
-    for block, warps, look in [(2048, 4, 32), (4096, 4, 32), (4096, 8, 32), (8192, 8, 32), (8192, 8, 64),
-                               (16384, 8, 32), (16384, 16, 32), (32768, 16, 32)]:
-        ms = timed(lambda: dk.encode_one_pass(a, b, mask, vals, pos, block, warps, look), device, iters) * 1e3
-        print(f"block {block:>6} warps {warps:>3} look {look:>3}: {ms:.3f} ms")
-
-
-def two_pass(new: torch.Tensor, last: torch.Tensor, out: torch.Tensor) -> None:
-    """The MASK payload as the encode before its one pass wrote it (count, host sync, gather):
-    the baseline `encode_two_pass_ms` measures."""
-    from refit.executor import delta_kernels as dk
-    from refit.executor.delta import mask_bytes
-
-    a, b = new.view(torch.int16), last.view(torch.int16)
-    scratch = torch.empty(-(-a.numel() // dk.BLOCK) * (dk.BLOCK // 8), dtype=torch.uint8, device=new.device)
-    mask, starts, changed = dk.count_changed(a, b, scratch)
-    start = mask_bytes(a.numel())
-    out[:start].copy_(mask[:start])
-    if changed and start + changed * 2 <= out.numel():
-        dk.gather(a, mask, starts, out[start:start + changed * 2].view(torch.int16), None)
+            "encode_vs_copy": enc_s / copy_s}
 
 
 def main() -> None:
@@ -117,15 +86,10 @@ def main() -> None:
     p.add_argument("--iters", type=int, default=9)
     p.add_argument("--cpu", action="store_true")
     p.add_argument("--json", action="store_true")
-    p.add_argument("--tune", action="store_true", help="time the one-pass encode's block sizes, warps and look-back "
-                   "windows on an Adam-like LR 1e-6 bucket instead (CUDA)")
     a = p.parse_args()
     device = torch.device("cpu" if a.cpu or not torch.cuda.is_available() else "cuda")
     words = int(a.mib * 2**20) // 2
     g = torch.Generator(device=device).manual_seed(0)
-    if a.tune:
-        tune(*adam_step(words, 1e-6, device, g), device, a.iters)
-        return
     src = torch.empty(words * 2, dtype=torch.uint8, device=device)
     dst = torch.empty_like(src)
     copy_s = timed(lambda: dst.copy_(src), device, a.iters)
@@ -139,12 +103,10 @@ def main() -> None:
         return
     print(f"{name}: bucket {words * 2 / 2**20:.0f} MiB bfloat16; device copy {copy_s * 1e3:.3f} ms "
           f"({report['copy_gbps_read_plus_write']:.0f} GB/s read+write)")
-    print(f"{'step':<16} {'changed':>8} {'mode':>6} {'payload':>8} {'encode ms':>10} {'x copy':>7} {'2-pass ms':>10} "
-          f"{'decode ms':>10} {'keep ms':>8}")
+    print(f"{'step':<16} {'changed':>8} {'mode':>6} {'payload':>8} {'encode ms':>10} {'x copy':>7} {'decode ms':>10} {'keep ms':>8}")
     for r in rows:
-        two = f"{r['encode_two_pass_ms']:>10.3f}" if r["encode_two_pass_ms"] else f"{'-':>10}"
         print(f"{r['step']:<16} {r['changed_fraction']:>8.4f} {r['mode']:>6} {r['payload_vs_full']:>8.4f} "
-              f"{r['encode_ms']:>10.3f} {r['encode_vs_copy']:>7.2f} {two} {r['decode_ms']:>10.3f} {r['keep_ms']:>8.3f}")
+              f"{r['encode_ms']:>10.3f} {r['encode_vs_copy']:>7.2f} {r['decode_ms']:>10.3f} {r['keep_ms']:>8.3f}")
 
 
 if __name__ == "__main__":

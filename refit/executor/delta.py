@@ -182,28 +182,22 @@ def encode_with_kernels(new: torch.Tensor, last: torch.Tensor, word: int, out: t
 
     a, b = new.view(_WORD[word]), last.view(_WORD[word])
     words = a.numel()
-    nmask = mask_bytes(words)
-    # One pass writes a MASK payload in place: the mask, then the values (room for as many as a
-    # MASK payload no bigger than the bucket holds); positions go to a scratch with room for as
-    # many as an INDEX payload smaller than a MASK one holds.
-    room = max(0, (out.numel() - nmask) // word)
-    vals = out[nmask:nmask + room * word].view(_WORD[word])
-    pos = torch.empty(nmask // 4 + 8, dtype=torch.int32, device=new.device)
-    changed = dk.encode_one_pass(a, b, out[:nmask], vals, pos)
+    scratch = torch.empty(-(-words // dk.BLOCK) * (dk.BLOCK // 8), dtype=torch.uint8, device=new.device)
+    mask, starts, changed = dk.count_changed(a, b, scratch)
     mode = choose(words, changed, word)
     if mode == FULL:
         return FULL, new.numel(), changed
-    if mode == INDEX:  # few words: positions, then the values gathered again (the mask's room may not hold them)
-        if changed > pos.numel():
-            raise AssertionError(f"delta: {changed} positions for an INDEX payload, room for {pos.numel()}")
+    if mode == INDEX:
         start = _positions(changed)
-        where = pos[:changed]
-        values = torch.index_select(a, 0, where.long())
-        out[:changed * 4].view(torch.int32).copy_(where)
+        pos = out[:changed * 4].view(torch.int32)
         out[changed * 4:start].zero_()
-        out[start:start + changed * word].view(_WORD[word]).copy_(values)
-        return mode, start + changed * word, changed
-    return mode, nmask + changed * word, changed
+    else:
+        start = mask_bytes(words)
+        out[:start].copy_(mask[:start])
+        pos = None
+    if changed:
+        dk.gather(a, mask, starts, out[start:start + changed * word].view(_WORD[word]), pos)
+    return mode, start + changed * word, changed
 
 
 def decode(payload: torch.Tensor, mode: int, changed: int, word: int, current: torch.Tensor) -> None:

@@ -1,11 +1,7 @@
 """Triton kernels of the delta codec (`refit.executor.delta`) on CUDA: the same payloads as its
 torch path, in fewer passes over memory.
 
-Encode is one pass (`encode_one_pass`): each block of words is compared once, writes its bytes
-of the bit mask, learns where its changed words go from the blocks before it (a decoupled
-look-back: each block publishes its count, then the running total once it knows it) and writes
-them there; the one host sync reads the total.  The earlier encode, two kernels around a host
-sync, is kept below (`count_changed`, `gather`) as the measured baseline.  It ran thus:  ``_count`` reads the new and the last bytes of a
+Encode is two kernels around one host sync.  ``_count`` reads the new and the last bytes of a
 bucket once, block by block, writes each block's bit mask (a bit per word, the MASK payload's
 own layout) to a scratch and its count of changed words; an exclusive scan of the counts (torch,
 one small tensor) gives each block where its values go, and its total sizes the message.  Then
@@ -90,77 +86,6 @@ def _scatter(cur_ptr, mask_ptr, starts_ptr, vals_ptr, n, nmask, BLOCK: tl.conste
     at = _slots(starts_ptr, pid, d)
     changed = d != 0
     tl.store(cur_ptr + offs, tl.load(vals_ptr + at, mask=changed, other=0), mask=changed)
-
-
-# A block's state in the one-pass encode's look-back: its flag above FLAG_SHIFT (1: its own count
-# is below; 2: the count of it and every block before it is), one 64-bit word so that a reader
-# sees a flag and its count together.
-_SHIFT = 40
-FLAG_SHIFT, COUNT_BITS = tl.constexpr(_SHIFT), tl.constexpr((1 << _SHIFT) - 1)  # kernels read constexpr globals only
-TOTAL_OF_NOTHING = tl.constexpr(2 << _SHIFT)
-# The one-pass encode's words per block, warps and look-back window (bench/probes/delta_codec.py --tune)
-ONE_PASS_BLOCK, ONE_PASS_WARPS, ONE_PASS_LOOK = 8192, 8, 32
-
-
-@triton.jit
-def _encode(new_ptr, last_ptr, mask_ptr, vals_ptr, pos_ptr, state_ptr, ticket_ptr, n, nmask, cap_vals, cap_pos,
-            BLOCK: tl.constexpr, ROW: tl.constexpr, LOOK: tl.constexpr):
-    """One pass of an encode: each block compares its words, writes its bytes of the bit mask,
-    finds where its changed words go by a decoupled look-back over the blocks before it, and
-    writes them there compacted (and their positions, for an INDEX payload)."""
-    # blocks are numbered in the order they start, so every block a block waits for is running
-    bid = tl.atomic_add(ticket_ptr, 1)
-    r = tl.arange(0, BLOCK // ROW)[:, None]
-    j = tl.arange(0, ROW)[None, :]
-    offs = bid.to(tl.int64) * BLOCK + r * ROW + j
-    inside = offs < n
-    a = tl.load(new_ptr + offs, mask=inside, other=0)
-    b = tl.load(last_ptr + offs, mask=inside, other=0)
-    d = ((a != b) & inside).to(tl.int32)
-    bits = tl.reshape(d, (BLOCK // 8, 8)) << tl.arange(0, 8)[None, :]
-    at_mask = bid.to(tl.int64) * (BLOCK // 8) + tl.arange(0, BLOCK // 8)
-    tl.store(mask_ptr + at_mask, tl.sum(bits, axis=1).to(tl.uint8), mask=at_mask < nmask)
-    rows = tl.sum(d, axis=1)
-    count = tl.sum(rows, axis=0).to(tl.int64)
-    first = (bid == 0).to(tl.int64)
-    tl.atomic_xchg(state_ptr + bid, ((1 + first) << FLAG_SHIFT) | count)
-    # The look-back reads LOOK blocks' states at a time (those before block 0 read as a total of
-    # 0): up to the nearest total, once every count between is published; else the whole window
-    # and on back; else it reads them again.
-    prefix = count * 0
-    k = bid - 1
-    looking = bid > 0
-    w = tl.arange(0, LOOK)
-    while looking:
-        idx = k - w
-        s = tl.load(state_ptr + idx, mask=idx >= 0, other=TOTAL_OF_NOTHING, volatile=True)
-        flag = s >> FLAG_SHIFT
-        nearest = tl.min(tl.where(flag == 2, w, LOOK), axis=0)
-        ready = tl.sum(((flag == 0) & (w <= nearest)).to(tl.int32), axis=0) == 0
-        prefix += tl.where(ready, tl.sum(tl.where(w <= nearest, s & COUNT_BITS, 0), axis=0), 0)
-        looking = (ready == 0) | (nearest == LOOK)
-        k -= tl.where(ready & (nearest == LOOK), LOOK, 0)
-    if bid > 0:
-        tl.atomic_xchg(state_ptr + bid, ((count * 0 + 2) << FLAG_SHIFT) | (prefix + count))
-    at = prefix + (tl.cumsum(rows, axis=0) - rows)[:, None] + tl.cumsum(d, axis=1) - d
-    changed = d != 0
-    tl.store(vals_ptr + at, a, mask=changed & (at < cap_vals))
-    tl.store(pos_ptr + at, offs.to(tl.int32), mask=changed & (at < cap_pos))
-
-
-def encode_one_pass(a: torch.Tensor, b: torch.Tensor, mask: torch.Tensor, vals: torch.Tensor,
-                    pos: torch.Tensor, block: int = 0, warps: int = 0, look: int = 0) -> int:
-    """Compare ``a`` (new words) with ``b`` (last), write the bit mask into ``mask`` (uint8, its
-    whole length), the changed words compacted into ``vals`` and their positions into ``pos``
-    (int32), each as far as it has room; returns how many words changed (the host sync).
-    ``block``, ``warps``, ``look``: other than the tuned ones (a multiple of 64 words; powers of two)."""
-    n = a.numel()
-    block, warps, look = block or ONE_PASS_BLOCK, warps or ONE_PASS_WARPS, look or ONE_PASS_LOOK
-    blocks = triton.cdiv(n, block)
-    state = torch.zeros(blocks + 1, dtype=torch.int64, device=a.device)  # the last: the ticket counter
-    _encode[(blocks,)](a, b, mask, vals, pos, state, state[blocks:].view(torch.int32), n, mask.numel(), vals.numel(),
-                       pos.numel(), BLOCK=block, ROW=ROW, LOOK=look, num_warps=warps)
-    return int((state[blocks - 1] & ((1 << _SHIFT) - 1)).item()) if blocks else 0
 
 
 def _starts(counts: torch.Tensor) -> tuple[torch.Tensor, int]:
