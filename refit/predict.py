@@ -35,7 +35,8 @@ What it leaves out: contention between NVLink and the NICs (PCIe, the GPU's memo
 the host's CPU time but for the fixed term (control plane, Python, launching thousands of small
 copies: a model with tens of thousands of small tensors copies slower than ``same_gpu_gbs``);
 the NCCL rate's dependence on bucket size (calibrated at 1 GiB buckets); quantizing or casting on
-the trainers; switches and checksums.  The NIC rates of the presets are not measured here: they
+the trainers (but a same-GPU bucket's float8 weights, quantized on landing, count as the bytes that
+reads and writes); switches and checksums.  The NIC rates of the presets are not measured here: they
 are the NICs' line rate times an assumed efficiency (`NIC_EFFICIENCY`).
 """
 
@@ -45,8 +46,10 @@ import dataclasses
 from dataclasses import dataclass
 from typing import Any, Literal
 
+from refit.dtypes import DTYPE_BYTES
 from refit.errors import InvalidInput
-from refit.plan import Plan
+from refit.plan import Bucket, Plan
+from refit.quantization import is_quantized
 
 Transport = Literal["ipc", "nccl"]
 TRANSPORTS: tuple[str, ...] = ("ipc", "nccl")
@@ -183,7 +186,7 @@ def gpu_bytes(plan: Plan, gpus_per_host: int, stage: int = 1) -> list[GpuBytes]:
             continue
         sg, dg = src_gpus[b.sender], dst_gpus[b.receiver]
         if sg == dg:
-            acc[sg][0] += b.nbytes
+            acc[sg][0] += b.nbytes + _landing_extra(plan, b)
         elif sg // gpus_per_host == dg // gpus_per_host:
             acc[dg][1] += b.nbytes
             acc[sg][2] += b.nbytes
@@ -191,6 +194,18 @@ def gpu_bytes(plan: Plan, gpus_per_host: int, stage: int = 1) -> list[GpuBytes]:
             acc[dg][3] += b.nbytes
             acc[sg][4] += b.nbytes
     return [GpuBytes(g, *a) for g, a in enumerate(acc)]
+
+
+def _landing_extra(plan: Plan, b: Bucket) -> int:
+    """A same-GPU bucket of a quantized plan: its float8 weights are quantized on landing
+    (`refit.executor.fused_quantize`), reading q bytes an element of the dtype quantized from and
+    writing 1 where a copy reads and writes 1 — as a copy of (q + 1) / 2 bytes an element: this
+    many bytes more than the bucket's."""
+    if not plan.quantization or b.stage != 1:
+        return 0
+    extra = (DTYPE_BYTES[plan.quantization[1]] - 1) / 2
+    values = sum(t.numel for t in plan.transfers[b.first:b.first + b.count] if is_quantized(t.tensor))
+    return int(values * extra)
 
 
 @dataclass(frozen=True)

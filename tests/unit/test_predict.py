@@ -229,3 +229,22 @@ def test_cli_unknown_hardware_exits_2(capsys):
               "--hardware", "b200"])
     assert e.value.code == 2
     assert "h200-nvl8" in capsys.readouterr().err
+
+
+def test_same_gpu_float8_weights_count_as_quantized_on_landing():
+    """A colocated FP8 plan: the engine's driver reads each quantized weight's bfloat16 (2 bytes
+    an element) and writes its float8 (1): a same-GPU copy of 1.5 bytes an element, the rest of
+    the bucket as it is; across GPUs the wire's bytes alone."""
+    from refit.quantization import is_quantized
+    from refit.spec import quantize_spec
+
+    spec = quantize_spec(tiny_spec("tiny-qwen3-moe-fp8"), "fp8")
+    plan = make_plan(spec, "megatron:tp2", "vllm:tp2", "colocated", bucket_bytes=4096).plan
+    assert plan.quantization == ("fp8", "bfloat16")
+    by_gpu = gpu_bytes(plan, 8)
+    for g in by_gpu:
+        same = [b for b in plan.buckets if plan.placement.src_gpus[b.sender] == plan.placement.dst_gpus[b.receiver] == g.gpu]
+        values = sum(t.numel for b in same for t in plan.transfers[b.first:b.first + b.count] if is_quantized(t.tensor))
+        assert values and g.same_gpu == sum(b.nbytes for b in same) + values // 2
+        assert g.peer_in == sum(b.nbytes for b in plan.buckets if plan.placement.dst_gpus[b.receiver] == g.gpu) - \
+            sum(b.nbytes for b in same)
