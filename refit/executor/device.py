@@ -34,10 +34,19 @@ from refit import settings
 from refit.executor.copies import CopyBatch
 
 
+class Batch(Protocol):
+    """What `Device.copy` and `Device.beside` issue: a `CopyBatch`, or the quantizing on landing
+    of a stage (`refit.executor.fused_quantize.QuantizeBatch`)."""
+
+    def run_memcpys(self, stream: int, device_index: int | None = None) -> None: ...
+
+    def run(self) -> None: ...
+
+
 class Device(Protocol):
     torch: torch.device
 
-    def copy(self, batch: CopyBatch, part: str = "all") -> None:
+    def copy(self, batch: Batch, part: str = "all") -> None:
         """Issue ``batch`` on the copy stream: ``all`` of it, or only its one-launch part
         (``launch``: the table kernel or copy-engine memcpys) or only the ``rest`` (the copies torch
         issues one by one), so that other work can be issued between the two."""
@@ -45,7 +54,7 @@ class Device(Protocol):
     def pull(self, batch: CopyBatch) -> None:
         """Issue a batch that reads another device's memory (ipc transport)."""
 
-    def beside(self, batch: CopyBatch, part: str = "all") -> None:
+    def beside(self, batch: Batch, part: str = "all") -> None:
         """Issue same-device copies (or a ``part`` of them, as in `copy`) that nothing else in
         the stage waits for, on a stream of their own beside the copy stream (the pack / wire /
         unpack pipeline, or the table kernel of the same batch), joined by `join` and `finish`."""
@@ -68,14 +77,14 @@ class CpuDevice:
     def __init__(self) -> None:
         self.torch = torch.device("cpu")
 
-    def copy(self, batch: CopyBatch, part: str = "all") -> None:
+    def copy(self, batch: Batch, part: str = "all") -> None:
         if part != "launch":  # on CPU everything is torch's part
             batch.run()
 
     def pull(self, batch: CopyBatch) -> None:
         batch.run()
 
-    def beside(self, batch: CopyBatch, part: str = "all") -> None:
+    def beside(self, batch: Batch, part: str = "all") -> None:
         self.copy(batch, part)
 
     def join(self) -> None:
@@ -111,13 +120,13 @@ class CudaDevice:
             [] if settings.current().trace else None
         self._t0: torch.cuda.Event | None = None
 
-    def copy(self, batch: CopyBatch, part: str = "all") -> None:
+    def copy(self, batch: Batch, part: str = "all") -> None:
         self._run_on(self.copy_stream, batch, "copy", part)
 
-    def beside(self, batch: CopyBatch, part: str = "all") -> None:
+    def beside(self, batch: Batch, part: str = "all") -> None:
         self._run_on(self.local_stream, batch, "local", part)
 
-    def _run_on(self, stream: torch.cuda.Stream, batch: CopyBatch, kind: str, part: str = "all") -> None:
+    def _run_on(self, stream: torch.cuda.Stream, batch: Batch, kind: str, part: str = "all") -> None:
         if part not in ("all", "launch", "rest"):
             raise ValueError(f"part must be all, launch or rest, not {part!r}")
         start = self._mark(stream)
