@@ -40,15 +40,14 @@ import torch
 import torch.distributed as dist
 
 from refit.control.dataplane import BaseDataPlane, RunContext, Tensors
-from refit.errors import InvalidInput
+from refit.control.trainer_wire import TrainerWire
+from refit.errors import InvalidInput, RefitFailed
 from refit.executor.checksum import share_checksums
 from refit.executor.delta import DeltaStats
 from refit.executor.member import Member, Rebuild
 from refit.executor.seating import locate
 from refit.executor.topology import Endpoint, endpoint_name, endpoints
-from refit.executor.quantize_grouped import quantize_many
 from refit.layouts import Layout, QuantizedLayout, resolve_layout
-from refit.quantization import quant_format
 from refit.plan import Plan
 from refit.sides import Side
 from refit.spec import ModelSpec
@@ -98,18 +97,9 @@ class ExecutorDataPlane(BaseDataPlane):
         self._members: dict[str, Held] = {}  # by plan_id
         # plan hash -> (the spec this seat runs it with, src, dst), resolved by `prepare`
         self._resolved: dict[str, tuple[ModelSpec, Layout, Layout]] = {}
-        self._casts: dict[str, dict[str, str]] = {}  # plan hash -> {local tensor: wire dtype} of a trainer that casts
-        self._wire: dict[str, dict[str, torch.Tensor]] = {}  # plan hash -> buffers of the tensors cast on the way
-        # plan hash -> ((format, dtype quantized from), {weight local: (its scale local, shape)}) of a
-        # trainer that quantizes on the way (`refit.quantization`)
-        self._quantize: dict[str, tuple[tuple[str, str], dict[str, tuple[str, tuple[int, ...]]]]] = {}
+        self.wire = TrainerWire()  # a trainer's tensors cast and quantized for the wire, per plan
         # plan hash -> the tensors its last `run` moved (a trainer's as the wire carries them), for `checksums`
         self._moved: dict[str, Tensors] = {}
-        # plan hash -> a quantizing trainer's weights as quantized from, by local name: what drivers
-        # quantize on landing (`refit.executor.fused_quantize`); and the weights they do, which
-        # need no quantizing into the wire (`Member.fused_sources`), as the last build said
-        self._unquantized: dict[str, dict[str, torch.Tensor]] = {}
-        self._landed: dict[str, set[str]] = {}
         self.last_delta: DeltaStats | None = None  # what the last refit sent over wires (`Member.last_delta`)
         self.delta_fallback = ""  # why the last delta refit went in full here, if it did
         # plan hash -> checksums an engine took phase by phase in its last verified `run` (its
@@ -149,28 +139,27 @@ class ExecutorDataPlane(BaseDataPlane):
             scales = mine.scale_locals(spec, seat.rank) if isinstance(mine, QuantizedLayout) else {}
             shapes = {lt.name: lt.shape for lt in wire}
             # a weight the plan quantizes is cast first to the dtype it is quantized from (float32
-            # masters rounded to bfloat16, as writing a checkpoint would): `_cast`, then `_quantize_into`
+            # masters rounded to bfloat16, as writing a checkpoint would): `TrainerWire.cast`
             want = {lt.name: plan.quantization[1] if lt.name in scales else lt.dtype for lt in wire if lt.name in held}
-            self._casts[plan.plan_hash] = {name: dtype for name, dtype in want.items() if held[name] != dtype}
-            if scales:
-                self._quantize[plan.plan_hash] = (plan.quantization, {w: (s, shapes[s]) for w, s in scales.items()})
+            self.wire.add(plan.plan_hash, {name: dtype for name, dtype in want.items() if held[name] != dtype},
+                          (plan.quantization, {w: (s, shapes[s]) for w, s in scales.items()}) if scales else None)
 
     def run(self, plan: Plan, tensors: Tensors, ctx: RunContext) -> tuple[int, float]:
         if plan.plan_hash not in self._resolved:
             self.prepare(plan)
-        cast = plan.plan_hash in self._casts or plan.plan_hash in self._quantize
-        skipped = self._landed.get(plan.plan_hash, set())
-        if cast:
-            tensors = self._cast(plan.plan_hash, tensors, skipped)  # before the start barrier: trainer-side work
-        self._moved[plan.plan_hash] = tensors
         held = self._members.get(ctx.plan_id)
-        if held is None or held.prefix != ctx.rendezvous.prefix:
+        building = held is None or held.prefix != ctx.rendezvous.prefix
+        # weights the drivers quantize on landing, as the member this refit runs was built to know;
+        # a new build learns them anew: until then, every weight goes into the wire
+        skipped = set() if building else self.wire.landed.get(plan.plan_hash, set())
+        if self.wire.changes(plan.plan_hash):
+            tensors = self.wire.cast(plan.plan_hash, tensors, skipped)  # before the start barrier: trainer-side work
+        self._moved[plan.plan_hash] = tensors
+        if building:
             if held is not None:  # an older generation: its peers have moved on
                 held.close()
             self._members.pop(ctx.plan_id, None)
             held = self._build(plan, tensors, ctx, 0)
-            if skipped - self._landed.get(plan.plan_hash, set()):  # this build's drivers read them from the wire
-                tensors = self._cast(plan.plan_hash, tensors, self._landed[plan.plan_hash])
         moved = tensors is not held.tensors and self._where(plan.plan_hash, tensors) != held.where
         self.delta_fallback = ""
         on_phase = self._on_phase(plan, tensors, ctx)
@@ -186,8 +175,13 @@ class ExecutorDataPlane(BaseDataPlane):
             held.close()
             del self._members[ctx.plan_id]
             held = self._build(plan, tensors, ctx, held.rebuilds + 1)
-            if skipped - self._landed.get(plan.plan_hash, set()):
-                tensors = self._cast(plan.plan_hash, tensors, self._landed[plan.plan_hash])
+            if skipped - self.wire.landed.get(plan.plan_hash, set()):
+                # built on wire buffers that hold nothing (placeholders) for weights its drivers now
+                # read from the wire: fail this refit; the next one builds on whole buffers
+                held.close()
+                del self._members[ctx.plan_id]
+                raise RefitFailed(f"{rendezvous_name(ctx)}: the weights quantized on landing changed between two "
+                                  f"builds of plan {ctx.plan_id}; the next refit builds it again")
             seconds = held.member.refit(ctx.remaining, self.refit_hook, on_phase=on_phase, delta=ctx.delta,
                                         base=False)  # built again: nothing kept to start from
         # what was sent includes what the executor derived (a trainer's FP8 blocks cut across ranks)
@@ -199,7 +193,7 @@ class ExecutorDataPlane(BaseDataPlane):
     def _where(self, plan_hash: str, tensors: Tensors) -> Where:
         """Where ``tensors`` lie, and the weights a quantizing trainer's were quantized from (a
         driver may read those: quantizing on landing)."""
-        return where(tensors) + where(self._unquantized.get(plan_hash, {}))
+        return where(tensors) + where(self.wire.unquantized.get(plan_hash, {}))
 
     def _on_phase(self, plan: Plan, tensors: Tensors, ctx: RunContext) -> Callable[[int], None] | None:
         """What runs as each phase landed: the engine's phase hook, after (verify) the checksums
@@ -224,8 +218,8 @@ class ExecutorDataPlane(BaseDataPlane):
         tensors it received into (phase by phase where a phase hook re-uses its staging).  With
         ``tensors``: of those as they are now (a trainer's cast and quantized first), nothing moved."""
         if tensors is not None:
-            if self.seat.side is Side.TRAINER and (plan.plan_hash in self._casts or plan.plan_hash in self._quantize):
-                tensors = self._cast(plan.plan_hash, tensors)
+            if self.seat.side is Side.TRAINER and self.wire.changes(plan.plan_hash):
+                tensors = self.wire.cast(plan.plan_hash, tensors, buffers={})  # the refits' buffers stay as built
                 spec, src, _ = self._run_view(plan)
                 if getattr(src, "derived_tensors", None) and src.derived_tensors(spec, self._rank(plan)):
                     raise InvalidInput(f"{self.seat.side.value} rank {self._rank(plan)} cuts FP8 blocks whose scales "
@@ -237,10 +231,7 @@ class ExecutorDataPlane(BaseDataPlane):
         moved = self._moved.get(plan.plan_hash)
         if moved is None:
             raise InvalidInput(f"plan {plan.plan_hash} has not run on this seat: no checksums to give")
-        if self._landed.get(plan.plan_hash):  # quantized on landing: the wire buffers must say what landed
-            self._quantize_into(plan.plan_hash, dict(moved), self._wire[plan.plan_hash],
-                                only=self._landed[plan.plan_hash])
-        return self._sums(plan, moved)
+        return self._sums(plan, self.wire.as_sent(plan.plan_hash, moved))
 
     def _sums(self, plan: Plan, tensors: Tensors, phase: int | None = None) -> dict[int, int]:
         if plan.plan_hash not in self._resolved:
@@ -259,8 +250,9 @@ class ExecutorDataPlane(BaseDataPlane):
                 base.close()
         try:
             member = self._setup(store, plan, tensors, ctx)
-            if self.seat.side is Side.TRAINER and plan.plan_hash in self._quantize:
-                self._landed[plan.plan_hash] = member.fused_sources((Side.TRAINER, self._rank(plan)), ctx.remaining)
+            if self.seat.side is Side.TRAINER and self.wire.quantizes(plan.plan_hash):
+                self.wire.landed[plan.plan_hash] = member.fused_sources((Side.TRAINER, self._rank(plan)),
+                                                                        ctx.remaining)
         except BaseException:
             close_store(store)
             raise
@@ -287,7 +279,8 @@ class ExecutorDataPlane(BaseDataPlane):
         mine = src if seat.side is Side.TRAINER else dst
         local = {lt.name: tensors[lt.name] for lt in mine.local_tensors(spec, rank)}
         # a colocated driver may quantize this trainer's weights on landing: it reads them as held
-        unquantized = {me: self._unquantized[plan.plan_hash]} if cuda and plan.plan_hash in self._unquantized else None
+        unquantized = {me: self.wire.unquantized[plan.plan_hash]} if cuda and plan.plan_hash in self.wire.unquantized \
+            else None
         member = Member(store, topo, rdv.rank, device, {me: local}, spec, src, dst, names, ctx.remaining,
                         ipc=ipc, host=seat.host, unquantized=unquantized)
         try:
@@ -295,54 +288,6 @@ class ExecutorDataPlane(BaseDataPlane):
         except BaseException:  # nobody else holds it: its groups and peers' maps go now, not never
             member.close()
             raise
-
-    def _cast(self, plan_hash: str, tensors: Tensors, landed: set[str] = frozenset()) -> Tensors:  # type: ignore[assignment]
-        """The trainer's tensors as the wire carries them: each one the plan casts copied into a
-        buffer of the engines' dtype (kept for the plan's life, so that the member built on it
-        stays valid; a weight the plan quantizes: of the dtype it is quantized from), then each
-        one it quantizes in buffers of its values and scales (`_quantize_into`); the rest as they
-        are.  ``landed``: weights the drivers quantize on landing, left out of the wire's.
-        Rounding, and why here: `refit.casts`.  One
-        ``_foreach_copy_`` for all: a loop of ``copy_`` over a MoE shard's thousands of expert
-        tensors ran at a third of the GPU's bandwidth (bench/probes/cast_copy.py: 32 ms against 12)."""
-        buffers = self._wire.setdefault(plan_hash, {})
-        out = dict(tensors)
-        sources, targets = [], []
-        for name, dtype in self._casts.get(plan_hash, {}).items():
-            t = tensors[name]
-            sources.append(t)
-            targets.append(_buffer(buffers, f"{name}@{dtype}", t.shape, dtype, t.device))
-            out[name] = targets[-1]
-        if targets:
-            with torch.no_grad():
-                torch._foreach_copy_(targets, sources)
-        if plan_hash in self._quantize:
-            self._quantize_into(plan_hash, out, buffers, skip=landed)
-        return out
-
-    def _quantize_into(self, plan_hash: str, out: dict[str, torch.Tensor], buffers: dict[str, torch.Tensor],
-                       skip: set[str] = frozenset(), only: set[str] | None = None) -> None:  # type: ignore[assignment]
-        """Quantize each weight the plan quantizes (in ``out``: already cast to the dtype it is
-        quantized from) into wire buffers of its values and its scales, which replace it in
-        ``out`` (`refit.executor.quantize`: bit for bit what vLLM's quantization of the same
-        tensor gives) — but those of ``skip``, or only those of ``only``.  What they were
-        quantized from is kept for the drivers that quantize on landing (`_unquantized`)."""
-        (fmt_name, _), scales = self._quantize[plan_hash]
-        fmt = quant_format(fmt_name)
-        held = self._unquantized.setdefault(plan_hash, {})
-        xs, outs, scale_outs = [], [], []
-        for name, (scale_name, scale_shape) in scales.items():
-            t = held[name] if only is not None else out[name]
-            held[name] = t
-            value = _buffer(buffers, name, t.shape, fmt.value_dtype, t.device)
-            scale = _buffer(buffers, scale_name, scale_shape, fmt.scale_dtype, t.device)
-            out[name], out[scale_name] = value, scale
-            if name not in skip and (only is None or name in only):
-                xs.append(t)
-                outs.append(value)
-                scale_outs.append(scale)
-        with torch.no_grad():  # few launches for thousands of expert tensors (cached while the tensors stay)
-            quantize_many(fmt_name, xs, outs, scale_outs)
 
     def _rank(self, plan: Plan) -> int:
         """The rank this seat plays in ``plan`` (`prepare`)."""
@@ -356,19 +301,8 @@ class ExecutorDataPlane(BaseDataPlane):
         for held in self._members.values():
             held.close()
         self._members.clear()
-        self._wire.clear()
+        self.wire.clear()
         self._moved.clear()
-
-
-def _buffer(buffers: dict[str, torch.Tensor], key: str, shape: tuple[int, ...] | torch.Size, dtype: str,
-            device: torch.device) -> torch.Tensor:
-    """The wire buffer ``key`` of a plan, made anew only when the trainer's tensor changed shape or
-    device (kept for the plan's life: the member built on it stays valid, and the quantizer's
-    launch plan, cached per set of tensors, too)."""
-    buf = buffers.get(key)
-    if buf is None or buf.shape != shape or buf.device != device:
-        buf = buffers[key] = torch.empty(shape, dtype=getattr(torch, dtype), device=device)
-    return buf
 
 
 def close_store(store: dist.Store) -> None:
