@@ -160,7 +160,7 @@ KNOBS: tuple[Knob, ...] = (
 # neither knobs nor misspellings of one.
 TEST_VARIABLES = frozenset({"REFIT_VLLM_FULL", "REFIT_VLLM_DP_MOE", "REFIT_ALLOW_MISSING_DEPS", "REFIT_OLD_GRPC_PYTHON",
                             "REFIT_OLD_GRPC_EXTRA_PATH", "REFIT_MLA_RESULT", "REFIT_CAPTURE_DONE",
-                            "REFIT_VLLM_CAPTURE_DIR"})
+                            "REFIT_VLLM_CAPTURE_DIR", "REFIT_VLLM_GPU_ENGINES"})
 
 RUN_KNOBS: Mapping[str, Knob] = {k.field: k for k in KNOBS if k.scope == "run"}  # by field name
 
