@@ -67,12 +67,14 @@ class _Fuser:
         self.spec, self.dst, self.fmt = spec, dst, fmt
         self.sources = {ep: set(names) for ep, names in sources.items()}
         self.fused: Fused = defaultdict(set)
-        self._scales: dict[Endpoint, dict[str, str]] = {}
+        self._scales: dict[Endpoint, dict[str, str]] = {}  # an engine rank's values local -> its scales local
+        self._scale_set: dict[Endpoint, set[str]] = {}
         self._locals: dict[Endpoint, dict[str, LocalTensor]] = {}
 
     def _scale_locals(self, ep: Endpoint) -> dict[str, str]:
         if ep not in self._scales:
             self._scales[ep] = self.dst.scale_locals(self.spec, ep[1])
+            self._scale_set[ep] = set(self._scales[ep].values())
             self._locals[ep] = {lt.name: lt for lt in self.dst.local_tensors(self.spec, ep[1])}
         return self._scales[ep]
 
@@ -87,7 +89,7 @@ class _Fuser:
             scale_of = self._scale_locals(m.dst_ep)
             if m.dst.local in scale_of:
                 values[(m.dst_ep, m.dst.local)].append(m)
-            elif m.dst.local in self._scale_names(m.dst_ep):
+            elif m.dst.local in self._scale_set[m.dst_ep]:
                 scales[(m.dst_ep, m.dst.local)].append(m)
             else:
                 kept.append(m)
@@ -107,9 +109,6 @@ class _Fuser:
             return st
         order = {m: i for i, m in enumerate(st.moves)}
         return replace(st, moves=tuple(sorted(kept, key=order.__getitem__)), quantizes=tuple(quantizes))
-
-    def _scale_names(self, ep: Endpoint) -> set[str]:
-        return set(self._scales[ep].values())
 
     def _quantize_move(self, m: Move, scale_name: str) -> QuantizeMove | None:
         """``m`` (float8 values into the engine) as a quantization of the trainer's unquantized
