@@ -2,7 +2,7 @@
 # The measurements of bench/RESULTS.md "All or none, and verified refits" (one GPU): the
 # checksum's GPU tests and speed, then refit-bench --via grpc tp1 -> tp1 (two agent processes on
 # one GPU, CUDA IPC) plain, --atomic and --verify, in one run so the three compare.
-# Usage: gpu_run_fleet.sh checksum|8b ...   Writes JSON and logs under ${OUT:-bench/out}.
+# Usage: gpu_run_fleet.sh checksum|8b|30b-tp2 ...  (30b-tp2: two GPUs; not run yet on 2026-11-29)   Writes JSON and logs under ${OUT:-bench/out}.
 set -u
 source "$(dirname "$0")/gpu_env.sh"
 run() {  # name, time limit, then refit-bench arguments
@@ -18,5 +18,10 @@ for what in "$@"; do case "$what" in
   8b) for opt in "" --atomic --verify; do
         run "grpc-q8-tp1-tp1${opt:+-${opt#--}}" 240 --model qwen3-8b --src tp1 --dst tp1 --iters 10 --via grpc $opt
       done ;;
-  *) echo "usage: $0 checksum|8b"; exit 2 ;;
+  30b-tp2)  # two GPUs, a wire between them: what --verify adds where the wire is the bottleneck
+      for opt in "" --verify; do
+        run "grpc-q30-tp2ep2-tp2-nccl${opt:+-${opt#--}}" 300 --model qwen3-30b-moe --src megatron:tp2ep2 --dst vllm:tp2 \
+          --transport nccl --iters 10 --via grpc $opt
+      done ;;
+  *) echo "usage: $0 checksum|8b|30b-tp2"; exit 2 ;;
 esac; done

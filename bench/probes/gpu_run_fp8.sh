@@ -2,7 +2,7 @@
 # The FP8 measurements of bench/RESULTS.md ("Quantizing on the wire", one GPU): the quantizer's
 # GPU tests and bandwidth, then refit-bench tp1 -> tp1 with and without --dst-dtype fp8, and fp8 with
 # quantizing on landing turned off (REFIT_QUANTIZE_ON_LANDING=0: the trainer quantizes into wire shards).
-# Usage: gpu_run_fp8.sh kernel|8b|30b ...   Writes JSON and logs under ${OUT:-bench/out}.
+# Usage: gpu_run_fp8.sh kernel|8b|30b|30b-tp2 ...  (30b-tp2: two GPUs; not run yet on 2026-11-29)   Writes JSON and logs under ${OUT:-bench/out}.
 set -u
 export NCCL_NVLS_ENABLE=0 PYTHONUNBUFFERED=1 REFIT_ALLOW_MISSING_DEPS=1
 export PYTHONPATH="$(cd "$(dirname "$0")/../.." && pwd)${PYTHONPATH:+:$PYTHONPATH}"
@@ -27,5 +27,10 @@ for what in "$@"; do case "$what" in
   30b) run q30-tp1-tp1-bf16 300 --model qwen3-30b-moe --src tp1 --dst tp1 --iters 10
        run q30-tp1-tp1-fp8 300 --model qwen3-30b-moe --src tp1 --dst tp1 --iters 10 --dst-dtype fp8
        REFIT_QUANTIZE_ON_LANDING=0 run q30-tp1-tp1-fp8-wire 300 --model qwen3-30b-moe --src tp1 --dst tp1 --iters 10 --dst-dtype fp8 ;;
-  *) echo "usage: $0 kernel|suite|8b|30b"; exit 2 ;;
+  30b-tp2)  # two GPUs: each trainer rank beside an engine rank; the other rank's bytes over CUDA IPC or NCCL
+       for t in ipc nccl; do
+         run q30-tp2ep2-tp2-bf16-$t 300 --model qwen3-30b-moe --src megatron:tp2ep2 --dst vllm:tp2 --transport $t --iters 10
+         run q30-tp2ep2-tp2-fp8-$t 300 --model qwen3-30b-moe --src megatron:tp2ep2 --dst vllm:tp2 --transport $t --iters 10 --dst-dtype fp8
+       done ;;
+  *) echo "usage: $0 kernel|suite|8b|30b|30b-tp2"; exit 2 ;;
 esac; done
