@@ -170,7 +170,8 @@ class ExecutorDataPlane(BaseDataPlane):
         except Rebuild:  # some member's tensors moved: every member builds again, in this refit
             if ctx.delta:
                 self.delta_fallback = ("a member's tensors moved since the plan's members were built (an atomic "
-                                       "refit's first staging, an offload): built again within the refit")
+                                       "refit's first staging, an offload, a trainer's FP8 wire buffers let go for "
+                                       "weights quantized on landing): built again within the refit")
             log.info("%s: rebuilding for plan %s: a member's tensors moved", rendezvous_name(ctx), ctx.plan_id)
             held.close()
             del self._members[ctx.plan_id]
@@ -250,16 +251,20 @@ class ExecutorDataPlane(BaseDataPlane):
                 base.close()
         try:
             member = self._setup(store, plan, tensors, ctx)
-            if self.seat.side is Side.TRAINER and self.wire.quantizes(plan.plan_hash):
-                self.wire.landed[plan.plan_hash] = member.fused_sources((Side.TRAINER, self._rank(plan)),
-                                                                        ctx.remaining)
         except BaseException:
             close_store(store)
             raise
         side, rank = self.seat.side, self._rank(plan)
+        if side is Side.TRAINER and self.wire.quantizes(plan.plan_hash):
+            try:  # what this build's drivers quantize on landing: the next refits leave it out of the wire
+                self.wire.landed[plan.plan_hash] = member.fused_sources((side, rank), ctx.remaining)
+            except BaseException:
+                member.close()
+                close_store(store)
+                raise
         nbytes = sum(b.nbytes for b in plan.buckets if b.stage == 1 and side.rank_in(b) == rank)
-        held = self._members[ctx.plan_id] = Held(ctx.rendezvous.prefix, store, member, nbytes, tensors, self._where(plan.plan_hash, tensors),
-                                                 rebuilds)
+        held = self._members[ctx.plan_id] = Held(ctx.rendezvous.prefix, store, member, nbytes, tensors,
+                                                 self._where(plan.plan_hash, tensors), rebuilds)
         return held
 
     def _setup(self, store: dist.Store, plan: Plan, tensors: Tensors, ctx: RunContext) -> Member:
