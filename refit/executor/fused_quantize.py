@@ -183,9 +183,7 @@ def _tiles(regions: Sequence[Block], moves: Sequence[Move]) -> bool:
 
 class QuantizeBatch:
     """A stage's quantize moves over real tensors: one `quantize_many` per refit.  Speaks the
-    part of `refit.executor.copies.CopyBatch` that `refit.executor.device` issues."""
-
-    table = False
+    part of `refit.executor.copies.CopyBatch` that `refit.executor.device` issues (`Batch`)."""
 
     def __init__(self, moves: Sequence[QuantizeMove], tensors: Mapping[Endpoint, Mapping[str, torch.Tensor]]) -> None:
         self.fmt = moves[0].fmt

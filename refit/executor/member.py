@@ -44,9 +44,9 @@ from refit.executor.bound import Bound, Remaining, bind_all, run_refit
 from refit.executor.delta import DeltaCache, DeltaRun, DeltaStats, full_stats
 from refit.executor.device import Device, enable_peer_access, make_device
 from refit.executor.member_barriers import MemberBarriers
-from refit.executor.member_quantized import MemberQuantized, Own
+from refit.executor.member_quantized import MemberQuantized
 from refit.executor.schedule import compile_program
-from refit.executor.shards import Shards, allocate, check_own, remove_file, views
+from refit.executor.shards import Own, Shards, allocate, check_own, remove_file, views
 from refit.executor.shm_barrier import ShmBarrier
 from refit.executor.topology import Endpoint, Topology, endpoint_key, endpoint_name
 from refit.executor.transports import (Comm, PeerError, export_arena, export_tensors, first_line, gloo_group,

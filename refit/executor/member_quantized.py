@@ -34,7 +34,7 @@ from refit.executor.device import Device
 from refit.executor.fused_quantize import (UNQUANTIZED_PREFIX, fuse_program, read_elsewhere, unquantized_views,
                                            wire_reads)
 from refit.executor.schedule import Program
-from refit.executor.shards import Shards, check_own, views
+from refit.executor.shards import Own, Shards, check_own, views
 from refit.executor.shared_blocks import SharedQuantizer, allocate_derived, share
 from refit.executor.topology import Endpoint, Topology, endpoint_key, endpoint_name
 from refit.executor.transports import import_share
@@ -46,8 +46,6 @@ from refit.sides import Side
 from refit.spec import ModelSpec, base_spec
 
 log = logging.getLogger("refit.executor")
-
-Own = Shards | Mapping[str, torch.Tensor]  # an endpoint's tensors: an arena (bench) or separate tensors
 
 
 class MemberQuantized:
@@ -168,13 +166,16 @@ class MemberQuantized:
         if blocks:
             log.info("%s: %d blocks of %d trainer tensors quantized on landing", self.name, blocks,
                      sum(len(names) for names in fused.values()))
-        for program in out:
-            for ep, names in wire_reads(program).items():
-                fused.get(ep, set()).difference_update(names)
+        if blocks:  # a weight this driver's copies or wires still read stays on the wire
+            for program in out:
+                for ep, names in wire_reads(program).items():
+                    fused.get(ep, set()).difference_update(names)
         for dev in self.topo.driven_devices(self.member):
             for ep in self.topo.endpoints_on(dev):
                 if ep[0] is Side.TRAINER:
-                    skip = set() if self.ipc and read_elsewhere(plan, self.topo, ep) else fused.get(ep, set())
+                    skip = fused.get(ep, set())
+                    if skip and self.ipc and read_elsewhere(plan, self.topo, ep):
+                        skip = set()
                     self.store.set(f"fused/{plan.plan_hash}/{endpoint_key(ep)}", json.dumps(sorted(skip)))
         return out
 

@@ -12,7 +12,7 @@ from __future__ import annotations
 import math
 import os
 from dataclasses import dataclass, field
-from typing import Mapping, Sequence
+from typing import Mapping, Sequence, Union
 
 import torch
 
@@ -75,6 +75,9 @@ class Shards:
         if self.arena.numel():
             return [self.arena]
         return [t.view(-1).view(torch.uint8) for t in self.tensors.values() if t.numel()]
+
+
+Own = Union[Shards, Mapping[str, torch.Tensor]]  # an endpoint's tensors: an arena (bench) or separate tensors
 
 
 def allocate(tensors: Sequence[LocalTensor], device: torch.device, shm_path: str | None = None,

@@ -9,7 +9,7 @@ import torch
 
 from refit.executor.bound import bind, run_refit
 from refit.executor.device import CpuDevice
-from refit.executor.fused_quantize import QuantizeBatch, fuse_program, unquantized_views, wire_reads
+from refit.executor.fused_quantize import fuse_program, unquantized_views, wire_reads
 from refit.executor.quantize_grouped import quantize_many
 from refit.executor.schedule import compile_program
 from refit.executor.topology import Topology
@@ -97,8 +97,3 @@ def test_a_trainer_tensor_still_read_from_the_wire_is_not_skipped() -> None:
     took, reads = took[(Side.TRAINER, 0)], wire_reads(fused)[(Side.TRAINER, 0)]
     assert "model.layers.0.self_attn.o_proj.weight" in took & reads
     assert "model.layers.0.mlp.gate_proj.weight" in took - reads
-
-
-def test_a_quantize_batch_speaks_the_copy_batch_interface() -> None:
-    landed, quantizes, _ = _run("tp1", "tp1", 1 << 20, fused=True)
-    assert quantizes and QuantizeBatch.table is False
